@@ -1,0 +1,236 @@
+"""Backend resolution, CPU thread layout, oneCCL environment, process group up and down.
+
+``auto`` = nccl on CUDA, ccl on CPU when ``oneccl_bindings_for_pytorch`` imports, else gloo.
+An explicit backend that is missing fails, unless ``dist.allow_backend_fallback`` is true:
+then gloo runs with a warning. The choice and its reason are recorded in the run
+(``ddplab.backend``, ``ddplab.backend_requested``, ``ddplab.backend_reason``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .config import DistConfig
+from .launch import LaunchEnv
+
+
+T = TypeVar("T")
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run here."""
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str
+    requested: str
+    reason: str
+    fell_back: bool = False
+
+
+def import_ccl() -> tuple[ModuleType | None, str]:
+    """Import the oneCCL bindings (registers backend "ccl"); never raises.
+
+    The bindings refuse a torch of another version in many ways (ImportError, OSError for
+    an ABI mismatch, AttributeError), so anything that goes wrong means "not available".
+    """
+    try:
+        return importlib.import_module("oneccl_bindings_for_pytorch"), "imported"
+    except Exception as e:  # noqa: BLE001 - see docstring
+        return None, f"oneccl_bindings_for_pytorch does not import ({type(e).__name__}: {e})"
+
+
+def available(device_type: str) -> dict[str, tuple[bool, str]]:
+    """Each backend -> (usable here, why). ccl is imported as a side effect when present."""
+    ccl, ccl_why = import_ccl()
+    cuda = device_type == "cuda"
+    return {
+        "gloo": (dist.is_gloo_available(), "built into torch"),
+        "nccl": (cuda and dist.is_nccl_available(),
+                 "needs a CUDA device and torch built with NCCL" if not cuda
+                 else ("built into torch" if dist.is_nccl_available() else "torch lacks NCCL")),
+        "ccl": (ccl is not None, ccl_why if ccl is None else f"bindings {_version(ccl)}"),
+        "mpi": (dist.is_mpi_available(), "torch built with MPI" if dist.is_mpi_available()
+                else "this torch build has no MPI backend (build torch from source with MPI)"),
+    }
+
+
+def _version(module: ModuleType) -> str:
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def resolve(requested: str, device_type: str, allow_fallback: bool,
+            table: Mapping[str, tuple[bool, str]] | None = None) -> BackendChoice:
+    table = table if table is not None else available(device_type)
+    if requested == "auto":
+        if device_type == "cuda" and table["nccl"][0]:
+            return BackendChoice("nccl", "auto", "auto: CUDA device, NCCL available")
+        if device_type == "cpu" and table["ccl"][0]:
+            return BackendChoice("ccl", "auto", "auto: CPU, oneCCL bindings import")
+        why = table["ccl"][1] if device_type == "cpu" else table["nccl"][1]
+        return BackendChoice("gloo", "auto", f"auto: gloo, because {why}")
+    ok, why = table[requested]
+    if requested == "nccl" and device_type != "cuda":
+        ok, why = False, "nccl needs dist.device cuda"
+    if ok:
+        return BackendChoice(requested, requested, f"requested; {why}")
+    if allow_fallback:
+        return BackendChoice("gloo", requested, f"fallback to gloo: {requested} unavailable ({why})",
+                             fell_back=True)
+    hint = (" Install the bindings (README, 'Backends') or set dist.allow_backend_fallback=true"
+            if requested == "ccl" else " Set dist.allow_backend_fallback=true to use gloo instead")
+    raise BackendError(f"dist.backend: {requested!r} is not available: {why}.{hint}")
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise BackendError("dist.device: 'cuda' requested but torch sees no CUDA device")
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise BackendError(f"local rank {local_rank} has no GPU: only {n} visible")
+    return torch.device("cuda", local_rank)
+
+
+# ---- CPU threads and cores: oversubscription ruins CPU DDP ----
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def ccl_worker_count(env: Mapping[str, str]) -> int:
+    try:
+        return max(0, int(env.get("CCL_WORKER_COUNT", "1")))
+    except ValueError:
+        return 1
+
+
+def threads_per_rank(cfg: DistConfig, local_world: int, n_cores: int, backend: str,
+                     env: Mapping[str, str]) -> int:
+    """auto: the cores of this node split between local ranks, minus oneCCL's worker threads."""
+    if cfg.threads_per_rank != "auto":
+        return int(cfg.threads_per_rank)
+    share = max(1, n_cores // local_world)
+    if backend == "ccl":
+        # oneCCL's worker thread needs a core of its own, or it fights the compute threads.
+        share = max(1, share - ccl_worker_count(env))
+    return share
+
+
+def core_block(cores: list[int], local_rank: int, local_world: int) -> list[int]:
+    """This local rank's own contiguous block of cores (all cores when there are too few)."""
+    size = len(cores) // local_world
+    if size < 1:
+        return cores
+    return cores[local_rank * size:(local_rank + 1) * size]
+
+
+def apply_cpu_layout(cfg: DistConfig, le: LaunchEnv, backend: str) -> tuple[int, list[int]]:
+    cores = usable_cores()
+    threads = threads_per_rank(cfg, le.local_world_size, len(cores), backend, os.environ)
+    pinned: list[int] = []
+    if cfg.pin_cores:
+        pinned = core_block(cores, le.local_rank, le.local_world_size)
+        os.sched_setaffinity(0, pinned)
+    torch.set_num_threads(threads)
+    # Loader workers and libraries started later read these.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return threads, pinned
+
+
+# ---- oneCCL environment ----
+
+def ccl_env_defaults(le: LaunchEnv, pkg_dir: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """The oneCCL variables ddplab sets when the user has not (reference.md, oneCCL)."""
+    out = {
+        # Also under Open MPI, which the bindings may mistake for an Intel MPI launch.
+        "CCL_ATL_TRANSPORT": "ofi",
+        "CCL_WORKER_COUNT": "1",
+        "CCL_ATL_SHM": "1",
+        # ddplab starts the ranks; oneCCL must not look for an MPI/PMI launcher of its own.
+        "CCL_PROCESS_LAUNCHER": "none",
+        "CCL_LOCAL_RANK": str(le.local_rank),
+        "CCL_LOCAL_SIZE": str(le.local_world_size),
+    }
+    if le.nnodes > 1:
+        out["FI_PROVIDER"] = "tcp"
+    if pkg_dir:
+        # Without the package's own libfabric the first collective fails with "could not
+        # initialize any transport library" unless setvars.sh was sourced.
+        lib = Path(pkg_dir, "opt", "mpi", "libfabric", "lib")
+        if (lib / "libfabric.so").exists():
+            out["FI_PROVIDER_PATH"] = str(lib / "prov")
+            out["CCL_OFI_LIBRARY_PATH"] = str(lib / "libfabric.so")
+    return {k: v for k, v in out.items() if k not in env}
+
+
+def apply_ccl_env(le: LaunchEnv, env: MutableMapping[str, str]) -> dict[str, str]:
+    ccl, _ = import_ccl()
+    pkg_dir = getattr(ccl, "cwd", None) if ccl is not None else None
+    defaults = ccl_env_defaults(le, pkg_dir, env)
+    env.update(defaults)
+    return defaults
+
+
+# ---- the process group ----
+
+def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.device,
+                       timeout_s: int) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if choice.name == "mpi":
+        dist.init_process_group("mpi", timeout=timeout)  # MPI knows rank and size itself
+        return
+    if le.launcher == "none":
+        # A single process needs no rendezvous: an in-memory store avoids picking a port.
+        dist.init_process_group(choice.name, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
+    # env:// reuses torchrun's agent store when there is one; other launchers get the same
+    # variables from LaunchEnv so every launcher takes the one path.
+    for key, value in (("MASTER_ADDR", le.master_addr), ("MASTER_PORT", str(le.master_port)),
+                       ("RANK", str(le.rank)), ("WORLD_SIZE", str(le.world_size)),
+                       ("LOCAL_RANK", str(le.local_rank))):
+        os.environ.setdefault(key, value)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(choice.name, init_method="env://", rank=le.rank,
+                            world_size=le.world_size, timeout=timeout, **kwargs)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Rank0Error(RuntimeError):
+    """Raised on the other ranks when a rank-0-only step failed there."""
+
+
+def share_from_rank0(produce: Callable[[], T], is_rank0: bool, world_size: int) -> T:
+    """Collective: run ``produce`` on global rank 0 only and give its (picklable) result to
+    every rank. A failure on rank 0 reaches every rank, so none waits in the next collective."""
+    message: list[Any] = [None, None]
+    error: Exception | None = None
+    if is_rank0:
+        try:
+            message = [produce(), None]
+        except Exception as e:  # noqa: BLE001 - sent to the other ranks, then re-raised
+            error, message = e, [None, f"{type(e).__name__}: {e}"]
+    if world_size > 1:
+        dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[1]:
+        raise Rank0Error(f"rank 0 failed: {message[1]}")
+    return message[0]

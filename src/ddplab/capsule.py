@@ -1,0 +1,102 @@
+"""The reproducibility capsule: versions, build config, launcher variables, hardware.
+
+Logged as ``environment.json`` in every run; ``ddplab doctor`` prints the same facts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV_PREFIXES = ("CCL_", "NCCL_", "GLOO_", "OMP_", "KMP_", "MASTER_", "FI_", "I_MPI_", "PET_",
+                "TORCHELASTIC_", "OMPI_COMM_WORLD_", "SLURM_", "PMI_", "MLFLOW_TRACKING_URI",
+                "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "DDPLAB_")
+DISTRIBUTIONS = {"torch": "torch", "torchvision": "torchvision", "mlflow": "mlflow",
+                 "ipex": "intel-extension-for-pytorch", "oneccl_bindings": "oneccl-bind-pt",
+                 "psutil": "psutil", "pyyaml": "PyYAML", "ddplab": "ddplab"}
+
+
+def versions() -> dict[str, str]:
+    """Installed versions by distribution metadata: no import, so a broken IPEX cannot crash it."""
+    out = {"python": platform.python_version()}
+    for key, dist in DISTRIBUTIONS.items():
+        try:
+            out[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[key] = "absent"
+    return out
+
+
+def launcher_env(env: os._Environ | dict[str, str] = os.environ) -> dict[str, str]:
+    return {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_sha() -> str:
+    """$DDPLAB_GIT_SHA (set in the images), else the working tree's HEAD, else 'unknown'."""
+    if os.environ.get("DDPLAB_GIT_SHA"):
+        return os.environ["DDPLAB_GIT_SHA"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=False)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def container_image() -> str:
+    """The image this process runs in ($DDPLAB_IMAGE from our Dockerfiles), or ''."""
+    image = os.environ.get("DDPLAB_IMAGE", "")
+    if image:
+        return image
+    return "unknown-container" if Path("/.dockerenv").exists() else ""
+
+
+def hardware() -> dict[str, Any]:
+    import psutil
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    return {
+        "cpu_model": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpus": gpus,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+    }
+
+
+def build(extra: dict[str, Any]) -> dict[str, Any]:
+    """Everything needed to tell two runs' environments apart; ``extra`` adds job facts."""
+    return {
+        "versions": versions(),
+        "torch_config": torch.__config__.show(),
+        "torch_parallel_info": torch.__config__.parallel_info(),
+        "env": launcher_env(),
+        "hardware": hardware(),
+        "git_sha": git_sha(),
+        "image": container_image(),
+        **extra,
+    }

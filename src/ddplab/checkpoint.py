@@ -1,0 +1,146 @@
+"""Atomic checkpoints written by global rank 0; newest-valid resume.
+
+Layout: ``<checkpoint.dir>/<experiment name>/<run id>/step-00000120.pt``. A checkpoint is
+written to a temporary file, fsynced, then renamed, so a crash leaves either the old set or
+the new file, never half of one. ``resume: auto`` takes the newest checkpoint that loads and
+has every field; a partial or corrupt one is skipped with a warning. When that newest one is
+the final checkpoint of a finished job, a new job starts instead (and gets a new run).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from .backend import share_from_rank0
+from .loop import TrainState
+from .models import unwrap
+
+REQUIRED = ("model", "optimizer", "scheduler", "scaler", "step", "epoch", "samples_in_epoch",
+            "world_size", "rng", "config", "run_id", "final")
+
+
+def capture(state: TrainState, world_size: int, config: dict[str, Any], run_id: str,
+            final: bool) -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if state.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(state.device)
+    return {
+        "model": unwrap(state.model).state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
+        "scaler": state.scaler.state_dict(),
+        "step": state.step,
+        "epoch": state.epoch,
+        "samples_in_epoch": state.samples_in_epoch,
+        "world_size": world_size,
+        "rng": rng,
+        "config": config,
+        "run_id": run_id,
+        "final": final,
+    }
+
+
+def restore(state: TrainState, payload: dict[str, Any], world_size: int) -> None:
+    unwrap(state.model).load_state_dict(payload["model"])
+    state.optimizer.load_state_dict(payload["optimizer"])
+    state.scheduler.load_state_dict(payload["scheduler"])
+    state.scaler.load_state_dict(payload["scaler"])
+    state.step, state.epoch = payload["step"], payload["epoch"]
+    state.samples_in_epoch = payload["samples_in_epoch"]
+    if payload["world_size"] != world_size and state.samples_in_epoch:
+        # Shards depend on the world size: the saved position means nothing in the new layout.
+        warnings.warn(f"checkpoint was written with world size {payload['world_size']}, this job "
+                      f"has {world_size}: epoch {state.epoch} restarts from its beginning",
+                      stacklevel=2)
+        state.samples_in_epoch = 0
+    torch.set_rng_state(payload["rng"]["torch"])
+    random.setstate(payload["rng"]["python"])
+    if "cuda" in payload["rng"] and state.device.type == "cuda":
+        torch.cuda.set_rng_state(payload["rng"]["cuda"], state.device)
+
+
+def write_atomic(payload: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def read(path: Path) -> dict[str, Any]:
+    """Load and check one checkpoint; raises ValueError when it is partial or corrupt."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is "corrupt"
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    missing = [k for k in REQUIRED if not isinstance(payload, dict) or k not in payload]
+    if missing:
+        raise ValueError(f"{path}: missing fields {missing}")
+    return payload
+
+
+class Checkpointer:
+    """Writes on global rank 0 only; a no-op on every other rank."""
+
+    def __init__(self, root: Path, keep: int, active: bool) -> None:
+        self.root, self.keep, self.active = root, keep, active
+        self.last: Path | None = None
+
+    def save(self, payload: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        run_dir = self.root / (payload["run_id"] or "untracked")
+        path = run_dir / f"step-{payload['step']:08d}.pt"
+        write_atomic(payload, path)
+        self.last = path
+        for old in sorted(run_dir.glob("step-*.pt"))[:-self.keep]:
+            old.unlink(missing_ok=True)
+
+
+def newest_valid(root: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint under ``root`` (all runs) that loads; corrupt ones are skipped."""
+    candidates = sorted(root.glob("*/step-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in candidates:
+        try:
+            return path, read(path)
+        except ValueError as e:
+            warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
+    return None
+
+
+def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
+    """What ``checkpoint.resume`` asks for, or None for a fresh start."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint.resume: {path} does not exist")
+        return path, read(path)
+    found = newest_valid(root)
+    if found is None or found[1]["final"]:
+        return None  # nothing to resume, or the newest job finished: start a new one
+    return found
+
+
+def broadcast_resume(resume: str, root: Path, is_rank0: bool,
+                     world_size: int) -> tuple[str, dict[str, Any] | None]:
+    """Collective: rank 0 finds the checkpoint and sends it to every rank, so nodes need no
+    shared file system. Returns (path or "", payload or None)."""
+    def find() -> tuple[str, dict[str, Any] | None]:
+        found = find_resume(resume, root)
+        return (str(found[0]), found[1]) if found else ("", None)
+
+    return share_from_rank0(find, is_rank0, world_size)

@@ -1,0 +1,88 @@
+"""Command line: argv -> the right command. Imports nothing heavy until a command runs.
+
+    ddplab train EXPERIMENT.yaml [--set key.sub=value ...]
+    ddplab doctor [EXPERIMENT.yaml] [--set ...]
+    ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from . import __version__
+
+EXIT_ERROR, EXIT_USAGE = 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddplab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"ddplab {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    overrides = {"action": "append", "default": [], "metavar": "KEY=VALUE",
+                 "help": "override a config value, e.g. --set train.epochs=3 (repeatable)"}
+    t = sub.add_parser("train", help="run an experiment under any launcher (or none)")
+    t.add_argument("experiment", help="experiment YAML file, e.g. experiments/quickstart.yaml")
+    t.add_argument("--set", dest="overrides", **overrides)
+    d = sub.add_parser("doctor", help="preflight checks; exits non-zero on problems")
+    d.add_argument("experiment", nargs="?", help="check against this experiment's settings")
+    d.add_argument("--set", dest="overrides", **overrides)
+    c = sub.add_parser("config", help="print the fully resolved experiment config")
+    c.add_argument("experiment")
+    c.add_argument("--set", dest="overrides", **overrides)
+    return p
+
+
+def _rank_prefix() -> str:
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if name in os.environ and os.environ.get("WORLD_SIZE", "2") != "1":
+            return f"[rank {os.environ[name]}] "
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .config import ConfigError
+
+    try:
+        if args.command == "config":
+            from .config import load
+
+            print(load(args.experiment, args.overrides).to_yaml(), end="")
+            return 0
+        if args.command == "doctor":
+            from .doctor import doctor
+
+            return doctor(args.experiment, args.overrides)
+        return _train(args.experiment, args.overrides)
+    except ConfigError as e:
+        print(f"ddplab: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{_rank_prefix()}ddplab: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(experiment: str, overrides: list[str]) -> int:
+    from .backend import BackendError, Rank0Error
+    from .data import DataError
+    from .launch import LaunchError
+    from .run import Terminated, train
+    from .tracking import TrackingError
+
+    expected = (LaunchError, BackendError, DataError, TrackingError, Rank0Error, Terminated,
+                FileNotFoundError, ValueError)
+    warnings.filterwarnings("default")
+    from .config import ConfigError
+
+    try:
+        train(experiment, overrides)
+        return 0
+    except ConfigError:
+        raise
+    except expected as e:
+        # Known failures get one line, not a traceback (the run, if any, records the traceback).
+        print(f"{_rank_prefix()}ddplab: error: {e}", file=sys.stderr)
+        return EXIT_ERROR

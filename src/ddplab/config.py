@@ -1,0 +1,381 @@
+"""Typed experiment schema: load a YAML file, apply ``--set`` overrides, validate.
+
+One precedence rule: field defaults < experiment file < ``--set key.sub=value`` overrides.
+Every error names where the bad value came from (the file or ``--set``), the dotted key,
+the value and what is allowed. Imports nothing heavy: ``ddplab --help`` and config errors
+must be instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+# Names the model registry (models.py) must provide; a unit test keeps the two in step.
+MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i in range(8))
+
+
+class ConfigError(ValueError):
+    """A bad experiment: names the source, the key, the value and what is allowed."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}: got {value!r}; {allowed}")
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["synthetic", "cifar10"] = "synthetic"
+    """Which dataset: a generated, learnable image set, or CIFAR-10 from ``root``."""
+    root: str = "data"
+    """Where CIFAR-10 lives (torchvision's ``cifar-10-batches-py`` folder goes inside)."""
+    download: bool = False
+    """Let torchvision download CIFAR-10 into ``root`` (local rank 0 only, then a barrier)."""
+    train_samples: int = 8192
+    """Synthetic: training-set size."""
+    eval_samples: int = 2048
+    """Synthetic: evaluation-set size."""
+    image_size: int = 32
+    """Synthetic: height and width in pixels (CIFAR-10 is always 32)."""
+    channels: int = 3
+    """Synthetic: image channels (CIFAR-10 is always 3)."""
+    num_classes: int = 10
+    """Synthetic: number of classes (CIFAR-10 is always 10)."""
+    noise: float = 1.5
+    """Synthetic: noise standard deviation around each class's prototype; higher is harder."""
+    batch_size: int = 32
+    """Samples per rank per micro-step. Global batch = batch_size x world x grad_accum_steps."""
+    eval_batch_size: int = 256
+    """Samples per rank per evaluation step."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (each uses /dev/shm; see ``ddplab doctor``)."""
+    pin_memory: bool = False
+    """Page-locked host memory for faster host-to-GPU copies (CUDA only)."""
+    persistent_workers: bool = False
+    """Keep loader workers alive between epochs (needs num_workers > 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_samples", "eval_samples", "image_size", "channels", "batch_size",
+                     "eval_batch_size"):
+            if getattr(self, name) < 1:
+                _fail(name, getattr(self, name), "must be >= 1")
+        if self.num_classes < 2:
+            _fail("num_classes", self.num_classes, "must be >= 2")
+        if self.num_workers < 0:
+            _fail("num_workers", self.num_workers, "must be >= 0")
+        if self.noise < 0:
+            _fail("noise", self.noise, "must be >= 0")
+        if self.persistent_workers and self.num_workers == 0:
+            _fail("persistent_workers", True, "needs data.num_workers > 0")
+        if self.dataset == "synthetic" and self.image_size < 4:
+            _fail("image_size", self.image_size, "must be >= 4 (the CNN pools twice)")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "cnn"
+    """Model from the registry: cnn (the book's CIFAR CNN), resnet18/50, efficientnet_b0..b7."""
+    channels_last: bool = False
+    """Use the channels_last memory format (faster convolutions on recent CPUs and GPUs)."""
+    compile: bool = False
+    """Wrap the DDP model in torch.compile."""
+    ipex: bool = True
+    """On CPU, run ipex.optimize when intel_extension_for_pytorch imports and matches torch."""
+
+    def __post_init__(self) -> None:
+        if self.name not in MODEL_NAMES:
+            _fail("name", self.name, f"choose one of: {', '.join(MODEL_NAMES)}")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    """Optimizer."""
+    lr: float = 0.01
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """L2 penalty (decoupled for adamw)."""
+    momentum: float = 0.9
+    """SGD momentum (ignored by adam/adamw)."""
+    scheduler: Literal["none", "cosine", "step"] = "none"
+    """Learning-rate schedule, stepped once per optimizer step."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the schedule."""
+    step_size: int = 1000
+    """``step`` scheduler: optimizer steps between decays."""
+    gamma: float = 0.1
+    """``step`` scheduler: decay factor."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            _fail("lr", self.lr, "must be > 0")
+        if self.weight_decay < 0:
+            _fail("weight_decay", self.weight_decay, "must be >= 0")
+        if self.warmup_steps < 0:
+            _fail("warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.step_size < 1:
+            _fail("step_size", self.step_size, "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    """Passes over the training set."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0 = no limit)."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step; gradients are all-reduced only on the last (no_sync)."""
+    global_batch_size: int = 0
+    """Optional check: when > 0 it must equal batch_size x world x grad_accum_steps."""
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    """Autocast: bf16 on CPU or CUDA, fp16 on CUDA only (with a gradient scaler)."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    seed: int = 0
+    """One seed for every rank: identical initial weights and one shared sampler order."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True): reproducible to the bit, usually slower."""
+    log_every: int = 10
+    """Optimizer steps between metric points (the loss is averaged over ranks each time)."""
+    eval_every_epochs: int = 1
+    """Evaluate after every N epochs, and always after the last."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "grad_accum_steps", "log_every", "eval_every_epochs"):
+            if getattr(self, name) < 1:
+                _fail(name, getattr(self, name), "must be >= 1")
+        for name in ("max_steps", "global_batch_size", "seed"):
+            if getattr(self, name) < 0:
+                _fail(name, getattr(self, name), "must be >= 0")
+        if self.grad_clip < 0:
+            _fail("grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "gloo", "ccl", "nccl", "mpi"] = "auto"
+    """auto = nccl on CUDA, ccl on CPU when oneccl_bindings_for_pytorch imports, else gloo."""
+    allow_backend_fallback: bool = False
+    """If the requested backend is unavailable, use gloo (CPU) with a warning instead of failing."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when a GPU is visible, else cpu."""
+    threads_per_rank: int | Literal["auto"] = "auto"
+    """CPU threads per rank; auto = usable cores / local ranks (less oneCCL's worker cores)."""
+    pin_cores: bool = False
+    """Pin each local rank to its own block of cores (the book's explicit core lists)."""
+    timeout_s: int = 600
+    """Collective and rendezvous timeout in seconds."""
+
+    def __post_init__(self) -> None:
+        if self.threads_per_rank != "auto" and self.threads_per_rank < 1:
+            _fail("threads_per_rank", self.threads_per_rank, "must be >= 1 or 'auto'")
+        if self.timeout_s < 1:
+            _fail("timeout_s", self.timeout_s, "must be >= 1")
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    """Track the job in MLflow (one run per job)."""
+    uri: str = ""
+    """Tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir."""
+    experiment: str = ""
+    """MLflow experiment name; empty = the experiment's ``name``."""
+    run_name: str = ""
+    """MLflow run name; empty = MLflow picks one."""
+    system_metrics: bool = True
+    """Local rank 0 of every node logs CPU/memory/network (and GPU) metrics into the run."""
+    system_metrics_interval_s: float = 5.0
+    """Seconds between system-metric samples."""
+    async_logging: bool = True
+    """Log metrics asynchronously so tracking never waits on the store."""
+
+    def __post_init__(self) -> None:
+        if self.system_metrics_interval_s <= 0:
+            _fail("system_metrics_interval_s", self.system_metrics_interval_s, "must be > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    """Root folder; each run writes into ``<dir>/<experiment name>/<mlflow run id>/``."""
+    every_steps: int = 0
+    """Save every N optimizer steps (0 = off)."""
+    every_epochs: int = 1
+    """Save after every N epochs (0 = off); a final checkpoint is always written."""
+    keep: int = 3
+    """Newest checkpoints kept per run (older ones are deleted)."""
+    resume: str = "auto"
+    """auto = continue the newest valid unfinished checkpoint; never; or a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "every_epochs"):
+            if getattr(self, name) < 0:
+                _fail(name, getattr(self, name), "must be >= 0")
+        if self.keep < 1:
+            _fail("keep", self.keep, "must be >= 1")
+        if not self.resume:
+            _fail("resume", self.resume, "use 'auto', 'never' or a checkpoint file path")
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    """Experiment name (also the default MLflow experiment)."""
+    description: str = ""
+    """Free text, logged as the run description."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            _fail("name", self.name, "must be a non-empty string")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """``{"data.batch_size": 32, ...}``: the resolved config as MLflow params."""
+        return _flatten(self.to_dict())
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def global_batch(self, world_size: int) -> int:
+        """The batch arithmetic: per-rank batch x world size x accumulation steps."""
+        gb = self.data.batch_size * world_size * self.train.grad_accum_steps
+        if self.train.global_batch_size and self.train.global_batch_size != gb:
+            raise ConfigError(
+                f"train.global_batch_size: got {self.train.global_batch_size}; the layout gives "
+                f"data.batch_size {self.data.batch_size} x world {world_size} x "
+                f"train.grad_accum_steps {self.train.grad_accum_steps} = {gb}"
+            )
+        return gb
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# ---- building dataclasses from plain dicts, with type checks that name the key ----
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                continue
+        _fail(key, value, f"expected {_type_name(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        _fail(key, value, f"expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            _fail(key, value, f"expected a mapping of {tp.__name__} keys")
+        return _build(tp, value, key + ".")
+    # bool is a subclass of int: never let `true` pass as a number, nor 1 as a flag.
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, str):
+        return value
+    _fail(key, value, f"expected {_type_name(tp)}, not {type(value).__name__}")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in raw:
+        if k not in names:
+            raise ConfigError(f"{prefix}{k}: unknown key; allowed keys: {', '.join(names)}")
+    kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in raw.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if prefix and not str(e).startswith(prefix):
+            raise ConfigError(prefix + str(e)) from None
+        raise
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"train.epochs=3"`` -> (["train", "epochs"], 3); the value is read as YAML."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected key.sub=value, e.g. train.epochs=3")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from None
+    return key.strip().split("."), value
+
+
+def _apply(raw: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+    node = raw
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """defaults < file < overrides, validated; errors are ConfigError naming file/--set and key."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"{p}: experiment file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({e})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        raw = loaded or {}
+    overridden = {}
+    for item in overrides:
+        keys, value = parse_override(item)
+        _apply(raw, keys, value, item)
+        overridden[".".join(keys)] = item
+    try:
+        return _build(ExperimentConfig, raw)
+    except ConfigError as e:
+        key = str(e).split(":", 1)[0]
+        origin = next((f"--set {v!r}" for k, v in overridden.items()
+                       if key == k or key.startswith(k + ".")), source)
+        raise ConfigError(f"{origin}: {e}") from None

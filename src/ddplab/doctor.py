@@ -1,0 +1,114 @@
+"""``ddplab doctor``: preflight checks, printed as a report; exit 1 when any would break or
+slow a run, with a one-line reason for each.
+
+    ddplab doctor                                   # this process, default settings
+    ddplab doctor experiments/quickstart.yaml       # against an experiment's settings
+    torchrun --nproc-per-node 2 -m ddplab doctor    # what each rank of a launch sees
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from .config import ExperimentConfig, load
+from .launch import LaunchEnv, LaunchError
+
+SHM_MIN_BYTES = 256 * 2**20
+
+
+def shm_needed(cfg: ExperimentConfig, local_world: int) -> int:
+    """A generous bound on /dev/shm for the loader workers of every rank on this node."""
+    if cfg.data.num_workers == 0:
+        return 0
+    d = cfg.data
+    sample = 4 * (3 if d.dataset == "cifar10" else d.channels) * (
+        32 if d.dataset == "cifar10" else d.image_size) ** 2
+    # Each worker keeps prefetch_factor (2) batches in flight; x4 for collation copies.
+    per_rank = d.num_workers * 2 * d.batch_size * sample * 4
+    return max(SHM_MIN_BYTES, local_world * per_rank)
+
+
+def oversubscription(threads: int, local_world: int, cores: int, ccl_workers: int) -> str | None:
+    used = local_world * (threads + ccl_workers)
+    if used > cores:
+        return (f"threads oversubscribed: {local_world} local rank(s) x ({threads} compute + "
+                f"{ccl_workers} oneCCL worker) threads = {used} > {cores} usable cores; lower "
+                "dist.threads_per_rank or the ranks per node")
+    return None
+
+
+def _layout(env: Mapping[str, str], problems: list[str]) -> LaunchEnv | None:
+    try:
+        le = LaunchEnv.from_environ(env)
+    except LaunchError as e:
+        problems.append(f"launcher: {e}")
+        return None
+    print(f"launcher     {le.launcher}: rank {le.rank}/{le.world_size}, local rank "
+          f"{le.local_rank}/{le.local_world_size}, node {le.node_rank}/{le.nnodes}, master "
+          f"{le.master_addr}:{le.master_port}")
+    return le
+
+
+def doctor(experiment: str | None, overrides: list[str]) -> int:
+    from . import backend, capsule, tracking
+
+    cfg = load(experiment, overrides)
+    problems: list[str] = []
+    v = capsule.versions()
+    print("versions     " + ", ".join(f"{k} {val}" for k, val in v.items()))
+    le = _layout(os.environ, problems) or LaunchEnv.from_environ({})
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and cfg.dist.device != "cpu" else "cpu"
+    table = backend.available(device)
+    for name, (ok, why) in table.items():
+        print(f"backend      {name:5s} {'yes' if ok else 'no '}  {why}")
+    try:
+        choice = backend.resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, table)
+        print(f"backend      -> {choice.name} ({choice.reason})")
+    except backend.BackendError as e:
+        choice = None
+        problems.append(str(e))
+
+    cores = len(backend.usable_cores())
+    ccl = choice is not None and choice.name == "ccl"
+    threads = backend.threads_per_rank(cfg.dist, le.local_world_size, cores,
+                                       choice.name if choice else "gloo", os.environ)
+    workers = backend.ccl_worker_count(os.environ) if ccl else 0
+    print(f"cpu          {capsule.cpu_model()}; {cores} usable cores, {os.cpu_count()} logical; "
+          f"{threads} thread(s) per rank x {le.local_world_size} local rank(s)")
+    over = oversubscription(threads, le.local_world_size, cores, workers)
+    if over:
+        problems.append(over)
+    if ccl and cores // le.local_world_size < 2:
+        print("warning      oneCCL's worker thread needs a core of its own: with fewer than 2 "
+              "cores per rank ccl is slower than gloo here")
+
+    shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0
+    need = shm_needed(cfg, le.local_world_size)
+    print(f"/dev/shm     {shm / 2**20:.0f} MiB (loader workers need about {need / 2**20:.0f} MiB)")
+    if shm < need:
+        problems.append(f"/dev/shm is {shm / 2**20:.0f} MiB but {cfg.data.num_workers} loader "
+                        f"worker(s) x {le.local_world_size} rank(s) need about {need / 2**20:.0f} "
+                        "MiB: raise it (docker --shm-size 2g, compose shm_size) or set "
+                        "data.num_workers=0")
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    print(f"cuda         {len(gpus)} device(s){': ' + ', '.join(gpus) if gpus else ''}")
+
+    if cfg.tracking.enabled:
+        uri = tracking.resolve_uri(cfg.tracking)
+        reason = tracking.check_reachable(uri)
+        print(f"mlflow       {uri}: {'answers' if reason is None else reason}")
+        if reason:
+            problems.append(reason)
+
+    for p in problems:
+        print(f"problem: {p}")
+    print("doctor: ok" if not problems else f"doctor: {len(problems)} problem(s)")
+    return 1 if problems else 0

@@ -1,0 +1,175 @@
+"""Which process am I? One pure function from the environment to the rank layout.
+
+``LaunchEnv.from_environ(os.environ)`` recognises, in this order (the first whose variables
+are present wins, because outer launchers leave theirs behind for inner ones):
+
+- torchrun (``TORCHELASTIC_RUN_ID`` or ``LOCAL_RANK`` with RANK/WORLD_SIZE)
+- Kubeflow PyTorchJob pod started without torchrun (``PET_NNODES``/``PET_NODE_RANK`` + RANK)
+- Open MPI ``mpirun`` (``OMPI_COMM_WORLD_*``)
+- Intel MPI / MPICH hydra (``PMI_RANK``/``PMI_SIZE``)
+- Slurm ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``)
+- none: one process, world size 1.
+
+It reads, never writes: no side effects, so it is tested with tables of real launcher
+environments (tests/test_launch.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_MASTER_PORT = 29500
+
+
+class LaunchError(ValueError):
+    """Incomplete or contradictory launcher variables."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def nnodes(self) -> int:
+        """Nodes in the job, assuming the same number of ranks on each (what every launcher here does)."""
+        return max(1, -(-self.world_size // self.local_world_size))
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_node_leader(self) -> bool:
+        """Local rank 0: the one process per node that does per-node work (system metrics)."""
+        return self.local_rank == 0
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> LaunchEnv:
+        for detect in (_torchrun, _pytorchjob, _openmpi, _pmi, _slurm):
+            found = detect(env)
+            if found is not None:
+                return _check(found)
+        return cls("none", 0, 1, 0, 1, 0, "127.0.0.1", DEFAULT_MASTER_PORT)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    if name not in env:
+        raise LaunchError(f"{name} is not set, but other launcher variables are")
+    try:
+        return int(env[name])
+    except ValueError:
+        raise LaunchError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _master(env: Mapping[str, str], launcher: str, local_world: int, world: int) -> tuple[str, int]:
+    addr = env.get("MASTER_ADDR", "")
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_MASTER_PORT
+    if not addr:
+        if local_world < world:
+            raise LaunchError(
+                f"{launcher}: MASTER_ADDR is not set and the job spans several nodes; pass it "
+                "to every rank (mpirun -x MASTER_ADDR -x MASTER_PORT, or export it)"
+            )
+        addr = "127.0.0.1"  # every rank is on this node
+    return addr, port
+
+
+def _torchrun(env: Mapping[str, str]) -> LaunchEnv | None:
+    if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_RANK" not in env:
+        return None
+    world = _int(env, "WORLD_SIZE")
+    local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+    addr, port = _master(env, "torchrun", local_world, world)
+    return LaunchEnv("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK"), local_world,
+                     _int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0, addr, port)
+
+
+def _pytorchjob(env: Mapping[str, str]) -> LaunchEnv | None:
+    # The operator sets RANK = pod index and WORLD_SIZE = replicas x nprocPerNode; each pod is
+    # one process only when nprocPerNode is 1 (otherwise torchrun must start the ranks).
+    if "PET_NNODES" not in env and "PET_NODE_RANK" not in env:
+        return None
+    nproc = env.get("PET_NPROC_PER_NODE", "1")
+    if nproc not in ("1", "auto", "cpu"):
+        raise LaunchError(
+            f"PyTorchJob pod with PET_NPROC_PER_NODE={nproc}: start ddplab through torchrun "
+            "(`torchrun -m ddplab train ...`) so that each pod runs its local ranks"
+        )
+    world = _int(env, "WORLD_SIZE")
+    addr, port = _master(env, "pytorchjob", 1, world)
+    rank = _int(env, "RANK")
+    return LaunchEnv("pytorchjob", rank, world, 0, 1, rank, addr, port)
+
+
+def _openmpi(env: Mapping[str, str]) -> LaunchEnv | None:
+    if "OMPI_COMM_WORLD_RANK" not in env:
+        return None
+    rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    # OMPI_COMM_WORLD_NODE_RANK is the rank on the node across *all* jobs, not a node index;
+    # mpirun's default by-slot mapping fills nodes in order, so the node is rank // local size.
+    addr, port = _master(env, "openmpi", local_world, world)
+    return LaunchEnv("openmpi", rank, world, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), local_world,
+                     rank // local_world, addr, port)
+
+
+def _pmi(env: Mapping[str, str]) -> LaunchEnv | None:
+    if "PMI_RANK" not in env:
+        return None
+    rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+    local_world = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world
+    local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else rank
+    addr, port = _master(env, "pmi", local_world, world)
+    return LaunchEnv("pmi", rank, world, local_rank, local_world, rank // local_world, addr, port)
+
+
+def _slurm_tasks_on_node(env: Mapping[str, str]) -> int:
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    # SLURM_TASKS_PER_NODE looks like "2(x3),1": expand, then take this node's entry.
+    spec = env.get("SLURM_TASKS_PER_NODE", "")
+    counts: list[int] = []
+    for count, reps in re.findall(r"(\d+)(?:\(x(\d+)\))?", spec):
+        counts += [int(count)] * int(reps or 1)
+    node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    if node < len(counts):
+        return counts[node]
+    return _int(env, "SLURM_NTASKS")  # a single-node step
+
+
+def _slurm(env: Mapping[str, str]) -> LaunchEnv | None:
+    # sbatch alone sets SLURM_JOB_ID but not SLURM_PROCID: only srun-started tasks count.
+    if "SLURM_PROCID" not in env:
+        return None
+    world = _int(env, "SLURM_NTASKS")
+    local_world = _slurm_tasks_on_node(env)
+    addr, port = _master(env, "slurm", local_world, world)
+    node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    return LaunchEnv("slurm", _int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID"),
+                     local_world, node, addr, port)
+
+
+def _check(le: LaunchEnv) -> LaunchEnv:
+    problems = []
+    if le.world_size < 1:
+        problems.append(f"world size {le.world_size} < 1")
+    if not 0 <= le.rank < le.world_size:
+        problems.append(f"rank {le.rank} is outside 0..{le.world_size - 1}")
+    if le.local_world_size < 1 or le.local_world_size > le.world_size:
+        problems.append(f"local world size {le.local_world_size} is outside 1..{le.world_size}")
+    if not 0 <= le.local_rank < le.local_world_size:
+        problems.append(f"local rank {le.local_rank} is outside 0..{le.local_world_size - 1}")
+    if not 0 < le.master_port < 65536:
+        problems.append(f"MASTER_PORT {le.master_port} is not a TCP port")
+    if problems:
+        raise LaunchError(f"{le.launcher} variables are contradictory: " + "; ".join(problems))
+    return le

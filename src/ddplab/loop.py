@@ -1,0 +1,191 @@
+"""Train step, epoch and distributed evaluation. Returns numbers; does no I/O.
+
+The epoch is a generator that yields after every optimizer step, so the caller decides what
+to log or checkpoint, and when. The only communication here is DDP's own gradient all-reduce
+and the metric reductions, which every rank must reach at the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainState:
+    """Everything the loop mutates; checkpoint.py saves and restores it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    device: torch.device
+    amp: str = "none"
+    grad_accum: int = 1
+    grad_clip: float = 0.0
+    channels_last: bool = False
+    step: int = 0
+    """Optimizer steps taken (the MLflow step of every metric)."""
+    epoch: int = 0
+    samples_in_epoch: int = 0
+    """Samples this rank consumed in the current epoch (resume skips them)."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = AMP_DTYPES[self.amp]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        x = x.to(self.device, non_blocking=True, memory_format=fmt)
+        return x, y.to(self.device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    epoch: int
+    samples: int
+    loss_sum: torch.Tensor
+    """Sum of per-sample losses over this step's samples on this rank (not yet synced)."""
+    step_time_s: float
+    data_time_s: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def micro_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, group_size: int,
+               sync_grads: bool) -> torch.Tensor:
+    """Forward and backward of one micro-batch; DDP all-reduces only when ``sync_grads``."""
+    ddp = getattr(state.model, "_orig_mod", state.model)
+    ctx = contextlib.nullcontext() if sync_grads else ddp.no_sync()
+    with ctx:
+        with state.autocast():
+            loss = nn.functional.cross_entropy(state.model(x), y)
+        state.scaler.scale(loss / group_size).backward()
+    return loss.detach() * y.shape[0]
+
+
+def optimizer_step(state: TrainState) -> None:
+    if state.grad_clip > 0:
+        state.scaler.unscale_(state.optimizer)
+        nn.utils.clip_grad_norm_(state.model.parameters(), state.grad_clip)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.step += 1
+
+
+def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> Iterator[StepResult]:
+    """One pass over this rank's shard, yielding after every optimizer step."""
+    state.model.train()
+    n_micro = len(loader)
+    batches = iter(loader)
+    for start in range(0, n_micro, state.grad_accum):
+        if max_steps and state.step >= max_steps:
+            return
+        group = min(state.grad_accum, n_micro - start)
+        t0 = time.perf_counter()
+        loss_sum, samples, data_time = torch.zeros((), device=state.device), 0, 0.0
+        for i in range(group):
+            t_fetch = time.perf_counter()
+            x, y = state.to_device(*next(batches))
+            data_time += time.perf_counter() - t_fetch
+            loss_sum += micro_step(state, x, y, group, sync_grads=i == group - 1)
+            samples += y.shape[0]
+        optimizer_step(state)
+        _sync(state.device)
+        state.samples_in_epoch += samples
+        yield StepResult(state.step, state.epoch, samples, loss_sum,
+                         time.perf_counter() - t0, data_time)
+
+
+@dataclass
+class Meter:
+    """Accumulates StepResults between two metric points (local to this rank)."""
+
+    loss_sum: float | torch.Tensor = 0.0
+    samples: int = 0
+    step_times: list[float] = field(default_factory=list)
+    data_time: float = 0.0
+
+    def add(self, r: StepResult) -> None:
+        self.loss_sum = self.loss_sum + r.loss_sum
+        self.samples += r.samples
+        self.step_times.append(r.step_time_s)
+        self.data_time += r.data_time_s
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def reduce_interval(meter: Meter, device: torch.device) -> dict[str, float | list[float]]:
+    """Collective: the interval's loss averaged over all ranks' samples, global and per-rank
+    throughput. Every rank must call it at the same step."""
+    elapsed = sum(meter.step_times)
+    local = torch.tensor([float(meter.loss_sum), meter.samples, elapsed], dtype=torch.float64,
+                         device=device)
+    world = dist.get_world_size()
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    rows = torch.stack(gathered).cpu()
+    loss_sum, samples = rows[:, 0].sum().item(), rows[:, 1].sum().item()
+    per_rank = [(r[1] / r[2]).item() if r[2] > 0 else 0.0 for r in rows]
+    # The ranks step in lockstep, so global throughput is all samples over the slowest rank's time.
+    slowest = rows[:, 2].max().item()
+    return {
+        "loss": loss_sum / max(samples, 1),
+        "samples_per_s": samples / slowest if slowest > 0 else 0.0,
+        "per_rank_samples_per_s": per_rank,
+        "step_time_s": elapsed / max(len(meter.step_times), 1),
+        "data_wait_frac": meter.data_time / elapsed if elapsed > 0 else 0.0,
+    }
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    accuracy: float
+    count: int
+    correct: int
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalResult:
+    """Each rank evaluates its unpadded shard; the sums are all-reduced, so the totals are exact.
+
+    ``model`` is the plain module: DDP's forward may broadcast buffers, a collective that would
+    hang when shards differ in length by a batch.
+    """
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=state.device)
+    for x, y in loader:
+        x, y = state.to_device(x, y)
+        with state.autocast():
+            logits = model(x)
+        totals[0] += nn.functional.cross_entropy(logits.float(), y, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == y).sum()
+        totals[2] += y.shape[0]
+    dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return EvalResult(loss_sum / max(count, 1), correct / max(count, 1), int(count), int(correct))

@@ -1,0 +1,195 @@
+"""One job = one MLflow run.
+
+Global rank 0 creates the run (or takes ``MLFLOW_RUN_ID`` from a launcher, or the run id of
+the checkpoint it resumes) and broadcasts its id; no other rank ever creates one. Rank 0 gets
+an ``MlflowTracker``; every other rank a ``NullTracker`` with the same methods, so callers
+never ask ``if rank == 0``. Local rank 0 of every node attaches a system-metrics monitor to
+the same run under its own node id (``system/node<k>/...``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .backend import share_from_rank0
+from .config import TrackingConfig
+from .launch import LaunchEnv
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used."""
+
+
+def resolve_uri(cfg: TrackingConfig, env: dict[str, str] | os._Environ = os.environ) -> str:
+    """tracking.uri, else $MLFLOW_TRACKING_URI, else an embedded SQLite store in the working dir."""
+    return cfg.uri or env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
+    """None when the store answers a real API call, else a one-line reason.
+
+    MLflow's own client retries for minutes; a job should say at once that the server is
+    down. /health would not do: it answers even when clients get 403 (allowed-hosts).
+    """
+    if not uri.startswith(("http://", "https://")):
+        return None
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    headers = {}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get(
+        "MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        import base64
+
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=timeout_s) as r:
+            r.read(1)
+        return None
+    except urllib.error.HTTPError as e:
+        return f"tracking server {uri} answered HTTP {e.code} ({e.reason})"
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        return f"tracking server {uri} is unreachable ({reason})"
+
+
+class NullTracker:
+    """What every rank but 0 holds: same interface, does nothing."""
+
+    run_id: str = ""
+    experiment_id: str = ""
+    uri: str = ""
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_text(self, text: str, name: str) -> None: ...
+    def finish(self, status: str, error: str = "") -> None: ...
+
+
+class MlflowTracker(NullTracker):
+    """Rank 0's view of the run: batched, asynchronous metric logging."""
+
+    def __init__(self, client: Any, run_id: str, experiment_id: str, uri: str,
+                 async_logging: bool) -> None:
+        self.client, self.run_id, self.experiment_id, self.uri = client, run_id, experiment_id, uri
+        self.synchronous = not async_logging
+        self.pending: list[Any] = []
+        self.finished = False
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        existing = self.client.get_run(self.run_id).data.params
+        # A resumed run already holds its params; MLflow rejects changing a param's value.
+        items = [p for p in items if p.key not in existing]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        op = self.client.log_batch(self.run_id, metrics=batch, synchronous=self.synchronous)
+        if op is not None:
+            self.pending.append(op)
+
+    def log_text(self, text: str, name: str) -> None:
+        self.client.log_text(self.run_id, text, name)
+
+    def flush(self) -> None:
+        for op in self.pending:
+            op.wait()
+        self.pending.clear()
+
+    def finish(self, status: str, error: str = "") -> None:
+        """End the run once: FINISHED, FAILED (with the error recorded) or KILLED."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self.flush()
+        finally:
+            if error:
+                self.client.set_tag(self.run_id, "ddplab.error", error[-4000:])
+                self.client.log_text(self.run_id, error, "error.txt")
+            self.client.set_terminated(self.run_id, status)
+
+
+def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
+                      resume_run_id: str) -> MlflowTracker:
+    from mlflow import MlflowClient
+
+    uri = resolve_uri(cfg)
+    problem = check_reachable(uri)
+    if problem:
+        raise TrackingError(f"{problem}. Start it, fix MLFLOW_TRACKING_URI, or set "
+                            "tracking.enabled=false")
+    client = MlflowClient(uri)
+    run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID", "")
+    if run_id:
+        run = client.get_run(run_id)
+        client.update_run(run_id, status="RUNNING")
+        return MlflowTracker(client, run_id, run.info.experiment_id, uri, cfg.async_logging)
+    exp_name = cfg.experiment or name
+    exp = client.get_experiment_by_name(exp_name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(exp_name)
+    tags = {"mlflow.note.content": description} if description else {}
+    run = client.create_run(exp_id, run_name=cfg.run_name or None, tags=tags)
+    return MlflowTracker(client, run.info.run_id, exp_id, uri, cfg.async_logging)
+
+
+def open_tracker(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
+                 resume_run_id: str = "") -> NullTracker:
+    """Collective: rank 0 creates or attaches to the run and every rank learns its id."""
+    if not cfg.enabled:
+        return NullTracker()
+    made: list[MlflowTracker] = []
+
+    def create() -> tuple[str, str]:
+        made.append(_create_or_attach(cfg, name, description, resume_run_id))
+        return made[0].run_id, made[0].uri
+
+    run_id, uri = share_from_rank0(create, le.is_rank0, le.world_size)
+    if made:
+        return made[0]
+    tracker = NullTracker()
+    tracker.run_id, tracker.uri = run_id, uri
+    return tracker
+
+
+class SystemMetrics:
+    """Per-node CPU, memory, disk, network (and GPU) metrics into the job's run.
+
+    Started on local rank 0 of every node; a no-op elsewhere or when disabled.
+    """
+
+    def __init__(self, run_id: str, uri: str, node_rank: int, interval_s: float,
+                 resume: bool, active: bool) -> None:
+        self.monitor = None
+        if not (active and run_id):
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s,
+                                            resume_logging=resume, node_id=f"node{node_rank}",
+                                            tracking_uri=uri)
+        self.monitor.start()
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.finish()
+            self.monitor = None
