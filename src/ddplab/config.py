@@ -377,5 +377,6 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     except ConfigError as e:
         key = str(e).split(":", 1)[0]
         origin = next((f"--set {v!r}" for k, v in overridden.items()
-                       if key == k or key.startswith(k + ".")), source)
+                       if key == k or f"{key}.".startswith(f"{k}.")
+                       or f"{k}.".startswith(f"{key}.")), source)
         raise ConfigError(f"{origin}: {e}") from None

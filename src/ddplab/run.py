@@ -127,7 +127,18 @@ def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float) -> st
     finally:
         system.stop()
         tracker.finish(status, error)
+    Console(le.is_rank0).say(_where(tracker))
     return tracker.run_id
+
+
+def _where(tracker: tracking.NullTracker) -> str:
+    if not tracker.run_id:
+        return "tracking was off: nothing recorded in MLflow"
+    route = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+    if tracker.uri.startswith(("http://", "https://")):
+        return f"MLflow run {tracker.run_id} FINISHED: {tracker.uri.rstrip('/')}/{route}"
+    return (f"MLflow run {tracker.run_id} FINISHED in {tracker.uri}; browse it with `make ui`, "
+            f"then http://127.0.0.1:5000/{route}")
 
 
 class Fit:

@@ -1,0 +1,91 @@
+"""Worker functions for tests/test_distributed.py (spawned processes import them from here).
+
+Each joins a real gloo process group through a file:// rendezvous in the test's temp dir,
+runs ddplab's own loop, and writes what it saw to ``<out>/rank<r>.pt`` for the parent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddplab import loop, models
+from ddplab.config import DataConfig
+from ddplab.data import SyntheticImages, loaders
+
+SIZE, CLASSES = 8, 4
+
+
+def _group(rank: int, world: int, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int,
+                  steps: int) -> None:
+    """k optimizer steps of the book CNN with per-rank batch global/(world*accum)."""
+    _group(rank, world, tmp)
+    torch.manual_seed(0)
+    data = SyntheticImages(global_batch * steps, SIZE, 3, CLASSES, 1.0, seed=0)
+    # Unshuffled: step s of rank r holds samples r, r+world, ... of global batch s, so the
+    # union over ranks of each step is exactly the 1-rank run's batch s.
+    sampler = DistributedSampler(data, world, rank, shuffle=False)
+    loader = DataLoader(data, batch_size=global_batch // (world * accum), sampler=sampler)
+    model = models.BookCNN(3, SIZE, CLASSES)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = loop.TrainState(
+        model=models.wrap(model, _plain(), torch.device("cpu")), optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        scaler=torch.amp.GradScaler("cpu", enabled=False), device=torch.device("cpu"),
+        grad_accum=accum)
+    losses = [float(r.loss_sum) / r.samples for r in loop.train_epoch(state, loader)]
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "steps": state.step, "losses": losses}, Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _plain():
+    from ddplab.config import ModelConfig
+    return ModelConfig()
+
+
+def evaluate_shards(rank: int, world: int, tmp: str, size: int) -> None:
+    _group(rank, world, tmp)
+    torch.manual_seed(0)
+    cfg = DataConfig(eval_samples=size, image_size=SIZE, num_classes=CLASSES, eval_batch_size=7)
+    ld = loaders(cfg, seed=0, rank=rank, world=world, pin=False)
+    model = models.BookCNN(3, SIZE, CLASSES)
+    state = loop.TrainState(model=model, optimizer=None, scheduler=None, scaler=None,
+                            device=torch.device("cpu"))
+    r = loop.evaluate(model, ld.eval, state)
+    torch.save({"count": r.count, "correct": r.correct, "loss": r.loss,
+                "local": len(ld.eval.sampler)}, Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def sampler_epochs(rank: int, world: int, tmp: str, size: int) -> None:
+    _group(rank, world, tmp)
+    cfg = DataConfig(train_samples=size, batch_size=4)
+    ld = loaders(cfg, seed=5, rank=rank, world=world, pin=False)
+    seen = {}
+    for epoch in (0, 1):
+        ld.sampler.set_epoch(epoch)
+        shard = list(ld.sampler)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, shard)
+        seen[epoch] = gathered
+    torch.save(seen, Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def reduce_interval(rank: int, world: int, tmp: str) -> None:
+    _group(rank, world, tmp)
+    meter = loop.Meter()
+    # rank r: (r+1) steps of 10 samples with per-sample loss r+1, each step 0.5 s
+    for _ in range(rank + 1):
+        meter.add(loop.StepResult(1, 0, 10, torch.tensor(10.0 * (rank + 1)), 0.5, 0.1))
+    torch.save(loop.reduce_interval(meter, torch.device("cpu")), Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()

@@ -1,0 +1,102 @@
+"""Unit: backend resolution (incl. the ccl path), CPU thread layout, oneCCL defaults."""
+
+import sys
+
+import pytest
+
+from ddplab import backend
+from ddplab.config import DistConfig
+from ddplab.launch import LaunchEnv
+from tests.conftest import STAND_INS
+
+NONE = {"gloo": (True, "built in"), "nccl": (False, "no CUDA"), "ccl": (False, "no bindings"),
+        "mpi": (False, "no MPI")}
+CCL = {**NONE, "ccl": (True, "bindings 2.7.0")}
+GPU = {**NONE, "nccl": (True, "built in")}
+
+
+@pytest.mark.parametrize("requested, device, table, name, requested_tag", [
+    ("auto", "cpu", NONE, "gloo", "auto"),
+    ("auto", "cpu", CCL, "ccl", "auto"),
+    ("auto", "cuda", GPU, "nccl", "auto"),
+    ("gloo", "cpu", CCL, "gloo", "gloo"),
+    ("ccl", "cpu", CCL, "ccl", "ccl"),
+])
+def test_resolution(requested, device, table, name, requested_tag):
+    choice = backend.resolve(requested, device, False, table)
+    assert (choice.name, choice.requested, choice.fell_back) == (name, requested_tag, False)
+
+
+def test_auto_records_why_it_did_not_pick_ccl():
+    assert "no bindings" in backend.resolve("auto", "cpu", False, NONE).reason
+
+
+def test_explicit_ccl_without_bindings_fails_clearly():
+    with pytest.raises(backend.BackendError, match=r"'ccl' is not available: no bindings.*"
+                       r"allow_backend_fallback=true"):
+        backend.resolve("ccl", "cpu", False, NONE)
+
+
+def test_explicit_ccl_without_bindings_falls_back_when_allowed():
+    choice = backend.resolve("ccl", "cpu", True, NONE)
+    assert (choice.name, choice.requested, choice.fell_back) == ("gloo", "ccl", True)
+    assert "fallback to gloo" in choice.reason and "no bindings" in choice.reason
+
+
+def test_nccl_on_cpu_is_refused():
+    with pytest.raises(backend.BackendError, match="nccl needs dist.device cuda"):
+        backend.resolve("nccl", "cpu", False, GPU)
+
+
+def test_real_import_of_the_stand_in_bindings_registers_ccl(monkeypatch):
+    """Uses tests/stand_ins (a STAND-IN for oneccl_bindings_for_pytorch; gloo underneath)."""
+    monkeypatch.syspath_prepend(str(STAND_INS))
+    monkeypatch.delitem(sys.modules, "oneccl_bindings_for_pytorch", raising=False)
+    table = backend.available("cpu")
+    assert table["ccl"][0] and "0.0+stand-in" in table["ccl"][1]
+    assert backend.resolve("auto", "cpu", False, table).name == "ccl"
+
+
+def test_without_bindings_the_table_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # import fails
+    ok, why = backend.available("cpu")["ccl"]
+    assert not ok and "does not import" in why
+
+
+@pytest.mark.parametrize("threads, local_world, cores, bk, workers, expected", [
+    ("auto", 2, 8, "gloo", "1", 4),
+    ("auto", 2, 8, "ccl", "1", 3),      # one core per rank left for oneCCL's worker
+    ("auto", 2, 2, "ccl", "1", 1),      # never below one
+    ("auto", 4, 2, "gloo", "1", 1),
+    (6, 2, 8, "gloo", "1", 6),          # explicit wins
+    ("auto", 1, 16, "ccl", "2", 14),
+])
+def test_threads_per_rank(threads, local_world, cores, bk, workers, expected):
+    cfg = DistConfig(threads_per_rank=threads)
+    env = {"CCL_WORKER_COUNT": workers}
+    assert backend.threads_per_rank(cfg, local_world, cores, bk, env) == expected
+
+
+def test_core_blocks_are_disjoint_and_cover():
+    cores = list(range(8))
+    blocks = [backend.core_block(cores, r, 4) for r in range(4)]
+    assert blocks == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert backend.core_block([0], 1, 2) == [0]  # too few cores: share them
+
+
+def test_ccl_defaults_respect_user_values(tmp_path):
+    lib = tmp_path / "opt" / "mpi" / "libfabric" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libfabric.so").touch()
+    le = LaunchEnv("torchrun", 3, 4, 1, 2, 1, "n0", 29500)
+    out = backend.ccl_env_defaults(le, str(tmp_path), {"CCL_WORKER_COUNT": "2"})
+    assert "CCL_WORKER_COUNT" not in out  # the user's value stays
+    assert out["CCL_ATL_TRANSPORT"] == "ofi" and out["FI_PROVIDER"] == "tcp"
+    assert out["CCL_OFI_LIBRARY_PATH"] == str(lib / "libfabric.so")
+    assert out["FI_PROVIDER_PATH"] == str(lib / "prov")
+    assert (out["CCL_LOCAL_RANK"], out["CCL_LOCAL_SIZE"]) == ("1", "2")
+
+
+def test_ccl_defaults_single_node_without_package_libfabric():
+    out = backend.ccl_env_defaults(LaunchEnv("none", 0, 1, 0, 1, 0, "127.0.0.1", 29500), None, {})
+    assert "FI_PROVIDER" not in out and "CCL_OFI_LIBRARY_PATH" not in out

@@ -1,0 +1,85 @@
+"""Unit: atomic writes, newest-valid resume, corrupt and partial files."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from ddplab import checkpoint
+
+
+def payload(step: int, final: bool = False, run_id: str = "run1") -> dict:
+    return {"model": {"w": torch.full((2,), float(step))}, "optimizer": {}, "scheduler": {},
+            "scaler": {}, "step": step, "epoch": 0, "samples_in_epoch": step * 4,
+            "world_size": 2, "rng": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)},
+            "config": {"name": "x"}, "run_id": run_id, "final": final}
+
+
+def save(root, step, **kw):
+    ck = checkpoint.Checkpointer(root, keep=3, active=True)
+    ck.save(payload(step, **kw))
+    time.sleep(0.01)  # distinct mtimes
+    return ck.last
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    good = save(tmp_path, 10)
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        save(tmp_path, 20)
+    monkeypatch.undo()
+    assert not (good.parent / "step-00000020.pt").exists()  # never renamed into place
+    path, p = checkpoint.find_resume("auto", tmp_path)
+    assert path == good and p["step"] == 10
+
+
+def test_newest_corrupt_or_partial_is_skipped_with_a_warning(tmp_path):
+    save(tmp_path, 10)
+    second = save(tmp_path, 20)
+    (second.parent / "step-00000030.pt").write_bytes(b"garbage")
+    partial = payload(40)
+    del partial["optimizer"]
+    torch.save(partial, second.parent / "step-00000040.pt")
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        path, p = checkpoint.find_resume("auto", tmp_path)
+    assert path == second and p["step"] == 20
+
+
+def test_finished_job_starts_fresh_and_never_means_never(tmp_path):
+    save(tmp_path, 10)
+    save(tmp_path, 20, final=True)
+    assert checkpoint.find_resume("auto", tmp_path) is None
+    assert checkpoint.find_resume("never", tmp_path) is None
+    assert checkpoint.find_resume("auto", tmp_path / "empty") is None
+
+
+def test_newest_across_runs_wins(tmp_path):
+    save(tmp_path, 50, run_id="old")
+    newest = save(tmp_path, 5, run_id="new")
+    path, p = checkpoint.find_resume("auto", tmp_path)
+    assert path == newest and p["run_id"] == "new"
+
+
+def test_explicit_path(tmp_path):
+    target = save(tmp_path, 10)
+    assert checkpoint.find_resume(str(target), tmp_path)[1]["step"] == 10
+    with pytest.raises(FileNotFoundError, match="checkpoint.resume: .*missing.pt does not exist"):
+        checkpoint.find_resume(str(tmp_path / "missing.pt"), tmp_path)
+
+
+def test_keeps_only_the_newest(tmp_path):
+    for s in (1, 2, 3, 4, 5):
+        last = save(tmp_path, s)
+    assert sorted(p.name for p in last.parent.iterdir()) == [
+        "step-00000003.pt", "step-00000004.pt", "step-00000005.pt"]
+
+
+def test_inactive_rank_writes_nothing(tmp_path):
+    checkpoint.Checkpointer(tmp_path, 3, active=False).save(payload(1))
+    assert not os.listdir(tmp_path)

@@ -1,0 +1,79 @@
+"""Distributed tier: 2 and 3 real processes, gloo on CPU, file:// rendezvous (no ports)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests import dist_workers
+
+pytestmark = pytest.mark.distributed
+
+
+def spawn(fn, world: int, tmp: Path, *args) -> list[dict]:
+    mp.spawn(fn, args=(world, str(tmp), *args), nprocs=world, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def reference(tmp: Path, global_batch: int, steps: int) -> dict:
+    ref = tmp / "ref"
+    ref.mkdir()
+    return spawn(dist_workers.train_k_steps, 1, ref, global_batch, 1, steps)[0]
+
+
+@pytest.mark.parametrize("world, accum", [(2, 1), (3, 1), (2, 2)])
+def test_ddp_matches_one_rank_with_the_global_batch(tmp_path, world, accum):
+    """N ranks x per-rank batch B/(N*accum) reach the parameters of 1 rank with batch B after
+    k steps. Tolerance: rtol 1e-4, atol 1e-6 - float32 sums in another order, nothing more
+    (a real divergence, e.g. a missing gradient average, is off by orders of magnitude)."""
+    global_batch, steps = 12, 4
+    ranks = spawn(dist_workers.train_k_steps, world, tmp_path, global_batch, accum, steps)
+    ref = reference(tmp_path, global_batch, steps)
+    assert all(r["steps"] == steps for r in ranks) and ref["steps"] == steps
+    for p, q in zip(ranks[0]["params"], ref["params"], strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    # Every rank holds bit-identical parameters.
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], other["params"],
+                                                   strict=True))
+    # And training did move them (the comparison is not between two initial states).
+    torch.manual_seed(0)
+    init = list(dist_workers.models.BookCNN(3, dist_workers.SIZE, dist_workers.CLASSES).parameters())
+    assert not torch.allclose(init[0], ref["params"][0])
+
+
+def test_evaluation_totals_are_exact(tmp_path):
+    """101 samples over 3 ranks (34/34/33): counts and correct answers add up exactly."""
+    ranks = spawn(dist_workers.evaluate_shards, 3, tmp_path, 101)
+    single = tmp_path / "one"
+    single.mkdir()
+    one = spawn(dist_workers.evaluate_shards, 1, single, 101)[0]
+    assert sorted(r["local"] for r in ranks) == [33, 34, 34]
+    for r in ranks:
+        assert (r["count"], r["correct"]) == (101, one["correct"])
+        # Counts are exact; per-batch float32 loss sums group differently, hence 1e-6.
+        assert r["loss"] == pytest.approx(one["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sampler_covers_every_sample_once_per_epoch(tmp_path, world):
+    size = 96  # divisible by 2 and 3: no padding, so exactly once
+    ranks = spawn(dist_workers.sampler_epochs, world, tmp_path, size)
+    for epoch in (0, 1):
+        shards = ranks[0][epoch]
+        assert sorted(i for s in shards for i in s) == list(range(size))
+        assert all(r[epoch] == shards for r in ranks)  # every rank agrees on the partition
+    assert ranks[0][0] != ranks[0][1]  # set_epoch reshuffles
+
+
+def test_interval_metrics_average_over_all_ranks_samples(tmp_path):
+    ranks = spawn(dist_workers.reduce_interval, 2, tmp_path)
+    r = ranks[0]
+    # rank0: 10 samples at loss 1; rank1: 20 samples at loss 2 -> (10 + 40) / 30
+    assert r["loss"] == pytest.approx(50 / 30)
+    assert r["per_rank_samples_per_s"] == pytest.approx([20.0, 20.0])
+    assert r["samples_per_s"] == pytest.approx(30 / 1.0)  # all samples over the slowest rank
+    assert ranks[1] == r

@@ -1,0 +1,70 @@
+"""Unit: the launcher table, with each launcher's real variables (reference.md)."""
+
+import pytest
+
+from ddplab.launch import LaunchEnv, LaunchError
+
+TORCHRUN_CHILD = {  # what torchrun 2.x sets for its 2nd worker of node 1 in a 2x2 job
+    "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1", "ROLE_RANK": "3", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "job1", "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1",
+}
+OPENMPI = {  # mpirun -np 4 --host a:2,b:2 -x MASTER_ADDR -x MASTER_PORT, 3rd process
+    "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    # the rank on this node across *all* jobs: not the node index
+    "OMPI_COMM_WORLD_NODE_RANK": "0", "OMPI_UNIVERSE_SIZE": "4",
+    "MASTER_ADDR": "a", "MASTER_PORT": "29501",
+}
+PMI = {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4",
+       "MASTER_ADDR": "h0", "MASTER_PORT": "29500"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+         "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_JOB_ID": "77", "MASTER_ADDR": "n0"}
+PYTORCHJOB_WORKER = {  # training operator v1.9 pod env, worker 0 of a Master+2 Workers job
+    "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1",
+    "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456", "PET_NNODES": "3",
+    "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1",
+}
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, LaunchEnv("none", 0, 1, 0, 1, 0, "127.0.0.1", 29500)),
+    (TORCHRUN_CHILD, LaunchEnv("torchrun", 3, 4, 1, 2, 1, "node0", 29500)),
+    (OPENMPI, LaunchEnv("openmpi", 2, 4, 0, 2, 1, "a", 29501)),
+    (PMI, LaunchEnv("pmi", 5, 8, 1, 4, 1, "h0", 29500)),
+    (SLURM, LaunchEnv("slurm", 3, 6, 0, 3, 1, "n0", 29500)),
+    (PYTORCHJOB_WORKER, LaunchEnv("pytorchjob", 1, 3, 0, 1, 1, "job-master-0", 23456)),
+    # torchrun inside a PyTorchJob pod: torchrun's variables win over the operator's PET_*
+    ({**PYTORCHJOB_WORKER, **TORCHRUN_CHILD}, LaunchEnv("torchrun", 3, 4, 1, 2, 1, "node0", 29500)),
+    # torchrun under Slurm (srun torchrun ...): torchrun's ranks, not Slurm's task ids
+    ({**SLURM, **TORCHRUN_CHILD}, LaunchEnv("torchrun", 3, 4, 1, 2, 1, "node0", 29500)),
+    # single-node mpirun needs no MASTER_ADDR
+    ({k: v for k, v in OPENMPI.items() if not k.startswith("MASTER")}
+     | {"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, LaunchEnv("openmpi", 2, 4, 0, 4, 0, "127.0.0.1", 29500)),
+    # Slurm with the per-node count given directly
+    ({**SLURM, "SLURM_NTASKS_PER_NODE": "3"}, LaunchEnv("slurm", 3, 6, 0, 3, 1, "n0", 29500)),
+])
+def test_launcher_table(env, expected):
+    assert LaunchEnv.from_environ(env) == expected
+
+
+def test_layout_properties():
+    le = LaunchEnv.from_environ(TORCHRUN_CHILD)
+    assert (le.nnodes, le.is_rank0, le.is_node_leader) == (2, False, False)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LOCAL_RANK": "0", "RANK": "0"}, "WORLD_SIZE is not set"),
+    ({**TORCHRUN_CHILD, "RANK": "4"}, r"rank 4 is outside 0..3"),
+    ({**TORCHRUN_CHILD, "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({**TORCHRUN_CHILD, "LOCAL_RANK": "2"}, r"local rank 2 is outside 0..1"),
+    ({**TORCHRUN_CHILD, "MASTER_PORT": "70000"}, "MASTER_PORT 70000 is not a TCP port"),
+    ({**OPENMPI, "MASTER_ADDR": ""}, "MASTER_ADDR is not set and the job spans several nodes"),
+    ({k: v for k, v in OPENMPI.items() if k != "OMPI_COMM_WORLD_SIZE"},
+     "OMPI_COMM_WORLD_SIZE is not set"),
+    ({**PYTORCHJOB_WORKER, "PET_NPROC_PER_NODE": "4"}, "start ddplab through torchrun"),
+    ({**SLURM, "SLURM_NTASKS_PER_NODE": "9"}, r"local world size 9 is outside 1..6"),
+])
+def test_incomplete_or_contradictory_variables(env, message):
+    with pytest.raises(LaunchError, match=message):
+        LaunchEnv.from_environ(env)

@@ -1,0 +1,52 @@
+"""Unit: tracking URI precedence and the reachability probe against real sockets."""
+
+import http.server
+import socket
+import threading
+
+from ddplab.config import TrackingConfig
+from ddplab.tracking import NullTracker, check_reachable, resolve_uri
+
+
+def test_uri_precedence(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_uri(TrackingConfig(), {}) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert resolve_uri(TrackingConfig(), {"MLFLOW_TRACKING_URI": "http://m:5000"}) == "http://m:5000"
+    assert resolve_uri(TrackingConfig(uri="http://x:1"), {"MLFLOW_TRACKING_URI": "y"}) == "http://x:1"
+
+
+def test_closed_port_is_reported_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        reason = check_reachable(f"http://127.0.0.1:{port}", timeout_s=2)
+    assert reason and "unreachable" in reason
+
+
+def test_a_server_that_refuses_clients_is_a_problem():
+    """Like MLflow's 403 'Invalid Host header': /health would pass, a real API call does not."""
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(403, "Invalid Host header")
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reason = check_reachable(f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert reason and "HTTP 403" in reason
+
+
+def test_file_stores_need_no_probe():
+    assert check_reachable("sqlite:///x.db") is None
+
+
+def test_null_tracker_accepts_every_call():
+    t = NullTracker()
+    t.log_params({"a": 1}); t.set_tags({"b": 2}); t.log_metrics({"c": 3.0}, 1)
+    t.log_text("x", "y.txt"); t.finish("FINISHED")
+    assert t.run_id == ""
