@@ -21,10 +21,10 @@ def test_builds_with_num_classes(name, size):
 
 def test_book_cnn_layout():
     m = models.BookCNN(3, 32, 10)
-    convs = [l for l in m.modules() if isinstance(l, torch.nn.Conv2d)]
-    linears = [l for l in m.modules() if isinstance(l, torch.nn.Linear)]
+    convs = [layer for layer in m.modules() if isinstance(layer, torch.nn.Conv2d)]
+    linears = [layer for layer in m.modules() if isinstance(layer, torch.nn.Linear)]
     assert [c.out_channels for c in convs] == [32, 64]
-    assert [l.out_features for l in linears] == [512, 10]
+    assert [f.out_features for f in linears] == [512, 10]
 
 
 def test_unknown_model_lists_choices():

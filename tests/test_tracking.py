@@ -47,6 +47,9 @@ def test_file_stores_need_no_probe():
 
 def test_null_tracker_accepts_every_call():
     t = NullTracker()
-    t.log_params({"a": 1}); t.set_tags({"b": 2}); t.log_metrics({"c": 3.0}, 1)
-    t.log_text("x", "y.txt"); t.finish("FINISHED")
+    t.log_params({"a": 1})
+    t.set_tags({"b": 2})
+    t.log_metrics({"c": 3.0}, 1)
+    t.log_text("x", "y.txt")
+    t.finish("FINISHED")
     assert t.run_id == ""

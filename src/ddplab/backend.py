@@ -23,7 +23,6 @@ import torch.distributed as dist
 from .config import DistConfig
 from .launch import LaunchEnv
 
-
 T = TypeVar("T")
 
 

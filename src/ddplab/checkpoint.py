@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from .backend import share_from_rank0
 from .loop import TrainState
 from .models import unwrap

@@ -13,7 +13,6 @@ Launched as (any launcher; the rank layout comes from launch.py):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -23,7 +22,6 @@ import socket
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,16 +38,42 @@ class Terminated(Exception):
     """SIGTERM: the launcher stops the survivors when a rank fails, or the job was stopped."""
 
 
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    def handler(signum: int, frame: Any) -> None:
+class Signals:
+    """SIGINT raises KeyboardInterrupt and SIGTERM raises Terminated, once each job.
+
+    The first signal is remembered: after Ctrl-C a rank may fail in a collective (its peer is
+    gone) before its own interrupt surfaces, and the run must still end KILLED, not FAILED.
+    Later signals are ignored, so torchrun's follow-up SIGTERM cannot cut the run's ending.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            return
+        self.received = signum
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Terminated("terminated by SIGTERM (a peer rank failed, or the job was stopped)")
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def status(self) -> str:
+        return "KILLED" if self.received == signal.SIGINT else "FAILED"
+
+    def shield(self) -> None:
+        """From here on nothing interrupts: the run's ending must reach the store."""
+        for sig in self.previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -73,8 +97,8 @@ def train(path: str | None, overrides: list[str]) -> str:
     layout = _layout(cfg, le)
     backend.init_process_group(layout.choice, le, layout.device, cfg.dist.timeout_s)
     try:
-        with _sigterm_raises():
-            return _tracked(cfg, layout, t_start)
+        with Signals() as signals:
+            return _tracked(cfg, layout, t_start, signals)
     finally:
         backend.destroy_process_group()
 
@@ -103,7 +127,8 @@ def _seed(cfg: config.TrainConfig) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float) -> str:
+def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float,
+             signals: Signals) -> str:
     le = layout.le
     ckpt_root = Path(cfg.checkpoint.dir) / cfg.name
     resumed_from, payload = checkpoint.broadcast_resume(cfg.checkpoint.resume, ckpt_root,
@@ -118,13 +143,13 @@ def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float) -> st
     try:
         Fit(cfg, layout, tracker, payload, resumed_from, t_start).run()
         status = "FINISHED"
-    except KeyboardInterrupt:
-        status, error = "KILLED", "interrupted (SIGINT / Ctrl-C)"
-        raise
-    except BaseException:
-        error = traceback.format_exc()
+    except BaseException as e:
+        status = signals.status()
+        error = ("interrupted (SIGINT / Ctrl-C)" if status == "KILLED"
+                 else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         raise
     finally:
+        signals.shield()
         system.stop()
         tracker.finish(status, error)
     Console(le.is_rank0).say(_where(tracker))

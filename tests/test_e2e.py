@@ -1,0 +1,214 @@
+"""End-to-end tier: the README's own commands (make, torchrun, ddplab) as real processes,
+checked through the real MLflow store they write."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import QUICK, REPO, STAND_INS, ddplab, job_env, runs
+
+pytestmark = pytest.mark.e2e
+QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
+REQUIRED_TAGS = ("ddplab.backend", "ddplab.backend_requested", "ddplab.world_size", "ddplab.nnodes",
+                 "ddplab.nproc_per_node", "ddplab.launcher", "ddplab.device", "ddplab.hosts",
+                 "ddplab.git_sha", "ddplab.image", "ddplab.version.torch", "ddplab.version.ipex",
+                 "ddplab.version.oneccl_bindings", "ddplab.version.mlflow")
+REQUIRED_METRICS = ("train/loss", "train/samples_per_s", "train/step_time_s", "eval/loss",
+                    "eval/accuracy", "epoch/time_s")
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The tree as a fresh clone has it: tracked and untracked-but-not-ignored files."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dest / f)  # keep mtimes: the venv's setup stamp stays valid
+    return dest
+
+
+def test_make_run_gives_one_finished_run_with_everything(tmp_path):
+    """`make run` in a fresh copy: one FINISHED run, world size 2, tags, metrics, artifacts, in
+    the embedded store at the copy's root. Uses this checkout's venv (CI built it with
+    `make setup` from a fresh clone moments before)."""
+    repo = fresh_copy(tmp_path / "clone")
+    env = {k: v for k, v in job_env("").items() if not k.startswith(("MLFLOW_", "MAKE", "MFLAGS"))}
+    venv = Path(sys.executable).parent.parent
+    # -o: the venv is set up already; never let the copy re-point its editable install.
+    out = subprocess.run(["make", "-o", f"{venv}/.ddplab-setup", "run", f"VENV={venv}"], cwd=repo,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    store = f"sqlite:///{repo / 'mlflow.db'}"
+    (run,) = runs(store)
+    assert f"MLflow run {run.info.run_id} FINISHED" in out.stderr
+    assert run.info.status == "FINISHED"
+    tags, metrics = run.data.tags, run.data.metrics
+    assert all(t in tags for t in REQUIRED_TAGS), set(REQUIRED_TAGS) - set(tags)
+    assert (tags["ddplab.world_size"], tags["ddplab.nproc_per_node"], tags["ddplab.nnodes"]) == (
+        "2", "2", "1")
+    assert tags["ddplab.launcher"] == "torchrun" and tags["ddplab.backend"] == "gloo"
+    assert all(m in metrics for m in REQUIRED_METRICS), set(REQUIRED_METRICS) - set(metrics)
+    assert metrics["eval/accuracy"] > 0.5  # chance is 0.1
+    assert any(k.startswith("system/node0/cpu_utilization") for k in metrics)
+    assert "train/rank1_samples_per_s" in metrics
+    client = MlflowClient(store)
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {
+        "config.yaml", "environment.json", "summary.json"}
+    env_json = json.loads(Path(client.download_artifacts(run.info.run_id, "environment.json",
+                                                         str(tmp_path))).read_text())
+    assert env_json["versions"]["torch"] and "OMP_NUM_THREADS" in env_json["env"]
+    summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json",
+                                                        str(tmp_path))).read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 288
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == sorted(steps) and steps[-1] == 288  # step = global optimizer step
+
+
+def _rank_pid(parent: psutil.Process, rank: str) -> int | None:
+    for child in parent.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == rank and "ddplab" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def _start_torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    bindir = Path(sys.executable).parent
+    return subprocess.Popen([str(bindir / "torchrun"), "--standalone", "--nproc-per-node=2",
+                             "-m", "ddplab", "train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
+    args = [QUICKSTART, *QUICK, "--set", "train.epochs=2", "--set", "data.train_samples=2048",
+            "--set", "checkpoint.every_steps=8", "--set", "checkpoint.dir=ck"]
+    env = job_env(store)
+    proc = _start_torchrun(args, tmp_path, env)
+    _wait_for(lambda: any((tmp_path / "ck").rglob("step-*.pt")), 120, proc)
+    victim = _rank_pid(psutil.Process(proc.pid), "1")
+    assert victim
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    proc.wait(timeout=90)  # no hang: torchrun stops the survivors
+    assert proc.returncode != 0 and time.monotonic() - t0 < 90
+    (failed,) = runs(store)
+    assert failed.info.status == "FAILED" and failed.data.tags.get("ddplab.error")
+
+    again = ddplab(["train", *args], tmp_path, env, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run,) = runs(store)  # the same run, continued
+    assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
+    assert "step-" in run.data.tags["ddplab.resumed_from"]
+    resumed_at = int(run.data.tags["ddplab.resumed_from"].rsplit("step-", 1)[1][:8])
+    history = MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")
+    assert max(m.step for m in history) == 64  # 2 epochs x 2048 / 64
+    after = [m.step for m in sorted(history, key=lambda m: m.timestamp)
+             if m.timestamp >= run.info.start_time][-1]
+    assert after == 64 and resumed_at >= 8
+
+
+def test_ctrl_c_ends_the_run_killed(tmp_path, store):
+    proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
+    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+    proc.wait(timeout=90)
+    (run,) = runs(store)
+    assert proc.returncode != 0 and run.info.status == "KILLED"
+
+
+@pytest.mark.parametrize("name, args, env_extra, code, message", [
+    ("unknown key", ["--set", "train.epoch=2"], {}, 2, "train.epoch: unknown key"),
+    ("wrong type", ["--set", "train.epochs=many"], {}, 2, "train.epochs: got 'many'; expected int"),
+    ("unknown model", ["--set", "model.name=vgg"], {}, 2, "model.name: got 'vgg'; choose one of"),
+    ("missing dataset", ["--set", "data.dataset=cifar10", "--set", "data.root=nodata"], {}, 1,
+     "CIFAR-10 not found under"),
+    ("unavailable backend", ["--set", "dist.backend=ccl"], {}, 1, "'ccl' is not available"),
+    ("unreachable tracking server", [], {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, 1,
+     "tracking server http://127.0.0.1:9 is unreachable"),
+    ("contradictory launcher", [], {"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, 1,
+     "rank 5 is outside 0..1"),
+])
+def test_bad_input_exits_with_a_short_clear_message(tmp_path, store, name, args, env_extra,
+                                                    code, message):
+    out = ddplab(["train", QUICKSTART, *args], tmp_path, job_env(store, **env_extra))
+    assert out.returncode == code, out.stderr[-2000:]
+    assert message in out.stderr and "Traceback" not in out.stderr
+    error_line = next(line for line in out.stderr.splitlines() if "ddplab: error:" in line)
+    assert len(error_line) < 400
+    if not store.startswith("sqlite") or not Path(store[len("sqlite:///"):]).exists():
+        return
+    assert all(r.info.status != "RUNNING" for r in runs(store))
+
+
+def test_failure_after_the_run_started_is_recorded(tmp_path, store):
+    out = ddplab(["train", QUICKSTART, "--set", "data.dataset=cifar10", "--set", "data.root=nodata"],
+                 tmp_path, job_env(store))
+    (run,) = runs(store)
+    assert out.returncode == 1 and run.info.status == "FAILED"
+    assert "CIFAR-10 not found" in run.data.tags["ddplab.error"]
+
+
+def test_stand_in_ccl_bindings_are_used_and_recorded(tmp_path, store):
+    """STAND-IN bindings (tests/stand_ins, gloo underneath): proves the wiring, not oneCCL."""
+    env = job_env(store, PYTHONPATH=str(STAND_INS))
+    out = ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=6"], tmp_path, env, nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    tags = run.data.tags
+    assert (tags["ddplab.backend"], tags["ddplab.backend_requested"]) == ("ccl", "auto")
+    assert tags["ddplab.version.oneccl_bindings"] == "absent"  # a stand-in, not installed
+    client = MlflowClient(store)
+    env_json = json.loads(Path(client.download_artifacts(run.info.run_id, "environment.json",
+                                                         str(tmp_path))).read_text())
+    assert env_json["ccl_env_set_by_ddplab"]["CCL_ATL_TRANSPORT"] == "ofi"
+    assert env_json["env"]["CCL_LOCAL_SIZE"] == "2"
+
+
+def test_ccl_fallback_is_explicit_and_recorded(tmp_path, store):
+    out = ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=3",
+                  "--set", "dist.backend=ccl", "--set", "dist.allow_backend_fallback=true"],
+                 tmp_path, job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fallback to gloo" in out.stderr
+    tags = runs(store)[0].data.tags
+    assert (tags["ddplab.backend"], tags["ddplab.backend_requested"]) == ("gloo", "ccl")
+    assert "does not import" in tags["ddplab.backend_reason"]
+
+
+def test_doctor_exits_nonzero_with_one_line_per_problem(tmp_path, store):
+    bindir = Path(sys.executable).parent
+    env = job_env("http://127.0.0.1:9")
+    out = subprocess.run([str(bindir / "ddplab"), "doctor", QUICKSTART, "--set", "dist.backend=ccl",
+                          "--set", "dist.threads_per_rank=8"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    problems = [line for line in out.stdout.splitlines() if line.startswith("problem: ")]
+    assert out.returncode == 1
+    assert any("'ccl' is not available" in p for p in problems)
+    assert any("unreachable" in p for p in problems)
+    ok = subprocess.run([str(bindir / "ddplab"), "doctor", QUICKSTART], cwd=tmp_path,
+                        env=job_env(store), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "doctor: ok" in ok.stdout
+    assert "backend      gloo  yes" in ok.stdout and "/dev/shm" in ok.stdout
