@@ -1,6 +1,6 @@
 """Command line: argv -> the right command. Imports nothing heavy until a command runs.
 
-    ddplab train EXPERIMENT.yaml [--set key.sub=value ...]
+    ddplab train EXPERIMENT.yaml [--set key.sub=value ...] [--summary-out summary.json]
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
 """
@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run an experiment under any launcher (or none)")
     t.add_argument("experiment", help="experiment YAML file, e.g. experiments/quickstart.yaml")
     t.add_argument("--set", dest="overrides", **overrides)
+    t.add_argument("--summary-out", default="", metavar="PATH",
+                   help="also write summary.json here (rank 0), e.g. for scripts and benchmarks")
     d = sub.add_parser("doctor", help="preflight checks; exits non-zero on problems")
     d.add_argument("experiment", nargs="?", help="check against this experiment's settings")
     d.add_argument("--set", dest="overrides", **overrides)
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             from .doctor import doctor
 
             return doctor(args.experiment, args.overrides)
-        return _train(args.experiment, args.overrides)
+        return _train(args.experiment, args.overrides, args.summary_out)
     except ConfigError as e:
         print(f"ddplab: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _train(experiment: str, overrides: list[str]) -> int:
+def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
     from .backend import BackendError, Rank0Error
     from .data import DataError
     from .launch import LaunchError
@@ -78,7 +80,7 @@ def _train(experiment: str, overrides: list[str]) -> int:
     from .config import ConfigError
 
     try:
-        train(experiment, overrides)
+        train(experiment, overrides, summary_out)
         return 0
     except ConfigError:
         raise

@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .loop import percentile
 
 
 class Console:
-    def __init__(self, active: bool) -> None:
-        self.active = active
+    """Progress lines on stderr, and an optional local copy of summary.json (``--summary-out``)."""
+
+    def __init__(self, active: bool, summary_out: str = "") -> None:
+        self.active, self.summary_out = active, summary_out
 
     def say(self, text: str) -> None:
         if self.active:
             print(f"[ddplab] {text}", file=sys.stderr, flush=True)
+
+    def save_summary(self, text: str) -> None:
+        if self.active and self.summary_out:
+            Path(self.summary_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.summary_out).write_text(text)
 
 
 @dataclass

@@ -88,7 +88,7 @@ class Layout:
     ccl_env: dict[str, str]
 
 
-def train(path: str | None, overrides: list[str]) -> str:
+def train(path: str | None, overrides: list[str], summary_out: str = "") -> str:
     """Run one job. Returns the MLflow run id ("" when tracking is off)."""
     t_start = time.perf_counter()
     cfg = config.load(path, overrides)
@@ -98,7 +98,7 @@ def train(path: str | None, overrides: list[str]) -> str:
     backend.init_process_group(layout.choice, le, layout.device, cfg.dist.timeout_s)
     try:
         with Signals() as signals:
-            return _tracked(cfg, layout, t_start, signals)
+            return _tracked(cfg, layout, t_start, signals, summary_out)
     finally:
         backend.destroy_process_group()
 
@@ -128,7 +128,7 @@ def _seed(cfg: config.TrainConfig) -> None:
 
 
 def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float,
-             signals: Signals) -> str:
+             signals: Signals, summary_out: str) -> str:
     le = layout.le
     ckpt_root = Path(cfg.checkpoint.dir) / cfg.name
     resumed_from, payload = checkpoint.broadcast_resume(cfg.checkpoint.resume, ckpt_root,
@@ -141,7 +141,7 @@ def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float,
         active=cfg.tracking.system_metrics and le.is_node_leader)
     status, error = "FAILED", ""
     try:
-        Fit(cfg, layout, tracker, payload, resumed_from, t_start).run()
+        Fit(cfg, layout, tracker, payload, resumed_from, t_start, summary_out).run()
         status = "FINISHED"
     except BaseException as e:
         status = signals.status()
@@ -171,10 +171,10 @@ class Fit:
 
     def __init__(self, cfg: config.ExperimentConfig, layout: Layout,
                  tracker: tracking.NullTracker, payload: dict[str, Any] | None,
-                 resumed_from: str, t_start: float) -> None:
+                 resumed_from: str, t_start: float, summary_out: str = "") -> None:
         self.cfg, self.layout, self.le, self.tracker = cfg, layout, layout.le, tracker
         self.payload, self.resumed_from, self.t_start = payload, resumed_from, t_start
-        self.console = Console(self.le.is_rank0)
+        self.console = Console(self.le.is_rank0, summary_out)
         self.ckpt = checkpoint.Checkpointer(Path(cfg.checkpoint.dir) / cfg.name,
                                             cfg.checkpoint.keep, self.le.is_rank0)
         self.stats = RunStats()
@@ -338,6 +338,10 @@ class Fit:
         summary = self.stats.summary(time.perf_counter() - self.t_start, self.le.world_size,
                                      self.cfg.global_batch(self.le.world_size), self.state.step)
         summary["checkpoint"] = str(self.ckpt.last) if self.ckpt.last else None
-        self.tracker.log_text(json.dumps(summary, indent=2), "summary.json")
+        epoch_samples = self.loaders.sampler.num_samples * self.le.world_size
+        summary["epoch_samples_per_s"] = [epoch_samples / t for t in self.stats.epoch_times]
+        text = json.dumps(summary, indent=2)
+        self.tracker.log_text(text, "summary.json")
+        self.console.save_summary(text)
         self.console.say(f"done in {summary['wall_time_s']:.1f}s: {self.state.step} steps, "
                          f"eval accuracy {self.stats.last.get('eval/accuracy', 0):.4f}")
