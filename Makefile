@@ -1,4 +1,6 @@
-# ddplab: `make help` lists every goal. Variables: EXPERIMENT, NPROC, ARGS, VENV, PYTHON.
+# ddplab: `make help` lists every goal.
+# Variables: EXPERIMENT, NPROC, NNODES, ARGS, VENV, PYTHON; images: REGISTRY, IMAGE_TAG,
+# WITH_ONECCL, TORCH_INDEX_URL, INTEL_INDEX_URL (see README, "Containers").
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -15,7 +17,9 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ddplab-setup
 
-.PHONY: help setup run ui test test-unit test-distributed test-e2e lint bench doctor clean-runs
+.PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
+	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
+	multinode-down lint-docker
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -57,3 +61,60 @@ bench: $(STAMP) ## Benchmarks (prints ratios measured side by side)
 
 clean-runs: ## Delete the local MLflow store, artifacts and checkpoints (asks first)
 	@read -p "Delete mlflow.db, mlruns/ and checkpoints/? [y/N] " a && [ "$$a" = y ] && rm -rf mlflow.db mlruns checkpoints || echo kept
+
+# ---- containers (README, "Containers") ----
+REGISTRY        ?= ddplab
+IMAGE_TAG       ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
+GIT_SHA         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+WITH_ONECCL     ?= 1
+ONECCL_VERSION  ?= 2.7.0
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+CUDA_TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cu126
+INTEL_INDEX_URL ?= https://pytorch-extension.intel.com/release-whl/stable/cpu/us/
+CPU_IMAGE    := $(REGISTRY)/cpu-oneccl
+CUDA_IMAGE   := $(REGISTRY)/cuda-nccl
+MLFLOW_IMAGE := $(REGISTRY)/mlflow
+NNODES       ?= 2
+COMPOSE      := docker compose -f compose/multinode.yml
+# Same path inside and out: MLflow records absolute artifact paths, and both sides must agree.
+DOCKER_RUN   := docker run --rm --init --network host --shm-size 2g --user $$(id -u):$$(id -g) \
+	--group-add 0 -v "$(CURDIR)":"$(CURDIR)" -w "$(CURDIR)" -e MLFLOW_TRACKING_URI
+build = docker build -f docker/$(1)/Dockerfile --build-arg GIT_SHA=$(GIT_SHA) \
+	--build-arg IMAGE_REF=$(2):$(IMAGE_TAG) -t $(2):$(IMAGE_TAG) -t $(2):latest $(3) .
+
+images: image-cpu image-cuda image-mlflow ## Build every image (tags: git revision and latest)
+
+image-cpu: ## Build the CPU image (WITH_ONECCL=0 and TORCH_INDEX_URL=https://pypi.org/simple offline)
+	$(call build,cpu-oneccl,$(CPU_IMAGE),--build-arg WITH_ONECCL=$(WITH_ONECCL) \
+	  --build-arg ONECCL_LABEL=$(if $(filter 1,$(WITH_ONECCL)),$(ONECCL_VERSION)+cpu,absent) \
+	  --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) --build-arg INTEL_INDEX_URL=$(INTEL_INDEX_URL))
+
+image-cuda: ## Build the CUDA image (torch's CUDA build brings the CUDA runtime and NCCL)
+	$(call build,cuda-nccl,$(CUDA_IMAGE),--build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX_URL))
+
+image-mlflow: ## Build the MLflow tracking server image
+	$(call build,mlflow,$(MLFLOW_IMAGE),)
+
+run-cpu-oneccl: ## Run EXPERIMENT with NPROC ranks via torchrun in the CPU image, backend ccl
+	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
+	$(DOCKER_RUN) $(CPU_IMAGE):latest torchrun --standalone --nproc-per-node $(NPROC) -m ddplab \
+	  train $(EXPERIMENT) --set dist.backend=ccl --set dist.allow_backend_fallback=true $(ARGS)
+
+run-cuda-nccl: ## Run EXPERIMENT with NPROC GPUs via torchrun in the CUDA image, backend nccl
+	@docker info --format '{{json .Runtimes}}' | grep -q nvidia || command -v nvidia-container-cli >/dev/null \
+	  || { echo "error: no NVIDIA container runtime here: install the NVIDIA Container Toolkit (README, Containers)" >&2; exit 1; }
+	@docker image inspect $(CUDA_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cuda
+	$(DOCKER_RUN) --gpus all $(CUDA_IMAGE):latest torchrun --standalone --nproc-per-node $(NPROC) \
+	  -m ddplab train $(EXPERIMENT) --set dist.backend=nccl --set dist.device=cuda $(ARGS)
+
+run-multinode: ## Simulate NNODES nodes with compose; the MLflow UI stays up on localhost:5000
+	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
+	@docker image inspect $(MLFLOW_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mlflow
+	NNODES=$(NNODES) $(COMPOSE) up
+
+multinode-down: ## Stop the compose simulation and delete its volumes
+	$(COMPOSE) down -v
+
+lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose file
+	$(BIN)/hadolint docker/*/Dockerfile
+	$(COMPOSE) config --quiet

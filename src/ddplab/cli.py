@@ -3,12 +3,14 @@
     ddplab train EXPERIMENT.yaml [--set key.sub=value ...] [--summary-out summary.json]
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
+    ddplab launch --nnodes 2 --peers node -- EXPERIMENT.yaml [--set ...]   # one node of many
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import warnings
 
@@ -34,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the fully resolved experiment config")
     c.add_argument("experiment")
     c.add_argument("--set", dest="overrides", **overrides)
+    from .rendezvous import parser as launch_parser
+
+    launch_parser(sub)
     return p
 
 
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(load(args.experiment, args.overrides).to_yaml(), end="")
             return 0
+        if args.command == "launch":
+            return _launch(args)
         if args.command == "doctor":
             from .doctor import doctor
 
@@ -65,6 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{_rank_prefix()}ddplab: interrupted", file=sys.stderr)
         return 130
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .launch import LaunchError
+    from .rendezvous import launch
+
+    try:
+        return launch(args)
+    except (LaunchError, OSError, subprocess.CalledProcessError) as e:
+        print(f"ddplab launch: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 def _train(experiment: str, overrides: list[str], summary_out: str) -> int:

@@ -1,0 +1,20 @@
+#!/bin/sh
+# ddplab CPU image entrypoint: load oneCCL's runtime environment when the bindings are
+# installed, set oneCCL defaults the user has not set, then run the command unchanged.
+set -e
+
+# A function gets its own (empty) positional parameters, so setvars.sh cannot see ours.
+load_oneccl_env() {
+  if ccl_dir=$(python -c 'import torch, oneccl_bindings_for_pytorch as m; print(m.cwd)' 2>/dev/null) \
+     && [ -f "$ccl_dir/env/setvars.sh" ]; then
+    # shellcheck disable=SC1091
+    . "$ccl_dir/env/setvars.sh" >/dev/null 2>&1 \
+      || echo "entrypoint: warning: $ccl_dir/env/setvars.sh failed; ddplab sets the libfabric paths itself" >&2
+  fi
+}
+load_oneccl_env
+
+export CCL_ATL_TRANSPORT="${CCL_ATL_TRANSPORT:-ofi}"
+export CCL_WORKER_COUNT="${CCL_WORKER_COUNT:-1}"
+export CCL_ATL_SHM="${CCL_ATL_SHM:-1}"
+exec "$@"
