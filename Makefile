@@ -41,8 +41,8 @@ ui: $(STAMP) ## Open the MLflow UI on http://127.0.0.1:5000 (UI_PORT) over the s
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
-test: $(STAMP) ## Run every test tier (unit, distributed, end-to-end)
-	$(BIN)/pytest $(PYTEST_ARGS)
+test: $(STAMP) ## Run the test tiers that need no Docker: unit, distributed, end-to-end
+	$(BIN)/pytest -m "not container" $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Unit tests only (no process group, seconds)
 	$(BIN)/pytest -m "not distributed and not e2e and not container" $(PYTEST_ARGS)
@@ -52,6 +52,9 @@ test-distributed: $(STAMP) ## Multi-process tests on CPU (gloo)
 
 test-e2e: $(STAMP) ## End-to-end tests with the README's own commands
 	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
+
+test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make images`)
+	$(BIN)/pytest -m container $(PYTEST_ARGS)
 
 lint: $(STAMP) ## Lint the Python code
 	$(BIN)/ruff check src tests benchmarks
@@ -75,10 +78,11 @@ CPU_IMAGE    := $(REGISTRY)/cpu-oneccl
 CUDA_IMAGE   := $(REGISTRY)/cuda-nccl
 MLFLOW_IMAGE := $(REGISTRY)/mlflow
 NNODES       ?= 2
+DOCKER_ARGS  ?=
 COMPOSE      := docker compose -f compose/multinode.yml
 # Same path inside and out: MLflow records absolute artifact paths, and both sides must agree.
 DOCKER_RUN   := docker run --rm --init --network host --shm-size 2g --user $$(id -u):$$(id -g) \
-	--group-add 0 -v "$(CURDIR)":"$(CURDIR)" -w "$(CURDIR)" -e MLFLOW_TRACKING_URI
+	--group-add 0 -v "$(CURDIR)":"$(CURDIR)" -w "$(CURDIR)" -e MLFLOW_TRACKING_URI $(DOCKER_ARGS)
 build = docker build -f docker/$(1)/Dockerfile --build-arg GIT_SHA=$(GIT_SHA) \
 	--build-arg IMAGE_REF=$(2):$(IMAGE_TAG) -t $(2):$(IMAGE_TAG) -t $(2):latest $(3) .
 

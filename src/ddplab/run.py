@@ -243,6 +243,7 @@ class Fit:
             "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
             "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
             "ddplab.device": layout.device.type, "ddplab.hosts": ",".join(hosts),
+            "ddplab.rank0_host": socket.gethostname(),
             "ddplab.git_sha": capsule.git_sha(), "ddplab.image": capsule.container_image() or "none",
             "ddplab.threads_per_rank": layout.threads,
             "ddplab.pinned_cores": ",".join(map(str, layout.pinned)) or "none",
@@ -338,6 +339,8 @@ class Fit:
         summary = self.stats.summary(time.perf_counter() - self.t_start, self.le.world_size,
                                      self.cfg.global_batch(self.le.world_size), self.state.step)
         summary["checkpoint"] = str(self.ckpt.last) if self.ckpt.last else None
+        summary["tracking_busy_s"] = round(self.tracker.busy_s, 4)
+        summary["tracking_busy_frac"] = self.tracker.busy_s / max(summary["wall_time_s"], 1e-9)
         epoch_samples = self.loaders.sampler.num_samples * self.le.world_size
         summary["epoch_samples_per_s"] = [epoch_samples / t for t in self.stats.epoch_times]
         text = json.dumps(summary, indent=2)

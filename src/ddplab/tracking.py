@@ -65,6 +65,8 @@ class NullTracker:
     run_id: str = ""
     experiment_id: str = ""
     uri: str = ""
+    busy_s: float = 0.0
+    """Seconds the training process spent inside metric logging calls (what tracking costs it)."""
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
@@ -101,11 +103,13 @@ class MlflowTracker(NullTracker):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        t0 = time.perf_counter()
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         op = self.client.log_batch(self.run_id, metrics=batch, synchronous=self.synchronous)
         if op is not None:
             self.pending.append(op)
+        self.busy_s += time.perf_counter() - t0
 
     def log_text(self, text: str, name: str) -> None:
         self.client.log_text(self.run_id, text, name)

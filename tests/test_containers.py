@@ -1,0 +1,205 @@
+"""Container tier: the real Docker engine, the images from docker/, `make run-cpu-oneccl` and
+`docker compose -f compose/multinode.yml up`, checked through MLflow's REST API.
+
+Needs a running engine and the images (`.ci/run` brings up the engine with
+../shared/ci/container-engine.sh and builds the images first; locally: `make images`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, runs
+
+pytestmark = pytest.mark.container
+CPU_IMAGE, MLFLOW_IMAGE = "ddplab/cpu-oneccl:latest", "ddplab/mlflow:latest"
+SMALL = "--set data.train_samples=1536 --set data.eval_samples=512 --set train.epochs=2"
+
+
+def sh(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def images() -> None:
+    if sh(["docker", "info"], timeout=30).returncode:
+        pytest.fail("no Docker engine: run ../shared/ci/container-engine.sh (CI does) or start dockerd")
+    for image in (CPU_IMAGE, MLFLOW_IMAGE):
+        if sh(["docker", "image", "inspect", image], timeout=30).returncode:
+            pytest.fail(f"{image} is missing: build it with `make images` (CI: see .ci/run)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rest(base: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def all_runs(base: str) -> list[dict]:
+    exps = rest(base, "/api/2.0/mlflow/experiments/search", {"max_results": 100})["experiments"]
+    ids = [e["experiment_id"] for e in exps]
+    return rest(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": ids}).get("runs", [])
+
+
+def tags(run: dict) -> dict[str, str]:
+    return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+
+
+def metrics(run: dict) -> dict[str, float]:
+    return {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
+
+
+def test_images_carry_their_versions_and_run_as_non_root():
+    labels = json.loads(sh(["docker", "image", "inspect", CPU_IMAGE]).stdout)[0]["Config"]
+    assert labels["Labels"]["io.ddplab.torch"] == "2.7.1"
+    assert labels["Labels"]["io.ddplab.oneccl"] in ("absent", "2.7.0+cpu")
+    assert labels["User"] == "10001"
+    who = sh(["docker", "run", "--rm", CPU_IMAGE, "sh", "-c", "id -u; cat /opt/ddplab/image.json"])
+    assert who.returncode == 0, who.stderr
+    uid, found = who.stdout.split("\n", 1)
+    assert uid == "10001" and json.loads(found)["torch"].startswith("2.7.1")
+
+
+def test_dockerfiles_lint_clean():
+    out = sh([str(Path(sys.executable).parent / "hadolint"), *map(str, REPO.glob("docker/*/Dockerfile"))])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    out = sh(["make", "run-cpu-oneccl", f"MLFLOW_TRACKING_URI={store}",
+              f"DOCKER_ARGS=-v {tmp_path}:{tmp_path}", f"ARGS={SMALL} --set checkpoint.dir={tmp_path}/ck"],
+             cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run,) = runs(store)
+    t = run.data.tags
+    assert run.info.status == "FINISHED" and t["ddplab.world_size"] == "2"
+    assert t["ddplab.backend_requested"] == "ccl"
+    ccl_installed = json.loads(sh(["docker", "image", "inspect", CPU_IMAGE]).stdout)[0][
+        "Config"]["Labels"]["io.ddplab.oneccl"] != "absent"
+    # Honest tags: ccl when the bindings are in the image, else a recorded fallback to gloo.
+    assert t["ddplab.backend"] == ("ccl" if ccl_installed else "gloo")
+    assert ccl_installed or "fallback to gloo" in t["ddplab.backend_reason"]
+    assert t["ddplab.image"].startswith("ddplab/cpu-oneccl:")
+    assert t["ddplab.version.torch"].startswith("2.7.1") and t["ddplab.ipex"] == "used"
+
+
+class Compose:
+    """One isolated `docker compose -f compose/multinode.yml` project on a free port."""
+
+    def __init__(self, nnodes: int, nproc: int, extra_env: dict[str, str] | None = None) -> None:
+        self.project = f"ddplabtest{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")},
+                    "NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc), "MLFLOW_PORT": str(self.port),
+                    "COMPOSE_PROJECT_NAME": self.project, **(extra_env or {})}
+        self.cmd = ["docker", "compose", "-f", str(REPO / "compose" / "multinode.yml")]
+        self.proc: subprocess.Popen | None = None
+
+    def up(self) -> None:
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([*self.cmd, "up"], env=self.env, cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def wait_run(self, predicate, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                found = all_runs(self.base)
+                if found and predicate(found[0]):
+                    return found[0]
+            except OSError:
+                pass  # server still starting
+            time.sleep(2)
+        raise AssertionError(f"timed out; logs:\n{self.logs()[-4000:]}")
+
+    def node_exit_codes(self) -> list[int]:
+        out = sh([*self.cmd, "ps", "-a", "--format", "json", "node"], env=self.env, cwd=REPO)
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return [r["ExitCode"] for r in rows if r["State"] == "exited"]
+
+    def logs(self) -> str:
+        return sh([*self.cmd, "logs", "--no-color"], env=self.env, cwd=REPO).stdout
+
+    def down(self) -> None:
+        if self.proc:
+            self.proc.kill()
+        sh([*self.cmd, "down", "-v", "--remove-orphans"], env=self.env, cwd=REPO, timeout=180)
+
+
+@pytest.fixture
+def compose_factory():
+    made: list[Compose] = []
+
+    def make(nnodes: int, nproc: int, **env: str) -> Compose:
+        made.append(Compose(nnodes, nproc, env))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.down()
+        left = sh(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={c.project}"])
+        volumes = sh(["docker", "volume", "ls", "-q", "--filter",
+                      f"label=com.docker.compose.project={c.project}"])
+        assert not left.stdout.strip() and not volumes.stdout.strip(), "down -v left something"
+
+
+def finished(run: dict) -> bool:
+    return run["info"]["status"] in ("FINISHED", "FAILED", "KILLED")
+
+
+@pytest.mark.parametrize("nnodes, nproc", [(2, 1), (2, 2)])
+def test_compose_multinode_gives_one_run_across_nodes(compose_factory, nnodes, nproc):
+    c = compose_factory(nnodes, nproc)
+    c.up()
+    run = c.wait_run(finished, timeout=600)
+    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
+    t, m = tags(run), metrics(run)
+    assert t["ddplab.world_size"] == str(nnodes * nproc) and t["ddplab.nnodes"] == str(nnodes)
+    assert len(t["ddplab.hosts"].split(",")) == nnodes  # every node's hostname
+    for node in range(nnodes):
+        assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in m), sorted(m)
+    assert m["eval/accuracy"] > 0.3  # chance is 0.1
+    assert len(all_runs(c.base)) == 1  # one job, one run
+    deadline = time.monotonic() + 120
+    while len(c.node_exit_codes()) < nnodes and time.monotonic() < deadline:
+        time.sleep(1)
+    assert c.node_exit_codes() == [0] * nnodes
+
+
+def test_a_killed_node_fails_the_job_in_bounded_time(compose_factory):
+    c = compose_factory(2, 1)
+    c.up()
+    run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
+    rank0_host = tags(run)["ddplab.rank0_host"]
+    ids = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
+              "--filter", "label=com.docker.compose.service=node"]).stdout.split()
+    victim = next(i for i in ids if not rank0_host.startswith(i[:12]))
+    t0 = time.monotonic()
+    sh(["docker", "kill", victim])
+    run = c.wait_run(finished, timeout=240)
+    assert run["info"]["status"] == "FAILED"
+    deadline = time.monotonic() + 240
+    while len(c.node_exit_codes()) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    codes = c.node_exit_codes()
+    assert len(codes) == 2 and all(code != 0 for code in codes), codes
+    assert time.monotonic() - t0 < 240
