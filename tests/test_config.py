@@ -90,3 +90,13 @@ def test_shipped_experiments_load_and_open_with_their_command(path):
     assert any("ddplab train" in line or "make " in line for line in head), head
     assert any("global batch" in line.lower() for line in path.read_text().splitlines()[:12])
     assert cfg.model.name in MODEL_NAMES
+
+
+def test_env_overrides_sit_between_file_and_command_line(tmp_path):
+    from ddplab.config import env_overrides
+
+    env = {"DDPLAB_SET": "train.epochs=5  optim.lr=0.2"}
+    p = write(tmp_path, "train:\n  epochs: 2\n")
+    cfg = load(p, env_overrides(env) + ["optim.lr=0.3"])
+    assert (cfg.train.epochs, cfg.optim.lr) == (5, 0.3)
+    assert env_overrides({}) == []

@@ -51,7 +51,10 @@ def _rank_prefix() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .config import ConfigError
+    from .config import ConfigError, env_overrides
+
+    if hasattr(args, "overrides"):
+        args.overrides = env_overrides() + args.overrides
 
     try:
         if args.command == "config":

@@ -1,6 +1,8 @@
 """Typed experiment schema: load a YAML file, apply ``--set`` overrides, validate.
 
-One precedence rule: field defaults < experiment file < ``--set key.sub=value`` overrides.
+One precedence rule: field defaults < experiment file < ``$DDPLAB_SET`` < ``--set key.sub=value``.
+``DDPLAB_SET`` holds whitespace-separated ``key=value`` items, for containers and manifests
+whose command line is fixed (``DDPLAB_SET="train.epochs=2 data.batch_size=64"``).
 Every error names where the bad value came from (the file or ``--set``), the dotted key,
 the value and what is allowed. Imports nothing heavy: ``ddplab --help`` and config errors
 must be instant.
@@ -351,8 +353,16 @@ def _apply(raw: dict[str, Any], path: list[str], value: Any, item: str) -> None:
     node[path[-1]] = value
 
 
+def env_overrides(env: dict[str, str] | None = None) -> list[str]:
+    """The ``DDPLAB_SET`` items, which come before (so lose to) command-line ``--set``."""
+    import os
+
+    return ((env if env is not None else os.environ).get("DDPLAB_SET") or "").split()
+
+
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """defaults < file < overrides, validated; errors are ConfigError naming file/--set and key."""
+    """defaults < file < overrides, validated; errors are ConfigError naming file/--set and key.
+    Callers put ``env_overrides()`` first in ``overrides`` to honour $DDPLAB_SET."""
     raw: dict[str, Any] = {}
     source = "defaults"
     if path is not None:

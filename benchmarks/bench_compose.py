@@ -1,0 +1,92 @@
+"""Compose benchmark: 2 node containers x 1 rank vs 2 ranks in one container, same image,
+same experiment, measured side by side (interleaved) in one run.
+
+    python benchmarks/bench_compose.py [--reps 2]        (needs `make images`)
+
+Prints the throughput ratio (last epoch, wall clock, from each run's summary.json) and the
+time from the launch command (`docker compose up` / `docker run`) to the first training step
+(the timestamp of the run's train/time_to_first_step_s metric).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+REPO = Path(__file__).resolve().parents[1]
+SET = "data.train_samples=6144 train.epochs=2 checkpoint.resume=never"
+
+
+def first_step_and_throughput(client: MlflowClient, run_id: str, t_launch: float,
+                              tmp: str) -> tuple[float, float]:
+    (m,) = client.get_metric_history(run_id, "train/time_to_first_step_s")
+    summary = json.loads(Path(client.download_artifacts(run_id, "summary.json", tmp)).read_text())
+    return m.timestamp / 1000 - t_launch, summary["epoch_samples_per_s"][-1]
+
+
+def one_container(tmp: str) -> tuple[float, float]:
+    store = f"sqlite:///{tmp}/single.db"
+    t0 = time.time()
+    subprocess.run(["docker", "run", "--rm", "--shm-size", "2g", "-v", f"{tmp}:{tmp}",
+                    "-e", f"MLFLOW_TRACKING_URI={store}", "-e", f"DDPLAB_SET={SET}",
+                    "ddplab/cpu-oneccl:latest", "torchrun", "--standalone", "--nproc-per-node=2",
+                    "-m", "ddplab", "train", "experiments/quickstart.yaml",
+                    "--set", f"checkpoint.dir={tmp}/ck"], check=True, capture_output=True)
+    client = MlflowClient(store)
+    run = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id],
+                             order_by=["start_time DESC"])[0]
+    return first_step_and_throughput(client, run.info.run_id, t0, tmp)
+
+
+def compose(tmp: str) -> tuple[float, float]:
+    project, port = f"ddplabbench{uuid.uuid4().hex[:6]}", "5077"
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "MLFLOW_PORT": port, "NNODES": "2",
+           "NPROC_PER_NODE": "1", "DDPLAB_SET": SET}
+    cmd = ["docker", "compose", "-f", str(REPO / "compose" / "multinode.yml")]
+    subprocess.run([*cmd, "up", "-d", "--wait", "mlflow"], env=env, check=True, capture_output=True)
+    try:
+        t0 = time.time()
+        subprocess.run([*cmd, "up", "node"], env=env, check=True, capture_output=True)
+        base = f"http://127.0.0.1:{port}"
+        client = MlflowClient(base)
+        run = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])[0]
+        assert run.info.status == "FINISHED", run.info.status
+        return first_step_and_throughput(client, run.info.run_id, t0, tmp)
+    finally:
+        subprocess.run([*cmd, "down", "-v"], env=env, capture_output=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=2)
+    a = p.parse_args()
+    res: dict[str, list[tuple[float, float]]] = {"one container, 2 ranks": [],
+                                                 "compose, 2 nodes x 1 rank": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o777)  # the image's non-root user writes the store here
+        for rep in range(a.reps):
+            order = [one_container, compose] if rep % 2 == 0 else [compose, one_container]
+            for fn in order:
+                name = "one container, 2 ranks" if fn is one_container else "compose, 2 nodes x 1 rank"
+                res[name].append(fn(tmp))
+                print(f"rep {rep + 1}: {name:28s} first step after {res[name][-1][0]:5.1f}s, "
+                      f"{res[name][-1][1]:7.1f} samples/s", flush=True)
+    med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
+           for k, v in res.items()}
+    single, multi = med["one container, 2 ranks"], med["compose, 2 nodes x 1 rank"]
+    print(f"\ncompose / one container throughput: {multi[1] / single[1]:.3f} (target >= 0.90)")
+    print(f"launch -> first step: compose {multi[0]:.1f}s, one container {single[0]:.1f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
