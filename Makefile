@@ -19,7 +19,7 @@ STAMP := $(VENV)/.ddplab-setup
 
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
-	multinode-down lint-docker
+	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -41,8 +41,11 @@ ui: $(STAMP) ## Open the MLflow UI on http://127.0.0.1:5000 (UI_PORT) over the s
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
-test: $(STAMP) ## Run the test tiers that need no Docker: unit, distributed, end-to-end
-	$(BIN)/pytest -m "not container" $(PYTEST_ARGS)
+test: $(STAMP) ## Run the test tiers that need no Docker or Open MPI: unit, distributed, end-to-end
+	$(BIN)/pytest -m "not container and not mpi" $(PYTEST_ARGS)
+
+test-mpi: $(STAMP) ## Native mpirun tests (needs Open MPI: apt-get install openmpi-bin)
+	$(BIN)/pytest -m mpi $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Unit tests only (no process group, seconds)
 	$(BIN)/pytest -m "not distributed and not e2e and not container" $(PYTEST_ARGS)
@@ -77,6 +80,10 @@ INTEL_INDEX_URL ?= https://pytorch-extension.intel.com/release-whl/stable/cpu/us
 CPU_IMAGE    := $(REGISTRY)/cpu-oneccl
 CUDA_IMAGE   := $(REGISTRY)/cuda-nccl
 MLFLOW_IMAGE := $(REGISTRY)/mlflow
+MPI_IMAGE    := $(REGISTRY)/openmpi
+MPI_RUNTIME  ?= cpu
+SLOTS        ?= 1
+COMPOSE_MPI  := docker compose -f compose/mpi.yml
 NNODES       ?= 2
 DOCKER_ARGS  ?=
 COMPOSE      := docker compose -f compose/multinode.yml
@@ -86,7 +93,7 @@ DOCKER_RUN   := docker run --rm --init --network host --shm-size 2g --user $$(id
 build = docker build -f docker/$(1)/Dockerfile --build-arg GIT_SHA=$(GIT_SHA) \
 	--build-arg IMAGE_REF=$(2):$(IMAGE_TAG) -t $(2):$(IMAGE_TAG) -t $(2):latest $(3) .
 
-images: image-cpu image-cuda image-mlflow ## Build every image (tags: git revision and latest)
+images: image-cpu image-cuda image-mlflow image-mpi ## Build every image (tags: git revision and latest)
 
 image-cpu: ## Build the CPU image (WITH_ONECCL=0 and TORCH_INDEX_URL=https://pypi.org/simple offline)
 	$(call build,cpu-oneccl,$(CPU_IMAGE),--build-arg WITH_ONECCL=$(WITH_ONECCL) \
@@ -98,6 +105,12 @@ image-cuda: ## Build the CUDA image (torch's CUDA build brings the CUDA runtime 
 
 image-mlflow: ## Build the MLflow tracking server image
 	$(call build,mlflow,$(MLFLOW_IMAGE),)
+
+image-mpi: ## Build the Open MPI image on the CPU image (MPI_RUNTIME=cuda: on the CUDA image)
+	@docker image inspect $(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-oneccl):latest \
+	  >/dev/null 2>&1 || $(MAKE) image-$(MPI_RUNTIME)
+	$(call build,openmpi,$(MPI_IMAGE),--build-arg \
+	  RUNTIME_IMAGE=$(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-oneccl):latest)
 
 run-cpu-oneccl: ## Run EXPERIMENT with NPROC ranks via torchrun in the CPU image, backend ccl
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
@@ -119,6 +132,15 @@ run-multinode: ## Simulate NNODES nodes with compose; the MLflow UI stays up on 
 multinode-down: ## Stop the compose simulation and delete its volumes
 	$(COMPOSE) down -v
 
+run-mpi-multinode: ## mpirun across NNODES worker containers x SLOTS ranks (compose/mpi.yml)
+	@docker image inspect $(MPI_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mpi
+	@docker image inspect $(MLFLOW_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mlflow
+	NNODES=$(NNODES) SLOTS=$(SLOTS) $(COMPOSE_MPI) up
+
+mpi-down: ## Stop the MPI simulation and delete its volumes
+	$(COMPOSE_MPI) down -v
+
 lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose file
 	$(BIN)/hadolint docker/*/Dockerfile
 	$(COMPOSE) config --quiet
+	$(COMPOSE_MPI) config --quiet

@@ -23,6 +23,7 @@ from tests.conftest import REPO, runs
 
 pytestmark = pytest.mark.container
 CPU_IMAGE, MLFLOW_IMAGE = "ddplab/cpu-oneccl:latest", "ddplab/mlflow:latest"
+MPI_IMAGE = "ddplab/openmpi:latest"
 SMALL = "--set data.train_samples=1536 --set data.eval_samples=512 --set train.epochs=2"
 
 
@@ -34,7 +35,7 @@ def sh(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
 def images() -> None:
     if sh(["docker", "info"], timeout=30).returncode:
         pytest.fail("no Docker engine: run ../shared/ci/container-engine.sh (CI does) or start dockerd")
-    for image in (CPU_IMAGE, MLFLOW_IMAGE):
+    for image in (CPU_IMAGE, MLFLOW_IMAGE, MPI_IMAGE):
         if sh(["docker", "image", "inspect", image], timeout=30).returncode:
             pytest.fail(f"{image} is missing: build it with `make images` (CI: see .ci/run)")
 
@@ -104,14 +105,17 @@ def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
 class Compose:
     """One isolated `docker compose -f compose/multinode.yml` project on a free port."""
 
-    def __init__(self, nnodes: int, nproc: int, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, nnodes: int, nproc: int, extra_env: dict[str, str] | None = None,
+                 file: str = "multinode.yml", service: str = "node") -> None:
+        self.service = service
         self.project = f"ddplabtest{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")},
-                    "NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc), "MLFLOW_PORT": str(self.port),
+                    "NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc), "SLOTS": str(nproc),
+                    "MLFLOW_PORT": str(self.port),
                     "COMPOSE_PROJECT_NAME": self.project, **(extra_env or {})}
-        self.cmd = ["docker", "compose", "-f", str(REPO / "compose" / "multinode.yml")]
+        self.cmd = ["docker", "compose", "-f", str(REPO / "compose" / file)]
         self.proc: subprocess.Popen | None = None
 
     def up(self) -> None:
@@ -131,8 +135,9 @@ class Compose:
             time.sleep(2)
         raise AssertionError(f"timed out; logs:\n{self.logs()[-4000:]}")
 
-    def node_exit_codes(self) -> list[int]:
-        out = sh([*self.cmd, "ps", "-a", "--format", "json", "node"], env=self.env, cwd=REPO)
+    def node_exit_codes(self, service: str = "") -> list[int]:
+        out = sh([*self.cmd, "ps", "-a", "--format", "json", service or self.service],
+                 env=self.env, cwd=REPO)
         rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
         return [r["ExitCode"] for r in rows if r["State"] == "exited"]
 
@@ -149,8 +154,9 @@ class Compose:
 def compose_factory():
     made: list[Compose] = []
 
-    def make(nnodes: int, nproc: int, **env: str) -> Compose:
-        made.append(Compose(nnodes, nproc, env))
+    def make(nnodes: int, nproc: int, file: str = "multinode.yml", service: str = "node",
+             **env: str) -> Compose:
+        made.append(Compose(nnodes, nproc, env, file, service))
         return made[-1]
 
     yield make
@@ -203,3 +209,61 @@ def test_a_killed_node_fails_the_job_in_bounded_time(compose_factory):
     codes = c.node_exit_codes()
     assert len(codes) == 2 and all(code != 0 for code in codes), codes
     assert time.monotonic() - t0 < 240
+
+
+def exec_in(c: Compose, service: str, script: str) -> subprocess.CompletedProcess:
+    return sh([*c.cmd, "exec", "-T", service, "sh", "-c", script], env=c.env, cwd=REPO)
+
+
+@pytest.mark.parametrize("nnodes, slots", [(2, 1), (2, 2)])
+def test_compose_mpi_gives_one_openmpi_run(compose_factory, nnodes, slots):
+    c = compose_factory(nnodes, slots, file="mpi.yml", service="worker")
+    c.up()
+    run = c.wait_run(finished, timeout=600)
+    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
+    t = tags(run)
+    assert (t["ddplab.launcher"], t["ddplab.world_size"]) == ("openmpi", str(nnodes * slots))
+    assert t["ddplab.nnodes"] == str(nnodes) and len(t["ddplab.hosts"].split(",")) == nnodes
+    assert t["ddplab.image"].startswith("ddplab/openmpi:")
+    deadline = time.monotonic() + 120
+    while len(c.node_exit_codes("launcher")) < 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert c.node_exit_codes("launcher") == [0]
+    while len(c.node_exit_codes()) < nnodes and time.monotonic() < deadline:
+        time.sleep(1)
+    assert c.node_exit_codes() == [0] * nnodes  # workers stop when the job is done
+
+
+def test_mpi_ssh_trusts_only_this_jobs_host_keys_and_a_killed_worker_fails_the_job(compose_factory):
+    c = compose_factory(2, 1, file="mpi.yml", service="worker", DDPLAB_SET="train.epochs=6")
+    c.up()
+    run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
+    ssh = ("ssh -p 2222 -i ~/.ssh/ddplab_job_ed25519 -o BatchMode=yes -o StrictHostKeyChecking=yes "
+           "-o ConnectTimeout=5")
+    ips = exec_in(c, "launcher", "getent ahostsv4 worker | awk '{print $1}' | sort -u").stdout.split()
+    assert len(ips) == 2
+    ok = exec_in(c, "launcher", f"{ssh} -o UserKnownHostsFile=~/.ssh/ddplab_known_hosts {ips[0]} true")
+    assert ok.returncode == 0, ok.stderr
+    # An empty known_hosts: the worker's key is unknown, and ssh refuses it (no TOFU).
+    unknown = exec_in(c, "launcher", f"{ssh} -o UserKnownHostsFile=/dev/null {ips[0]} true")
+    assert unknown.returncode != 0 and "Host key verification failed" in unknown.stderr
+    # Worker 0's key presented as worker 1's: refused as well.
+    known = exec_in(c, "launcher", "cat ~/.ssh/ddplab_known_hosts").stdout.splitlines()
+    other_key = next(line for line in known if line.startswith(f"[{ips[1]}]")).split(" ", 1)[1]
+    swapped = exec_in(c, "launcher", f"echo '[{ips[0]}]:2222 {other_key}' > /tmp/kh && "
+                      f"{ssh} -o UserKnownHostsFile=/tmp/kh {ips[0]} true")
+    assert swapped.returncode != 0, swapped.stderr
+
+    rank0_host = tags(run)["ddplab.rank0_host"]
+    ids = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
+              "--filter", "label=com.docker.compose.service=worker"]).stdout.split()
+    victim = next(i for i in ids if not rank0_host.startswith(i[:12]))
+    t0 = time.monotonic()
+    sh(["docker", "kill", victim])
+    run = c.wait_run(finished, timeout=240)
+    assert run["info"]["status"] == "FAILED"
+    deadline = time.monotonic() + 240
+    while not c.node_exit_codes("launcher") and time.monotonic() < deadline:
+        time.sleep(1)
+    assert c.node_exit_codes("launcher") and c.node_exit_codes("launcher")[0] != 0
+    assert time.monotonic() - t0 < 240  # Open MPI is fail-stop: no hang

@@ -4,6 +4,7 @@
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
     ddplab launch --nnodes 2 --peers node -- EXPERIMENT.yaml [--set ...]   # one node of many
+    ddplab mpi worker | ddplab mpi launch --nnodes 2 --slots 1 -- EXPERIMENT.yaml  # Open MPI
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the fully resolved experiment config")
     c.add_argument("experiment")
     c.add_argument("--set", dest="overrides", **overrides)
+    from .mpi import parser as mpi_parser
     from .rendezvous import parser as launch_parser
 
     launch_parser(sub)
+    mpi_parser(sub)
     return p
 
 
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(load(args.experiment, args.overrides).to_yaml(), end="")
             return 0
-        if args.command == "launch":
+        if args.command in ("launch", "mpi"):
             return _launch(args)
         if args.command == "doctor":
             from .doctor import doctor
@@ -78,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from . import mpi, rendezvous
     from .launch import LaunchError
-    from .rendezvous import launch
 
     try:
-        return launch(args)
+        return mpi.main(args) if args.command == "mpi" else rendezvous.launch(args)
     except (LaunchError, OSError, subprocess.CalledProcessError) as e:
-        print(f"ddplab launch: error: {e}", file=sys.stderr)
+        print(f"ddplab {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
 
 

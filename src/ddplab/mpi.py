@@ -1,0 +1,244 @@
+"""Open MPI across containers: per-job ssh keys, bounded waits, then ``mpirun``.
+
+    ddplab mpi worker                       # on every worker: sshd with a host key made now
+    ddplab mpi launch --nnodes 2 --slots 1 --peers worker -- experiments/quickstart.yaml
+
+The worker and the launcher meet in a shared directory (``--keys-dir``, a job-private volume):
+
+- the launcher makes a job nonce and a per-job user key, writes ``jobs/<nonce>/id.pub`` and
+  then announces the nonce in ``current`` (an older announcement, left by an earlier job on a
+  reused volume, is ignored by workers started after it);
+- each worker waits (bounded) for the announcement, installs the launcher's key as its only
+  authorized key (``~/.ssh`` 0700, StrictModes on), generates its own ed25519 host key, starts a
+  non-root ``sshd`` on ``--ssh-port`` (2222) and publishes ``jobs/<nonce>/hosts/<address>.pub``;
+- the launcher waits (bounded) until every worker's host key is published and its sshd answers,
+  writes a ``known_hosts`` with exactly those keys and runs ``mpirun`` with
+  ``StrictHostKeyChecking=yes`` (a host whose key was not published for this job is refused),
+  forwarding SIGTERM/SIGINT to it; when it ends it writes ``jobs/<nonce>/done`` and the workers
+  stop their sshd and exit, so ``docker compose up`` returns.
+
+No key is ever baked into an image, and ``mpirun`` runs as the image's non-root user.
+The equivalent of the book's chapter 11 line
+``mpirun -x MASTER_ADDR -x MASTER_PORT --np 16 --host machine1:8,machine2:8 ...``
+is what ``launch`` builds, with the addresses it found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from .launch import LaunchError
+from .rendezvous import local_addresses, plan, port_answers, wait_for, wait_for_peers
+
+# What ranks on the workers need from the launcher's environment (ssh sessions start clean).
+FORWARD = ("PATH", "LD_PRELOAD", "HOME", "PYTHONUNBUFFERED", "DDPLAB_IMAGE", "DDPLAB_GIT_SHA",
+           "DDPLAB_SET", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME",
+           "MLFLOW_TRACKING_PASSWORD", "CCL_ATL_TRANSPORT", "CCL_WORKER_COUNT", "CCL_ATL_SHM",
+           "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "FI_TCP_IFACE", "CCL_KVS_IFACE", "FI_PROVIDER")
+
+SSHD_CONFIG = """\
+Port {port}
+ListenAddress 0.0.0.0
+HostKey {host_key}
+PidFile {run_dir}/sshd.pid
+AuthorizedKeysFile {home}/.ssh/authorized_keys
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+PermitRootLogin no
+UsePAM no
+StrictModes yes
+AllowUsers {user}
+PrintMotd no
+LogLevel ERROR
+"""
+
+
+def say(text: str) -> None:
+    print(f"[ddplab mpi] {text}", file=sys.stderr, flush=True)
+
+
+def keygen(path: Path, comment: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    path.with_suffix(".pub").unlink(missing_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+                   check=True)
+
+
+def known_hosts(keys_dir: Path, addresses: list[str], port: int) -> str:
+    """``[addr]:port keytype key`` for exactly the hosts of this job."""
+    lines = []
+    for addr in addresses:
+        keytype, key = (keys_dir / "hosts" / f"{addr}.pub").read_text().split()[:2]
+        lines.append(f"[{addr}]:{port} {keytype} {key}")
+    return "\n".join(lines) + "\n"
+
+
+def ssh_options(key: Path, known: Path, port: int) -> list[str]:
+    return ["-p", str(port), "-i", str(key), "-o", "IdentitiesOnly=yes",
+            "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
+            "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ConnectionAttempts=5"]
+
+
+def peer_network(peer: str) -> str:
+    """The CIDR of this machine's interface that reaches ``peer`` (Open MPI accepts CIDRs, which
+    hold across containers whose interface names differ)."""
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.netmask and addr.family.name == "AF_INET":
+                net = ipaddress.ip_interface(f"{addr.address}/{addr.netmask}").network
+                if ipaddress.ip_address(peer) in net and not net.is_loopback:
+                    return str(net)
+    raise LaunchError(f"no interface of this machine is on the network of worker {peer}")
+
+
+def mpirun_argv(a: argparse.Namespace, hosts: list[str], ssh_opts: list[str], network: str,
+                env: dict[str, str]) -> list[str]:
+    forward = [x for name in FORWARD if name in env for x in ("-x", name)]
+    return [
+        "mpirun", "-np", str(a.nnodes * a.slots),
+        "--host", ",".join(f"{h}:{a.slots}" for h in hosts),
+        "--map-by", "slot", "--bind-to", "none",
+        "--mca", "plm_rsh_agent", "ssh", "--mca", "plm_rsh_args", " ".join(ssh_opts),
+        # Pin Open MPI's own traffic to the workers' network (the wrong-interface trap).
+        "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", network,
+        "--mca", "oob_tcp_if_include", network,
+        "-x", f"MASTER_ADDR={hosts[0]}", "-x", f"MASTER_PORT={a.master_port}",
+        *forward,
+        shutil.which("ddplab") or "ddplab", "train", *a.train_args,
+    ]
+
+
+def current_job(keys: Path, newer_than: float) -> str | None:
+    """The nonce of the job the launcher announced after ``newer_than`` (stale ones ignored)."""
+    marker = keys / "current"
+    try:
+        if marker.stat().st_mtime >= newer_than:
+            return marker.read_text().strip() or None
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def worker(a: argparse.Namespace) -> int:
+    import getpass
+
+    import psutil
+
+    # Compose starts the workers before the launcher (depends_on), so the launcher's
+    # announcement is newer than this process; one left by an earlier job is older.
+    born = psutil.Process().create_time() - 1.0
+    keys = Path(a.keys_dir)
+    me = plan(wait_for_peers(a.peers, a.nnodes, a.wait_timeout), local_addresses()).me
+    say(f"worker {me}: waiting for the launcher to announce a job in {keys}")
+    nonce = wait_for(lambda: current_job(keys, born), a.wait_timeout,
+                     lambda: f"a job announced in {keys}/current")
+    job = keys / "jobs" / str(nonce)
+    run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "ddplab-sshd"
+    host_key = run_dir / "ssh_host_ed25519_key"
+    keygen(host_key, f"ddplab-worker-{me}")
+    home = Path.home()
+    ssh_dir = home / ".ssh"
+    ssh_dir.mkdir(mode=0o700, exist_ok=True)
+    ssh_dir.chmod(0o700)
+    auth = ssh_dir / "authorized_keys"
+    auth.write_text((job / "id.pub").read_text())
+    auth.chmod(0o600)
+    cfg = run_dir / "sshd_config"
+    cfg.write_text(SSHD_CONFIG.format(port=a.ssh_port, host_key=host_key, run_dir=run_dir,
+                                      home=home, user=getpass.getuser()))
+    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)])
+    (job / "hosts").mkdir(parents=True, exist_ok=True)
+    tmp = job / "hosts" / f".{me}.pub"
+    shutil.copyfile(host_key.with_suffix(".pub"), tmp)
+    os.replace(tmp, job / "hosts" / f"{me}.pub")
+    say(f"worker {me}: sshd on port {a.ssh_port} for job {nonce}; host key published")
+    while sshd.poll() is None and not (job / "done").exists():
+        time.sleep(1)
+    if sshd.poll() is None:
+        sshd.terminate()
+        sshd.wait(timeout=30)
+        say(f"worker {me}: job {nonce} ended ({(job / 'done').read_text().strip()}); stopping")
+        return 0
+    return sshd.returncode or 1
+
+
+def run_forwarding_signals(argv: list[str]) -> int:
+    """Run ``argv`` as a child, passing SIGTERM/SIGINT on, so mpirun cleans up its ranks."""
+    child = subprocess.Popen(argv)
+
+    def forward(signum: int, frame: object) -> None:
+        child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    return child.wait()
+
+
+def launch(a: argparse.Namespace) -> int:
+    if a.train_args[:1] == ["--"]:
+        a.train_args = a.train_args[1:]
+    if not a.train_args:
+        raise LaunchError("give the experiment after --, e.g. -- experiments/quickstart.yaml")
+    keys = Path(a.keys_dir)
+    hosts = wait_for_peers(a.peers, a.nnodes, a.wait_timeout)
+    nonce = uuid.uuid4().hex
+    job = keys / "jobs" / nonce
+    job.mkdir(parents=True)
+    key = Path.home() / ".ssh" / "ddplab_job_ed25519"
+    keygen(key, f"ddplab-launcher-{nonce}")
+    shutil.copyfile(key.with_suffix(".pub"), job / "id.pub")
+    (keys / ".current").write_text(nonce)
+    os.replace(keys / ".current", keys / "current")  # announce only once id.pub is complete
+    say(f"job {nonce} announced; waiting for {len(hosts)} worker(s)")
+    for h in hosts:
+        wait_for(lambda h=h: (job / "hosts" / f"{h}.pub").exists() and port_answers(h, a.ssh_port),
+                 a.wait_timeout, lambda h=h: f"worker {h}'s host key and sshd on port {a.ssh_port}")
+    known = key.parent / "ddplab_known_hosts"
+    known.write_text(known_hosts(job, hosts, a.ssh_port))
+    argv = mpirun_argv(a, hosts, ssh_options(key, known, a.ssh_port), peer_network(hosts[0]),
+                       dict(os.environ))
+    say(f"{a.nnodes} worker(s) ready: {' '.join(argv[:6])} ...")
+    rc = run_forwarding_signals(argv)
+    (job / "done").write_text(f"mpirun exit code {rc}")
+    say(f"mpirun exited with {rc}")
+    return rc
+
+
+def parser(sub: argparse._SubParsersAction) -> None:
+    e = os.environ
+    m = sub.add_parser("mpi", help="Open MPI across containers: ssh workers and the mpirun launcher")
+    ms = m.add_subparsers(dest="mpi_command", required=True)
+    for name in ("worker", "launch"):
+        p = ms.add_parser(name)
+        p.add_argument("--nnodes", type=int, default=int(e.get("NNODES", "2")))
+        p.add_argument("--peers", default=e.get("DDPLAB_PEERS", "worker"),
+                       help="DNS name that resolves to every worker")
+        p.add_argument("--keys-dir", default=e.get("DDPLAB_KEYS_DIR", "/ssh"),
+                       help="job-private directory shared by the launcher and the workers")
+        p.add_argument("--ssh-port", type=int, default=int(e.get("DDPLAB_SSH_PORT", "2222")))
+        p.add_argument("--wait-timeout", type=float,
+                       default=float(e.get("DDPLAB_WAIT_TIMEOUT", "180")))
+    launch_p = ms.choices["launch"]
+    launch_p.add_argument("--slots", type=int, default=int(e.get("SLOTS", "1")),
+                          help="ranks per worker")
+    launch_p.add_argument("--master-port", type=int, default=29500)
+    launch_p.add_argument("train_args", nargs=argparse.REMAINDER,
+                          help="-- EXPERIMENT.yaml [--set key=value ...]")
+
+
+def main(a: argparse.Namespace) -> int:
+    return worker(a) if a.mpi_command == "worker" else launch(a)

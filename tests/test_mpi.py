@@ -1,0 +1,42 @@
+"""MPI tier: a real, native `mpirun` (Open MPI) launching ddplab on this machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUICK, REPO, job_env, runs
+
+pytestmark = pytest.mark.mpi
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_native_mpirun_gives_one_finished_run(tmp_path, store):
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "Open MPI is not installed: apt-get install openmpi-bin (CI does)"
+    env = job_env(store, MASTER_PORT=str(free_port()))
+    if os.geteuid() == 0:  # CI runs as root; the images never do (they run as uid 10001)
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    out = subprocess.run(
+        [mpirun, "--oversubscribe", "-np", "2", "-x", "MLFLOW_TRACKING_URI", "-x", "MASTER_PORT",
+         "-x", "PATH", str(Path(sys.executable).parent / "ddplab"), "train",
+         str(REPO / "experiments" / "quickstart.yaml"), *QUICK],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    t = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nproc_per_node"]) == (
+        "openmpi", "2", "2")
+    assert run.data.metrics["eval/accuracy"] > 0
