@@ -37,10 +37,11 @@ def first_step_and_throughput(client: MlflowClient, run_id: str, t_launch: float
 def one_container(tmp: str) -> tuple[float, float]:
     store = f"sqlite:///{tmp}/single.db"
     t0 = time.time()
-    subprocess.run(["docker", "run", "--rm", "--shm-size", "2g", "-v", f"{tmp}:{tmp}",
+    # Same path inside and out, and it is the working dir: MLflow's ./mlruns lands on the host.
+    subprocess.run(["docker", "run", "--rm", "--shm-size", "2g", "-v", f"{tmp}:{tmp}", "-w", tmp,
                     "-e", f"MLFLOW_TRACKING_URI={store}", "-e", f"DDPLAB_SET={SET}",
                     "ddplab/cpu-oneccl:latest", "torchrun", "--standalone", "--nproc-per-node=2",
-                    "-m", "ddplab", "train", "experiments/quickstart.yaml",
+                    "-m", "ddplab", "train", "/workspace/experiments/quickstart.yaml",
                     "--set", f"checkpoint.dir={tmp}/ck"], check=True, capture_output=True)
     client = MlflowClient(store)
     run = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id],

@@ -100,3 +100,12 @@ def test_ccl_defaults_respect_user_values(tmp_path):
 def test_ccl_defaults_single_node_without_package_libfabric():
     out = backend.ccl_env_defaults(LaunchEnv("none", 0, 1, 0, 1, 0, "127.0.0.1", 29500), None, {})
     assert "FI_PROVIDER" not in out and "CCL_OFI_LIBRARY_PATH" not in out
+
+
+@pytest.mark.parametrize("text, expected", [("max 100000", None), ("150000 100000", 1.5),
+                                            ("50000 100000", 0.5)])
+def test_cgroup_quota(tmp_path, text, expected):
+    f = tmp_path / "cpu.max"
+    f.write_text(text + "\n")
+    assert backend.cpu_quota(f) == expected
+    assert backend.cpu_quota(tmp_path / "absent") is None

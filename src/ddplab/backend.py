@@ -109,6 +109,25 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def cpu_quota(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
+    """CPUs allowed by the cgroup v2 quota (``docker run --cpus``, Kubernetes limits), or None.
+
+    A quota leaves every core in the affinity mask, so counting cores alone oversubscribes a
+    container that may use one CPU's worth of time."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def usable_cpu_count() -> int:
+    """Cores this process may use: its affinity, capped by the cgroup quota (at least 1)."""
+    cores = len(usable_cores())
+    quota = cpu_quota()
+    return max(1, min(cores, int(quota))) if quota else cores
+
+
 def ccl_worker_count(env: Mapping[str, str]) -> int:
     try:
         return max(0, int(env.get("CCL_WORKER_COUNT", "1")))
@@ -138,7 +157,7 @@ def core_block(cores: list[int], local_rank: int, local_world: int) -> list[int]
 
 def apply_cpu_layout(cfg: DistConfig, le: LaunchEnv, backend: str) -> tuple[int, list[int]]:
     cores = usable_cores()
-    threads = threads_per_rank(cfg, le.local_world_size, len(cores), backend, os.environ)
+    threads = threads_per_rank(cfg, le.local_world_size, usable_cpu_count(), backend, os.environ)
     pinned: list[int] = []
     if cfg.pin_cores:
         pinned = core_block(cores, le.local_rank, le.local_world_size)

@@ -69,6 +69,12 @@ def container_image() -> str:
     return "unknown-container" if Path("/.dockerenv").exists() else ""
 
 
+def _quota() -> float | None:
+    from .backend import cpu_quota
+
+    return cpu_quota()
+
+
 def hardware() -> dict[str, Any]:
     import psutil
 
@@ -79,6 +85,7 @@ def hardware() -> dict[str, Any]:
         "logical_cpus": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False),
         "usable_cpus": len(os.sched_getaffinity(0)),
+        "cgroup_cpu_quota": _quota(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpus": gpus,
         "cuda": torch.version.cuda,

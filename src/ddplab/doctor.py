@@ -74,12 +74,15 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
         choice = None
         problems.append(str(e))
 
-    cores = len(backend.usable_cores())
+    cores = backend.usable_cpu_count()
     ccl = choice is not None and choice.name == "ccl"
     threads = backend.threads_per_rank(cfg.dist, le.local_world_size, cores,
                                        choice.name if choice else "gloo", os.environ)
     workers = backend.ccl_worker_count(os.environ) if ccl else 0
-    print(f"cpu          {capsule.cpu_model()}; {cores} usable cores, {os.cpu_count()} logical; "
+    quota = backend.cpu_quota()
+    print(f"cpu          {capsule.cpu_model()}; {cores} usable cores "
+          f"({'cgroup quota ' + format(quota, '.2f') if quota else 'no cgroup quota'}), "
+          f"{os.cpu_count()} logical; "
           f"{threads} thread(s) per rank x {le.local_world_size} local rank(s)")
     over = oversubscription(threads, le.local_world_size, cores, workers)
     if over:

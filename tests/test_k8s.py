@@ -1,0 +1,138 @@
+"""Unit: the Kubernetes manifests, without a cluster.
+
+PyTorchJob and MPIJob objects validate against the real CRDs in ../shared/k8s-schemas (made
+strict: an unknown field is an error, where the API server would silently prune it); pod
+templates and plain objects against Kubernetes' own schema (kubernetes-validate); then the
+operators' own rules.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+SCHEMAS = REPO.parent / "shared" / "k8s-schemas"
+K8S_VERSION = "1.30"
+MANIFESTS = sorted(p for p in (REPO / "k8s").rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def objects() -> list[tuple[Path, dict]]:
+    return [(p, d) for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def crd_schema(name: str, version: str) -> dict:
+    crd = yaml.safe_load((SCHEMAS / name).read_text())
+    (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return strict(copy.deepcopy(v["schema"]["openAPIV3Schema"]))
+
+
+def strict(node: object) -> object:
+    """additionalProperties: false wherever the schema lists properties and does not say to
+    keep unknown fields, so a misspelt key fails here instead of vanishing in the cluster."""
+    if isinstance(node, dict):
+        if "properties" in node and "additionalProperties" not in node and not node.get(
+                "x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        for value in node.values():
+            strict(value)
+    elif isinstance(node, list):
+        for value in node:
+            strict(value)
+    return node
+
+
+CRDS = {
+    ("kubeflow.org/v1", "PyTorchJob"): ("kubeflow.org_pytorchjobs.yaml", "v1", "pytorchReplicaSpecs"),
+    ("kubeflow.org/v2beta1", "MPIJob"): ("kubeflow.org_mpijobs.yaml", "v2beta1", "mpiReplicaSpecs"),
+}
+
+
+def test_there_are_manifests_and_each_parses():
+    assert MANIFESTS and all(d.get("apiVersion") and d.get("kind") for _, d in objects())
+
+
+def test_top_level_applies_in_order_namespace_first():
+    top = sorted((REPO / "k8s").glob("*.yaml"))
+    first = yaml.safe_load(top[0].read_text())
+    assert first["kind"] == "Namespace"
+    assert all(d["metadata"].get("namespace", "ddplab") == "ddplab" for _, d in objects())
+
+
+@pytest.mark.parametrize("path, obj", [(p, d) for p, d in objects()
+                                       if (d["apiVersion"], d["kind"]) in CRDS],
+                         ids=lambda x: x.name if isinstance(x, Path) else x["kind"])
+def test_custom_resources_validate_against_the_real_crds(path, obj):
+    file, version, _ = CRDS[(obj["apiVersion"], obj["kind"])]
+    jsonschema.validate(obj, crd_schema(file, version))
+
+
+@pytest.mark.parametrize("path, obj", [(p, d) for p, d in objects()],
+                         ids=lambda x: x.name if isinstance(x, Path) else x["kind"])
+def test_pods_and_plain_objects_validate_against_kubernetes(path, obj):
+    key = (obj["apiVersion"], obj["kind"])
+    if key not in CRDS:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        return
+    for spec in obj["spec"][CRDS[key][2]].values():
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
+               "spec": spec["template"]["spec"]}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_the_typo_check_has_teeth():
+    (obj,) = [d for _, d in objects() if d["kind"] == "PyTorchJob"][:1]
+    bad = copy.deepcopy(obj)
+    bad["spec"]["nprocPerNod"] = "2"
+    with pytest.raises(jsonschema.ValidationError, match="nprocPerNod"):
+        jsonschema.validate(bad, crd_schema("kubeflow.org_pytorchjobs.yaml", "v1"))
+
+
+def pytorchjobs() -> list[dict]:
+    return [d for _, d in objects() if d["kind"] == "PyTorchJob"]
+
+
+@pytest.mark.parametrize("job", pytorchjobs(), ids=lambda j: j["metadata"]["name"])
+def test_pytorchjob_operator_rules(job):
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) <= {"Master", "Worker"} and "Worker" in specs
+    if "Master" in specs:
+        assert specs["Master"]["replicas"] == 1
+    assert isinstance(job["spec"].get("nprocPerNode", "auto"), str)
+    for spec in specs.values():
+        pod = spec["template"]["spec"]
+        (main,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+        assert "command" not in main, "keep the image's entrypoint (it loads oneCCL's environment)"
+        assert main["args"][:2] == ["torchrun", "-m"] or main["args"][0] == "torchrun"
+        mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+        shm = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert main["securityContext"]["allowPrivilegeEscalation"] is False
+        assert main["resources"]["limits"] and main["resources"]["requests"]
+        env = {e["name"]: e.get("value") for e in main["env"]}
+        assert env["MLFLOW_TRACKING_URI"].startswith("http://mlflow.ddplab.svc:5000")
+
+
+def test_mlflow_allows_the_host_header_jobs_send():
+    (dep,) = [d for _, d in objects() if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow"]
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    allowed = env["MLFLOW_ALLOWED_HOSTS"].split(",")
+    for job in pytorchjobs():
+        for spec in job["spec"]["pytorchReplicaSpecs"].values():
+            c = spec["template"]["spec"]["containers"][0]
+            uri = {e["name"]: e.get("value") for e in c["env"]}["MLFLOW_TRACKING_URI"]
+            assert uri.split("//", 1)[1].rstrip("/") in allowed
+    assert env["MLFLOW_HEALTH_HOST"] in allowed
+
+
+def test_experiment_configmap_is_the_quickstart_verbatim():
+    (cm,) = [d for _, d in objects() if d["kind"] == "ConfigMap"
+             and d["metadata"]["name"] == "ddplab-experiment"]
+    assert cm["data"]["experiment.yaml"] == (REPO / "experiments" / "quickstart.yaml").read_text()
