@@ -19,7 +19,8 @@ STAMP := $(VENV)/.ddplab-setup
 
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
-	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi
+	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
+	k8s-emulate k8s-render
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -144,3 +145,15 @@ lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose file
 	$(BIN)/hadolint docker/*/Dockerfile
 	$(COMPOSE) config --quiet
 	$(COMPOSE_MPI) config --quiet
+
+# ---- Kubernetes (README, "Kubernetes") ----
+k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' schema (no cluster)
+	$(BIN)/pytest tests/test_k8s.py $(PYTEST_ARGS)
+
+k8s-emulate: $(STAMP) ## Run the CPU PyTorchJob's pods as the operator would, on Docker
+	$(BIN)/pytest tests/test_k8s_emulation.py $(PYTEST_ARGS)
+
+k8s-render: ## Copy k8s/ to build/k8s/ with images from REGISTRY and IMAGE_TAG
+	@rm -rf build/k8s && mkdir -p build && cp -r k8s build/k8s
+	find build/k8s -name '*.yaml' -exec sed -i 's#image: ddplab/\([a-z-]*\):latest#image: $(REGISTRY)/\1:$(IMAGE_TAG)#' {} +
+	@echo "rendered build/k8s/ with $(REGISTRY)/*:$(IMAGE_TAG); kubectl apply -f build/k8s/"
