@@ -4,6 +4,8 @@ import http.server
 import socket
 import threading
 
+import pytest
+
 from ddplab.config import TrackingConfig
 from ddplab.tracking import NullTracker, check_reachable, resolve_uri
 
@@ -53,3 +55,28 @@ def test_null_tracker_accepts_every_call():
     t.log_text("x", "y.txt")
     t.finish("FINISHED")
     assert t.run_id == ""
+
+
+def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
+    """tracking.wait_s: a server that starts 2 s after the job is waited for, not fatal."""
+    import time
+
+    from ddplab import tracking
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    calls = []
+    real = tracking.check_reachable
+
+    def late(uri, timeout_s=5.0):
+        calls.append(time.monotonic())
+        return None if len(calls) >= 2 else real(f"http://127.0.0.1:{port}", 1)
+
+    monkeypatch.setattr(tracking, "check_reachable", late)
+    monkeypatch.chdir(tmp_path)
+    cfg = TrackingConfig(uri=f"sqlite:///{tmp_path / 'm.db'}", wait_s=5)
+    t = tracking._create_or_attach(cfg, "x", "", "")
+    assert t.run_id and len(calls) == 2
+    with pytest.raises(tracking.TrackingError, match=r"after waiting 1s \(tracking.wait_s\)"):
+        monkeypatch.setattr(tracking, "check_reachable", lambda uri, timeout_s=5.0: "down")
+        tracking._create_or_attach(TrackingConfig(uri="http://x:1", wait_s=1), "x", "", "")

@@ -197,8 +197,13 @@ class TrackingConfig:
     """Seconds between system-metric samples."""
     async_logging: bool = True
     """Log metrics asynchronously so tracking never waits on the store."""
+    wait_s: float = 0.0
+    """Wait up to this long for an http(s) tracking server to answer before failing (for
+    clusters that start the server together with the job); 0 = fail at once."""
 
     def __post_init__(self) -> None:
+        if self.wait_s < 0:
+            _fail("wait_s", self.wait_s, "must be >= 0")
         if self.system_metrics_interval_s <= 0:
             _fail("system_metrics_interval_s", self.system_metrics_interval_s, "must be > 0")
 

@@ -139,8 +139,13 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
 
     uri = resolve_uri(cfg)
     problem = check_reachable(uri)
+    deadline = time.monotonic() + cfg.wait_s
+    while problem and time.monotonic() < deadline:
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        problem = check_reachable(uri)
     if problem:
-        raise TrackingError(f"{problem}. Start it, fix MLFLOW_TRACKING_URI, or set "
+        waited = f" after waiting {cfg.wait_s:.0f}s (tracking.wait_s)" if cfg.wait_s else ""
+        raise TrackingError(f"{problem}{waited}. Start it, fix MLFLOW_TRACKING_URI, or set "
                             "tracking.enabled=false")
     client = MlflowClient(uri)
     run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID", "")
