@@ -1,11 +1,12 @@
-"""Compose benchmark: 2 node containers x 1 rank vs 2 ranks in one container, same image,
-same experiment, measured side by side (interleaved) in one run.
+"""Compose benchmark, same image and experiment, measured side by side (interleaved) in one run:
+2 ranks in one container (torchrun) vs 2 node containers x 1 rank launched by torchrun
+(compose/multinode.yml) vs the same 2-container layout launched by mpirun (compose/mpi.yml).
 
-    python benchmarks/bench_compose.py [--reps 2]        (needs `make images`)
+    python benchmarks/bench_compose.py [--reps 2] [--no-mpi]     (needs `make images`)
 
-Prints the throughput ratio (last epoch, wall clock, from each run's summary.json) and the
-time from the launch command (`docker compose up` / `docker run`) to the first training step
-(the timestamp of the run's train/time_to_first_step_s metric).
+Prints throughput ratios (last epoch, wall clock, from each run's summary.json) and the time
+from the launch command (`docker run` / `docker compose up`) to the first training step (the
+timestamp of the run's train/time_to_first_step_s metric).
 """
 
 from __future__ import annotations
@@ -49,17 +50,16 @@ def one_container(tmp: str) -> tuple[float, float]:
     return first_step_and_throughput(client, run.info.run_id, t0, tmp)
 
 
-def compose(tmp: str) -> tuple[float, float]:
+def compose(tmp: str, file: str = "multinode.yml", service: str = "node") -> tuple[float, float]:
     project, port = f"ddplabbench{uuid.uuid4().hex[:6]}", "5077"
     env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "MLFLOW_PORT": port, "NNODES": "2",
-           "NPROC_PER_NODE": "1", "DDPLAB_SET": SET}
-    cmd = ["docker", "compose", "-f", str(REPO / "compose" / "multinode.yml")]
+           "NPROC_PER_NODE": "1", "SLOTS": "1", "DDPLAB_SET": SET}
+    cmd = ["docker", "compose", "-f", str(REPO / "compose" / file)]
     subprocess.run([*cmd, "up", "-d", "--wait", "mlflow"], env=env, check=True, capture_output=True)
     try:
         t0 = time.time()
-        subprocess.run([*cmd, "up", "node"], env=env, check=True, capture_output=True)
-        base = f"http://127.0.0.1:{port}"
-        client = MlflowClient(base)
+        subprocess.run([*cmd, "up", service], env=env, check=True, capture_output=True)
+        client = MlflowClient(f"http://127.0.0.1:{port}")
         run = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])[0]
         assert run.info.status == "FINISHED", run.info.status
         return first_step_and_throughput(client, run.info.run_id, t0, tmp)
@@ -67,26 +67,38 @@ def compose(tmp: str) -> tuple[float, float]:
         subprocess.run([*cmd, "down", "-v"], env=env, capture_output=True)
 
 
+def mpi(tmp: str) -> tuple[float, float]:
+    return compose(tmp, "mpi.yml", "launcher")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--no-mpi", action="store_true", help="skip the mpirun variant")
     a = p.parse_args()
-    res: dict[str, list[tuple[float, float]]] = {"one container, 2 ranks": [],
-                                                 "compose, 2 nodes x 1 rank": []}
+    variants = {"one container, 2 ranks": one_container, "compose torchrun, 2 x 1": compose}
+    if not a.no_mpi:
+        variants["compose mpirun, 2 x 1"] = mpi
+    res: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    names = list(variants)
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o777)  # the image's non-root user writes the store here
         for rep in range(a.reps):
-            order = [one_container, compose] if rep % 2 == 0 else [compose, one_container]
-            for fn in order:
-                name = "one container, 2 ranks" if fn is one_container else "compose, 2 nodes x 1 rank"
-                res[name].append(fn(tmp))
-                print(f"rep {rep + 1}: {name:28s} first step after {res[name][-1][0]:5.1f}s, "
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                res[name].append(variants[name](tmp))
+                print(f"rep {rep + 1}: {name:26s} first step after {res[name][-1][0]:5.1f}s, "
                       f"{res[name][-1][1]:7.1f} samples/s", flush=True)
     med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
            for k, v in res.items()}
-    single, multi = med["one container, 2 ranks"], med["compose, 2 nodes x 1 rank"]
-    print(f"\ncompose / one container throughput: {multi[1] / single[1]:.3f} (target >= 0.90)")
-    print(f"launch -> first step: compose {multi[0]:.1f}s, one container {single[0]:.1f}s")
+    single = med["one container, 2 ranks"]
+    print("\nmedians: launch -> first step, samples/s (last epoch)")
+    for k, (first, thr) in med.items():
+        print(f"  {k:26s} {first:5.1f}s {thr:8.1f}   x{thr / single[1]:.3f} of one container")
+    print(f"\ncompose torchrun / one container: {med['compose torchrun, 2 x 1'][1] / single[1]:.3f} "
+          "(target >= 0.90)")
+    if "compose mpirun, 2 x 1" in med:
+        print(f"mpirun / torchrun (same 2-container layout): "
+              f"{med['compose mpirun, 2 x 1'][1] / med['compose torchrun, 2 x 1'][1]:.3f}")
 
 
 if __name__ == "__main__":

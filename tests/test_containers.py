@@ -168,6 +168,25 @@ def compose_factory():
         assert not left.stdout.strip() and not volumes.stdout.strip(), "down -v left something"
 
 
+def kill_a_node_without_rank0(c: Compose, run: dict) -> float:
+    """docker kill one node container that does not hold global rank 0 (which records the run's
+    end); returns when it was killed. The run must then end FAILED."""
+    rank0_host = tags(run)["ddplab.rank0_host"]
+    ids = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
+              "--filter", f"label=com.docker.compose.service={c.service}"]).stdout.split()
+    victim = next(i for i in ids if not rank0_host.startswith(i[:12]))
+    t0 = time.monotonic()
+    sh(["docker", "kill", victim])
+    assert c.wait_run(finished, timeout=240)["info"]["status"] == "FAILED"
+    return t0
+
+
+def wait_exits(c: Compose, service: str, count: int, deadline: float) -> list[int]:
+    while len(c.node_exit_codes(service)) < count and time.monotonic() < deadline:
+        time.sleep(1)
+    return c.node_exit_codes(service)
+
+
 def finished(run: dict) -> bool:
     return run["info"]["status"] in ("FINISHED", "FAILED", "KILLED")
 
@@ -185,28 +204,15 @@ def test_compose_multinode_gives_one_run_across_nodes(compose_factory, nnodes, n
         assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in m), sorted(m)
     assert m["eval/accuracy"] > 0.3  # chance is 0.1
     assert len(all_runs(c.base)) == 1  # one job, one run
-    deadline = time.monotonic() + 120
-    while len(c.node_exit_codes()) < nnodes and time.monotonic() < deadline:
-        time.sleep(1)
-    assert c.node_exit_codes() == [0] * nnodes
+    assert wait_exits(c, c.service, nnodes, time.monotonic() + 120) == [0] * nnodes
 
 
 def test_a_killed_node_fails_the_job_in_bounded_time(compose_factory):
     c = compose_factory(2, 1)
     c.up()
     run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
-    rank0_host = tags(run)["ddplab.rank0_host"]
-    ids = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
-              "--filter", "label=com.docker.compose.service=node"]).stdout.split()
-    victim = next(i for i in ids if not rank0_host.startswith(i[:12]))
-    t0 = time.monotonic()
-    sh(["docker", "kill", victim])
-    run = c.wait_run(finished, timeout=240)
-    assert run["info"]["status"] == "FAILED"
-    deadline = time.monotonic() + 240
-    while len(c.node_exit_codes()) < 2 and time.monotonic() < deadline:
-        time.sleep(1)
-    codes = c.node_exit_codes()
+    t0 = kill_a_node_without_rank0(c, run)
+    codes = wait_exits(c, c.service, 2, t0 + 240)
     assert len(codes) == 2 and all(code != 0 for code in codes), codes
     assert time.monotonic() - t0 < 240
 
@@ -226,12 +232,8 @@ def test_compose_mpi_gives_one_openmpi_run(compose_factory, nnodes, slots):
     assert t["ddplab.nnodes"] == str(nnodes) and len(t["ddplab.hosts"].split(",")) == nnodes
     assert t["ddplab.image"].startswith("ddplab/openmpi:")
     deadline = time.monotonic() + 120
-    while len(c.node_exit_codes("launcher")) < 1 and time.monotonic() < deadline:
-        time.sleep(1)
-    assert c.node_exit_codes("launcher") == [0]
-    while len(c.node_exit_codes()) < nnodes and time.monotonic() < deadline:
-        time.sleep(1)
-    assert c.node_exit_codes() == [0] * nnodes  # workers stop when the job is done
+    assert wait_exits(c, "launcher", 1, deadline) == [0]
+    assert wait_exits(c, c.service, nnodes, deadline) == [0] * nnodes  # workers stop at the end
 
 
 def test_mpi_ssh_trusts_only_this_jobs_host_keys_and_a_killed_worker_fails_the_job(compose_factory):
@@ -254,16 +256,7 @@ def test_mpi_ssh_trusts_only_this_jobs_host_keys_and_a_killed_worker_fails_the_j
                       f"{ssh} -o UserKnownHostsFile=/tmp/kh {ips[0]} true")
     assert swapped.returncode != 0, swapped.stderr
 
-    rank0_host = tags(run)["ddplab.rank0_host"]
-    ids = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
-              "--filter", "label=com.docker.compose.service=worker"]).stdout.split()
-    victim = next(i for i in ids if not rank0_host.startswith(i[:12]))
-    t0 = time.monotonic()
-    sh(["docker", "kill", victim])
-    run = c.wait_run(finished, timeout=240)
-    assert run["info"]["status"] == "FAILED"
-    deadline = time.monotonic() + 240
-    while not c.node_exit_codes("launcher") and time.monotonic() < deadline:
-        time.sleep(1)
-    assert c.node_exit_codes("launcher") and c.node_exit_codes("launcher")[0] != 0
+    t0 = kill_a_node_without_rank0(c, run)
+    codes = wait_exits(c, "launcher", 1, t0 + 240)
+    assert codes and codes[0] != 0
     assert time.monotonic() - t0 < 240  # Open MPI is fail-stop: no hang

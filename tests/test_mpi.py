@@ -40,3 +40,16 @@ def test_native_mpirun_gives_one_finished_run(tmp_path, store):
     assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nproc_per_node"]) == (
         "openmpi", "2", "2")
     assert run.data.metrics["eval/accuracy"] > 0
+
+
+def test_doctor_reports_unreachable_ssh_hosts(tmp_path, store):
+    """The hosts come from a hostfile, as under the MPI operator; nothing listens on the port."""
+    assert shutil.which("ssh"), "the OpenSSH client is missing: apt-get install openssh-client"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=2  # a comment\n\n")
+    env = job_env(store, OMPI_MCA_orte_default_hostfile=str(hostfile),
+                  OMPI_MCA_plm_rsh_args=f"-p {free_port()} -o StrictHostKeyChecking=yes")
+    out = subprocess.run([str(Path(sys.executable).parent / "ddplab"), "doctor"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert any(line.startswith("problem: ssh to 127.0.0.1 fails:") for line in out.stdout.splitlines())

@@ -40,6 +40,35 @@ def oversubscription(threads: int, local_world: int, cores: int, ccl_workers: in
     return None
 
 
+def ssh_hosts(env: Mapping[str, str]) -> list[str]:
+    """The hosts mpirun will ssh to: $DDPLAB_SSH_HOSTS (a,b,c), else the hostfile Open MPI reads
+    ($OMPI_MCA_orte_default_hostfile; the MPI operator mounts /etc/mpi/hostfile)."""
+    if env.get("DDPLAB_SSH_HOSTS"):
+        return [h.split(":")[0] for h in env["DDPLAB_SSH_HOSTS"].split(",") if h.strip()]
+    hostfile = Path(env.get("OMPI_MCA_orte_default_hostfile") or "/etc/mpi/hostfile")
+    if not hostfile.is_file():
+        return []
+    lines = (line.split("#")[0].split() for line in hostfile.read_text().splitlines())
+    return [words[0] for words in lines if words]
+
+
+def ssh_problem(host: str, env: Mapping[str, str]) -> str | None:
+    """None when `ssh host true` works with the options mpirun would use, else why not."""
+    import shlex
+    import subprocess
+
+    extra = shlex.split(env.get("OMPI_MCA_plm_rsh_args", ""))
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *extra, host, "true"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"ssh to {host}: {e}"
+    if out.returncode:
+        lines = out.stderr.strip().splitlines() or [f"exit code {out.returncode}"]
+        return f"ssh to {host} fails: {lines[-1]}"
+    return None
+
+
 def _layout(env: Mapping[str, str], problems: list[str]) -> LaunchEnv | None:
     try:
         le = LaunchEnv.from_environ(env)
@@ -103,6 +132,15 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     print(f"cuda         {len(gpus)} device(s){': ' + ', '.join(gpus) if gpus else ''}")
+
+    hosts = ssh_hosts(os.environ)
+    for host in hosts:
+        reason = ssh_problem(host, os.environ)
+        print(f"ssh          {host}: {'reachable' if reason is None else reason}")
+        if reason:
+            problems.append(reason)
+    if not hosts:
+        print("ssh          no MPI hosts configured (DDPLAB_SSH_HOSTS or a hostfile)")
 
     if cfg.tracking.enabled:
         uri = tracking.resolve_uri(cfg.tracking)
