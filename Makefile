@@ -20,7 +20,7 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
-	k8s-emulate k8s-render
+	k8s-emulate k8s-render scan
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -152,6 +152,18 @@ k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' sc
 
 k8s-emulate: $(STAMP) ## Run the CPU PyTorchJob's pods as the operator would, on Docker
 	$(BIN)/pytest tests/test_k8s_emulation.py $(PYTEST_ARGS)
+
+CHECKOV_VERSION ?= 3.3.30
+TOOLS := .tools
+
+# checkov pins its own dependencies (they clash with mlflow's), so it gets a venv of its own.
+$(TOOLS)/checkov/bin/checkov:
+	$(PYTHON) -m venv $(TOOLS)/checkov
+	$(TOOLS)/checkov/bin/pip install -q "checkov==$(CHECKOV_VERSION)"
+
+scan: $(TOOLS)/checkov/bin/checkov ## Security scan of k8s/ and docker/ (checkov; skips justified in place)
+	$(TOOLS)/checkov/bin/checkov -d k8s --framework kubernetes --compact --quiet
+	$(TOOLS)/checkov/bin/checkov -d docker --framework dockerfile --compact --quiet
 
 k8s-render: ## Copy k8s/ to build/k8s/ with images from REGISTRY and IMAGE_TAG
 	@rm -rf build/k8s && mkdir -p build && cp -r k8s build/k8s
