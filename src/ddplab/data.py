@@ -131,8 +131,8 @@ class Loaders:
     sampler: ResumableSampler
 
     @property
-    def steps_per_epoch(self) -> int:
-        """Micro-batches per rank per epoch (equal on every rank: the sampler pads)."""
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches per rank in a whole epoch (equal on every rank: the sampler pads)."""
         return math.ceil(self.sampler.num_samples / self.train.batch_size)
 
 

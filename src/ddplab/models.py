@@ -105,7 +105,3 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The plain module under compile and DDP: what checkpoints hold."""
     model = getattr(model, "_orig_mod", model)
     return getattr(model, "module", model)
-
-
-def ddp_module(model: nn.Module) -> DDP:
-    return getattr(model, "_orig_mod", model)

@@ -227,8 +227,8 @@ class Fit:
         return state, ipex
 
     def steps_per_epoch(self) -> int:
-        micro = math.ceil(self.loaders.sampler.num_samples / self.cfg.data.batch_size)
-        return math.ceil(micro / self.cfg.train.grad_accum_steps)
+        """Optimizer steps per epoch: the last accumulation group may be short."""
+        return math.ceil(self.loaders.micro_batches_per_epoch / self.cfg.train.grad_accum_steps)
 
     def total_steps(self) -> int:
         total = self.cfg.train.epochs * self.steps_per_epoch()
