@@ -129,6 +129,9 @@ run-multinode: ## Simulate NNODES nodes with compose; the MLflow UI stays up on 
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
 	@docker image inspect $(MLFLOW_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mlflow
 	NNODES=$(NNODES) $(COMPOSE) up
+	@# compose's `up` exits 0 whatever the containers did: the nodes' exit codes decide.
+	@$(COMPOSE) ps -a --format '{{.Service}} {{.ExitCode}}' node | \
+	  awk '$$2 != 0 {bad = 1; print "node exited with " $$2} END {exit bad}'
 
 multinode-down: ## Stop the compose simulation and delete its volumes
 	$(COMPOSE) down -v
@@ -137,6 +140,8 @@ run-mpi-multinode: ## mpirun across NNODES worker containers x SLOTS ranks (comp
 	@docker image inspect $(MPI_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mpi
 	@docker image inspect $(MLFLOW_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mlflow
 	NNODES=$(NNODES) SLOTS=$(SLOTS) $(COMPOSE_MPI) up
+	@$(COMPOSE_MPI) ps -a --format '{{.Service}} {{.ExitCode}}' launcher | \
+	  awk '$$2 != 0 {bad = 1; print "launcher exited with " $$2} END {exit bad}'
 
 mpi-down: ## Stop the MPI simulation and delete its volumes
 	$(COMPOSE_MPI) down -v

@@ -79,3 +79,16 @@ def test_torchrun_command_line():
     assert "--rdzv-conf=is_host=false,join_timeout=60" in argv
     assert argv[-6:] == ["-m", "ddplab", "train", "experiments/quickstart.yaml", "--set",
                          "train.epochs=1"]
+
+
+def test_link_shaping_failures_say_what_is_missing(monkeypatch):
+    import subprocess
+
+    from ddplab import rendezvous
+
+    def fake_tc(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 2, "", "Error: Specified qdisc kind is unknown.")
+
+    monkeypatch.setattr(rendezvous.subprocess, "run", fake_tc)
+    with pytest.raises(LaunchError, match="modprobe sch_netem"):
+        rendezvous.shape_link(["tc", "qdisc", "replace", "dev", "eth0", "root", "netem"])

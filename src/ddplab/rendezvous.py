@@ -88,6 +88,18 @@ def netem_command(iface: str, delay_ms: float, rate_mbit: float) -> list[str] | 
     return cmd
 
 
+def shape_link(cmd: list[str]) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode == 0:
+        return
+    why = out.stderr.strip()
+    if "qdisc kind is unknown" in why:
+        why += ": the host kernel has no netem (load it on the host: modprobe sch_netem)"
+    elif "Operation not permitted" in why:
+        why += ": the container needs the NET_ADMIN capability (compose: cap_add)"
+    raise LaunchError(f"NET_DELAY_MS/NET_RATE_MBIT: `{' '.join(cmd)}` failed: {why}")
+
+
 def wait_for(check: Callable[[], object], timeout_s: float, what: Callable[[], str],
              interval_s: float = 1.0) -> object:
     """Poll ``check`` until it returns something truthy; a clear error after ``timeout_s``
@@ -166,7 +178,7 @@ def launch(a: argparse.Namespace) -> int:
     shaping = netem_command(p.iface, float(os.environ.get("NET_DELAY_MS", "0") or 0),
                             float(os.environ.get("NET_RATE_MBIT", "0") or 0))
     if shaping:
-        subprocess.run(shaping, check=True)
+        shape_link(shaping)
         say(f"network shaped: {' '.join(shaping)}")
     if not p.is_host:
         wait_for(lambda: port_answers(p.host, a.rdzv_port), a.wait_timeout,
