@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path
 
 from .launch import LaunchError
-from .rendezvous import local_addresses, plan, port_answers, wait_for, wait_for_peers
+from .rendezvous import local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
 
 # What ranks on the workers need from the launcher's environment (ssh sessions start clean).
 FORWARD = ("PATH", "LD_PRELOAD", "HOME", "PYTHONUNBUFFERED", "DDPLAB_IMAGE", "DDPLAB_GIT_SHA",
@@ -189,10 +189,7 @@ def run_forwarding_signals(argv: list[str]) -> int:
 
 
 def launch(a: argparse.Namespace) -> int:
-    if a.train_args[:1] == ["--"]:
-        a.train_args = a.train_args[1:]
-    if not a.train_args:
-        raise LaunchError("give the experiment after --, e.g. -- experiments/quickstart.yaml")
+    a.train_args = train_args(a.train_args)
     keys = Path(a.keys_dir)
     hosts = wait_for_peers(a.peers, a.nnodes, a.wait_timeout)
     nonce = uuid.uuid4().hex

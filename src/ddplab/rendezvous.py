@@ -164,11 +164,16 @@ def parser(sub: argparse._SubParsersAction) -> None:
                    help="-- EXPERIMENT.yaml [--set key=value ...] (what ddplab train takes)")
 
 
-def launch(a: argparse.Namespace) -> int:
-    if a.train_args[:1] == ["--"]:
-        a.train_args = a.train_args[1:]
-    if not a.train_args:
+def train_args(argv: list[str]) -> list[str]:
+    """What follows ``--``: the arguments of ``ddplab train`` (an experiment is required)."""
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    if not argv:
         raise LaunchError("give the experiment after --, e.g. -- experiments/quickstart.yaml")
+    return argv
+
+
+def launch(a: argparse.Namespace) -> int:
+    a.train_args = train_args(a.train_args)
     if a.nnodes < 1 or a.nproc_per_node < 1:
         raise LaunchError(f"--nnodes {a.nnodes} / --nproc-per-node {a.nproc_per_node}: must be >= 1")
     say = lambda text: print(f"[ddplab launch] {text}", file=sys.stderr, flush=True)  # noqa: E731
