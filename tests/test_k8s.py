@@ -120,15 +120,56 @@ def test_pytorchjob_operator_rules(job):
         assert env["MLFLOW_TRACKING_URI"].startswith("http://mlflow.ddplab.svc:5000")
 
 
+def mpijobs() -> list[dict]:
+    return [d for _, d in objects() if d["kind"] == "MPIJob"]
+
+
+@pytest.mark.parametrize("job", mpijobs(), ids=lambda j: j["metadata"]["name"])
+def test_mpijob_operator_rules(job):
+    """mpi-operator v0.8: exactly one Launcher and the Workers; it adds its ssh Secret, hostfile
+    and env to each pod's FIRST container; ddplab must look for the key where it is mounted."""
+    spec = job["spec"]
+    specs = spec["mpiReplicaSpecs"]
+    assert set(specs) == {"Launcher", "Worker"} and specs["Launcher"]["replicas"] == 1
+    assert spec.get("mpiImplementation", "OpenMPI") == "OpenMPI"
+    auth = spec.get("sshAuthMountPath", "/root/.ssh")
+    for role, rs in specs.items():
+        pod = rs["template"]["spec"]
+        main = pod["containers"][0]
+        assert main["image"].startswith("ddplab/openmpi:") and "command" not in main
+        args = main["args"]
+        assert args[:3] == ["ddplab", "mpi", "launch" if role == "Launcher" else "worker"]
+        assert args[args.index("--ssh-auth") + 1] == auth, "not where the operator mounts the key"
+        mounts = [m["mountPath"] for m in main.get("volumeMounts", [])]
+        assert not {auth, "/etc/mpi"} & set(mounts), "the operator mounts these paths itself"
+        assert pod["securityContext"]["runAsNonRoot"] is True and auth != "/root/.ssh"
+        assert main["securityContext"]["allowPrivilegeEscalation"] is False
+        assert main["resources"]["limits"] and main["resources"]["requests"]
+    worker = specs["Worker"]["template"]["spec"]
+    (port,) = worker["containers"][0]["ports"]
+    assert port["containerPort"] == 2222  # ddplab mpi's --ssh-port default
+    assert worker["containers"][0]["readinessProbe"]["tcpSocket"]["port"] in (2222, port["name"])
+    mounts = {m["mountPath"]: m["name"] for m in worker["containers"][0]["volumeMounts"]}
+    shm = next(v for v in worker["volumes"] if v["name"] == mounts["/dev/shm"])
+    assert shm["emptyDir"]["medium"] == "Memory"
+
+
+def tracked_containers() -> list[dict]:
+    """The containers that run ranks or launch them: they need MLFLOW_TRACKING_URI."""
+    keys = {"PyTorchJob": "pytorchReplicaSpecs", "MPIJob": "mpiReplicaSpecs"}
+    return [spec["template"]["spec"]["containers"][0] for job in pytorchjobs() + mpijobs()
+            for role, spec in job["spec"][keys[job["kind"]]].items() if role != "Worker"
+            or job["kind"] == "PyTorchJob"]
+
+
 def test_mlflow_allows_the_host_header_jobs_send():
     (dep,) = [d for _, d in objects() if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow"]
     env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     allowed = env["MLFLOW_ALLOWED_HOSTS"].split(",")
-    for job in pytorchjobs():
-        for spec in job["spec"]["pytorchReplicaSpecs"].values():
-            c = spec["template"]["spec"]["containers"][0]
-            uri = {e["name"]: e.get("value") for e in c["env"]}["MLFLOW_TRACKING_URI"]
-            assert uri.split("//", 1)[1].rstrip("/") in allowed
+    assert len(tracked_containers()) >= len(pytorchjobs()) + len(mpijobs())
+    for c in tracked_containers():
+        uri = {e["name"]: e.get("value") for e in c["env"]}["MLFLOW_TRACKING_URI"]
+        assert uri.split("//", 1)[1].rstrip("/") in allowed
     assert env["MLFLOW_HEALTH_HOST"] in allowed
 
 

@@ -1,17 +1,29 @@
-"""Container tier: the CPU PyTorchJob's pods run the way the training operator runs them.
+"""Container tier: the jobs in k8s/ run their pods the way the operators run them.
 
-No Kubernetes API server can run here, so this EMULATES the operator (kubeflow/trainer
-release-1.9) with the real images on a Docker network: the MLflow Deployment's container with
-the Service's names as aliases, then one container per replica of k8s/30-pytorchjob-cpu.yaml,
-named and resolvable as `<job>-master-0` / `<job>-worker-0`, with the env the operator injects
-(MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE,
-PET_MASTER_ADDR, PET_MASTER_PORT), the ConfigMap mounted as files, the emptyDirs, the
-securityContext's user and read-only root, and the container's image and args exactly as
-written in the manifest. The job must end as one FINISHED run of the right world size.
+No Kubernetes API server can run here, so these tests EMULATE the operators with the real images
+on a Docker network: the MLflow Deployment's container with the Service's names as aliases, then
+one container per replica, named and resolvable as the operator names the pods, with the env,
+Secrets and ConfigMaps the operator injects, the manifest's ConfigMap mounted as files, its
+emptyDirs, its securityContext's user, read-only root and dropped capabilities, and each
+container's image and args exactly as written in the manifest.
+
+- PyTorchJob (kubeflow/trainer release-1.9): `<job>-master-0` / `<job>-worker-<i>` with
+  MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE,
+  PET_MASTER_ADDR, PET_MASTER_PORT. The job must end as one FINISHED run of the right size.
+- Elastic PyTorchJob: no Master, so only PYTHONUNBUFFERED and the elastic env
+  (PET_RDZV_ENDPOINT=`<job>-worker-0:<port>`, PET_RDZV_BACKEND, PET_NNODES=`min:max`,
+  PET_MAX_RESTARTS); the PVC is a directory shared by the pods. A worker is killed mid-run and
+  restarted as restartPolicy OnFailure restarts it (same pod name and address).
+- MPIJob (kubeflow/mpi-operator v0.8, pkg/controller/mpi_job_controller.go): the job's ssh
+  Secret (a P-521 key made here as the operator makes it) at sshAuthMountPath with the files
+  id_rsa, id_rsa.pub and authorized_keys; the hostfile ConfigMap at /etc/mpi; the launcher's
+  OMPI_MCA_* env; workers resolvable as `<job>-worker-<i>.<job>-worker.<ns>.svc`; running
+  workers deleted when the launcher ends (cleanPodPolicy Running).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import time
@@ -40,7 +52,20 @@ def env_of(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env", [])}
 
 
-def docker_flags(pod: dict, container: dict, configmaps: dict[str, dict], tmp: Path) -> list[str]:
+def write_volume(v: dict, sources: dict[str, dict[str, str]], d: Path) -> None:
+    """A ConfigMap or Secret volume as the kubelet writes it: the listed items (or every key),
+    each with its item mode, else the volume's defaultMode, else 0644."""
+    src = v.get("configMap") or v["secret"]
+    data = sources[src.get("name") or src["secretName"]]
+    d.mkdir(exist_ok=True)
+    for item in src.get("items") or [{"key": k, "path": k} for k in data]:
+        f = d / item["path"]
+        f.write_text(data[item["key"]])
+        f.chmod(item.get("mode", src.get("defaultMode", 0o644)))
+
+
+def docker_flags(pod: dict, container: dict, sources: dict[str, dict[str, str]],
+                 tmp: Path) -> list[str]:
     """What the kubelet would give the container, in docker run flags."""
     flags: list[str] = []
     sc = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
@@ -55,14 +80,18 @@ def docker_flags(pod: dict, container: dict, configmaps: dict[str, dict], tmp: P
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     for m in container.get("volumeMounts", []):
         v = volumes[m["name"]]
-        if "configMap" in v:
-            d = tmp / f"cm-{v['configMap']['name']}"
-            d.mkdir(exist_ok=True)
-            for key, text in configmaps[v["configMap"]["name"]]["data"].items():
-                (d / key).write_text(text)
-            flags += ["-v", f"{d}:{m['mountPath']}:ro"]
+        if "configMap" in v or "secret" in v:
+            d = tmp / f"{container['name']}-{m['name']}-{uuid.uuid4().hex[:6]}"
+            write_volume(v, sources, d)
+            flags += ["-v", f"{d}:{m['mountPath']}:ro"]  # the kubelet mounts both read-only
         elif v.get("emptyDir", {}).get("medium") == "Memory" and m["mountPath"] == "/dev/shm":
             flags += ["--shm-size", v["emptyDir"].get("sizeLimit", "64Mi").replace("Gi", "g")]
+        elif "persistentVolumeClaim" in v:
+            # One directory per claim, shared by every pod that mounts it (ReadWriteMany).
+            d = tmp / f"pvc-{v['persistentVolumeClaim']['claimName']}"
+            d.mkdir(exist_ok=True)
+            d.chmod(0o777)
+            flags += ["-v", f"{d}:{m['mountPath']}"]
         elif "emptyDir" in v:
             # uid 10001 with group 0 owns the kubelet's emptyDirs (fsGroup 0): a writable tmpfs.
             flags += ["--tmpfs", f"{m['mountPath']}:rw,mode=1777"]
@@ -95,13 +124,14 @@ def cluster(tmp_path):
     sh(["docker", "network", "rm", net])
 
 
-def running(container: str) -> bool:
-    return json.loads(sh(["docker", "inspect", container]).stdout)[0]["State"]["Running"]
+def state(container: str) -> dict:
+    return json.loads(sh(["docker", "inspect", container]).stdout)[0]["State"]
 
 
 def run(net: str, started: list[str], name: str, aliases: list[str], flags: list[str],
         image: str, args: list[str], env: dict[str, str]) -> None:
-    cmd = ["docker", "run", "-d", "--name", name, "--hostname", name, "--network", net]
+    cmd = ["docker", "run", "-d", "--name", name, "--hostname", name.split(".")[0],
+           "--network", net]
     for a in aliases:
         cmd += ["--network-alias", a]
     for k, v in env.items():
@@ -111,21 +141,70 @@ def run(net: str, started: list[str], name: str, aliases: list[str], flags: list
     started.append(name)
 
 
-def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
-    net, started = cluster
-    configmaps = {d["metadata"]["name"]: d for d in load("20-experiment.yaml")}
+def start_mlflow(net: str, started: list[str], tmp: Path) -> str:
+    """The MLflow Deployment's container; the Service's DNS names point at it. Returns its URL."""
     dep = next(d for d in load("10-mlflow.yaml") if d["kind"] == "Deployment")
-    mlflow_pod = dep["spec"]["template"]["spec"]
-    mc = mlflow_pod["containers"][0]
-    # The Service's DNS names point at the Deployment's pod.
-    run(net, started, f"{net}-mlflow", ["mlflow", "mlflow.ddplab", "mlflow.ddplab.svc"],
-        [*docker_flags({**mlflow_pod, "volumes": []}, {**mc, "volumeMounts": []}, {}, tmp_path),
+    pod = dep["spec"]["template"]["spec"]
+    mc = pod["containers"][0]
+    name = f"{net}-mlflow"
+    run(net, started, name, ["mlflow", "mlflow.ddplab", "mlflow.ddplab.svc"],
+        [*docker_flags({**pod, "volumes": []}, {**mc, "volumeMounts": []}, {}, tmp),
          "--tmpfs", "/mlflow:rw,mode=1777", "--tmpfs", "/tmp:rw,mode=1777",
          "--tmpfs", "/home/mlflow:rw,mode=1777", "-p", "127.0.0.1::5000"],
         mc["image"], [], env_of(mc))
-    port = sh(["docker", "port", f"{net}-mlflow", "5000"]).stdout.split(":")[-1].strip()
-    base = f"http://127.0.0.1:{port}"
+    port = sh(["docker", "port", name, "5000"]).stdout.split(":")[-1].strip()
+    return f"http://127.0.0.1:{port}"
 
+
+def search_runs(base: str) -> list[dict] | None:
+    req = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search",
+                                 data=json.dumps({"experiment_ids": ["1"]}).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Host": "mlflow.ddplab.svc:5000"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read()).get("runs", [])
+    except OSError:
+        return None
+
+
+def wait_for_run(base: str, pods: list[str], until=lambda run: run["info"]["status"] != "RUNNING",
+                 timeout: float = 600) -> list[dict] | None:
+    """The runs once the first one satisfies ``until``, or when every pod has ended."""
+    deadline, found = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        found = search_runs(base)
+        if found and until(found[0]):
+            break
+        if not any(state(c)["Running"] for c in pods):
+            break  # every pod ended: no point waiting for the run
+        time.sleep(3)
+    return found
+
+
+def logs(pods: list[str]) -> str:
+    return "\n".join(line for c in pods for line in sh(["docker", "logs", c]).stderr.splitlines()
+                     if "ddplab" in line or "Error" in line)[-4000:]
+
+
+def exit_codes(pods: list[str], timeout: float = 120) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(state(c)["Running"] for c in pods) and time.monotonic() < deadline:
+        time.sleep(2)
+    return [state(c)["ExitCode"] for c in pods]
+
+
+def tags_of(run_: dict) -> dict[str, str]:
+    return {t["key"]: t["value"] for t in run_["data"]["tags"]}
+
+
+def experiment_sources() -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d["data"] for d in load("20-experiment.yaml")}
+
+
+def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
+    net, started = cluster
+    base = start_mlflow(net, started, tmp_path)
     (job,) = load("30-pytorchjob-cpu.yaml")
     name = job["metadata"]["name"]
     for role, spec in job["spec"]["pytorchReplicaSpecs"].items():
@@ -135,39 +214,145 @@ def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
         for i in range(spec["replicas"]):
             pod_name = f"{name}-{role.lower()}-{i}"
             env = {**env_of(c), **operator_env(job, role.lower(), i, job_port)}
-            run(net, started, pod_name, [pod_name], docker_flags(pod, c, configmaps, tmp_path),
-                c["image"], c["args"], env)
+            run(net, started, pod_name, [pod_name],
+                docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"], env)
 
-    deadline, found = time.monotonic() + 600, None
-    while time.monotonic() < deadline:
-        try:
-            req = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search",
-                                         data=json.dumps({"experiment_ids": ["1"]}).encode(),
-                                         headers={"Content-Type": "application/json",
-                                                  "Host": "mlflow.ddplab.svc:5000"})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                found = json.loads(r.read()).get("runs", [])
-        except OSError:
-            found = None
-        if found and found[0]["info"]["status"] != "RUNNING":
-            break
-        if not any(running(c) for c in started[1:]):
-            break  # every pod ended: no point waiting for the run
-        time.sleep(3)
-    logs = "\n".join(line for c in started[1:] for line in sh(["docker", "logs", c]).stderr.splitlines()
-                     if "ddplab" in line or "Error" in line)
-    assert found and len(found) == 1, logs[-4000:]
-    run_ = found[0]
-    tags = {t["key"]: t["value"] for t in run_["data"]["tags"]}
-    assert run_["info"]["status"] == "FINISHED", logs[-4000:]
+    pods = started[1:]
+    found = wait_for_run(base, pods)
+    assert found and len(found) == 1, logs(pods)
+    tags = tags_of(found[0])
+    assert found[0]["info"]["status"] == "FINISHED", logs(pods)
     nnodes = sum(s["replicas"] for s in job["spec"]["pytorchReplicaSpecs"].values())
     assert tags["ddplab.world_size"] == str(nnodes * int(job["spec"]["nprocPerNode"]))
     assert (tags["ddplab.launcher"], tags["ddplab.nnodes"]) == ("torchrun", str(nnodes))
     assert sorted(tags["ddplab.hosts"].split(",")) == sorted(
         f"{name}-{r.lower()}-0" for r in job["spec"]["pytorchReplicaSpecs"])
-    exits = [json.loads(sh(["docker", "inspect", c]).stdout)[0]["State"] for c in started[1:]]
-    deadline = time.monotonic() + 120
-    while any(s["Running"] for s in exits) and time.monotonic() < deadline:
-        time.sleep(2)
-        exits = [json.loads(sh(["docker", "inspect", c]).stdout)[0]["State"] for c in started[1:]]
-    assert [s["ExitCode"] for s in exits] == [0] * len(exits)
+    assert exit_codes(pods) == [0] * len(pods)
+
+
+def elastic_env(job: dict, port: int) -> dict[str, str]:
+    """The training operator v1.9's env for an elastic job without a Master (its
+    ElasticEnvVarGenerator; MASTER_*/RANK/WORLD_SIZE come only with a Master replica)."""
+    ep, name = job["spec"]["elasticPolicy"], job["metadata"]["name"]
+    return {"PYTHONUNBUFFERED": "1",
+            "PET_RDZV_ENDPOINT": f"{ep.get('rdzvHost', name + '-worker-0')}:{ep.get('rdzvPort', port)}",
+            "PET_RDZV_BACKEND": ep.get("rdzvBackend", "c10d"),
+            "PET_NNODES": f"{ep['minReplicas']}:{ep['maxReplicas']}",
+            "PET_MAX_RESTARTS": str(ep["maxRestarts"])}
+
+
+def test_elastic_pytorchjob_recovers_from_a_lost_worker_into_the_same_run(cluster, tmp_path):
+    """worker-1 is SIGKILLed once the first checkpoint is on the PVC. worker-0 hosts the c10d
+    rendezvous (the operator's endpoint), so its agent restarts the group; the restarted
+    worker-1 joins again; the group resumes the newest checkpoint into the SAME MLflow run."""
+    net, started = cluster
+    base = start_mlflow(net, started, tmp_path)
+    (job,) = [d for d in load("elastic/pytorchjob-elastic.yaml") if d["kind"] == "PyTorchJob"]
+    name = job["metadata"]["name"]
+    spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    pod = spec["template"]["spec"]
+    (c,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+    port = next(p["containerPort"] for p in c["ports"] if p["name"] == "pytorchjob-port")
+    for i in range(spec["replicas"]):
+        pod_name = f"{name}-worker-{i}"
+        run(net, started, pod_name, [pod_name],
+            docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"],
+            {**env_of(c), **elastic_env(job, port)})
+    pods = started[1:]
+
+    (claim,) = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                if "persistentVolumeClaim" in v]
+    deadline = time.monotonic() + 600
+    while not list((tmp_path / f"pvc-{claim}").rglob("step-*.pt")):
+        assert time.monotonic() < deadline and all(state(p)["Running"] for p in pods), logs(pods)
+        time.sleep(1)
+    victim = pods[1]
+    assert sh(["docker", "kill", victim]).returncode == 0
+    assert sh(["docker", "start", victim]).returncode == 0  # the kubelet's OnFailure restart
+
+    found = wait_for_run(base, pods, until=lambda r: r["info"]["status"] == "FINISHED", timeout=900)
+    assert found and len(found) == 1, logs(pods)
+    assert found[0]["info"]["status"] == "FINISHED", logs(pods)
+    tags = tags_of(found[0])
+    assert tags["ddplab.resumed_from"] != "none", "the group did not resume the checkpoint"
+    assert tags["ddplab.launcher"] == "torchrun"
+    assert exit_codes(pods) == [0] * len(pods), logs(pods)
+
+
+def operator_ssh_secret() -> dict[str, str]:
+    """The Secret `<job>-ssh` as mpi-operator's newSSHAuthSecret makes it: a P-521 ECDSA key in
+    PEM ("EC PRIVATE KEY") and its public half in authorized_keys form."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP521R1())
+    private = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.TraditionalOpenSSL,
+                                serialization.NoEncryption()).decode()
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                           serialization.PublicFormat.OpenSSH).decode()
+    return {"ssh-privatekey": private, "ssh-publickey": public + "\n"}
+
+
+def mpi_operator_pod(job: dict, role: str, config: str) -> tuple[dict, dict, dict[str, str]]:
+    """A replica's pod spec, main container and env after the MPI operator's additions."""
+    spec = job["spec"]
+    name = job["metadata"]["name"]
+    pod = copy.deepcopy(spec["mpiReplicaSpecs"][role]["template"]["spec"])
+    c = pod["containers"][0]
+    pod.setdefault("volumes", []).append({"name": "ssh-auth", "secret": {
+        "secretName": f"{name}-ssh", "items": [
+            {"key": "ssh-privatekey", "path": "id_rsa"},
+            {"key": "ssh-publickey", "path": "id_rsa.pub"},
+            {"key": "ssh-publickey", "path": "authorized_keys"}]}})
+    c.setdefault("volumeMounts", []).append(
+        {"name": "ssh-auth", "mountPath": spec.get("sshAuthMountPath", "/root/.ssh")})
+    env = {**env_of(c), "K_MPI_JOB_ROLE": role.lower()}
+    if role == "Launcher":
+        pod["volumes"].append({"name": "mpi-job-config", "configMap": {"name": config, "items": [
+            {"key": "hostfile", "path": "hostfile", "mode": 0o444},
+            {"key": "discover_hosts.sh", "path": "discover_hosts.sh", "mode": 0o555}]}})
+        c["volumeMounts"].append({"name": "mpi-job-config", "mountPath": "/etc/mpi"})
+        env |= {"OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+                "OMPI_MCA_orte_default_hostfile": "/etc/mpi/hostfile",
+                "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10",
+                "OMPI_MCA_orte_set_default_slots": str(spec.get("slotsPerWorker", 1)),
+                "NVIDIA_VISIBLE_DEVICES": "", "NVIDIA_DRIVER_CAPABILITIES": ""}
+    return pod, c, env
+
+
+def test_mpijob_pods_run_as_the_mpi_operator_runs_them(cluster, tmp_path):
+    """The launcher starts FIRST (launcherCreationPolicy AtStartup's order, the harder one: the
+    workers' names do not resolve yet), so its bounded waits for DNS and sshd are exercised."""
+    net, started = cluster
+    base = start_mlflow(net, started, tmp_path)
+    (job,) = load("mpi/mpijob-cpu.yaml")
+    name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
+    slots = job["spec"].get("slotsPerWorker", 1)
+    nworkers = job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"]
+    fqdns = [f"{name}-worker-{i}.{name}-worker.{ns}.svc" for i in range(nworkers)]
+    sources = {**experiment_sources(), f"{name}-ssh": operator_ssh_secret(),
+               f"{name}-config": {"hostfile": "".join(f"{h} slots={slots}\n" for h in fqdns),
+                                  "discover_hosts.sh": "#!/bin/sh\n"}}
+
+    pod, c, env = mpi_operator_pod(job, "Launcher", f"{name}-config")
+    run(net, started, f"{name}-launcher", [f"{name}-launcher"],
+        docker_flags(pod, c, sources, tmp_path), c["image"], c["args"], env)
+    pod, c, env = mpi_operator_pod(job, "Worker", f"{name}-config")
+    for i, fqdn in enumerate(fqdns):
+        pod_name = f"{name}-worker-{i}"
+        run(net, started, pod_name, [fqdn, f"{pod_name}.{name}-worker", f"{fqdn}.cluster.local"],
+            docker_flags(pod, c, sources, tmp_path), c["image"], c["args"], env)
+
+    launcher, workers = started[1], started[2:]
+    found = wait_for_run(base, [launcher])
+    code = exit_codes([launcher], timeout=180)
+    for w in workers:  # cleanPodPolicy Running: the operator deletes the running workers
+        assert state(w)["Running"], f"worker {w} ended before the launcher: {logs([w])}"
+    assert found and len(found) == 1, logs(started[1:])
+    tags = tags_of(found[0])
+    assert found[0]["info"]["status"] == "FINISHED", logs(started[1:])
+    assert tags["ddplab.world_size"] == str(nworkers * slots)
+    assert (tags["ddplab.launcher"], tags["ddplab.nnodes"]) == ("openmpi", str(nworkers))
+    assert sorted(tags["ddplab.hosts"].split(",")) == [f"{name}-worker-{i}" for i in range(nworkers)]
+    assert code == [0], logs([launcher])

@@ -48,8 +48,9 @@ def ssh_hosts(env: Mapping[str, str]) -> list[str]:
     hostfile = Path(env.get("OMPI_MCA_orte_default_hostfile") or "/etc/mpi/hostfile")
     if not hostfile.is_file():
         return []
-    lines = (line.split("#")[0].split() for line in hostfile.read_text().splitlines())
-    return [words[0] for words in lines if words]
+    from .mpi import read_hostfile
+
+    return [host for host, _ in read_hostfile(hostfile)]
 
 
 def ssh_problem(host: str, env: Mapping[str, str]) -> str | None:
@@ -133,7 +134,11 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
         if torch.cuda.is_available() else []
     print(f"cuda         {len(gpus)} device(s){': ' + ', '.join(gpus) if gpus else ''}")
 
-    hosts = ssh_hosts(os.environ)
+    try:
+        hosts = ssh_hosts(os.environ)
+    except LaunchError as e:
+        hosts = []
+        problems.append(f"ssh: {e}")
     for host in hosts:
         reason = ssh_problem(host, os.environ)
         print(f"ssh          {host}: {'reachable' if reason is None else reason}")

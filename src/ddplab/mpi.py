@@ -17,6 +17,16 @@ The worker and the launcher meet in a shared directory (``--keys-dir``, a job-pr
   forwarding SIGTERM/SIGINT to it; when it ends it writes ``jobs/<nonce>/done`` and the workers
   stop their sshd and exit, so ``docker compose up`` returns.
 
+Under the MPI operator (Kubernetes MPIJob v2beta1) the operator has already made the job's key
+(a Secret mounted at ``sshAuthMountPath``) and the hostfile (``/etc/mpi/hostfile``); with
+``--ssh-auth DIR`` (that mount path) both commands use them instead of ``--keys-dir``:
+
+- the worker serves the operator's ``authorized_keys`` and uses the job's private key as its
+  host key (a copy, 0600), so the host key is as per-job and as secret as the user key;
+- the launcher reads the hostfile, waits (bounded) until every worker's name resolves and its
+  sshd answers (the operator may start it first), trusts exactly ``[worker]:port`` with the
+  job's public key (``StrictHostKeyChecking=yes``; never ``no``) and runs ``mpirun``.
+
 No key is ever baked into an image, and ``mpirun`` runs as the image's non-root user.
 The equivalent of the book's chapter 11 line
 ``mpirun -x MASTER_ADDR -x MASTER_PORT --np 16 --host machine1:8,machine2:8 ...``
@@ -27,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,13 +61,13 @@ Port {port}
 ListenAddress 0.0.0.0
 HostKey {host_key}
 PidFile {run_dir}/sshd.pid
-AuthorizedKeysFile {home}/.ssh/authorized_keys
+AuthorizedKeysFile {authorized}
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 PubkeyAuthentication yes
 PermitRootLogin no
 UsePAM no
-StrictModes yes
+StrictModes {strict}
 AllowUsers {user}
 PrintMotd no
 LogLevel ERROR
@@ -90,29 +102,46 @@ def ssh_options(key: Path, known: Path, port: int) -> list[str]:
 
 
 def peer_network(peer: str) -> str:
-    """The CIDR of this machine's interface that reaches ``peer`` (Open MPI accepts CIDRs, which
-    hold across containers whose interface names differ)."""
+    """What Open MPI's TCP traffic to ``peer`` (an IPv4 address) is pinned to (the wrong-interface
+    trap): the CIDR of this machine's interface on the peer's network, which holds across
+    containers whose interface names differ; where no interface shares a network with the peer
+    (point-to-point pod networks give each pod a /32), the name of the interface the route to
+    the peer leaves by, which every pod of a Kubernetes job names alike (eth0)."""
     import ipaddress
 
     import psutil
 
-    for addrs in psutil.net_if_addrs().values():
+    target = ipaddress.ip_address(peer)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))  # no packet is sent: this only asks the kernel for the route
+            source = s.getsockname()[0]
+    except OSError:
+        source = None
+    by_route = None
+    for name, addrs in psutil.net_if_addrs().items():
         for addr in addrs:
-            if addr.netmask and addr.family.name == "AF_INET":
-                net = ipaddress.ip_interface(f"{addr.address}/{addr.netmask}").network
-                if ipaddress.ip_address(peer) in net and not net.is_loopback:
-                    return str(net)
-    raise LaunchError(f"no interface of this machine is on the network of worker {peer}")
+            if addr.family != socket.AF_INET or not addr.netmask:
+                continue
+            net = ipaddress.ip_interface(f"{addr.address}/{addr.netmask}").network
+            if target in net and not net.is_loopback:
+                return str(net)
+            by_route = name if addr.address == source else by_route
+    if by_route:
+        return by_route
+    raise LaunchError(f"no interface of this machine reaches worker {peer}")
 
 
 def mpirun_argv(a: argparse.Namespace, hosts: list[str], ssh_opts: list[str], network: str,
                 env: dict[str, str]) -> list[str]:
     forward = [x for name in FORWARD if name in env for x in ("-x", name)]
     return [
-        "mpirun", "-np", str(a.nnodes * a.slots),
+        "mpirun", "-np", str(len(hosts) * a.slots),
         "--host", ",".join(f"{h}:{a.slots}" for h in hosts),
         "--map-by", "slot", "--bind-to", "none",
         "--mca", "plm_rsh_agent", "ssh", "--mca", "plm_rsh_args", " ".join(ssh_opts),
+        # Only this launcher holds the key and known_hosts: no worker may ssh on (tree spawn).
+        "--mca", "plm_rsh_no_tree_spawn", "1",
         # Pin Open MPI's own traffic to the workers' network (the wrong-interface trap).
         "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", network,
         "--mca", "oob_tcp_if_include", network,
@@ -133,9 +162,38 @@ def current_job(keys: Path, newer_than: float) -> str | None:
     return None
 
 
-def worker(a: argparse.Namespace) -> int:
+def private_dir(name: str) -> Path:
+    """A 0700 directory of this user's for sshd's and ssh's files (in the writable $TMPDIR)."""
+    d = Path(os.environ.get("TMPDIR", "/tmp")) / name
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    d.chmod(0o700)
+    return d
+
+
+def private_copy(src: Path, dst: Path) -> Path:
+    """``src`` copied to a 0600 file: ssh and sshd refuse a private key others could read."""
+    dst.unlink(missing_ok=True)
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(src.read_bytes())
+    return dst
+
+
+def sshd_argv(run_dir: Path, port: int, host_key: Path, authorized: Path,
+              strict: bool) -> list[str]:
+    """A non-root sshd in the foreground, logging to stderr, for this user only."""
     import getpass
 
+    cfg = run_dir / "sshd_config"
+    cfg.write_text(SSHD_CONFIG.format(port=port, host_key=host_key, run_dir=run_dir,
+                                      authorized=authorized, strict="yes" if strict else "no",
+                                      user=getpass.getuser()))
+    return ["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)]
+
+
+def worker(a: argparse.Namespace) -> int:
+    if a.ssh_auth:
+        return operator_worker(a)
     import psutil
 
     # Compose starts the workers before the launcher (depends_on), so the launcher's
@@ -147,20 +205,16 @@ def worker(a: argparse.Namespace) -> int:
     nonce = wait_for(lambda: current_job(keys, born), a.wait_timeout,
                      lambda: f"a job announced in {keys}/current")
     job = keys / "jobs" / str(nonce)
-    run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "ddplab-sshd"
+    run_dir = private_dir("ddplab-sshd")
     host_key = run_dir / "ssh_host_ed25519_key"
     keygen(host_key, f"ddplab-worker-{me}")
-    home = Path.home()
-    ssh_dir = home / ".ssh"
+    ssh_dir = Path.home() / ".ssh"
     ssh_dir.mkdir(mode=0o700, exist_ok=True)
     ssh_dir.chmod(0o700)
     auth = ssh_dir / "authorized_keys"
     auth.write_text((job / "id.pub").read_text())
     auth.chmod(0o600)
-    cfg = run_dir / "sshd_config"
-    cfg.write_text(SSHD_CONFIG.format(port=a.ssh_port, host_key=host_key, run_dir=run_dir,
-                                      home=home, user=getpass.getuser()))
-    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)])
+    sshd = subprocess.Popen(sshd_argv(run_dir, a.ssh_port, host_key, auth, strict=True))
     (job / "hosts").mkdir(parents=True, exist_ok=True)
     tmp = job / "hosts" / f".{me}.pub"
     shutil.copyfile(host_key.with_suffix(".pub"), tmp)
@@ -174,6 +228,34 @@ def worker(a: argparse.Namespace) -> int:
         say(f"worker {me}: job {nonce} ended ({(job / 'done').read_text().strip()}); stopping")
         return 0
     return sshd.returncode or 1
+
+
+def operator_keys(auth: Path) -> tuple[Path, str]:
+    """The MPI operator's job key in its Secret mount: (private key, ``type base64`` public)."""
+    files = [auth / n for n in ("id_rsa", "id_rsa.pub", "authorized_keys")]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise LaunchError(f"--ssh-auth {auth}: missing {', '.join(missing)}; it must be the "
+                          "MPIJob's spec.sshAuthMountPath, where the MPI operator mounts the job's "
+                          "ssh Secret")
+    return files[0], " ".join(files[1].read_text().split()[:2])
+
+
+def operator_worker(a: argparse.Namespace) -> int:
+    auth = Path(a.ssh_auth)
+    private, _ = operator_keys(auth)
+    authorized = auth / "authorized_keys"
+    # sshd's StrictModes would judge the kubelet's Secret directories (their modes are the
+    # kubelet's, not ours); what it protects is that no process here can change the keys.
+    if os.access(authorized, os.W_OK):
+        raise LaunchError(f"{authorized} is writable by this user; mount the MPI operator's "
+                          "ssh Secret read-only (as the operator does)")
+    run_dir = private_dir("ddplab-sshd")
+    host_key = private_copy(private, run_dir / "ssh_host_key")
+    say(f"worker {os.uname().nodename}: sshd on port {a.ssh_port} with the MPI operator's job key")
+    argv = sshd_argv(run_dir, a.ssh_port, host_key, authorized, strict=False)
+    os.execv(argv[0], argv)  # sshd is the pod's process: the kubelet's signals reach it
+    return 1  # not reached
 
 
 def run_forwarding_signals(argv: list[str]) -> int:
@@ -190,6 +272,8 @@ def run_forwarding_signals(argv: list[str]) -> int:
 
 def launch(a: argparse.Namespace) -> int:
     a.train_args = train_args(a.train_args)
+    if a.ssh_auth:
+        return operator_launch(a)
     keys = Path(a.keys_dir)
     hosts = wait_for_peers(a.peers, a.nnodes, a.wait_timeout)
     nonce = uuid.uuid4().hex
@@ -206,13 +290,62 @@ def launch(a: argparse.Namespace) -> int:
                  a.wait_timeout, lambda h=h: f"worker {h}'s host key and sshd on port {a.ssh_port}")
     known = key.parent / "ddplab_known_hosts"
     known.write_text(known_hosts(job, hosts, a.ssh_port))
-    argv = mpirun_argv(a, hosts, ssh_options(key, known, a.ssh_port), peer_network(hosts[0]),
-                       dict(os.environ))
-    say(f"{a.nnodes} worker(s) ready: {' '.join(argv[:6])} ...")
-    rc = run_forwarding_signals(argv)
+    rc = run_mpirun(a, hosts, ssh_options(key, known, a.ssh_port), hosts[0])
     (job / "done").write_text(f"mpirun exit code {rc}")
+    return rc
+
+
+def run_mpirun(a: argparse.Namespace, hosts: list[str], ssh_opts: list[str], first_ip: str) -> int:
+    argv = mpirun_argv(a, hosts, ssh_opts, peer_network(first_ip), dict(os.environ))
+    say(f"{len(hosts)} worker(s) ready: {' '.join(argv[:6])} ...")
+    rc = run_forwarding_signals(argv)
     say(f"mpirun exited with {rc}")
     return rc
+
+
+def read_hostfile(path: Path) -> list[tuple[str, int]]:
+    """``host [slots=N]`` lines (comments and blank lines skipped), as Open MPI reads them."""
+    if not path.is_file():
+        raise LaunchError(f"no hostfile at {path} (the MPI operator mounts one at /etc/mpi/hostfile "
+                          "and names it in OMPI_MCA_orte_default_hostfile)")
+    entries = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        words = line.split("#")[0].split()
+        if not words:
+            continue
+        opts = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+        slots = opts.get("slots", "1")
+        if not slots.isdigit() or int(slots) < 1:
+            raise LaunchError(f"{path}:{n}: slots={slots!r}; expected a whole number >= 1")
+        entries.append((words[0], int(slots)))
+    if not entries:
+        raise LaunchError(f"{path} lists no hosts")
+    return entries
+
+
+def operator_launch(a: argparse.Namespace) -> int:
+    """mpirun over the MPI operator's hostfile, trusting only the job's own key as host key."""
+    entries = read_hostfile(Path(a.hostfile))
+    hosts = [h for h, _ in entries]
+    slots = {n for _, n in entries}
+    if len(slots) != 1:
+        raise LaunchError(f"{a.hostfile}: the workers' slots differ ({sorted(slots)}); ddplab "
+                          "places the same number of ranks on each")
+    a.slots = slots.pop()
+    private, public = operator_keys(Path(a.ssh_auth))
+    run_dir = private_dir("ddplab-ssh")
+    key = private_copy(private, run_dir / "id_job")
+    known = run_dir / "known_hosts"
+    known.write_text("".join(f"[{h}]:{a.ssh_port} {public}\n" for h in hosts))
+    say(f"waiting for {len(hosts)} worker(s) of {a.hostfile} to resolve and answer on port "
+        f"{a.ssh_port}")
+    for h in hosts:
+        wait_for(lambda h=h: port_answers(h, a.ssh_port), a.wait_timeout,
+                 lambda h=h: f"worker {h} to resolve and its sshd to answer on port {a.ssh_port}")
+    # The operator's own ssh arguments first (ssh keeps the first value of an option).
+    opts = [*shlex.split(os.environ.get("OMPI_MCA_plm_rsh_args", "")),
+            *ssh_options(key, known, a.ssh_port)]
+    return run_mpirun(a, hosts, opts, socket.gethostbyname(hosts[0]))
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
@@ -229,9 +362,15 @@ def parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--ssh-port", type=int, default=int(e.get("DDPLAB_SSH_PORT", "2222")))
         p.add_argument("--wait-timeout", type=float,
                        default=float(e.get("DDPLAB_WAIT_TIMEOUT", "180")))
+        p.add_argument("--ssh-auth", default=e.get("DDPLAB_SSH_AUTH", ""), metavar="DIR",
+                       help="under the MPI operator: its spec.sshAuthMountPath; the job key it "
+                            "mounts there replaces --keys-dir (and the hostfile, --nnodes/--peers)")
     launch_p = ms.choices["launch"]
     launch_p.add_argument("--slots", type=int, default=int(e.get("SLOTS", "1")),
-                          help="ranks per worker")
+                          help="ranks per worker (under the MPI operator: the hostfile's slots)")
+    launch_p.add_argument("--hostfile",
+                          default=e.get("OMPI_MCA_orte_default_hostfile", "/etc/mpi/hostfile"),
+                          help="with --ssh-auth: the operator's hostfile")
     launch_p.add_argument("--master-port", type=int, default=29500)
     launch_p.add_argument("train_args", nargs=argparse.REMAINDER,
                           help="-- EXPERIMENT.yaml [--set key=value ...]")

@@ -180,6 +180,10 @@ def launch(a: argparse.Namespace) -> int:
     say(f"waiting for {a.nnodes} node(s) named '{a.peers}' (at most {a.wait_timeout:.0f}s)")
     p = plan(wait_for_peers(a.peers, a.nnodes, a.wait_timeout), local_addresses())
     os.environ.update(interface_env(p.iface, os.environ))
+    # torch 2.5-2.7 caches the rendezvous's shared TCPStore address after the first round, so a
+    # restarted node waits forever for the next round's MASTER_ADDR (pytorch#135712, #147064):
+    # a fresh store per round keeps --max-restarts working.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     shaping = netem_command(p.iface, float(os.environ.get("NET_DELAY_MS", "0") or 0),
                             float(os.environ.get("NET_RATE_MBIT", "0") or 0))
     if shaping:
