@@ -155,7 +155,7 @@ lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose file
 k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' schema (no cluster)
 	$(BIN)/pytest tests/test_k8s.py $(PYTEST_ARGS)
 
-k8s-emulate: $(STAMP) ## Run the CPU PyTorchJob's pods as the operator would, on Docker
+k8s-emulate: $(STAMP) ## Run the CPU, elastic and MPI jobs' pods as the operators would, on Docker
 	$(BIN)/pytest tests/test_k8s_emulation.py $(PYTEST_ARGS)
 
 CHECKOV_VERSION ?= 3.3.30
