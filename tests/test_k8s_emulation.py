@@ -18,7 +18,8 @@ container's image and args exactly as written in the manifest.
   Secret (a P-521 key made here as the operator makes it) at sshAuthMountPath with the files
   id_rsa, id_rsa.pub and authorized_keys; the hostfile ConfigMap at /etc/mpi; the launcher's
   OMPI_MCA_* env; workers resolvable as `<job>-worker-<i>.<job>-worker.<ns>.svc`; running
-  workers deleted when the launcher ends (cleanPodPolicy Running).
+  workers deleted when the launcher ends (cleanPodPolicy Running); and a worker with a host key
+  that is not the job's must be refused.
 """
 
 from __future__ import annotations
@@ -356,3 +357,31 @@ def test_mpijob_pods_run_as_the_mpi_operator_runs_them(cluster, tmp_path):
     assert (tags["ddplab.launcher"], tags["ddplab.nnodes"]) == ("openmpi", str(nworkers))
     assert sorted(tags["ddplab.hosts"].split(",")) == [f"{name}-worker-{i}" for i in range(nworkers)]
     assert code == [0], logs([launcher])
+
+
+def test_mpijob_launcher_refuses_a_worker_whose_host_key_is_not_the_jobs(cluster, tmp_path):
+    """The teeth of the trust rule: the worker accepts the job's key (authorized_keys is the
+    job's) but presents another host key, as an impostor would. The launcher must refuse it
+    (StrictHostKeyChecking=yes), so mpirun fails and the launcher exits non-zero."""
+    net, started = cluster
+    (job,) = load("mpi/mpijob-cpu.yaml")
+    name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
+    job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] = 1
+    fqdn = f"{name}-worker-0.{name}-worker.{ns}.svc"
+    secret = operator_ssh_secret()
+    impostor = {**operator_ssh_secret(), "ssh-publickey": secret["ssh-publickey"]}
+    config = {f"{name}-config": {"hostfile": f"{fqdn} slots=1\n", "discover_hosts.sh": ""}}
+
+    pod, c, env = mpi_operator_pod(job, "Worker", f"{name}-config")
+    run(net, started, f"{name}-worker-0", [fqdn],
+        docker_flags(pod, c, {**experiment_sources(), f"{name}-ssh": impostor}, tmp_path),
+        c["image"], c["args"], env)
+    pod, c, env = mpi_operator_pod(job, "Launcher", f"{name}-config")
+    run(net, started, f"{name}-launcher", [f"{name}-launcher"],
+        docker_flags(pod, c, {**experiment_sources(), f"{name}-ssh": secret, **config}, tmp_path),
+        c["image"], c["args"], env)
+    launcher = started[-1]
+    assert exit_codes([launcher], timeout=180) != [0]
+    out = sh(["docker", "logs", launcher]).stderr
+    assert "Host key verification failed" in out or "REMOTE HOST IDENTIFICATION HAS CHANGED" in out, \
+        out[-3000:]
