@@ -9,6 +9,7 @@ operators' own rules.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import jsonschema
@@ -18,7 +19,8 @@ import yaml
 
 from tests.conftest import REPO
 
-SCHEMAS = REPO.parent / "shared" / "k8s-schemas"
+# ../shared beside the clone, or where $SHARED says (as in .ci/run).
+SCHEMAS = Path(os.environ.get("SHARED") or REPO.parent / "shared") / "k8s-schemas"
 K8S_VERSION = "1.30"
 MANIFESTS = sorted(p for p in (REPO / "k8s").rglob("*.yaml") if p.name != "kustomization.yaml")
 
