@@ -129,7 +129,8 @@ def mpijobs() -> list[dict]:
 @pytest.mark.parametrize("job", mpijobs(), ids=lambda j: j["metadata"]["name"])
 def test_mpijob_operator_rules(job):
     """mpi-operator v0.8: exactly one Launcher and the Workers; it adds its ssh Secret, hostfile
-    and env to each pod's FIRST container; ddplab must look for the key where it is mounted."""
+    and env to each pod's FIRST container; ddplab (DDPLAB_SSH_AUTH) must look for the key where
+    it is mounted."""
     spec = job["spec"]
     specs = spec["mpiReplicaSpecs"]
     assert set(specs) == {"Launcher", "Worker"} and specs["Launcher"]["replicas"] == 1
@@ -141,7 +142,8 @@ def test_mpijob_operator_rules(job):
         assert main["image"].startswith("ddplab/openmpi:") and "command" not in main
         args = main["args"]
         assert args[:3] == ["ddplab", "mpi", "launch" if role == "Launcher" else "worker"]
-        assert args[args.index("--ssh-auth") + 1] == auth, "not where the operator mounts the key"
+        env = {e["name"]: e.get("value") for e in main.get("env", [])}
+        assert env.get("DDPLAB_SSH_AUTH") == auth, "not where the operator mounts the key"
         mounts = [m["mountPath"] for m in main.get("volumeMounts", [])]
         assert not {auth, "/etc/mpi"} & set(mounts), "the operator mounts these paths itself"
         assert pod["securityContext"]["runAsNonRoot"] is True and auth != "/root/.ssh"

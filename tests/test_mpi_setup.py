@@ -1,12 +1,21 @@
 """Unit: ddplab mpi's pure parts (hostfile, operator keys, the mpirun line, interface pinning)."""
 
 import argparse
+import os
 import socket
 
 import pytest
 
+from ddplab.doctor import ssh_options
 from ddplab.launch import LaunchError
-from ddplab.mpi import main, mpirun_argv, operator_keys, peer_network, read_hostfile
+from ddplab.mpi import (
+    main,
+    mpirun_argv,
+    operator_keys,
+    operator_ssh_options,
+    peer_network,
+    read_hostfile,
+)
 from ddplab.rendezvous import local_addresses
 
 OPERATOR_HOSTFILE = ("ddplab-mpi-worker-0.ddplab-mpi-worker.ddplab.svc slots=2\n"
@@ -43,6 +52,41 @@ def test_operator_keys_need_the_secrets_three_files(tmp_path):
     (tmp_path / "id_rsa.pub").write_text("ecdsa-sha2-nistp521 AAAAkey comment\n")
     (tmp_path / "authorized_keys").write_text("ecdsa-sha2-nistp521 AAAAkey\n")
     assert operator_keys(tmp_path) == (tmp_path / "id_rsa", "ecdsa-sha2-nistp521 AAAAkey")
+
+
+def operator_secret(d, public="ecdsa-sha2-nistp521 AAAAkey"):
+    d.mkdir()
+    (d / "id_rsa").write_text("-----BEGIN EC PRIVATE KEY-----\nsecret\n")
+    (d / "id_rsa.pub").write_text(public + "\n")
+    (d / "authorized_keys").write_text(public + "\n")
+    return d
+
+
+def test_operator_ssh_options_trust_only_the_jobs_key_for_the_hostfiles_hosts(tmp_path,
+                                                                               monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    auth = operator_secret(tmp_path / "auth")
+    opts = operator_ssh_options(auth, ["w0.svc", "w1.svc"], 2222,
+                                {"OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"})
+    assert opts[:2] == ["-o", "ConnectionAttempts=10"]  # the operator's first: ssh keeps it
+    assert "StrictHostKeyChecking=yes" in opts and "-p" in opts and opts[opts.index("-p") + 1] == "2222"
+    known = next(o.split("=", 1)[1] for o in opts if o.startswith("UserKnownHostsFile="))
+    with open(known) as f:
+        assert f.read() == ("[w0.svc]:2222 ecdsa-sha2-nistp521 AAAAkey\n"
+                            "[w1.svc]:2222 ecdsa-sha2-nistp521 AAAAkey\n")
+    key = opts[opts.index("-i") + 1]
+    assert os.stat(key).st_mode & 0o777 == 0o600  # ssh refuses a readable private key
+    with open(key) as f:
+        assert f.read() == (auth / "id_rsa").read_text()
+
+
+def test_doctor_checks_ssh_with_the_launchers_options_under_the_operator(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    auth = operator_secret(tmp_path / "auth")
+    env = {"OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
+    assert ssh_options(["w0"], env) == ["-o", "ConnectionAttempts=10"]
+    under_operator = ssh_options(["w0"], {**env, "DDPLAB_SSH_AUTH": str(auth)})
+    assert under_operator == operator_ssh_options(auth, ["w0"], 2222, env)
 
 
 def test_the_worker_refuses_keys_it_could_rewrite(tmp_path):

@@ -53,13 +53,24 @@ def ssh_hosts(env: Mapping[str, str]) -> list[str]:
     return [host for host, _ in read_hostfile(hostfile)]
 
 
-def ssh_problem(host: str, env: Mapping[str, str]) -> str | None:
-    """None when `ssh host true` works with the options mpirun would use, else why not."""
+def ssh_options(hosts: list[str], env: Mapping[str, str]) -> list[str]:
+    """The ssh options mpirun will use: under the MPI operator ($DDPLAB_SSH_AUTH, its
+    sshAuthMountPath) those of ``ddplab mpi launch``, else $OMPI_MCA_plm_rsh_args."""
     import shlex
+
+    if env.get("DDPLAB_SSH_AUTH"):
+        from .mpi import operator_ssh_options
+
+        return operator_ssh_options(Path(env["DDPLAB_SSH_AUTH"]), hosts,
+                                    int(env.get("DDPLAB_SSH_PORT", "2222")), env)
+    return shlex.split(env.get("OMPI_MCA_plm_rsh_args", ""))
+
+
+def ssh_problem(host: str, options: list[str]) -> str | None:
+    """None when `ssh host true` works with the options mpirun would use, else why not."""
     import subprocess
 
-    extra = shlex.split(env.get("OMPI_MCA_plm_rsh_args", ""))
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *extra, host, "true"]
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *options, host, "true"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -136,11 +147,12 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
 
     try:
         hosts = ssh_hosts(os.environ)
+        options = ssh_options(hosts, os.environ) if hosts else []
     except LaunchError as e:
         hosts = []
         problems.append(f"ssh: {e}")
     for host in hosts:
-        reason = ssh_problem(host, os.environ)
+        reason = ssh_problem(host, options)
         print(f"ssh          {host}: {'reachable' if reason is None else reason}")
         if reason:
             problems.append(reason)

@@ -19,7 +19,8 @@ The worker and the launcher meet in a shared directory (``--keys-dir``, a job-pr
 
 Under the MPI operator (Kubernetes MPIJob v2beta1) the operator has already made the job's key
 (a Secret mounted at ``sshAuthMountPath``) and the hostfile (``/etc/mpi/hostfile``); with
-``--ssh-auth DIR`` (that mount path) both commands use them instead of ``--keys-dir``:
+``--ssh-auth DIR`` or ``$DDPLAB_SSH_AUTH`` (that mount path) both commands use them instead of
+``--keys-dir`` (and ``ddplab doctor`` checks ssh with the launcher's options):
 
 - the worker serves the operator's ``authorized_keys`` and uses the job's private key as its
   host key (a copy, 0600), so the host key is as per-job and as secret as the user key;
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from .launch import LaunchError
@@ -323,6 +325,19 @@ def read_hostfile(path: Path) -> list[tuple[str, int]]:
     return entries
 
 
+def operator_ssh_options(auth: Path, hosts: list[str], port: int,
+                         env: Mapping[str, str]) -> list[str]:
+    """ssh options that log in with the job's key and accept, as host key of exactly ``hosts``,
+    only the job's public key; the operator's own ``OMPI_MCA_plm_rsh_args`` come first (ssh
+    keeps the first value it is given for an option)."""
+    private, public = operator_keys(auth)
+    run_dir = private_dir("ddplab-ssh")
+    key = private_copy(private, run_dir / "id_job")
+    known = run_dir / "known_hosts"
+    known.write_text("".join(f"[{h}]:{port} {public}\n" for h in hosts))
+    return [*shlex.split(env.get("OMPI_MCA_plm_rsh_args", "")), *ssh_options(key, known, port)]
+
+
 def operator_launch(a: argparse.Namespace) -> int:
     """mpirun over the MPI operator's hostfile, trusting only the job's own key as host key."""
     entries = read_hostfile(Path(a.hostfile))
@@ -332,19 +347,12 @@ def operator_launch(a: argparse.Namespace) -> int:
         raise LaunchError(f"{a.hostfile}: the workers' slots differ ({sorted(slots)}); ddplab "
                           "places the same number of ranks on each")
     a.slots = slots.pop()
-    private, public = operator_keys(Path(a.ssh_auth))
-    run_dir = private_dir("ddplab-ssh")
-    key = private_copy(private, run_dir / "id_job")
-    known = run_dir / "known_hosts"
-    known.write_text("".join(f"[{h}]:{a.ssh_port} {public}\n" for h in hosts))
+    opts = operator_ssh_options(Path(a.ssh_auth), hosts, a.ssh_port, os.environ)
     say(f"waiting for {len(hosts)} worker(s) of {a.hostfile} to resolve and answer on port "
         f"{a.ssh_port}")
     for h in hosts:
         wait_for(lambda h=h: port_answers(h, a.ssh_port), a.wait_timeout,
                  lambda h=h: f"worker {h} to resolve and its sshd to answer on port {a.ssh_port}")
-    # The operator's own ssh arguments first (ssh keeps the first value of an option).
-    opts = [*shlex.split(os.environ.get("OMPI_MCA_plm_rsh_args", "")),
-            *ssh_options(key, known, a.ssh_port)]
     return run_mpirun(a, hosts, opts, socket.gethostbyname(hosts[0]))
 
 
