@@ -48,8 +48,8 @@ test: $(STAMP) ## Run the test tiers that need no Docker or Open MPI: unit, dist
 test-mpi: $(STAMP) ## Native mpirun tests (needs Open MPI: apt-get install openmpi-bin)
 	$(BIN)/pytest -m mpi $(PYTEST_ARGS)
 
-test-unit: $(STAMP) ## Unit tests only (no process group, seconds)
-	$(BIN)/pytest -m "not distributed and not e2e and not container" $(PYTEST_ARGS)
+test-unit: $(STAMP) ## Unit tests only (no process group, no Docker, no mpirun)
+	$(BIN)/pytest -m "not distributed and not e2e and not container and not mpi" $(PYTEST_ARGS)
 
 test-distributed: $(STAMP) ## Multi-process tests on CPU (gloo)
 	$(BIN)/pytest -m distributed $(PYTEST_ARGS)
@@ -57,7 +57,7 @@ test-distributed: $(STAMP) ## Multi-process tests on CPU (gloo)
 test-e2e: $(STAMP) ## End-to-end tests with the README's own commands
 	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
 
-test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make images`)
+test-container: $(STAMP) ## Container tests on a real Docker engine (builds missing images)
 	$(BIN)/pytest -m container $(PYTEST_ARGS)
 
 lint: $(STAMP) ## Lint the Python code
@@ -73,7 +73,7 @@ clean-runs: ## Delete the local MLflow store, artifacts and checkpoints (asks fi
 REGISTRY        ?= ddplab
 IMAGE_TAG       ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
 GIT_SHA         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
-WITH_ONECCL     ?= 1
+WITH_ONECCL     ?= auto
 ONECCL_VERSION  ?= 2.7.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 CUDA_TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cu126
@@ -96,9 +96,9 @@ build = docker build -f docker/$(1)/Dockerfile --build-arg GIT_SHA=$(GIT_SHA) \
 
 images: image-cpu image-cuda image-mlflow image-mpi ## Build every image (tags: git revision and latest)
 
-image-cpu: ## Build the CPU image (WITH_ONECCL=0 and TORCH_INDEX_URL=https://pypi.org/simple offline)
+image-cpu: ## Build the CPU image (WITH_ONECCL=auto|1|0; TORCH_INDEX_URL=https://pypi.org/simple offline)
 	$(call build,cpu-oneccl,$(CPU_IMAGE),--build-arg WITH_ONECCL=$(WITH_ONECCL) \
-	  --build-arg ONECCL_LABEL=$(if $(filter 1,$(WITH_ONECCL)),$(ONECCL_VERSION)+cpu,absent) \
+	  --build-arg ONECCL_VERSION=$(ONECCL_VERSION) \
 	  --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) --build-arg INTEL_INDEX_URL=$(INTEL_INDEX_URL))
 
 image-cuda: ## Build the CUDA image (torch's CUDA build brings the CUDA runtime and NCCL)

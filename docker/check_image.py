@@ -27,7 +27,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--torch", required=True)
 p.add_argument("--torchvision", required=True)
 p.add_argument("--ipex", default="")
-p.add_argument("--oneccl", choices=["0", "1"], default="0")
+p.add_argument("--oneccl", choices=["0", "1", "auto"], default="0",
+               help="1: the bindings must register ccl; 0: they must be absent; auto: either")
 p.add_argument("--cuda", action="store_true", help="torch must be built with CUDA and NCCL")
 a = p.parse_args()
 
@@ -53,12 +54,12 @@ if a.ipex:
 
     if ipex.__version__.split("+")[0] != a.ipex:
         fail(f"IPEX is {ipex.__version__}, expected {a.ipex}")
-if a.oneccl == "1":
+if a.oneccl == "1" or (a.oneccl == "auto" and found["oneccl_bind_pt"] != "absent"):
     import oneccl_bindings_for_pytorch  # noqa: E402,F401
 
     if "ccl" not in dist.Backend.backend_list:
         fail("oneccl_bindings_for_pytorch imported but registered no 'ccl' backend")
-elif found["oneccl_bind_pt"] != "absent":
+elif a.oneccl == "0" and found["oneccl_bind_pt"] != "absent":
     fail("WITH_ONECCL=0 but oneccl_bind_pt is installed")
 import ddplab.run  # noqa: E402,F401 - the package and its dependencies import
 

@@ -1,6 +1,6 @@
 """Unit: the Kubernetes manifests, without a cluster.
 
-PyTorchJob and MPIJob objects validate against the real CRDs in ../shared/k8s-schemas (made
+PyTorchJob and MPIJob objects validate against the real CRDs in tests/data/crds (made
 strict: an unknown field is an error, where the API server would silently prune it); pod
 templates and plain objects against Kubernetes' own schema (kubernetes-validate); then the
 operators' own rules.
@@ -9,7 +9,6 @@ operators' own rules.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import jsonschema
@@ -19,8 +18,8 @@ import yaml
 
 from tests.conftest import REPO
 
-# ../shared beside the clone, or where $SHARED says (as in .ci/run).
-SCHEMAS = Path(os.environ.get("SHARED") or REPO.parent / "shared") / "k8s-schemas"
+# Unchanged upstream copies; their sources, versions and license: tests/data/crds/README.md.
+SCHEMAS = REPO / "tests" / "data" / "crds"
 K8S_VERSION = "1.30"
 MANIFESTS = sorted(p for p in (REPO / "k8s").rglob("*.yaml") if p.name != "kustomization.yaml")
 

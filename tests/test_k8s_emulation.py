@@ -102,7 +102,8 @@ def docker_flags(pod: dict, container: dict, sources: dict[str, dict[str, str]],
 
 
 def operator_env(job: dict, role: str, index: int, port: int) -> dict[str, str]:
-    """The training operator v1.9's env for a replica (reference.md, 'Kubeflow PyTorchJob')."""
+    """The training operator v1.9's env for a replica (kubeflow/trainer v1.9.4,
+    pkg/controller.v1/pytorch/envvar.go)."""
     specs = job["spec"]["pytorchReplicaSpecs"]
     name, nproc = job["metadata"]["name"], job["spec"]["nprocPerNode"]
     nnodes = sum(s["replicas"] for s in specs.values())

@@ -1,4 +1,6 @@
-"""Unit: the launcher table, with each launcher's real variables (reference.md)."""
+"""Unit: the launcher table, with each launcher's real variables (torchrun's docs, Open MPI's
+mpirun(1) "Environment Variables", Slurm's srun(1) "OUTPUT ENVIRONMENT VARIABLES", Intel MPI's
+and Kubeflow's env references)."""
 
 import pytest
 

@@ -7,8 +7,26 @@ from ddplab import models
 from ddplab.config import MODEL_NAMES
 
 
-def test_registry_matches_the_names_config_accepts():
-    assert tuple(models.REGISTRY) == MODEL_NAMES
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_name_config_accepts_builds_its_own_architecture(name):
+    """Each accepted name builds, takes a CIFAR-sized batch, and is the architecture it names
+    (a registry entry pointing at the wrong builder would change the parameter count)."""
+    m = models.build(name, 3, 32, 10).eval()
+    with torch.no_grad():
+        assert m(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+    params = sum(p.numel() for p in m.parameters())
+    assert params == EXPECTED_PARAMS[name]
+
+
+# Parameter counts at 10 classes: torchvision's models (weights=None) and the book's CNN
+# (conv 3->32, conv 32->64, 4096->512, 512->10).
+EXPECTED_PARAMS = {
+    "cnn": 896 + 18496 + 2097664 + 5130,
+    "resnet18": 11181642, "resnet50": 23528522,
+    "efficientnet_b0": 4020358, "efficientnet_b1": 6525994, "efficientnet_b2": 7715084,
+    "efficientnet_b3": 10711602, "efficientnet_b4": 17566546, "efficientnet_b5": 28361274,
+    "efficientnet_b6": 40758754, "efficientnet_b7": 63812570,
+}
 
 
 @pytest.mark.parametrize("name, size", [("cnn", 32), ("cnn", 12), ("resnet18", 32),

@@ -20,12 +20,13 @@ from ddplab.rendezvous import (
 
 
 def test_lowest_address_hosts_and_interface_is_found():
-    peers = ["172.20.0.3", "172.20.0.10", "172.20.0.4"]
-    peers.sort(key=lambda ip: tuple(int(x) for x in ip.split(".")))
-    local = {"127.0.0.1": "lo", "172.20.0.4": "eth0"}
+    # Unsorted, and "172.20.0.10" < "172.20.0.9" as text: the numerically lowest must host.
+    peers = ["172.20.0.10", "172.20.0.9", "172.20.0.11"]
+    local = {"127.0.0.1": "lo", "172.20.0.10": "eth0"}
     p = plan(peers, local)
-    assert (p.host, p.me, p.iface, p.is_host) == ("172.20.0.3", "172.20.0.4", "eth0", False)
-    assert plan(peers, {"172.20.0.3": "eth1"}).is_host
+    assert (p.host, p.me, p.iface, p.is_host) == ("172.20.0.9", "172.20.0.10", "eth0", False)
+    assert plan(peers, {"172.20.0.9": "eth1"}).is_host
+    assert not plan(list(reversed(peers)), {"172.20.0.11": "eth0"}).is_host
 
 
 def test_a_node_that_is_not_among_the_peers_is_an_error():

@@ -47,14 +47,28 @@ def test_file_stores_need_no_probe():
     assert check_reachable("sqlite:///x.db") is None
 
 
-def test_null_tracker_accepts_every_call():
+def test_null_tracker_writes_nothing_anywhere(tmp_path, monkeypatch):
+    """Every rank but 0 holds one: it must create no store, run or file, even with a store
+    configured in its environment (which a real tracker would write to)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
     t = NullTracker()
     t.log_params({"a": 1})
     t.set_tags({"b": 2})
     t.log_metrics({"c": 3.0}, 1)
     t.log_text("x", "y.txt")
-    t.finish("FINISHED")
-    assert t.run_id == ""
+    t.finish("FAILED", "boom")
+    assert t.run_id == "" and list(tmp_path.iterdir()) == []
+
+
+def test_a_disabled_tracker_is_the_null_one_on_every_rank(tmp_path, monkeypatch):
+    from ddplab.launch import LaunchEnv
+    from ddplab.tracking import open_tracker
+
+    monkeypatch.chdir(tmp_path)
+    le = LaunchEnv("none", 0, 1, 0, 1, 0, "127.0.0.1", 29500)
+    t = open_tracker(TrackingConfig(enabled=False), le, "x", "")
+    assert type(t) is NullTracker and list(tmp_path.iterdir()) == []
 
 
 def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """``python -m ddplab`` (what torchrun's ``-m ddplab`` runs)."""
 
-from .cli import main
+from .cli import entry
 
-raise SystemExit(main())
+entry()

@@ -9,6 +9,7 @@ then gloo runs with a warning. The choice and its reason are recorded in the run
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import os
 from collections.abc import Callable, Mapping, MutableMapping
@@ -171,7 +172,8 @@ def apply_cpu_layout(cfg: DistConfig, le: LaunchEnv, backend: str) -> tuple[int,
 # ---- oneCCL environment ----
 
 def ccl_env_defaults(le: LaunchEnv, pkg_dir: str | None, env: Mapping[str, str]) -> dict[str, str]:
-    """The oneCCL variables ddplab sets when the user has not (reference.md, oneCCL)."""
+    """The oneCCL variables ddplab sets when the user has not (oneCCL's
+    "Environment Variables" reference, oneapi-src.github.io/oneCCL/env-variables.html)."""
     out = {
         # Also under Open MPI, which the bindings may mistake for an Intel MPI launch.
         "CCL_ATL_TRANSPORT": "ofi",
@@ -226,8 +228,16 @@ def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.devic
                             world_size=le.world_size, timeout=timeout, **kwargs)
 
 
+def finish_together() -> None:
+    """The last collective of a job: every rank waits here until all are done."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def destroy_process_group() -> None:
+    """Collect what may still hold collectives (DDP's reducer, its buckets) first."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -52,8 +52,33 @@ def _rank_prefix() -> str:
     return ""
 
 
+def entry() -> None:
+    """The ``ddplab`` program and ``python -m ddplab`` (what torchrun runs).
+
+    After ``train`` the process ends at once, without interpreter finalization: Gloo's worker
+    threads can still hold work objects whose tensors reference Python objects while the
+    interpreter tears down, which aborts a rank whose job is done ("terminate called without
+    an active exception", SIGABRT; pytorch/pytorch#179291). Everything that matters is written
+    by then (the run's status, the checkpoint, summary.json), so stdio is flushed and the
+    process exits with its real code (0 finished, 1 failed, 2 bad input, 130 interrupted).
+    """
+    code = main()
+    if _COMMAND[0] == "train":
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    raise SystemExit(code)
+
+
+_COMMAND = [""]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _COMMAND[0] = args.command
     from .config import ConfigError, env_overrides
 
     if hasattr(args, "overrides"):

@@ -69,7 +69,9 @@ def plan(peers: list[str], local: Mapping[str, str]) -> Plan:
     if len(mine) != 1:
         raise LaunchError(f"this node's addresses {sorted(local)} match {len(mine)} of the peer "
                           f"addresses {peers}; expected exactly one")
-    return Plan(host=peers[0], me=mine[0], iface=local[mine[0]])
+    # Numeric order, not text: "172.20.0.10" sorts before "172.20.0.4" as a string.
+    host = min(peers, key=ipaddress.ip_address)
+    return Plan(host=host, me=mine[0], iface=local[mine[0]])
 
 
 def interface_env(iface: str, env: Mapping[str, str]) -> dict[str, str]:

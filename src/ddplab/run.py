@@ -98,7 +98,11 @@ def train(path: str | None, overrides: list[str], summary_out: str = "") -> str:
     backend.init_process_group(layout.choice, le, layout.device, cfg.dist.timeout_s)
     try:
         with Signals() as signals:
-            return _tracked(cfg, layout, t_start, signals, summary_out)
+            run_id = _tracked(cfg, layout, t_start, signals, summary_out)
+        # No rank leaves before rank 0 has ended the run: a peer's exit (torchrun stops the
+        # group when one rank exits non-zero) must never cut the final checkpoint or status.
+        backend.finish_together()
+        return run_id
     finally:
         backend.destroy_process_group()
 
@@ -160,8 +164,11 @@ def _where(tracker: tracking.NullTracker) -> str:
     if not tracker.run_id:
         return "tracking was off: nothing recorded in MLflow"
     route = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
-    if tracker.uri.startswith(("http://", "https://")):
-        return f"MLflow run {tracker.run_id} FINISHED: {tracker.uri.rstrip('/')}/{route}"
+    # Inside compose or a cluster the tracking URI is an in-network name (http://mlflow:5000)
+    # that the user's browser cannot open: DDPLAB_UI_URL says where the browser finds the UI.
+    ui = os.environ.get("DDPLAB_UI_URL", "")
+    if ui or tracker.uri.startswith(("http://", "https://")):
+        return f"MLflow run {tracker.run_id} FINISHED: {(ui or tracker.uri).rstrip('/')}/{route}"
     return (f"MLflow run {tracker.run_id} FINISHED in {tracker.uri}; browse it with `make ui`, "
             f"then http://127.0.0.1:5000/{route}")
 

@@ -1,0 +1,63 @@
+"""Container tier: `docker compose -f compose/<file>.yml up` exactly as a user types it on a
+machine that has none of the images, no `make` first. Compose must build what it needs and run
+the job to one FINISHED run, and the job must print an address the user's browser can open.
+
+The images get names no one has built (DDPLAB_*_IMAGE), so the build path runs even where
+`make images` ran before; Docker's build cache keeps that fast after the first time. The
+images are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests import test_containers
+from tests.test_containers import all_runs, finished, sh, tags, wait_exits
+
+pytestmark = pytest.mark.container
+compose_factory = test_containers.compose_factory  # the fixture, without that module's image check
+
+
+def _image_exists(name: str) -> bool:
+    return sh(["docker", "image", "inspect", name], timeout=30).returncode == 0
+
+
+@pytest.fixture
+def fresh_images():
+    prefix = f"ddplabfresh{uuid.uuid4().hex[:8]}"
+    names = {"DDPLAB_CPU_IMAGE": f"{prefix}/cpu-oneccl:latest",
+             "DDPLAB_MLFLOW_IMAGE": f"{prefix}/mlflow:latest",
+             "DDPLAB_MPI_IMAGE": f"{prefix}/openmpi:latest"}
+    yield names
+    sh(["docker", "rmi", *[n for n in names.values() if _image_exists(n)]], timeout=300)
+
+
+@pytest.mark.parametrize("file, service, launcher", [
+    ("multinode.yml", "node", "torchrun"), ("mpi.yml", "worker", "openmpi")])
+def test_compose_up_as_typed_builds_its_images_and_runs_the_job(compose_factory, fresh_images,
+                                                                file, service, launcher):
+    assert not any(_image_exists(n) for n in fresh_images.values())
+    c = compose_factory(2, 1, file=file, service=service, **fresh_images)
+    c.up()
+    # A cold machine builds torch's layer first (minutes); a warm build cache takes seconds.
+    run = c.wait_run(finished, timeout=1800)
+    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
+    t = tags(run)
+    assert (t["ddplab.launcher"], t["ddplab.world_size"]) == (launcher, "2")
+    assert len(t["ddplab.hosts"].split(",")) == 2 and len(all_runs(c.base)) == 1
+    built = [n for n in fresh_images.values() if _image_exists(n)]
+    expected = ["DDPLAB_CPU_IMAGE", "DDPLAB_MLFLOW_IMAGE"] + (["DDPLAB_MPI_IMAGE"] if
+                                                             file == "mpi.yml" else [])
+    assert built == [fresh_images[k] for k in expected]
+    assert t["ddplab.image"] == fresh_images[expected[-1] if file == "mpi.yml" else expected[0]]
+    # The address printed is the browser's (the published port), never the in-network name.
+    route = f"http://localhost:{c.port}/#/experiments/{run['info']['experiment_id']}/runs/"
+    deadline = time.monotonic() + 120
+    exited = wait_exits(c, "launcher" if file == "mpi.yml" else service,
+                        1 if file == "mpi.yml" else 2, deadline)
+    assert exited and set(exited) == {0}
+    logs = c.logs()
+    assert route + run["info"]["run_id"] in logs and "http://mlflow:5000/#" not in logs

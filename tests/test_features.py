@@ -1,0 +1,145 @@
+"""Unit: each training feature a config switch turns on does what it says (and is off when off).
+
+bf16 autocast, channels_last, grad_clip, the LR schedules' values step by step, pin_cores,
+DataLoader workers with persistent workers, and torch.compile over DDP (one rank, gloo).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddplab import backend, data, loop, models, optim
+from ddplab.config import DataConfig, DistConfig, ModelConfig, OptimConfig
+from ddplab.launch import LaunchEnv
+
+CPU = torch.device("cpu")
+
+
+def state(model: nn.Module, lr: float = 0.1, **kw) -> loop.TrainState:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return loop.TrainState(model=model, optimizer=opt,
+                           scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                           scaler=torch.amp.GradScaler("cpu", enabled=False), device=CPU, **kw)
+
+
+def _forward_dtype(amp: str) -> torch.dtype:
+    model = models.BookCNN(3, 8, 4)
+    seen: list[torch.dtype] = []
+    model.classifier[-1].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    s = state(model, amp=amp)
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    loop.micro_step(s, x, y, group_size=1, sync_grads=True)
+    assert model.classifier[-1].weight.grad is not None
+    return seen[0]
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16_and_none_in_fp32():
+    assert _forward_dtype("bf16") == torch.bfloat16
+    assert _forward_dtype("none") == torch.float32
+
+
+def test_channels_last_reaches_the_weights_and_the_batches():
+    model = models.prepare(models.BookCNN(3, 8, 4), ModelConfig(channels_last=True), CPU)
+    assert model.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+    x, _ = state(model, channels_last=True).to_device(torch.randn(2, 3, 8, 8), torch.zeros(2))
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    x, _ = state(model, channels_last=False).to_device(torch.randn(2, 3, 8, 8), torch.zeros(2))
+    assert not x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _update_norm(grad_clip: float) -> float:
+    """Norm of one plain-SGD update (lr 1) from a gradient of norm 200."""
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    model.weight.grad = torch.full_like(model.weight, 100.0)  # norm 200
+    s = state(model, lr=1.0, grad_clip=grad_clip)
+    loop.optimizer_step(s)
+    return model.weight.detach().norm().item()
+
+
+def test_grad_clip_bounds_the_update_and_zero_leaves_it_alone():
+    assert _update_norm(0.5) == pytest.approx(0.5, rel=1e-4)
+    assert _update_norm(0.0) == pytest.approx(200.0, rel=1e-6)
+
+
+def _lrs(cfg: OptimConfig, steps: int, total: int) -> list[float]:
+    opt = optim.optimizer(nn.Linear(1, 1), cfg)
+    sched = optim.scheduler(opt, cfg, total)
+    out = []
+    for _ in range(steps):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("cfg, expected", [
+    (OptimConfig(lr=1.0, scheduler="none"), [1.0] * 6),
+    (OptimConfig(lr=1.0, scheduler="none", warmup_steps=4), [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]),
+    (OptimConfig(lr=2.0, scheduler="step", step_size=2, gamma=0.5),
+     [2.0, 2.0, 1.0, 1.0, 0.5, 0.5]),
+    (OptimConfig(lr=1.0, scheduler="step", warmup_steps=2, step_size=2, gamma=0.1),
+     [0.5, 1.0, 1.0, 1.0, 0.1, 0.1]),
+    # cosine over 4 steps after 2 warm-up steps: 1, cos^2(pi/8)=0.8536, 0.5, 0.1464, then 0.
+    (OptimConfig(lr=1.0, scheduler="cosine", warmup_steps=2),
+     [0.5, 1.0, 1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]),
+])
+def test_lr_schedule_values_step_by_step(cfg, expected):
+    assert _lrs(cfg, len(expected), total=6) == pytest.approx(expected, abs=1e-6)
+
+
+def test_pin_cores_gives_each_local_rank_its_own_block():
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    le = LaunchEnv("torchrun", 1, 2, 1, 2, 0, "127.0.0.1", 29500)
+    try:
+        threads, pinned = backend.apply_cpu_layout(
+            DistConfig(pin_cores=True, threads_per_rank=1), le, "gloo")
+        expected = cores[len(cores) // 2:] if len(cores) >= 2 else cores
+        assert pinned == expected and os.sched_getaffinity(0) == set(expected)
+        assert threads == 1 and torch.get_num_threads() == 1
+        _, unpinned = backend.apply_cpu_layout(DistConfig(threads_per_rank=1), le, "gloo")
+        assert unpinned == []
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _worker_pids(loader) -> set[int]:
+    return {w.pid for w in loader._iterator._workers}
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_loader_workers_cover_the_shard_and_persist_when_asked(persistent):
+    cfg = DataConfig(train_samples=64, eval_samples=16, image_size=8, batch_size=8,
+                     num_workers=2, persistent_workers=persistent)
+    loaders = data.loaders(cfg, seed=0, rank=0, world=1, pin=False)
+    pids = []
+    for epoch in range(2):
+        loaders.sampler.set_position(epoch, 0)
+        seen = sum(y.shape[0] for _, y in loaders.train)
+        assert seen == 64
+        pids.append(_worker_pids(loaders.train) if persistent else None)
+    if persistent:
+        assert pids[0] == pids[1] and len(pids[0]) == 2  # the same two workers both epochs
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_compile_wraps_ddp_and_computes_what_eager_does(one_rank_group):
+    torch.manual_seed(0)
+    eager = models.wrap(models.BookCNN(3, 8, 4), ModelConfig(), CPU)
+    compiled = models.wrap(models.unwrap(eager), ModelConfig(compile=True), CPU)
+    assert hasattr(compiled, "_orig_mod") and models.unwrap(compiled) is models.unwrap(eager)
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)
