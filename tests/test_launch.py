@@ -56,7 +56,14 @@ def test_layout_properties():
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"LOCAL_RANK": "0", "RANK": "0"}, "WORLD_SIZE is not set"),
+    ({"LOCAL_RANK": "0", "RANK": "0"}, "RANK=0, LOCAL_RANK=0 set but WORLD_SIZE not"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1, WORLD_SIZE=1 set but LOCAL_RANK not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}, "but LOCAL_RANK not"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE=abc set but RANK and LOCAL_RANK not"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "1", "RANK": "1", "WORLD_SIZE": "2"},
+     "pmi gives rank 0 but RANK=1 is also set"),
+    ({**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "0"}, "OMPI_COMM_WORLD_LOCAL_SIZE='0' must be >= 1"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "0"}, "MPI_LOCALNRANKS='0' must be >= 1"),
     ({**TORCHRUN_CHILD, "RANK": "4"}, r"rank 4 is outside 0..3"),
     ({**TORCHRUN_CHILD, "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
     ({**TORCHRUN_CHILD, "LOCAL_RANK": "2"}, r"local rank 2 is outside 0..1"),

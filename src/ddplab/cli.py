@@ -123,7 +123,7 @@ def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
     from .run import Terminated, train
     from .tracking import TrackingError
 
-    expected = (LaunchError, BackendError, DataError, TrackingError, Rank0Error, Terminated,
+    expected = (BackendError, DataError, TrackingError, Rank0Error, Terminated,
                 FileNotFoundError, ValueError)
     warnings.filterwarnings("default")
     from .config import ConfigError
@@ -131,8 +131,10 @@ def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
     try:
         train(experiment, overrides, summary_out)
         return 0
-    except ConfigError:
-        raise
+    except (ConfigError, LaunchError) as e:
+        # Bad input, found before any process group or run exists: exit 2, like argparse.
+        print(f"{_rank_prefix()}ddplab: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except expected as e:
         # Known failures get one line, not a traceback (the run, if any, records the traceback).
         print(f"{_rank_prefix()}ddplab: error: {e}", file=sys.stderr)

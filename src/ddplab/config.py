@@ -11,6 +11,8 @@ must be instant.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,6 +31,28 @@ class ConfigError(ValueError):
 
 def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"{key}: got {value!r}; {allowed}")
+
+
+def _check_range(obj: Any, name: str, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """A numeric field within [low, high] (open ends where asked); floats must be finite."""
+    v = getattr(obj, name)
+    if isinstance(v, float) and not math.isfinite(v):
+        _fail(name, v, "must be a finite number")
+    too_low = low is not None and (v <= low if low_open else v < low)
+    too_high = high is not None and (v >= high if high_open else v > high)
+    if too_low or too_high:
+        left = "(" if low_open or low is None else "["
+        right = ")" if high_open or high is None else "]"
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else str(high) if isinstance(high, int) else f"{high:g}"
+        _fail(name, v, f"must be in {left}{lo}, {hi}{right}")
+
+
+# Seeds feed torch.manual_seed and the samplers' generators (seed + epoch): a signed 64-bit range.
+MAX_SEED = 2**63 - 2**32
+MAX_TIMEOUT_S = 7 * 24 * 3600
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 @dataclass
@@ -71,8 +95,7 @@ class DataConfig:
             _fail("num_classes", self.num_classes, "must be >= 2")
         if self.num_workers < 0:
             _fail("num_workers", self.num_workers, "must be >= 0")
-        if self.noise < 0:
-            _fail("noise", self.noise, "must be >= 0")
+        _check_range(self, "noise", 0)
         if self.persistent_workers and self.num_workers == 0:
             _fail("persistent_workers", True, "needs data.num_workers > 0")
         if self.dataset == "synthetic" and self.image_size < 4:
@@ -115,10 +138,10 @@ class OptimConfig:
     """``step`` scheduler: decay factor."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            _fail("lr", self.lr, "must be > 0")
-        if self.weight_decay < 0:
-            _fail("weight_decay", self.weight_decay, "must be >= 0")
+        _check_range(self, "lr", 0, low_open=True)
+        _check_range(self, "weight_decay", 0)
+        _check_range(self, "momentum", 0, 1, high_open=True)
+        _check_range(self, "gamma", 0, low_open=True)
         if self.warmup_steps < 0:
             _fail("warmup_steps", self.warmup_steps, "must be >= 0")
         if self.step_size < 1:
@@ -155,8 +178,8 @@ class TrainConfig:
         for name in ("max_steps", "global_batch_size", "seed"):
             if getattr(self, name) < 0:
                 _fail(name, getattr(self, name), "must be >= 0")
-        if self.grad_clip < 0:
-            _fail("grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+        _check_range(self, "grad_clip", 0)
+        _check_range(self, "seed", 0, MAX_SEED)
 
 
 @dataclass
@@ -177,8 +200,7 @@ class DistConfig:
     def __post_init__(self) -> None:
         if self.threads_per_rank != "auto" and self.threads_per_rank < 1:
             _fail("threads_per_rank", self.threads_per_rank, "must be >= 1 or 'auto'")
-        if self.timeout_s < 1:
-            _fail("timeout_s", self.timeout_s, "must be >= 1")
+        _check_range(self, "timeout_s", 1, MAX_TIMEOUT_S)
 
 
 @dataclass
@@ -202,10 +224,8 @@ class TrackingConfig:
     clusters that start the server together with the job); 0 = fail at once."""
 
     def __post_init__(self) -> None:
-        if self.wait_s < 0:
-            _fail("wait_s", self.wait_s, "must be >= 0")
-        if self.system_metrics_interval_s <= 0:
-            _fail("system_metrics_interval_s", self.system_metrics_interval_s, "must be > 0")
+        _check_range(self, "wait_s", 0, MAX_TIMEOUT_S)
+        _check_range(self, "system_metrics_interval_s", 0, 3600, low_open=True)
 
 
 @dataclass
@@ -246,8 +266,11 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        if not self.name.strip():
-            _fail("name", self.name, "must be a non-empty string")
+        # The name is a directory under checkpoint.dir and the MLflow experiment: one safe
+        # path component.
+        if not NAME_RE.fullmatch(self.name):
+            _fail("name", self.name, "use 1-100 letters, digits, '.', '_' or '-', starting with a "
+                  "letter or digit")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -336,62 +359,106 @@ def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
         raise
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's floats: ``1e-3`` is a float (YAML 1.1, PyYAML's default, reads a
+    float without a dot as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (PyYAML's own message spans several)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
+
+
+Override = str | tuple[str, str]
+"""``"key=value"`` from ``--set``, or ``(source, "key=value")`` from elsewhere (``DDPLAB_SET``)."""
+
+
+def _source(item: Override) -> tuple[str, str]:
+    return item if isinstance(item, tuple) else ("--set", item)
+
+
+def parse_override(item: Override) -> tuple[list[str], Any]:
     """``"train.epochs=3"`` -> (["train", "epochs"], 3); the value is read as YAML."""
-    key, sep, text = item.partition("=")
+    source, text_item = _source(item)
+    key, sep, text = text_item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {item!r}: expected key.sub=value, e.g. train.epochs=3")
+        raise ConfigError(f"{source} {text_item!r}: expected key.sub=value, e.g. train.epochs=3")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _read_yaml(text) if text.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from None
+        raise ConfigError(f"{source} {text_item!r}: value is not valid YAML ({_yaml_problem(e)})") \
+            from None
     return key.strip().split("."), value
 
 
-def _apply(raw: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+def _apply(raw: dict[str, Any], path: list[str], value: Any, origin: str) -> None:
     node = raw
     for part in path[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {item!r}: {part} is not a section")
+            raise ConfigError(f"{origin}: {part} is not a section")
         node = child
     node[path[-1]] = value
 
 
-def env_overrides(env: dict[str, str] | None = None) -> list[str]:
+def env_overrides(env: dict[str, str] | None = None) -> list[Override]:
     """The ``DDPLAB_SET`` items, which come before (so lose to) command-line ``--set``."""
     import os
 
-    return ((env if env is not None else os.environ).get("DDPLAB_SET") or "").split()
+    text = (env if env is not None else os.environ).get("DDPLAB_SET") or ""
+    return [("DDPLAB_SET", item) for item in text.split()]
 
 
-def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """defaults < file < overrides, validated; errors are ConfigError naming file/--set and key.
-    Callers put ``env_overrides()`` first in ``overrides`` to honour $DDPLAB_SET."""
-    raw: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigError(f"{p}: experiment file not found")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({e})") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections")
-        raw = loaded or {}
+def _read_file(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ConfigError(f"{p}: experiment file not found")
+    try:
+        loaded = _read_yaml(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file (an experiment is UTF-8 YAML)") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot be read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)})") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    return loaded or {}
+
+
+def load(path: str | Path | None, overrides: list[Override] | tuple[Override, ...] = ()
+         ) -> ExperimentConfig:
+    """defaults < file < overrides, validated; errors are ConfigError naming the source
+    (the file, ``--set`` or ``DDPLAB_SET``) and the key. Callers put ``env_overrides()`` first
+    in ``overrides`` to honour $DDPLAB_SET."""
+    raw = _read_file(Path(path)) if path is not None else {}
+    source = str(path) if path is not None else "defaults"
     overridden = {}
     for item in overrides:
         keys, value = parse_override(item)
-        _apply(raw, keys, value, item)
-        overridden[".".join(keys)] = item
+        origin = "{} {!r}".format(*_source(item))
+        _apply(raw, keys, value, origin)
+        overridden[".".join(keys)] = origin
     try:
         return _build(ExperimentConfig, raw)
     except ConfigError as e:
         key = str(e).split(":", 1)[0]
-        origin = next((f"--set {v!r}" for k, v in overridden.items()
+        origin = next((v for k, v in overridden.items()
                        if key == k or f"{key}.".startswith(f"{k}.")
                        or f"{k}.".startswith(f"{key}.")), source)
         raise ConfigError(f"{origin}: {e}") from None

@@ -44,7 +44,8 @@ class SyntheticImages(Dataset):
         return self.size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        # Modulo 2**63: any valid seed (train.seed < 2**63) stays a valid generator seed.
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + i) % 2**63)
         label = int(torch.randint(self.num_classes, (1,), generator=g))
         x = self.prototypes[label] + self.noise * torch.randn(self.shape, generator=g)
         return x, label

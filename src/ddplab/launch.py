@@ -54,11 +54,43 @@ class LaunchEnv:
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> LaunchEnv:
+        _refuse_partial_env(env)
         for detect in (_torchrun, _pytorchjob, _openmpi, _pmi, _slurm):
             found = detect(env)
             if found is not None:
+                _refuse_contradiction(found, env)
                 return _check(found)
         return cls("none", 0, 1, 0, 1, 0, "127.0.0.1", DEFAULT_MASTER_PORT)
+
+
+ENV_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+OTHER_RANK_VARS = {"OMPI_COMM_WORLD_RANK": "OMPI_COMM_WORLD_SIZE", "PMI_RANK": "PMI_SIZE",
+                   "SLURM_PROCID": "SLURM_NTASKS"}
+
+
+def _refuse_partial_env(env: Mapping[str, str]) -> None:
+    """RANK/WORLD_SIZE/LOCAL_RANK come as a set (torchrun and env:// launchers set all three).
+    Part of the set, with no torchrun agent and no Kubeflow pod around it, is a mistake that
+    would otherwise train silently as a single process."""
+    if "TORCHELASTIC_RUN_ID" in env or "PET_NNODES" in env or "PET_NODE_RANK" in env:
+        return
+    present = [v for v in ENV_RANK_VARS if v in env]
+    if present and len(present) < len(ENV_RANK_VARS) and not any(v in env for v in OTHER_RANK_VARS):
+        missing = [v for v in ENV_RANK_VARS if v not in env]
+        shown = ", ".join(f"{v}={env[v]}" for v in present)
+        raise LaunchError(f"{shown} set but {' and '.join(missing)} not: set all of "
+                          f"{', '.join(ENV_RANK_VARS)} (or start the job with torchrun)")
+
+
+def _refuse_contradiction(found: LaunchEnv, env: Mapping[str, str]) -> None:
+    """An MPI or Slurm launch whose RANK/WORLD_SIZE say something else (a leftover export).
+    torchrun inside mpirun or srun is fine: its own variables win, as they should."""
+    if found.launcher in ("torchrun", "pytorchjob"):
+        return
+    for name, value in (("RANK", found.rank), ("WORLD_SIZE", found.world_size)):
+        if name in env and env[name] != str(value):
+            raise LaunchError(f"{found.launcher} gives {name.lower().replace('_', ' ')} {value} but "
+                              f"{name}={env[name]} is also set: unset {name}, or launch with one launcher")
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -68,6 +100,14 @@ def _int(env: Mapping[str, str], name: str) -> int:
         return int(env[name])
     except ValueError:
         raise LaunchError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _positive(env: Mapping[str, str], name: str) -> int:
+    """A count that divides: zero or less is an error here, not a ZeroDivisionError later."""
+    value = _int(env, name)
+    if value < 1:
+        raise LaunchError(f"{name}={env[name]!r} must be >= 1")
+    return value
 
 
 def _master(env: Mapping[str, str], launcher: str, local_world: int, world: int) -> tuple[str, int]:
@@ -114,7 +154,7 @@ def _openmpi(env: Mapping[str, str]) -> LaunchEnv | None:
     if "OMPI_COMM_WORLD_RANK" not in env:
         return None
     rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    local_world = _positive(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
     # OMPI_COMM_WORLD_NODE_RANK is the rank on the node across *all* jobs, not a node index;
     # mpirun's default by-slot mapping fills nodes in order, so the node is rank // local size.
     addr, port = _master(env, "openmpi", local_world, world)
@@ -126,7 +166,7 @@ def _pmi(env: Mapping[str, str]) -> LaunchEnv | None:
     if "PMI_RANK" not in env:
         return None
     rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-    local_world = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world
+    local_world = _positive(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else max(world, 1)
     local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else rank
     addr, port = _master(env, "pmi", local_world, world)
     return LaunchEnv("pmi", rank, world, local_rank, local_world, rank // local_world, addr, port)

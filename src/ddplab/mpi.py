@@ -50,7 +50,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .launch import LaunchError
-from .rendezvous import local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
+from .rendezvous import from_env, local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
 
 # What ranks on the workers need from the launcher's environment (ssh sessions start clean).
 FORWARD = ("PATH", "LD_PRELOAD", "HOME", "PYTHONUNBUFFERED", "DDPLAB_IMAGE", "DDPLAB_GIT_SHA",
@@ -362,19 +362,20 @@ def parser(sub: argparse._SubParsersAction) -> None:
     ms = m.add_subparsers(dest="mpi_command", required=True)
     for name in ("worker", "launch"):
         p = ms.add_parser(name)
-        p.add_argument("--nnodes", type=int, default=int(e.get("NNODES", "2")))
+        p.add_argument("--nnodes", type=from_env(int, "NNODES"), default=e.get("NNODES", "2"))
         p.add_argument("--peers", default=e.get("DDPLAB_PEERS", "worker"),
                        help="DNS name that resolves to every worker")
         p.add_argument("--keys-dir", default=e.get("DDPLAB_KEYS_DIR", "/ssh"),
                        help="job-private directory shared by the launcher and the workers")
-        p.add_argument("--ssh-port", type=int, default=int(e.get("DDPLAB_SSH_PORT", "2222")))
-        p.add_argument("--wait-timeout", type=float,
-                       default=float(e.get("DDPLAB_WAIT_TIMEOUT", "180")))
+        p.add_argument("--ssh-port", type=from_env(int, "DDPLAB_SSH_PORT"),
+                       default=e.get("DDPLAB_SSH_PORT", "2222"))
+        p.add_argument("--wait-timeout", type=from_env(float, "DDPLAB_WAIT_TIMEOUT"),
+                       default=e.get("DDPLAB_WAIT_TIMEOUT", "180"))
         p.add_argument("--ssh-auth", default=e.get("DDPLAB_SSH_AUTH", ""), metavar="DIR",
                        help="under the MPI operator: its spec.sshAuthMountPath; the job key it "
                             "mounts there replaces --keys-dir (and the hostfile, --nnodes/--peers)")
     launch_p = ms.choices["launch"]
-    launch_p.add_argument("--slots", type=int, default=int(e.get("SLOTS", "1")),
+    launch_p.add_argument("--slots", type=from_env(int, "SLOTS"), default=e.get("SLOTS", "1"),
                           help="ranks per worker (under the MPI operator: the hostfile's slots)")
     launch_p.add_argument("--hostfile",
                           default=e.get("OMPI_MCA_orte_default_hostfile", "/etc/mpi/hostfile"),

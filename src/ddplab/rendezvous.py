@@ -147,20 +147,39 @@ def torchrun_argv(a: argparse.Namespace, p: Plan) -> list[str]:
     ]
 
 
+def from_env(kind: type, env_name: str) -> Callable[[str], int | float]:
+    """An argparse type for an option whose default comes from ``$env_name``: argparse converts
+    string defaults with it only when the command runs, so a bad variable is one usage line
+    naming it (exit 2), and other commands never read it."""
+    def convert(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value < (1 if kind is int else 0):
+            low = "an integer >= 1" if kind is int else "a number >= 0"
+            raise argparse.ArgumentTypeError(f"{text!r} (from the option or ${env_name}) is not {low}")
+        return value
+    convert.__name__ = kind.__name__  # what argparse names in its message
+    return convert
+
+
 def parser(sub: argparse._SubParsersAction) -> None:
     e = os.environ
     p = sub.add_parser("launch", help="multi-node: wait for peers, then torchrun this node's ranks",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--nnodes", type=int, default=int(e.get("NNODES", "2")),
+    p.add_argument("--nnodes", type=from_env(int, "NNODES"), default=e.get("NNODES", "2"),
                    help="nodes in the job (default $NNODES or 2)")
-    p.add_argument("--nproc-per-node", type=int, default=int(e.get("NPROC_PER_NODE", "1")),
+    p.add_argument("--nproc-per-node", type=from_env(int, "NPROC_PER_NODE"),
+                   default=e.get("NPROC_PER_NODE", "1"),
                    help="ranks on this node (default $NPROC_PER_NODE or 1)")
     p.add_argument("--peers", default=e.get("DDPLAB_PEERS", "node"),
                    help="DNS name that resolves to every node (default $DDPLAB_PEERS or 'node')")
     p.add_argument("--rdzv-port", type=int, default=29400)
     p.add_argument("--rdzv-id", default=e.get("DDPLAB_JOB_ID", "ddplab"))
     p.add_argument("--max-restarts", type=int, default=0)
-    p.add_argument("--wait-timeout", type=float, default=float(e.get("DDPLAB_WAIT_TIMEOUT", "180")),
+    p.add_argument("--wait-timeout", type=from_env(float, "DDPLAB_WAIT_TIMEOUT"),
+                   default=e.get("DDPLAB_WAIT_TIMEOUT", "180"),
                    help="seconds to wait for peers and the rendezvous port (default 180)")
     p.add_argument("train_args", nargs=argparse.REMAINDER,
                    help="-- EXPERIMENT.yaml [--set key=value ...] (what ddplab train takes)")

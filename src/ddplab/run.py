@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import backend, capsule, checkpoint, config, data, loop, models, optim, tracking
+from . import backend, capsule, checkpoint, checks, config, data, loop, models, optim, tracking
 from .launch import LaunchEnv
 from .report import Console, RunStats
 
@@ -93,7 +93,7 @@ def train(path: str | None, overrides: list[str], summary_out: str = "") -> str:
     t_start = time.perf_counter()
     cfg = config.load(path, overrides)
     le = LaunchEnv.from_environ(os.environ)
-    cfg.global_batch(le.world_size)  # batch arithmetic errors before anything starts
+    checks.before_start(cfg, le, summary_out, torch.cuda.is_available())
     layout = _layout(cfg, le)
     backend.init_process_group(layout.choice, le, layout.device, cfg.dist.timeout_s)
     try:
@@ -221,8 +221,6 @@ class Fit:
                                device)
         opt = optim.optimizer(model, cfg.optim)
         model, opt, ipex = models.maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
-        if cfg.train.amp == "fp16" and device.type != "cuda":
-            raise config.ConfigError("train.amp: got 'fp16'; fp16 needs CUDA, use 'bf16' on CPU")
         state = loop.TrainState(
             model=models.wrap(model, cfg.model, device), optimizer=opt,
             scheduler=optim.scheduler(opt, cfg.optim, self.total_steps()),

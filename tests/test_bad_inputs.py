@@ -1,0 +1,203 @@
+"""Unit: bad input of every kind stops `ddplab train` before any run exists.
+
+A table of what careless users and broken launchers give: config files, `--set`,
+`DDPLAB_SET`, launcher variables, the tracking URI, paths. Each must exit 2 with ONE line
+naming the source and the key, no traceback, and leave the MLflow store empty. The table runs
+through `cli.main` in-process (seconds for all of it); a few rows also run as the real
+`ddplab` program, to check the process's own exit code and output.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ddplab import cli
+from tests.conftest import QUICK, REPO, ddplab, job_env, runs
+
+QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
+
+
+def _file(text: str | bytes):
+    return ("file", text)
+
+
+# (id, experiment file text or None for the quickstart, --set items, env, extra args, expected)
+CASES = [
+    # ---- config files: keys, types, ranges ----
+    ("unknown key", _file("train:\n  epoch: 3\n"), [], {}, [], "exp.yaml: train.epoch: unknown key"),
+    ("wrong type", _file("train:\n  epochs: three\n"), [], {}, [], "exp.yaml: train.epochs: got 'three'"),
+    ("top level list", _file("- a\n"), [], {}, [], "exp.yaml: the top level must be a mapping"),
+    ("section as list", _file("train: [1]\n"), [], {}, [], "exp.yaml: train: got [1]"),
+    ("invalid yaml", _file("train: {epochs: 1\n"), [], {}, [], "exp.yaml: not valid YAML"),
+    ("binary file", _file(b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), [], {}, [], "exp.yaml: not a text file"),
+    ("bool as int", _file("data:\n  batch_size: true\n"), [], {}, [], "data.batch_size: got True"),
+    ("int as bool", _file("train:\n  deterministic: 1\n"), [], {}, [], "train.deterministic: got 1"),
+    ("name with slash", _file("name: ../up\n"), [], {}, [], "name: got '../up'"),
+    ("empty name", _file("name: ''\n"), [], {}, [], "name: got ''"),
+    ("lr nan in file", _file("optim:\n  lr: .nan\n"), [], {}, [], "optim.lr: got nan; must be a finite"),
+    ("lr inf in file", _file("optim:\n  lr: .inf\n"), [], {}, [], "optim.lr: got inf"),
+    ("epochs 0", _file("train:\n  epochs: 0\n"), [], {}, [], "train.epochs: got 0; must be >= 1"),
+    ("epochs float", _file("train:\n  epochs: 1.5\n"), [], {}, [], "train.epochs: got 1.5; expected int"),
+    ("unknown section", _file("trainer:\n  epochs: 1\n"), [], {}, [], "trainer: unknown key"),
+    # ---- --set: every numeric field with a sane range ----
+    ("lr nan", None, ["optim.lr=.nan"], {}, [], "--set 'optim.lr=.nan': optim.lr: got nan"),
+    ("lr zero", None, ["optim.lr=0"], {}, [], "optim.lr: got 0.0; must be in (0, inf)"),
+    ("lr negative", None, ["optim.lr=-1e-3"], {}, [], "optim.lr: got -0.001"),
+    ("lr text", None, ["optim.lr=fast"], {}, [], "optim.lr: got 'fast'; expected float"),
+    ("momentum negative", None, ["optim.momentum=-5"], {}, [], "optim.momentum: got -5.0; must be in [0, 1)"),
+    ("momentum one", None, ["optim.momentum=1"], {}, [], "optim.momentum: got 1.0"),
+    ("gamma negative", None, ["optim.gamma=-1"], {}, [], "optim.gamma: got -1.0"),
+    ("gamma zero", None, ["optim.gamma=0"], {}, [], "optim.gamma: got 0.0"),
+    ("weight decay negative", None, ["optim.weight_decay=-0.1"], {}, [], "optim.weight_decay: got -0.1"),
+    ("warmup negative", None, ["optim.warmup_steps=-1"], {}, [], "optim.warmup_steps: got -1"),
+    ("step size zero", None, ["optim.step_size=0"], {}, [], "optim.step_size: got 0"),
+    ("unknown optimizer", None, ["optim.name=lamb"], {}, [], "optim.name: got 'lamb'"),
+    ("unknown scheduler", None, ["optim.scheduler=linear"], {}, [], "optim.scheduler: got 'linear'"),
+    ("grad clip nan", None, ["train.grad_clip=.nan"], {}, [], "train.grad_clip: got nan"),
+    ("grad clip negative", None, ["train.grad_clip=-1"], {}, [], "train.grad_clip: got -1.0"),
+    ("seed huge", None, ["train.seed=99999999999999999999"], {}, [], "train.seed: got 99999999999999999999"),
+    ("seed negative", None, ["train.seed=-1"], {}, [], "train.seed: got -1"),
+    ("max steps negative", None, ["train.max_steps=-1"], {}, [], "train.max_steps: got -1"),
+    ("log every zero", None, ["train.log_every=0"], {}, [], "train.log_every: got 0"),
+    ("accum zero", None, ["train.grad_accum_steps=0"], {}, [], "train.grad_accum_steps: got 0"),
+    ("amp unknown", None, ["train.amp=fp8"], {}, [], "train.amp: got 'fp8'"),
+    ("amp fp16 on cpu", None, ["train.amp=fp16"], {}, [], "train.amp: got 'fp16'; fp16 needs a CUDA"),
+    ("global batch mismatch", None, ["train.global_batch_size=100"], {}, [],
+     "train.global_batch_size: got 100"),
+    ("timeout huge", None, ["dist.timeout_s=99999999999"], {}, [], "dist.timeout_s: got 99999999999"),
+    ("timeout zero", None, ["dist.timeout_s=0"], {}, [], "dist.timeout_s: got 0"),
+    ("threads zero", None, ["dist.threads_per_rank=0"], {}, [], "dist.threads_per_rank: got 0"),
+    ("threads text", None, ["dist.threads_per_rank=many"], {}, [], "dist.threads_per_rank: got 'many'"),
+    ("backend unknown", None, ["dist.backend=nvlink"], {}, [], "dist.backend: got 'nvlink'"),
+    ("cuda without gpu", None, ["dist.device=cuda"], {}, [], "dist.device: got 'cuda'"),
+    ("nccl on cpu", None, ["dist.backend=nccl"], {}, [], "dist.backend: got 'nccl'"),
+    ("wait negative", None, ["tracking.wait_s=-1"], {}, [], "tracking.wait_s: got -1.0"),
+    ("metrics interval zero", None, ["tracking.system_metrics_interval_s=0"], {}, [],
+     "tracking.system_metrics_interval_s: got 0.0"),
+    ("tracking uri scheme", None, ["tracking.uri=garbage://x"], {}, [], "tracking.uri: got 'garbage://x'"),
+    ("noise nan", None, ["data.noise=.nan"], {}, [], "data.noise: got nan"),
+    ("batch zero", None, ["data.batch_size=0"], {}, [], "data.batch_size: got 0"),
+    ("workers negative", None, ["data.num_workers=-1"], {}, [], "data.num_workers: got -1"),
+    ("persistent without workers", None, ["data.persistent_workers=true"], {}, [],
+     "data.persistent_workers: got True"),
+    ("classes one", None, ["data.num_classes=1"], {}, [], "data.num_classes: got 1"),
+    ("image too small", None, ["data.image_size=2"], {}, [], "data.image_size: got 2"),
+    ("torchvision model one channel", None, ["model.name=resnet18", "data.channels=1"], {}, [],
+     "data.channels: got 1; model.name 'resnet18' takes 3-channel"),
+    ("unknown model", None, ["model.name=vgg"], {}, [], "model.name: got 'vgg'"),
+    ("cifar missing", None, ["data.dataset=cifar10", "data.root=nowhere"], {}, [],
+     "data.root: got 'nowhere'"),
+    ("keep zero", None, ["checkpoint.keep=0"], {}, [], "checkpoint.keep: got 0"),
+    ("every steps negative", None, ["checkpoint.every_steps=-1"], {}, [], "checkpoint.every_steps: got -1"),
+    ("resume empty", None, ["checkpoint.resume="], {}, [], "checkpoint.resume: got ''"),
+    ("set without equals", None, ["train.epochs"], {}, [], "--set 'train.epochs': expected key.sub=value"),
+    ("set bad yaml", None, ["train.epochs=[1"], {}, [], "--set 'train.epochs=[1': value is not valid YAML"),
+    ("set unknown section", None, ["trian.epochs=2"], {}, [], "--set 'trian.epochs=2': trian: unknown key"),
+    ("set through a value", None, ["name.x=1"], {}, [], "--set 'name.x=1': name is not a section"),
+    # ---- DDPLAB_SET: blamed by its own name ----
+    ("env set wrong type", None, [], {"DDPLAB_SET": "train.epochs=x"}, [],
+     "DDPLAB_SET 'train.epochs=x': train.epochs: got 'x'"),
+    ("env set no equals", None, [], {"DDPLAB_SET": "epochs"}, [],
+     "DDPLAB_SET 'epochs': expected key.sub=value"),
+    ("env set lr nan", None, [], {"DDPLAB_SET": "optim.lr=.nan"}, [], "DDPLAB_SET 'optim.lr=.nan'"),
+    # ---- launcher environments ----
+    ("rank without local rank", None, [], {"RANK": "1", "WORLD_SIZE": "1"}, [],
+     "RANK=1, WORLD_SIZE=1 set but LOCAL_RANK not"),
+    ("rank and world, no local", None, [], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1"},
+     [], "but LOCAL_RANK not"),
+    ("world size text", None, [], {"WORLD_SIZE": "abc"}, [], "WORLD_SIZE=abc set but"),
+    ("rank beyond world", None, [], {"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, [],
+     "rank 5 is outside 0..1"),
+    ("pmi mixed with rank", None, [], {"PMI_RANK": "0", "PMI_SIZE": "1", "RANK": "1", "WORLD_SIZE": "2"},
+     [], "pmi gives rank 0 but RANK=1"),
+    ("openmpi local size zero", None, [], {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                                           "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                                           "OMPI_COMM_WORLD_LOCAL_SIZE": "0"}, [],
+     "OMPI_COMM_WORLD_LOCAL_SIZE='0' must be >= 1"),
+    ("master port", None, [], {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "70000"},
+     [], "MASTER_PORT 70000 is not a TCP port"),
+    ("tracking uri from env", None, [], {"MLFLOW_TRACKING_URI": "garbage://x"}, [],
+     "MLFLOW_TRACKING_URI: got 'garbage://x'"),
+    # ---- paths ----
+    ("summary out is a directory", None, [], {}, ["--summary-out", "."], "--summary-out: got '.'"),
+    ("summary out under a file", None, [], {}, ["--summary-out", "afile/summary.json"],
+     "--summary-out: got 'afile/summary.json'; afile is a file"),
+    ("checkpoint dir under a file", None, ["checkpoint.dir=afile/ck"], {}, [],
+     "checkpoint.dir: got 'afile/ck'; afile is a file"),
+    ("missing experiment", ("missing", None), [], {}, [], "nope.yaml: experiment file not found"),
+]
+
+
+def _experiment(tmp_path: Path, spec) -> str:
+    if spec is None:
+        return QUICKSTART
+    kind, text = spec
+    if kind == "missing":
+        return "nope.yaml"
+    p = tmp_path / "exp.yaml"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(p)
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "DDPLAB_SET", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith(LAUNCH_VARS + ("OMPI_", "PMI_", "SLURM_", "PET_")):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a directory")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    return store
+
+
+def test_the_table_is_big_enough_and_unique():
+    ids = [c[0] for c in CASES]
+    assert len(ids) >= 60 and len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_line_and_no_run(case, clean_env, tmp_path, monkeypatch, capsys):
+    _, spec, sets, env, extra, expected = case
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = ["train", _experiment(tmp_path, spec), *[a for s in sets for a in ("--set", s)], *extra]
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(("ddplab: error: ", "[rank")), err
+    assert expected in lines[0] and "Traceback" not in err
+    store = Path(os.environ["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///"))
+    assert not store.exists() or runs(str(os.environ["MLFLOW_TRACKING_URI"])) == []
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sets, env, expected", [
+    (["optim.lr=.nan"], {}, "optim.lr: got nan"),
+    ([], {"DDPLAB_SET": "optim.lr=x"}, "DDPLAB_SET 'optim.lr=x'"),
+    ([], {"RANK": "1", "WORLD_SIZE": "1"}, "but LOCAL_RANK not"),
+])
+def test_the_real_program_exits_2_without_a_traceback(tmp_path, store, sets, env, expected):
+    out = ddplab(["train", QUICKSTART, *QUICK, *[a for s in sets for a in ("--set", s)]], tmp_path,
+                 job_env(store, **env))
+    assert out.returncode == 2 and expected in out.stderr and "Traceback" not in out.stderr
+    assert not Path(store.removeprefix("sqlite:///")).exists() or runs(store) == []
+
+
+def test_a_bad_node_count_in_the_environment_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("NNODES", "abc")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["launch", "--", QUICKSTART])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "NNODES" in err and "'abc'" in err and "Traceback" not in err
+    monkeypatch.setenv("NNODES", "2")
+    assert cli.main(["config", QUICKSTART]) == 0  # other commands never read it
