@@ -118,17 +118,29 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     (failed,) = runs(store)
     assert failed.info.status == "FAILED" and failed.data.tags.get("ddplab.error")
 
-    again = ddplab(["train", *args], tmp_path, env, nproc=2)
+    # A resume that would change what the run computes is refused, and the run is untouched.
+    changed = ddplab(["train", *args, "--set", "optim.lr=0.05"], tmp_path, env, nproc=2)
+    # (torchrun itself exits 1 whatever its ranks' codes; each rank exited 2)
+    assert changed.returncode != 0 and "optim.lr: 0.01 -> 0.05" in changed.stderr, changed.stderr[-2000:]
+    assert "(exitcode: 2)" in changed.stderr
+    assert runs(store)[0].info.status == "FAILED"
+
+    # Training longer is a change a resume may make: recorded, not refused.
+    again = ddplab(["train", *args, "--set", "train.epochs=3"], tmp_path, env, nproc=2)
     assert again.returncode == 0, again.stderr[-3000:]
     (run,) = runs(store)  # the same run, continued
     assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
     assert "step-" in run.data.tags["ddplab.resumed_from"]
     resumed_at = int(run.data.tags["ddplab.resumed_from"].rsplit("step-", 1)[1][:8])
-    history = MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")
-    assert max(m.step for m in history) == 64  # 2 epochs x 2048 / 64
-    after = [m.step for m in sorted(history, key=lambda m: m.timestamp)
-             if m.timestamp >= run.info.start_time][-1]
-    assert after == 64 and resumed_at >= 8
+    assert "train.epochs: 2 -> 3" in run.data.tags[f"ddplab.resume_changes.step{resumed_at}"]
+    assert "ddplab.error" not in run.data.tags  # the failed attempt's error moved aside
+    client = MlflowClient(store)
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert "error.txt" not in names and "config.yaml" in names and "resumes" in names
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = [m.step for m in history]
+    assert max(steps) == 96 and len(steps) == len(set(steps))  # 3 epochs x 2048 / 64, once each
+    assert resumed_at >= 8
 
 
 def test_ctrl_c_ends_the_run_killed(tmp_path, store):

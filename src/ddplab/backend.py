@@ -224,8 +224,17 @@ def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.devic
                        ("LOCAL_RANK", str(le.local_rank))):
         os.environ.setdefault(key, value)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(choice.name, init_method="env://", rank=le.rank,
-                            world_size=le.world_size, timeout=timeout, **kwargs)
+    try:
+        dist.init_process_group(choice.name, init_method="env://", rank=le.rank,
+                                world_size=le.world_size, timeout=timeout, **kwargs)
+    except RuntimeError as e:  # DistStoreError, DistNetworkError: a peer or the master is missing
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        whom = (f"the other {le.world_size - 1} rank(s) to join its store at {where}" if le.is_rank0
+                else f"rank 0's store at {where} (MASTER_ADDR:MASTER_PORT) and the other ranks")
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise BackendError(f"rank {le.rank} of {le.world_size} waited {timeout_s}s "
+                           f"(dist.timeout_s) for {whom}; they never came ({type(e).__name__}: "
+                           f"{first})") from None
 
 
 def finish_together() -> None:

@@ -21,6 +21,12 @@ from .backend import share_from_rank0
 from .loop import TrainState
 from .models import unwrap
 
+# What a resume may change: how long to train, how often to log and save, where to track.
+# Everything else (model, data, optimizer, batch, seed, backend) changes what the run computes.
+RESUMABLE_KEYS = ("description", "train.epochs", "train.max_steps", "train.log_every",
+                  "train.eval_every_epochs", "dist.timeout_s")
+RESUMABLE_SECTIONS = ("tracking.", "checkpoint.")
+
 REQUIRED = ("model", "optimizer", "scheduler", "scaler", "step", "epoch", "samples_in_epoch",
             "world_size", "rng", "config", "run_id", "final")
 
@@ -63,6 +69,31 @@ def restore(state: TrainState, payload: dict[str, Any], world_size: int) -> None
     random.setstate(payload["rng"]["python"])
     if "cuda" in payload["rng"] and state.device.type == "cuda":
         torch.cuda.set_rng_state(payload["rng"]["cuda"], state.device)
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, this job's value) for every key that differs."""
+    from .config import flatten
+
+    old, new = flatten(saved), flatten(now)
+    return [(k, old.get(k, "(absent)"), new.get(k, "(absent)"))
+            for k in sorted(set(old) | set(new)) if old.get(k, "(absent)") != new.get(k, "(absent)")]
+
+
+def check_resume(saved: dict[str, Any], cfg: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """The changes since the checkpoint; ConfigError when one of them may not be resumed."""
+    from .config import ConfigError
+
+    changes = config_changes(saved, cfg.to_dict())
+    forbidden = [c for c in changes
+                 if c[0] not in RESUMABLE_KEYS and not c[0].startswith(RESUMABLE_SECTIONS)]
+    if forbidden and cfg.checkpoint.resume_changes != "allow":
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in forbidden)
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written with another config ({listed}). Resume with "
+            "the same config, start fresh (checkpoint.resume=never), or set "
+            "checkpoint.resume_changes=allow to record the changes in the run")
+    return changes
 
 
 def write_atomic(payload: dict[str, Any], path: Path) -> None:

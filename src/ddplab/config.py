@@ -240,6 +240,9 @@ class CheckpointConfig:
     """Newest checkpoints kept per run (older ones are deleted)."""
     resume: str = "auto"
     """auto = continue the newest valid unfinished checkpoint; never; or a checkpoint path."""
+    resume_changes: Literal["refuse", "allow"] = "refuse"
+    """A resume whose config differs from the checkpoint's beyond what a resume may change
+    (checkpoint.RESUMABLE) is refused, naming each change; ``allow`` records them instead."""
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "every_epochs"):
@@ -277,7 +280,7 @@ class ExperimentConfig:
 
     def flat(self) -> dict[str, Any]:
         """``{"data.batch_size": 32, ...}``: the resolved config as MLflow params."""
-        return _flatten(self.to_dict())
+        return flatten(self.to_dict())
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -294,11 +297,11 @@ class ExperimentConfig:
         return gb
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

@@ -137,6 +137,8 @@ def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float,
     ckpt_root = Path(cfg.checkpoint.dir) / cfg.name
     resumed_from, payload = checkpoint.broadcast_resume(cfg.checkpoint.resume, ckpt_root,
                                                         le.is_rank0, le.world_size)
+    # Every rank holds the payload, so every rank refuses alike, before any run is touched.
+    changes = checkpoint.check_resume(payload["config"], cfg, resumed_from) if payload else []
     tracker = tracking.open_tracker(cfg.tracking, le, cfg.name, cfg.description,
                                     payload["run_id"] if payload else "")
     system = tracking.SystemMetrics(
@@ -145,7 +147,7 @@ def _tracked(cfg: config.ExperimentConfig, layout: Layout, t_start: float,
         active=cfg.tracking.system_metrics and le.is_node_leader)
     status, error = "FAILED", ""
     try:
-        Fit(cfg, layout, tracker, payload, resumed_from, t_start, summary_out).run()
+        Fit(cfg, layout, tracker, payload, resumed_from, t_start, summary_out, changes).run()
         status = "FINISHED"
     except BaseException as e:
         status = signals.status()
@@ -178,8 +180,10 @@ class Fit:
 
     def __init__(self, cfg: config.ExperimentConfig, layout: Layout,
                  tracker: tracking.NullTracker, payload: dict[str, Any] | None,
-                 resumed_from: str, t_start: float, summary_out: str = "") -> None:
+                 resumed_from: str, t_start: float, summary_out: str = "",
+                 changes: list[tuple[str, Any, Any]] | None = None) -> None:
         self.cfg, self.layout, self.le, self.tracker = cfg, layout, layout.le, tracker
+        self.changes = changes or []
         self.payload, self.resumed_from, self.t_start = payload, resumed_from, t_start
         self.console = Console(self.le.is_rank0, summary_out)
         self.ckpt = checkpoint.Checkpointer(Path(cfg.checkpoint.dir) / cfg.name,
@@ -258,8 +262,7 @@ class Fit:
             **{f"ddplab.version.{k}": val for k, val in v.items()},
         }
         self.tracker.set_tags(tags)
-        self.tracker.log_params(self.cfg.flat())
-        self.tracker.log_text(self.cfg.to_yaml(), "config.yaml")
+        self._record_config()
         env = capsule.build({"hosts": hosts, "launch": le.__dict__, "backend": layout.choice.__dict__,
                              "ccl_env_set_by_ddplab": layout.ccl_env, "ipex": ipex.__dict__})
         self.tracker.log_text(json.dumps(env, indent=2, default=str), "environment.json")
@@ -269,6 +272,19 @@ class Fit:
             f"{le.world_size} on {len(hosts)} host(s), backend {layout.choice.name} "
             f"({layout.choice.reason}), {layout.threads} thread(s)/rank, "
             f"{self.total_steps()} steps of global batch {self.cfg.global_batch(le.world_size)}")
+
+    def _record_config(self) -> None:
+        """Params and config.yaml are the first attempt's and always agree (MLflow cannot change
+        a param); a resume that changed allowed keys records them beside, with its own config."""
+        self.tracker.log_params(self.cfg.flat())
+        if not self.resumed_from:
+            self.tracker.log_text(self.cfg.to_yaml(), "config.yaml")
+            return
+        step = self.payload["step"] if self.payload else 0
+        self.tracker.log_text(self.cfg.to_yaml(), f"resumes/config-step{step:08d}.yaml")
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in self.changes
+                           if k != "checkpoint.resume")
+        self.tracker.set_tags({f"ddplab.resume_changes.step{step}": listed or "none"})
 
     # ---- training ----
 

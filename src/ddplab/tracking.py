@@ -84,6 +84,8 @@ class MlflowTracker(NullTracker):
         self.synchronous = not async_logging
         self.pending: list[Any] = []
         self.finished = False
+        self.logged_through = -1
+        """Steps up to here are already in the run (an earlier attempt's): not logged again."""
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -103,6 +105,8 @@ class MlflowTracker(NullTracker):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        if step <= self.logged_through:
+            return
         t0 = time.perf_counter()
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
@@ -113,6 +117,21 @@ class MlflowTracker(NullTracker):
 
     def log_text(self, text: str, name: str) -> None:
         self.client.log_text(self.run_id, text, name)
+
+    def take_over(self) -> None:
+        """A resumed attempt continues this run: steps the earlier attempt logged stay as they
+        are (one value per step), and its error moves aside, so a run that now finishes does not
+        still say it failed."""
+        run = self.client.get_run(self.run_id)
+        history = self.client.get_metric_history(self.run_id, "train/loss")
+        self.logged_through = max((m.step for m in history), default=-1)
+        error = run.data.tags.get("ddplab.error")
+        if error is None:
+            return
+        self.client.log_text(self.run_id, error,
+                             f"resumes/error-before-step{self.logged_through:08d}.txt")
+        self.client.delete_tag(self.run_id, "ddplab.error")
+        _delete_artifact(run.info.artifact_uri, "error.txt")
 
     def flush(self) -> None:
         for op in self.pending:
@@ -131,6 +150,18 @@ class MlflowTracker(NullTracker):
                 self.client.set_tag(self.run_id, "ddplab.error", error[-4000:])
                 self.client.log_text(self.run_id, error, "error.txt")
             self.client.set_terminated(self.run_id, status)
+
+
+def _delete_artifact(artifact_uri: str, path: str) -> None:
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    try:
+        get_artifact_repository(artifact_uri).delete_artifacts(path)
+    except Exception as e:  # noqa: BLE001 - some stores cannot delete; the copy stays, said once
+        import warnings
+
+        warnings.warn(f"could not remove the earlier attempt's {path} ({type(e).__name__}: {e})",
+                      stacklevel=2)
 
 
 def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
@@ -152,7 +183,9 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
     if run_id:
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
-        return MlflowTracker(client, run_id, run.info.experiment_id, uri, cfg.async_logging)
+        tracker = MlflowTracker(client, run_id, run.info.experiment_id, uri, cfg.async_logging)
+        tracker.take_over()
+        return tracker
     exp_name = cfg.experiment or name
     exp = client.get_experiment_by_name(exp_name)
     exp_id = exp.experiment_id if exp else client.create_experiment(exp_name)
