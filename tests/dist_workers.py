@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddplab import loop, models
 from ddplab.config import DataConfig
-from ddplab.data import SyntheticImages, loaders
+from ddplab.data import SyntheticImages, datasets, loaders
 
 SIZE, CLASSES = 8, 4
 
@@ -56,7 +56,7 @@ def evaluate_shards(rank: int, world: int, tmp: str, size: int) -> None:
     _group(rank, world, tmp)
     torch.manual_seed(0)
     cfg = DataConfig(eval_samples=size, image_size=SIZE, num_classes=CLASSES, eval_batch_size=7)
-    ld = loaders(cfg, seed=0, rank=rank, world=world, pin=False)
+    ld = loaders(cfg, datasets(cfg, 0), seed=0, rank=rank, world=world, pin=False)
     model = models.BookCNN(3, SIZE, CLASSES)
     state = loop.TrainState(model=model, optimizer=None, scheduler=None, scaler=None,
                             device=torch.device("cpu"))
@@ -69,7 +69,7 @@ def evaluate_shards(rank: int, world: int, tmp: str, size: int) -> None:
 def sampler_epochs(rank: int, world: int, tmp: str, size: int) -> None:
     _group(rank, world, tmp)
     cfg = DataConfig(train_samples=size, batch_size=4)
-    ld = loaders(cfg, seed=5, rank=rank, world=world, pin=False)
+    ld = loaders(cfg, datasets(cfg, 5), seed=5, rank=rank, world=world, pin=False)
     seen = {}
     for epoch in (0, 1):
         ld.sampler.set_epoch(epoch)

@@ -118,7 +118,7 @@ def _worker_pids(loader) -> set[int]:
 def test_loader_workers_cover_the_shard_and_persist_when_asked(persistent):
     cfg = DataConfig(train_samples=64, eval_samples=16, image_size=8, batch_size=8,
                      num_workers=2, persistent_workers=persistent)
-    loaders = data.loaders(cfg, seed=0, rank=0, world=1, pin=False)
+    loaders = data.loaders(cfg, data.datasets(cfg, 0), seed=0, rank=0, world=1, pin=False)
     pids = []
     for epoch in range(2):
         loaders.sampler.set_position(epoch, 0)

@@ -8,11 +8,12 @@ then gloo runs with a warning. The choice and its reason are recorded in the run
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import importlib
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +38,35 @@ class BackendChoice:
     requested: str
     reason: str
     fell_back: bool = False
+
+
+@dataclass
+class Layout:
+    """What the launch steps decided, before any data or model exists."""
+
+    le: LaunchEnv
+    device: torch.device
+    choice: BackendChoice
+    threads: int
+    pinned: list[int]
+    ccl_env: dict[str, str]
+
+
+def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
+    """Device, backend (with its recorded reason), oneCCL variables, CPU threads and pinning."""
+    device = resolve_device(cfg.device, le.local_rank)
+    choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback)
+    if choice.fell_back:
+        import warnings
+
+        warnings.warn(choice.reason, stacklevel=2)
+    ccl_env = apply_ccl_env(le, os.environ) if choice.name == "ccl" else {}
+    threads, pinned = torch.get_num_threads(), []
+    if device.type == "cpu":
+        threads, pinned = apply_cpu_layout(cfg, le, choice.name)
+    else:
+        torch.cuda.set_device(device)
+    return Layout(le, device, choice, threads, pinned, ccl_env)
 
 
 def import_ccl() -> tuple[ModuleType | None, str]:
@@ -235,6 +265,15 @@ def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.devic
         raise BackendError(f"rank {le.rank} of {le.world_size} waited {timeout_s}s "
                            f"(dist.timeout_s) for {whom}; they never came ({type(e).__name__}: "
                            f"{first})") from None
+
+
+@contextlib.contextmanager
+def process_group(layout: Layout, timeout_s: int) -> Iterator[None]:
+    init_process_group(layout.choice, layout.le, layout.device, timeout_s)
+    try:
+        yield
+    finally:
+        destroy_process_group()
 
 
 def finish_together() -> None:

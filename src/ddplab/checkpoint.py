@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,33 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
     if found is None or found[1]["final"]:
         return None  # nothing to resume, or the newest job finished: start a new one
     return found
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What this job continues: nothing (a fresh start), or a checkpoint and its changes."""
+
+    path: str = ""
+    payload: dict[str, Any] | None = None
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str:
+        return self.payload["run_id"] if self.payload else ""
+
+    @property
+    def step(self) -> int:
+        return self.payload["step"] if self.payload else 0
+
+
+def find_and_share(cfg: Any, is_rank0: bool, world_size: int) -> Resume:
+    """Collective: the checkpoint to continue, on every rank; refused (ConfigError, on every
+    rank alike, before any run is touched) when its config differs in a way a resume may not."""
+    root = Path(cfg.checkpoint.dir) / cfg.name
+    path, payload = broadcast_resume(cfg.checkpoint.resume, root, is_rank0, world_size)
+    if payload is None:
+        return Resume()
+    return Resume(path, payload, check_resume(payload["config"], cfg, path))
 
 
 def broadcast_resume(resume: str, root: Path, is_rank0: bool,

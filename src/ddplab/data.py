@@ -137,8 +137,10 @@ class Loaders:
         return math.ceil(self.sampler.num_samples / self.train.batch_size)
 
 
-def loaders(cfg: DataConfig, seed: int, rank: int, world: int, pin: bool) -> Loaders:
-    train_set, eval_set = datasets(cfg, seed)
+def loaders(cfg: DataConfig, sets: tuple[Dataset, Dataset], seed: int, rank: int, world: int,
+            pin: bool) -> Loaders:
+    """Per-rank loaders over ``sets`` (from ``datasets``, built once per rank)."""
+    train_set, eval_set = sets
     sampler = ResumableSampler(train_set, world, rank, seed)
     common = {"num_workers": cfg.num_workers, "pin_memory": pin and cfg.pin_memory,
               "persistent_workers": cfg.persistent_workers}

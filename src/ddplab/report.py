@@ -38,10 +38,22 @@ class RunStats:
     samples_per_s: list[float] = field(default_factory=list)
     time_to_first_step_s: float | None = None
     epoch_times: list[float] = field(default_factory=list)
+    epoch_samples: list[int] = field(default_factory=list)
+    """Samples (all ranks) each epoch of THIS attempt really trained: a resumed or
+    max_steps-cut epoch counts only its own steps."""
+    epoch_steps: list[int] = field(default_factory=list)
     last: dict[str, float] = field(default_factory=dict)
+    evaluated_at: int = -1
+    """The step of the newest evaluation."""
 
-    def summary(self, wall_time_s: float, world_size: int, global_batch: int,
-                steps: int) -> dict[str, Any]:
+    def end_epoch(self, seconds: float, samples: int, steps: int) -> None:
+        self.epoch_times.append(seconds)
+        self.epoch_samples.append(samples)
+        self.epoch_steps.append(steps)
+
+    def summary(self, wall_time_s: float, world_size: int, global_batch: int, steps: int,
+                checkpoint: str | None, tracking_busy_s: float) -> dict[str, Any]:
+        """summary.json: the whole job's numbers, assembled here only."""
         busy = sum(self.step_times)
         return {
             "world_size": world_size,
@@ -55,5 +67,11 @@ class RunStats:
             "step_time_p95_s": percentile(self.step_times, 95),
             "data_wait_frac": self.data_time / busy if busy else 0.0,
             "epoch_time_s": self.epoch_times,
+            "epoch_steps": self.epoch_steps,
+            "epoch_samples_per_s": [n / t if t > 0 else 0.0
+                                    for n, t in zip(self.epoch_samples, self.epoch_times, strict=True)],
             "final_metrics": self.last,
+            "checkpoint": checkpoint,
+            "tracking_busy_s": round(tracking_busy_s, 4),
+            "tracking_busy_frac": tracking_busy_s / max(wall_time_s, 1e-9),
         }

@@ -9,10 +9,13 @@ the same run under its own node id (``system/node<k>/...``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import traceback
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +238,31 @@ class SystemMetrics:
         if self.monitor is not None:
             self.monitor.finish()
             self.monitor = None
+
+
+@contextlib.contextmanager
+def job_run(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
+            resume_run_id: str, signals: Any) -> Iterator[NullTracker]:
+    """The job's one run, open while training: node system metrics beside it, and ended once
+    whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded.
+
+    ``signals`` says how an interrupted job ends (``status()``) and, once the ending starts,
+    stops further signals from cutting it (``shield()``).
+    """
+    run = open_tracker(cfg, le, name, description, resume_run_id)
+    system = SystemMetrics(run.run_id, run.uri, le.node_rank, cfg.system_metrics_interval_s,
+                           resume=bool(resume_run_id),
+                           active=cfg.system_metrics and le.is_node_leader)
+    status, error = "FAILED", ""
+    try:
+        yield run
+        status = "FINISHED"
+    except BaseException as e:
+        status = signals.status()
+        error = ("interrupted (SIGINT / Ctrl-C)" if status == "KILLED"
+                 else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        raise
+    finally:
+        signals.shield()
+        system.stop()
+        run.finish(status, error)

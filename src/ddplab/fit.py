@@ -1,0 +1,106 @@
+"""The epoch loop and its cadence (log, evaluate, checkpoint), then the job's ending: final
+evaluation, the final checkpoint, summary.json. The train step itself is loop.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from . import checkpoint, loop, models
+from .job import Job
+
+
+def fit(job: Job) -> None:
+    """Epochs from where the state stands (a resume) to ``train.epochs`` or ``max_steps``."""
+    state, train = job.state, job.cfg.train
+    for epoch in range(state.epoch, train.epochs):
+        if _done(job):
+            break
+        t0, first_step = time.perf_counter(), state.step
+        job.loaders.sampler.set_position(epoch, state.samples_in_epoch)
+        samples = 0
+        for result in loop.train_epoch(state, job.loaders.train, train.max_steps):
+            samples += result.samples
+            _after_step(job, result)
+        _log_interval(job)
+        state.epoch, state.samples_in_epoch = epoch + 1, 0
+        job.stats.end_epoch(time.perf_counter() - t0, samples * job.layout.le.world_size,
+                            state.step - first_step)
+        job.run.log_metrics({"epoch/time_s": job.stats.epoch_times[-1],
+                             "epoch/epoch": epoch + 1}, state.step)
+        last = epoch + 1 == train.epochs or _done(job)
+        if (epoch + 1) % train.eval_every_epochs == 0 or last:
+            _evaluate(job)
+        every = job.cfg.checkpoint.every_epochs
+        if every and (epoch + 1) % every == 0 and not last:  # the last one is finish()'s
+            _save(job, final=False)
+
+
+def _done(job: Job) -> bool:
+    return bool(job.cfg.train.max_steps) and job.state.step >= job.cfg.train.max_steps
+
+
+def _after_step(job: Job, result: loop.StepResult) -> None:
+    job.meter.add(result)
+    job.stats.step_times.append(result.step_time_s)
+    job.stats.data_time += result.data_time_s
+    if job.stats.time_to_first_step_s is None:
+        job.stats.time_to_first_step_s = time.perf_counter() - job.t_start
+        job.run.log_metrics({"train/time_to_first_step_s": job.stats.time_to_first_step_s},
+                            result.step)
+    if result.step % job.cfg.train.log_every == 0:
+        _log_interval(job)
+    every = job.cfg.checkpoint.every_steps
+    if every and result.step % every == 0 and not _done(job):
+        _save(job, final=False)
+
+
+def _log_interval(job: Job) -> None:
+    if not job.meter.step_times:
+        return
+    s = loop.reduce_interval(job.meter, job.layout.device)
+    job.meter = loop.Meter()
+    metrics = {"train/loss": s["loss"], "train/samples_per_s": s["samples_per_s"],
+               "train/step_time_s": s["step_time_s"], "train/data_wait_frac": s["data_wait_frac"],
+               "train/lr": job.state.scheduler.get_last_lr()[0]}
+    metrics |= {f"train/rank{r}_samples_per_s": v for r, v in enumerate(s["per_rank_samples_per_s"])}
+    job.run.log_metrics(metrics, job.state.step)
+    job.stats.samples_per_s.append(s["samples_per_s"])
+    job.stats.last.update(metrics)
+    job.console.say(f"epoch {job.state.epoch + 1}/{job.cfg.train.epochs} step {job.state.step}/"
+                    f"{job.total_steps} loss {s['loss']:.4f} {s['samples_per_s']:.0f} samples/s")
+
+
+def _evaluate(job: Job) -> None:
+    r = loop.evaluate(models.unwrap(job.state.model), job.loaders.eval, job.state)
+    metrics = {"eval/loss": r.loss, "eval/accuracy": r.accuracy}
+    job.run.log_metrics(metrics, job.state.step)
+    job.stats.last.update(metrics)
+    job.stats.evaluated_at = job.state.step
+    job.console.say(f"eval at step {job.state.step}: loss {r.loss:.4f} accuracy "
+                    f"{r.accuracy:.4f} ({r.correct}/{r.count})")
+
+
+def _save(job: Job, final: bool) -> None:
+    job.ckpt.save(checkpoint.capture(job.state, job.layout.le.world_size, job.cfg.to_dict(),
+                                     job.run.run_id, final))
+
+
+def finish(job: Job) -> dict[str, Any]:
+    """Final evaluation (if the last step has none yet), final checkpoint, summary.json."""
+    if job.stats.evaluated_at != job.state.step:
+        _evaluate(job)  # max_steps stopped training between two evaluations
+    _save(job, final=True)
+    le = job.layout.le
+    summary = job.stats.summary(
+        wall_time_s=time.perf_counter() - job.t_start, world_size=le.world_size,
+        global_batch=job.cfg.global_batch(le.world_size), steps=job.state.step,
+        checkpoint=str(job.ckpt.last) if job.ckpt.last else None, tracking_busy_s=job.run.busy_s)
+    text = json.dumps(summary, indent=2)
+    job.run.log_text(text, "summary.json")
+    job.console.save_summary(text)
+    job.console.say(f"done in {summary['wall_time_s']:.1f}s: {job.state.step} steps, "
+                    f"eval accuracy {job.stats.last.get('eval/accuracy', 0):.4f}")
+    return summary

@@ -1,0 +1,151 @@
+"""One job's parts, built once: data, model and training state; and what the run records of
+them when training starts (tags, params, config, environment).
+
+``build`` runs on every rank (collectives inside); ``record_start`` writes through the run,
+which is a no-op object on every rank but global rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import capsule, checkpoint, config, data, loop, models, optim
+from .backend import Layout
+from .report import Console, RunStats
+from .tracking import NullTracker
+
+
+@dataclass
+class Job:
+    """Everything the epoch loop and the ending need, built once."""
+
+    cfg: config.ExperimentConfig
+    layout: Layout
+    run: NullTracker
+    resume: checkpoint.Resume
+    console: Console
+    loaders: data.Loaders
+    state: loop.TrainState
+    ipex: models.IpexStatus
+    hosts: list[str]
+    t_start: float
+    ckpt: checkpoint.Checkpointer
+    stats: RunStats = field(default_factory=RunStats)
+    meter: loop.Meter = field(default_factory=loop.Meter)
+
+    @property
+    def total_steps(self) -> int:
+        return total_steps(self.cfg.train, self.loaders)
+
+
+def total_steps(train: config.TrainConfig, loaders: data.Loaders) -> int:
+    """Optimizer steps in the job; the last accumulation group of an epoch may be short."""
+    per_epoch = math.ceil(loaders.micro_batches_per_epoch / train.grad_accum_steps)
+    total = train.epochs * per_epoch
+    return min(total, train.max_steps) if train.max_steps else total
+
+
+def build(cfg: config.ExperimentConfig, layout: Layout, resume: checkpoint.Resume,
+          run: NullTracker, summary_out: str, t_start: float) -> Job:
+    le = layout.le
+    hosts = _hosts(le.world_size)
+    loaders = _data(cfg, layout)
+    state, ipex = _model(cfg, layout.device, loaders, resume.payload, le.world_size)
+    ckpt = checkpoint.Checkpointer(Path(cfg.checkpoint.dir) / cfg.name, cfg.checkpoint.keep,
+                                   le.is_rank0)
+    return Job(cfg, layout, run, resume, Console(le.is_rank0, summary_out), loaders, state, ipex,
+               hosts, t_start, ckpt)
+
+
+def _hosts(world_size: int) -> list[str]:
+    names: list[Any] = [None] * world_size
+    dist.all_gather_object(names, socket.gethostname())
+    return sorted(set(names))
+
+
+def _data(cfg: config.ExperimentConfig, layout: Layout) -> data.Loaders:
+    d, le = cfg.data, layout.le
+    # Only one process per node may download; the others wait for it, then read the files.
+    first = le.is_node_leader or not (d.dataset == "cifar10" and d.download)
+    sets = data.datasets(d, cfg.train.seed) if first else None
+    dist.barrier()
+    if sets is None:
+        sets = data.datasets(d, cfg.train.seed)
+    return data.loaders(d, sets, cfg.train.seed, le.rank, le.world_size,
+                        pin=layout.device.type == "cuda")
+
+
+def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loaders,
+           payload: dict[str, Any] | None, world_size: int) -> tuple[loop.TrainState, models.IpexStatus]:
+    channels, size, _, classes = data.input_shape(cfg.data)
+    model = models.prepare(models.build(cfg.model.name, channels, size, classes), cfg.model, device)
+    opt = optim.optimizer(model, cfg.optim)
+    model, opt, ipex = models.maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
+    state = loop.TrainState(
+        model=models.wrap(model, cfg.model, device), optimizer=opt,
+        scheduler=optim.scheduler(opt, cfg.optim, total_steps(cfg.train, loaders)),
+        scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.amp == "fp16"),
+        device=device, amp=cfg.train.amp, grad_accum=cfg.train.grad_accum_steps,
+        grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last)
+    if payload is not None:
+        checkpoint.restore(state, payload, world_size)
+    return state, ipex
+
+
+def record_start(job: Job) -> None:
+    """Tags, params, config and environment into the run; one line on the console."""
+    cfg, layout, le = job.cfg, job.layout, job.layout.le
+    job.run.set_tags(_tags(job))
+    _record_config(job)
+    env = capsule.build({"hosts": job.hosts, "launch": le.__dict__,
+                         "backend": layout.choice.__dict__,
+                         "ccl_env_set_by_ddplab": layout.ccl_env, "ipex": job.ipex.__dict__})
+    job.run.log_text(json.dumps(env, indent=2, default=str), "environment.json")
+    what = "resuming " + job.resume.path if job.resume.path else "starting"
+    job.console.say(
+        f"{what}: run {job.run.run_id or '(tracking off)'}, {le.launcher} x{le.world_size} on "
+        f"{len(job.hosts)} host(s), backend {layout.choice.name} ({layout.choice.reason}), "
+        f"{layout.threads} thread(s)/rank, {job.total_steps} steps of global batch "
+        f"{cfg.global_batch(le.world_size)}")
+
+
+def _tags(job: Job) -> dict[str, Any]:
+    layout, le = job.layout, job.layout.le
+    return {
+        "ddplab.backend": layout.choice.name,
+        "ddplab.backend_requested": layout.choice.requested,
+        "ddplab.backend_reason": layout.choice.reason,
+        "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
+        "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
+        "ddplab.device": layout.device.type, "ddplab.hosts": ",".join(job.hosts),
+        "ddplab.rank0_host": socket.gethostname(),
+        "ddplab.git_sha": capsule.git_sha(), "ddplab.image": capsule.container_image() or "none",
+        "ddplab.threads_per_rank": layout.threads,
+        "ddplab.pinned_cores": ",".join(map(str, layout.pinned)) or "none",
+        "ddplab.ipex": "used" if job.ipex.used else f"not used: {job.ipex.reason}",
+        "ddplab.global_batch": job.cfg.global_batch(le.world_size),
+        "ddplab.resumed_from": job.resume.path or "none",
+        **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},
+    }
+
+
+def _record_config(job: Job) -> None:
+    """Params and config.yaml are the first attempt's and always agree (MLflow cannot change a
+    param); a resume that changed allowed keys records them beside, with its own config."""
+    job.run.log_params(job.cfg.flat())
+    if not job.resume.path:
+        job.run.log_text(job.cfg.to_yaml(), "config.yaml")
+        return
+    step = job.resume.step
+    job.run.log_text(job.cfg.to_yaml(), f"resumes/config-step{step:08d}.yaml")
+    listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in job.resume.changes
+                       if k != "checkpoint.resume")
+    job.run.set_tags({f"ddplab.resume_changes.step{step}": listed or "none"})

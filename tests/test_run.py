@@ -1,0 +1,30 @@
+"""Unit-speed: `run.train()` in this process (world size 1, no launcher), the whole pipeline
+from config to summary, with a real embedded MLflow store."""
+
+from __future__ import annotations
+
+import json
+
+from ddplab import run
+from tests.conftest import REPO, runs
+
+
+def test_train_in_process_runs_the_pipeline_to_one_finished_run(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    sets = ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
+            "train.epochs=2", "train.log_every=2", "checkpoint.every_epochs=1",
+            "tracking.system_metrics=false"]
+    run_id = run.train(str(REPO / "experiments" / "quickstart.yaml"), sets, "summary.json")
+    (r,) = runs(store)
+    assert r.info.run_id == run_id and r.info.status == "FINISHED"
+    assert r.data.tags["ddplab.launcher"] == "none" and r.data.params["train.epochs"] == "2"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 16 and summary["epoch_steps"] == [8, 8]  # 256 / 32 per epoch
+    assert len(summary["epoch_samples_per_s"]) == 2 and "eval/accuracy" in summary["final_metrics"]
+    # One checkpoint per epoch: the last epoch's is the final one, written once.
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints" / "quickstart").rglob("step-*.pt"))
+    assert ckpts == ["step-00000008.pt", "step-00000016.pt"]
