@@ -143,6 +143,23 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     assert resumed_at >= 8
 
 
+def test_sigkill_of_rank0_still_ends_the_run_failed(tmp_path, store):
+    """Global rank 0 owns the run and dies without a word; a survivor must end the run."""
+    proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
+    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    victim = _rank_pid(psutil.Process(proc.pid), "0")
+    assert victim
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    while runs(store)[0].info.status == "RUNNING":
+        assert time.monotonic() - t0 < 60, "the run stayed RUNNING"
+        time.sleep(0.5)
+    (run,) = runs(store)
+    assert run.info.status == "FAILED" and "global rank 0 lost" in run.data.tags["ddplab.error"]
+    proc.wait(timeout=120)
+    assert proc.returncode != 0
+
+
 def test_ctrl_c_ends_the_run_killed(tmp_path, store):
     proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
     _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)

@@ -266,3 +266,33 @@ def job_run(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
         signals.shield()
         system.stop()
         run.finish(status, error)
+        if status != "FINISHED" and not le.is_rank0 and (le.is_node_leader or le.rank == 1):
+            end_orphan(run.uri, run.run_id, error.split("\n", 1)[0])
+
+
+ORPHAN_GRACE_S = 20.0
+"""How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
+stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
+
+
+def end_orphan(uri: str, run_id: str, why: str, grace_s: float = ORPHAN_GRACE_S) -> bool:
+    """Run by survivors of a failed job: if the run is still RUNNING after ``grace_s``, global
+    rank 0 is gone (SIGKILL, OOM) and can no longer end it: end it FAILED. True if it did."""
+    if not run_id:
+        return False
+    from mlflow import MlflowClient
+
+    try:
+        client = MlflowClient(uri)
+        deadline = time.monotonic() + grace_s
+        while client.get_run(run_id).info.status == "RUNNING":
+            if time.monotonic() >= deadline:
+                client.set_tag(run_id, "ddplab.error", f"global rank 0 lost; this rank saw: {why}")
+                client.set_terminated(run_id, "FAILED")
+                return True
+            time.sleep(1.0)
+    except Exception as e:  # noqa: BLE001 - best effort on the way out; never mask the failure
+        import warnings
+
+        warnings.warn(f"could not check run {run_id} after the failure: {e}", stacklevel=2)
+    return False
