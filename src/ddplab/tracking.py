@@ -249,6 +249,10 @@ def job_run(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
     ``signals`` says how an interrupted job ends (``status()``) and, once the ending starts,
     stops further signals from cutting it (``shield()``).
     """
+    # MLflow prints its own "View run at <tracking URI>" when a run ends; inside compose or a
+    # cluster that is an in-network name the browser cannot open. ddplab prints the run's
+    # address itself, in the browser's terms (run._where, DDPLAB_UI_URL).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     run = open_tracker(cfg, le, name, description, resume_run_id)
     system = SystemMetrics(run.run_id, run.uri, le.node_rank, cfg.system_metrics_interval_s,
                            resume=bool(resume_run_id),
