@@ -32,7 +32,14 @@ def fresh_images():
              "DDPLAB_MLFLOW_IMAGE": f"{prefix}/mlflow:latest",
              "DDPLAB_MPI_IMAGE": f"{prefix}/openmpi:latest"}
     yield names
-    sh(["docker", "rmi", *[n for n in names.values() if _image_exists(n)]], timeout=300)
+    # This runs before compose_factory's `down`: stop what still uses the images first.
+    for name in names.values():
+        ids = sh(["docker", "ps", "-aq", "--filter", f"ancestor={name}"]).stdout.split()
+        if ids:
+            sh(["docker", "rm", "-f", *ids])
+    left = [n for n in names.values() if _image_exists(n)]
+    if left:
+        sh(["docker", "rmi", *left], timeout=300)
 
 
 @pytest.mark.parametrize("file, service, launcher", [
