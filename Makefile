@@ -57,7 +57,7 @@ test-distributed: $(STAMP) ## Multi-process tests on CPU (gloo)
 test-e2e: $(STAMP) ## End-to-end tests with the README's own commands
 	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
 
-test-container: $(STAMP) ## Container tests on a real Docker engine (builds missing images)
+test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make images`)
 	$(BIN)/pytest -m container $(PYTEST_ARGS)
 
 lint: $(STAMP) ## Lint the Python code
