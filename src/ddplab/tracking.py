@@ -121,11 +121,10 @@ class MlflowTracker(NullTracker):
     def log_text(self, text: str, name: str) -> None:
         self.client.log_text(self.run_id, text, name)
 
-    def take_over(self) -> None:
+    def take_over(self, run: Any) -> None:
         """A resumed attempt continues this run: steps the earlier attempt logged stay as they
         are (one value per step), and its error moves aside, so a run that now finishes does not
         still say it failed."""
-        run = self.client.get_run(self.run_id)
         history = self.client.get_metric_history(self.run_id, "train/loss")
         self.logged_through = max((m.step for m in history), default=-1)
         error = run.data.tags.get("ddplab.error")
@@ -187,7 +186,7 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
         tracker = MlflowTracker(client, run_id, run.info.experiment_id, uri, cfg.async_logging)
-        tracker.take_over()
+        tracker.take_over(run)
         return tracker
     exp_name = cfg.experiment or name
     exp = client.get_experiment_by_name(exp_name)
