@@ -93,25 +93,30 @@ DOCKER_RUN   := docker run --rm --init --network host --shm-size 2g --user $$(id
 	--group-add 0 -v "$(CURDIR)":"$(CURDIR)" -w "$(CURDIR)" -e MLFLOW_TRACKING_URI $(DOCKER_ARGS)
 build = docker build -f docker/$(1)/Dockerfile --build-arg GIT_SHA=$(GIT_SHA) \
 	--build-arg IMAGE_REF=$(2):$(IMAGE_TAG) -t $(2):$(IMAGE_TAG) -t $(2):latest $(3) .
+# The images compose can build are built BY compose, with its files' build sections and the
+# Makefile's arguments: one definition, and one builder (BuildKit), so `make images` and
+# `docker compose ... up` share one layer cache instead of building torch's layer twice.
+compose_build = WITH_ONECCL=$(WITH_ONECCL) ONECCL_VERSION=$(ONECCL_VERSION) \
+	TORCH_INDEX_URL=$(TORCH_INDEX_URL) INTEL_INDEX_URL=$(INTEL_INDEX_URL) GIT_SHA=$(GIT_SHA) \
+	DDPLAB_$(1)_IMAGE=$(2):$(IMAGE_TAG) $(4) docker compose -f compose/$(3) build $(5) \
+	&& docker tag $(2):$(IMAGE_TAG) $(2):latest
+RUNTIME_IMAGE = $(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-oneccl):latest
 
 images: image-cpu image-cuda image-mlflow image-mpi ## Build every image (tags: git revision and latest)
 
 image-cpu: ## Build the CPU image (WITH_ONECCL=auto|1|0; TORCH_INDEX_URL=https://pypi.org/simple offline)
-	$(call build,cpu-oneccl,$(CPU_IMAGE),--build-arg WITH_ONECCL=$(WITH_ONECCL) \
-	  --build-arg ONECCL_VERSION=$(ONECCL_VERSION) \
-	  --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) --build-arg INTEL_INDEX_URL=$(INTEL_INDEX_URL))
+	$(call compose_build,CPU,$(CPU_IMAGE),multinode.yml,,node)
 
 image-cuda: ## Build the CUDA image (torch's CUDA build brings the CUDA runtime and NCCL)
 	$(call build,cuda-nccl,$(CUDA_IMAGE),--build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX_URL))
 
 image-mlflow: ## Build the MLflow tracking server image
-	$(call build,mlflow,$(MLFLOW_IMAGE),)
+	$(call compose_build,MLFLOW,$(MLFLOW_IMAGE),multinode.yml,,mlflow)
 
 image-mpi: ## Build the Open MPI image on the CPU image (MPI_RUNTIME=cuda: on the CUDA image)
-	@docker image inspect $(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-oneccl):latest \
-	  >/dev/null 2>&1 || $(MAKE) image-$(MPI_RUNTIME)
-	$(call build,openmpi,$(MPI_IMAGE),--build-arg \
-	  RUNTIME_IMAGE=$(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-oneccl):latest)
+	@docker image inspect $(RUNTIME_IMAGE) >/dev/null 2>&1 || $(MAKE) image-$(MPI_RUNTIME)
+	@# mpi.yml builds the worker FROM $$DDPLAB_CPU_IMAGE: here, the runtime image asked for.
+	$(call compose_build,MPI,$(MPI_IMAGE),mpi.yml,DDPLAB_CPU_IMAGE=$(RUNTIME_IMAGE),worker)
 
 run-cpu-oneccl: ## Run EXPERIMENT with NPROC ranks via torchrun in the CPU image, backend ccl
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -123,11 +124,16 @@ class Compose:
                     "COMPOSE_PROJECT_NAME": self.project, **(extra_env or {})}
         self.cmd = ["docker", "compose", "-f", str(REPO / "compose" / file)]
         self.proc: subprocess.Popen | None = None
+        self.up_log: Path | None = None
 
     def up(self) -> None:
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([*self.cmd, "up"], env=self.env, cwd=REPO, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # A file, not a pipe: a cold build prints far more than a pipe holds, and compose
+        # blocks on a full pipe nobody reads (the build then never ends).
+        self.up_log = Path(tempfile.mkstemp(prefix=f"{self.project}-up-", suffix=".log")[1])
+        with self.up_log.open("w") as out:
+            self.proc = subprocess.Popen([*self.cmd, "up"], env=self.env, cwd=REPO, text=True,
+                                         stdout=out, stderr=subprocess.STDOUT)
 
     def wait_run(self, predicate, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -139,7 +145,12 @@ class Compose:
             except OSError:
                 pass  # server still starting
             time.sleep(2)
-        raise AssertionError(f"timed out; logs:\n{self.logs()[-4000:]}")
+        raise AssertionError(f"timed out after {timeout:.0f} s; `up` printed:\n"
+                             f"{self.up_output()[-3000:]}\nlogs:\n{self.logs()[-3000:]}")
+
+    def up_output(self) -> str:
+        """What `compose up` printed (the build's progress, then the containers' output)."""
+        return self.up_log.read_text(errors="replace") if self.up_log else ""
 
     def node_exit_codes(self, service: str = "") -> list[int]:
         out = sh([*self.cmd, "ps", "-a", "--format", "json", service or self.service],
@@ -153,6 +164,8 @@ class Compose:
     def down(self) -> None:
         if self.proc:
             self.proc.kill()
+        if self.up_log:
+            self.up_log.unlink(missing_ok=True)
         sh([*self.cmd, "down", "-v", "--remove-orphans"], env=self.env, cwd=REPO, timeout=180)
 
 
