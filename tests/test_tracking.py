@@ -67,8 +67,8 @@ def test_a_disabled_tracker_is_the_null_one_on_every_rank(tmp_path, monkeypatch)
 
     monkeypatch.chdir(tmp_path)
     le = LaunchEnv("none", 0, 1, 0, 1, 0, "127.0.0.1", 29500)
-    t = open_tracker(TrackingConfig(enabled=False), le, "x", "")
-    assert type(t) is NullTracker and list(tmp_path.iterdir()) == []
+    t, ref = open_tracker(TrackingConfig(enabled=False), le, "x", "")
+    assert type(t) is NullTracker and not ref.run_id and list(tmp_path.iterdir()) == []
 
 
 def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
@@ -89,8 +89,9 @@ def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "check_reachable", late)
     monkeypatch.chdir(tmp_path)
     cfg = TrackingConfig(uri=f"sqlite:///{tmp_path / 'm.db'}", wait_s=5)
-    t = tracking._create_or_attach(cfg, "x", "", "")
+    t = tracking._create_or_attach(cfg, "x", "", "", tmp_path)
     assert t.run_id and len(calls) == 2
     with pytest.raises(tracking.TrackingError, match=r"after waiting 1s \(tracking.wait_s\)"):
         monkeypatch.setattr(tracking, "check_reachable", lambda uri, timeout_s=5.0: "down")
-        tracking._create_or_attach(TrackingConfig(uri="http://x:1", wait_s=1), "x", "", "")
+        tracking._create_or_attach(TrackingConfig(uri="http://x:1", wait_s=1), "x", "", "",
+                                   tmp_path)

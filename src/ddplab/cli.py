@@ -3,6 +3,10 @@
     ddplab train EXPERIMENT.yaml [--set key.sub=value ...] [--summary-out summary.json]
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
+    ddplab sync [PATH ...]                        # deliver what a tracking outage left behind
+    ddplab study run STUDY.yaml [--dry-run] [--fresh] [--set ...]   # a grid of jobs, one report
+    ddplab report PARENT_RUN_ID                   # a study's report, rebuilt from the store
+    ddplab reproduce RUN_ID [--strict]            # re-run a recorded run and compare
     ddplab launch --nnodes 2 --peers node -- EXPERIMENT.yaml [--set ...]   # one node of many
     ddplab mpi worker | ddplab mpi launch --nnodes 2 --slots 1 -- EXPERIMENT.yaml  # Open MPI
 """
@@ -37,6 +41,26 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the fully resolved experiment config")
     c.add_argument("experiment")
     c.add_argument("--set", dest="overrides", **overrides)
+    y = sub.add_parser("sync", help="deliver tracking records a job could not send (an outage)")
+    y.add_argument("paths", nargs="*", default=["checkpoints"], metavar="PATH",
+                   help="spools under these folders (default: ./checkpoints)")
+    y.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="per spool, how long to keep trying while the server does not answer")
+    y.add_argument("--tracking-uri", default="", metavar="URI",
+                   help="deliver to this server instead of the one each spool recorded")
+    st = sub.add_parser("study", help="run a study: a grid of jobs compared in one report")
+    st_sub = st.add_subparsers(dest="study_command", required=True)
+    sr = st_sub.add_parser("run", help="run every job of a study file (skips finished ones)")
+    sr.add_argument("study", help="study YAML file, e.g. experiments/studies/ch09-threads-vs-processes.yaml")
+    sr.add_argument("--set", dest="overrides", **overrides)
+    sr.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
+    sr.add_argument("--fresh", action="store_true", help="start a new parent run, re-run all")
+    rp = sub.add_parser("report", help="rebuild a study's report from its parent run")
+    rp.add_argument("parent_run_id")
+    rr = sub.add_parser("reproduce", help="re-run a recorded run and compare the results")
+    rr.add_argument("run_id")
+    rr.add_argument("--strict", action="store_true",
+                    help="refuse when the code (git sha) or package versions differ")
     from .mpi import parser as mpi_parser
     from .rendezvous import parser as launch_parser
 
@@ -92,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command in ("launch", "mpi"):
             return _launch(args)
+        if args.command in ("study", "report", "reproduce"):
+            return _study(args)
+        if args.command == "sync":
+            from .delivery import sync
+
+            return sync(args.paths, args.timeout, args.tracking_uri)
         if args.command == "doctor":
             from .doctor import doctor
 
@@ -103,6 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{_rank_prefix()}ddplab: interrupted", file=sys.stderr)
         return 130
+
+
+def _study(args: argparse.Namespace) -> int:
+    from . import study
+
+    if args.command == "study":
+        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run)
+    if args.command == "report":
+        return study.show_report(args.parent_run_id)
+    from .study.reproduce import reproduce
+
+    return reproduce(args.run_id, args.strict)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -212,19 +212,23 @@ class TrackingConfig:
     experiment: str = ""
     """MLflow experiment name; empty = the experiment's ``name``."""
     run_name: str = ""
-    """MLflow run name; empty = MLflow picks one."""
+    """MLflow run name; empty = "<name> <backend> <nnodes>x<nproc> <launcher>", e.g.
+    "quickstart gloo 1x2 torchrun"."""
     system_metrics: bool = True
     """Local rank 0 of every node logs CPU/memory/network (and GPU) metrics into the run."""
     system_metrics_interval_s: float = 5.0
     """Seconds between system-metric samples."""
-    async_logging: bool = True
-    """Log metrics asynchronously so tracking never waits on the store."""
+    delivery_timeout_s: float = 60.0
+    """When the job ends, how long each node keeps trying to deliver what the tracking server
+    has not taken yet; what is left stays in the spool next to the checkpoints, for
+    ``ddplab sync``. Training itself never waits on the server."""
     wait_s: float = 0.0
     """Wait up to this long for an http(s) tracking server to answer before failing (for
     clusters that start the server together with the job); 0 = fail at once."""
 
     def __post_init__(self) -> None:
         _check_range(self, "wait_s", 0, MAX_TIMEOUT_S)
+        _check_range(self, "delivery_timeout_s", 0, MAX_TIMEOUT_S)
         _check_range(self, "system_metrics_interval_s", 0, 3600, low_open=True)
 
 
@@ -428,19 +432,20 @@ def env_overrides(env: dict[str, str] | None = None) -> list[Override]:
     return [("DDPLAB_SET", item) for item in text.split()]
 
 
-def _read_file(p: Path) -> dict[str, Any]:
+def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
+    """A YAML mapping from a file (an experiment, a study), or one ConfigError line."""
     if not p.is_file():
-        raise ConfigError(f"{p}: experiment file not found")
+        raise ConfigError(f"{p}: {kind} file not found")
     try:
         loaded = _read_yaml(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a text file (an experiment is UTF-8 YAML)") from None
+        raise ConfigError(f"{p}: not a text file (a {kind} is UTF-8 YAML)") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot be read ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)})") from None
     if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        raise ConfigError(f"{p}: the top level must be a mapping of keys")
     return loaded or {}
 
 
@@ -449,7 +454,7 @@ def load(path: str | Path | None, overrides: list[Override] | tuple[Override, ..
     """defaults < file < overrides, validated; errors are ConfigError naming the source
     (the file, ``--set`` or ``DDPLAB_SET``) and the key. Callers put ``env_overrides()`` first
     in ``overrides`` to honour $DDPLAB_SET."""
-    raw = _read_file(Path(path)) if path is not None else {}
+    raw = read_yaml_file(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "defaults"
     overridden = {}
     for item in overrides:

@@ -97,7 +97,11 @@ def finish(job: Job) -> dict[str, Any]:
     summary = job.stats.summary(
         wall_time_s=time.perf_counter() - job.t_start, world_size=le.world_size,
         global_batch=job.cfg.global_batch(le.world_size), steps=job.state.step,
-        checkpoint=str(job.ckpt.last) if job.ckpt.last else None, tracking_busy_s=job.run.busy_s)
+        checkpoint=str(job.ckpt.last) if job.ckpt.last else None, tracking_busy_s=job.run.busy_s,
+        tracking_cpu_s=job.run.delivery.cpu_s() if job.run.delivery else 0.0,
+        process_cpu_s=time.process_time())
+    job.run.log_metrics({"perf/samples_per_s": summary["samples_per_s_steady"],
+                         "perf/wall_time_s": summary["wall_time_s"]}, job.state.step)
     text = json.dumps(summary, indent=2)
     job.run.log_text(text, "summary.json")
     job.console.save_summary(text)

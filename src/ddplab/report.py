@@ -46,13 +46,23 @@ class RunStats:
     evaluated_at: int = -1
     """The step of the newest evaluation."""
 
+    def steady_samples_per_s(self) -> float:
+        """Throughput once started: the epochs after the first (start-up, compilation and the
+        first data loading are not counted); with one epoch, its log intervals after the
+        first."""
+        if len(self.epoch_times) > 1 and sum(self.epoch_times[1:]) > 0:
+            return sum(self.epoch_samples[1:]) / sum(self.epoch_times[1:])
+        rest = self.samples_per_s[1:] or self.samples_per_s
+        return sum(rest) / len(rest) if rest else 0.0
+
     def end_epoch(self, seconds: float, samples: int, steps: int) -> None:
         self.epoch_times.append(seconds)
         self.epoch_samples.append(samples)
         self.epoch_steps.append(steps)
 
     def summary(self, wall_time_s: float, world_size: int, global_batch: int, steps: int,
-                checkpoint: str | None, tracking_busy_s: float) -> dict[str, Any]:
+                checkpoint: str | None, tracking_busy_s: float, tracking_cpu_s: float,
+                process_cpu_s: float) -> dict[str, Any]:
         """summary.json: the whole job's numbers, assembled here only."""
         busy = sum(self.step_times)
         return {
@@ -63,6 +73,7 @@ class RunStats:
             "time_to_first_step_s": self.time_to_first_step_s,
             "samples_per_s_mean": (sum(self.samples_per_s) / len(self.samples_per_s)
                                    if self.samples_per_s else 0.0),
+            "samples_per_s_steady": self.steady_samples_per_s(),
             "step_time_p50_s": percentile(self.step_times, 50),
             "step_time_p95_s": percentile(self.step_times, 95),
             "data_wait_frac": self.data_time / busy if busy else 0.0,
@@ -74,4 +85,8 @@ class RunStats:
             "checkpoint": checkpoint,
             "tracking_busy_s": round(tracking_busy_s, 4),
             "tracking_busy_frac": tracking_busy_s / max(wall_time_s, 1e-9),
+            # CPU, not wall time: every cycle the delivery process uses is taken from the ranks
+            # on a busy machine, and CPU time does not jitter with the machine's load.
+            "tracking_cpu_s": round(tracking_cpu_s, 3),
+            "process_cpu_s": round(process_cpu_s, 3),
         }

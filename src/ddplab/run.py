@@ -80,8 +80,7 @@ def train(path: str | None, overrides: list[config.Override], summary_out: str =
     layout = backend.plan_layout(cfg.dist, le)
     with backend.process_group(layout, cfg.dist.timeout_s), Signals() as signals:
         resume = checkpoint.find_and_share(cfg, le.is_rank0, le.world_size)
-        with tracking.job_run(cfg.tracking, le, cfg.name, cfg.description, resume.run_id,
-                              signals) as run:
+        with tracking.job_run(cfg, le, layout.choice.name, resume.run_id, signals) as run:
             job = build(cfg, layout, resume, run, summary_out, t_start)
             record_start(job)
             fit(job)
@@ -103,6 +102,8 @@ def _seed(cfg: config.TrainConfig) -> None:
 def _where(tracker: tracking.NullTracker) -> str:
     if not tracker.run_id:
         return "tracking was off: nothing recorded in MLflow"
+    if tracker.left:
+        return f"MLflow run {tracker.run_id}: not all delivered yet (see the warning above)"
     route = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
     # Inside compose or a cluster the tracking URI is an in-network name (http://mlflow:5000)
     # that the user's browser cannot open: DDPLAB_UI_URL says where the browser finds the UI.

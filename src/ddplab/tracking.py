@@ -3,22 +3,28 @@
 Global rank 0 creates the run (or takes ``MLFLOW_RUN_ID`` from a launcher, or the run id of
 the checkpoint it resumes) and broadcasts its id; no other rank ever creates one. Rank 0 gets
 an ``MlflowTracker``; every other rank a ``NullTracker`` with the same methods, so callers
-never ask ``if rank == 0``. Local rank 0 of every node attaches a system-metrics monitor to
-the same run under its own node id (``system/node<k>/...``).
+never ask ``if rank == 0``. After the run exists, training never talks to the server: rank 0
+appends to a local spool, and one low-priority delivery process per node (started by its
+local rank 0) sends the spool on and samples the node's system metrics
+(``system/node<k>/...``). See spool.py and delivery.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
 import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import spool
 from .backend import share_from_rank0
 from .config import TrackingConfig
 from .launch import LaunchEnv
@@ -70,6 +76,10 @@ class NullTracker:
     uri: str = ""
     busy_s: float = 0.0
     """Seconds the training process spent inside metric logging calls (what tracking costs it)."""
+    left: int = 0
+    """Records the server had not taken when the job ended (kept in the spool)."""
+    delivery: Any = None
+    """This node's delivery process, if it has one (its CPU time is tracking's cost)."""
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
@@ -79,47 +89,47 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """Rank 0's view of the run: batched, asynchronous metric logging."""
+    """Rank 0's view of the run. Every record goes to the spool (a local file) and this node's
+    delivery process sends it on: logging never waits on the server, and an outage loses
+    nothing (spool.py)."""
 
-    def __init__(self, client: Any, run_id: str, experiment_id: str, uri: str,
-                 async_logging: bool) -> None:
-        self.client, self.run_id, self.experiment_id, self.uri = client, run_id, experiment_id, uri
-        self.synchronous = not async_logging
-        self.pending: list[Any] = []
+    def __init__(self, client: Any, run: Any, uri: str) -> None:
+        self.client, self.uri = client, uri
+        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
+        self.start_ms = run.info.start_time or spool.now_ms()
+        self.existing_params = dict(run.data.params)
+        self.records: spool.Stream | None = None
         self.finished = False
         self.logged_through = -1
         """Steps up to here are already in the run (an earlier attempt's): not logged again."""
 
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+    def open_spool(self, directory: Path) -> None:
+        self.records = spool.Stream(directory, "records")
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        existing = self.client.get_run(self.run_id).data.params
-        # A resumed run already holds its params; MLflow rejects changing a param's value.
-        items = [p for p in items if p.key not in existing]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        if step <= self.logged_through:
-            return
+    def _append(self, record: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        op = self.client.log_batch(self.run_id, metrics=batch, synchronous=self.synchronous)
-        if op is not None:
-            self.pending.append(op)
+        assert self.records is not None, "open_spool() first"
+        self.records.append({"ts": spool.now_ms(), **record})
         self.busy_s += time.perf_counter() - t0
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        # A resumed run already holds its params; MLflow rejects changing a param's value.
+        items = [(k, str(v)[:6000]) for k, v in params.items() if k not in self.existing_params]
+        for i in range(0, len(items), spool.BATCH_PARAMS):
+            self._append({"op": "log", "params": dict(items[i:i + spool.BATCH_PARAMS])})
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        items = [(k, str(v)[:8000]) for k, v in tags.items()]
+        for i in range(0, len(items), spool.BATCH_TAGS):
+            self._append({"op": "log", "tags": dict(items[i:i + spool.BATCH_TAGS])})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if step > self.logged_through:
+            self._append({"op": "log", "step": step,
+                          "metrics": {k: float(v) for k, v in metrics.items()}})
+
     def log_text(self, text: str, name: str) -> None:
-        self.client.log_text(self.run_id, text, name)
+        self._append({"op": "text", "name": name, "text": text})
 
     def take_over(self, run: Any) -> None:
         """A resumed attempt continues this run: steps the earlier attempt logged stay as they
@@ -135,23 +145,16 @@ class MlflowTracker(NullTracker):
         self.client.delete_tag(self.run_id, "ddplab.error")
         _delete_artifact(run.info.artifact_uri, "error.txt")
 
-    def flush(self) -> None:
-        for op in self.pending:
-            op.wait()
-        self.pending.clear()
-
     def finish(self, status: str, error: str = "") -> None:
         """End the run once: FINISHED, FAILED (with the error recorded) or KILLED."""
-        if self.finished:
+        if self.finished or self.records is None:
             return
         self.finished = True
-        try:
-            self.flush()
-        finally:
-            if error:
-                self.client.set_tag(self.run_id, "ddplab.error", error[-4000:])
-                self.client.log_text(self.run_id, error, "error.txt")
-            self.client.set_terminated(self.run_id, status)
+        if error:
+            self.set_tags({"ddplab.error": error[-4000:]})
+            self.log_text(error, "error.txt")
+        self._append({"op": "end", "status": status})
+        self.records.close()
 
 
 def _delete_artifact(artifact_uri: str, path: str) -> None:
@@ -166,8 +169,12 @@ def _delete_artifact(artifact_uri: str, path: str) -> None:
                       stacklevel=2)
 
 
+# The MLflow UI opens such an experiment in its model-training view (not the GenAI one).
+TRAINING_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
-                      resume_run_id: str) -> MlflowTracker:
+                      resume_run_id: str, spool_root: Path, run_name: str = "") -> MlflowTracker:
     from mlflow import MlflowClient
 
     uri = resolve_uri(cfg)
@@ -183,67 +190,120 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
     client = MlflowClient(uri)
     run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID", "")
     if run_id:
+        # What an earlier attempt left undelivered goes first (its error and end included), so
+        # the take-over below sees, and sets aside, everything that attempt recorded.
+        for left in spool.find([spool_root / run_id]):
+            spool.deliver(left, client, lambda: False, timeout_s=30.0)
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
-        tracker = MlflowTracker(client, run_id, run.info.experiment_id, uri, cfg.async_logging)
+        tracker = MlflowTracker(client, run, uri)
         tracker.take_over(run)
         return tracker
     exp_name = cfg.experiment or name
     exp = client.get_experiment_by_name(exp_name)
-    exp_id = exp.experiment_id if exp else client.create_experiment(exp_name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(exp_name, tags=TRAINING_KIND)
     tags = {"mlflow.note.content": description} if description else {}
-    run = client.create_run(exp_id, run_name=cfg.run_name or None, tags=tags)
-    return MlflowTracker(client, run.info.run_id, exp_id, uri, cfg.async_logging)
+    return MlflowTracker(client, client.create_run(exp_id, run_name=cfg.run_name or run_name,
+                                                   tags=tags), uri)
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """What every rank learns about the run from rank 0."""
+
+    run_id: str
+    uri: str
+    experiment_id: str
+    start_ms: int
 
 
 def open_tracker(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
-                 resume_run_id: str = "") -> NullTracker:
-    """Collective: rank 0 creates or attaches to the run and every rank learns its id."""
+                 resume_run_id: str = "", spool_root: Path = Path("checkpoints"),
+                 run_name: str = "") -> tuple[NullTracker, RunRef]:
+    """Collective: rank 0 creates or attaches to the run and every rank learns which."""
     if not cfg.enabled:
-        return NullTracker()
+        return NullTracker(), RunRef("", "", "", 0)
     made: list[MlflowTracker] = []
 
-    def create() -> tuple[str, str]:
-        made.append(_create_or_attach(cfg, name, description, resume_run_id))
-        return made[0].run_id, made[0].uri
+    def create() -> RunRef:
+        made.append(_create_or_attach(cfg, name, description, resume_run_id, spool_root,
+                                      run_name))
+        t = made[0]
+        return RunRef(t.run_id, t.uri, t.experiment_id, t.start_ms)
 
-    run_id, uri = share_from_rank0(create, le.is_rank0, le.world_size)
+    ref = share_from_rank0(create, le.is_rank0, le.world_size)
     if made:
-        return made[0]
+        return made[0], ref
     tracker = NullTracker()
-    tracker.run_id, tracker.uri = run_id, uri
-    return tracker
+    tracker.run_id, tracker.uri, tracker.experiment_id = ref.run_id, ref.uri, ref.experiment_id
+    return tracker, ref
 
 
-class SystemMetrics:
-    """Per-node CPU, memory, disk, network (and GPU) metrics into the job's run.
+class Delivery:
+    """This node's delivery process (delivery.py), started by its local rank 0: it samples the
+    node's system metrics and sends the node's spool to the server. ``close()`` lets it finish
+    within ``timeout_s`` and says how many records are still left."""
 
-    Started on local rank 0 of every node; a no-op elsewhere or when disabled.
-    """
+    def __init__(self, directory: Path, ref: RunRef, node_rank: int, cfg: TrackingConfig) -> None:
+        self.directory, self.timeout_s = directory, cfg.delivery_timeout_s
+        spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
+        (directory / spool.CLOSED).unlink(missing_ok=True)  # an earlier attempt's
+        interval = cfg.system_metrics_interval_s if cfg.system_metrics else 0
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddplab.delivery", str(directory), "--timeout",
+             str(cfg.delivery_timeout_s), "--system-interval", str(interval),
+             "--node", f"node{node_rank}", "--t0-ms", str(ref.start_ms)],
+            # Its own session: the signals meant for the ranks (Ctrl-C, torchrun's killpg of a
+            # failed job) must not stop it before the run's ending is delivered. It ends on
+            # its own: closed, or its parent gone, then within its timeout.
+            stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
 
-    def __init__(self, run_id: str, uri: str, node_rank: int, interval_s: float,
-                 resume: bool, active: bool) -> None:
-        self.monitor = None
-        if not (active and run_id):
-            return
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    def cpu_s(self) -> float:
+        """CPU seconds the delivery process has used so far (what tracking costs the node)."""
+        try:
+            import psutil
 
-        self.monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s,
-                                            resume_logging=resume, node_id=f"node{node_rank}",
-                                            tracking_uri=uri)
-        self.monitor.start()
+            t = psutil.Process(self.proc.pid).cpu_times()
+            return t.user + t.system
+        except Exception:  # noqa: BLE001 - gone already, or no psutil: unknown
+            return 0.0
 
-    def stop(self) -> None:
-        if self.monitor is not None:
-            self.monitor.finish()
-            self.monitor = None
+    def close(self) -> int:
+        (self.directory / spool.CLOSED).write_text(str(spool.now_ms()))
+        try:
+            self.proc.wait(timeout=self.timeout_s + 15)  # its own bound, plus its start-up
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return spool.left_in(self.directory)
+
+
+class NoDelivery:
+    """Ranks that are not their node's leader, and untracked jobs."""
+
+    directory = Path()
+
+    def cpu_s(self) -> float:
+        return 0.0
+
+    def close(self) -> int:
+        return 0
+
+
+def start_delivery(cfg: TrackingConfig, le: LaunchEnv, ref: RunRef, spool_root: Path
+                   ) -> Delivery | NoDelivery:
+    if not (ref.run_id and le.is_node_leader):
+        return NoDelivery()
+    return Delivery(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref, le.node_rank, cfg)
 
 
 @contextlib.contextmanager
-def job_run(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
-            resume_run_id: str, signals: Any) -> Iterator[NullTracker]:
+def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: Any
+            ) -> Iterator[NullTracker]:
     """The job's one run, open while training: node system metrics beside it, and ended once
-    whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded.
+    whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded. At the end
+    each node's delivery process gets ``tracking.delivery_timeout_s`` to send what is left;
+    what the server did not take stays in the spool for ``ddplab sync`` (``run.left``).
 
     ``signals`` says how an interrupted job ends (``status()``) and, once the ending starts,
     stops further signals from cutting it (``shield()``).
@@ -252,10 +312,15 @@ def job_run(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
     # cluster that is an in-network name the browser cannot open. ddplab prints the run's
     # address itself, in the browser's terms (run._where, DDPLAB_UI_URL).
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    run = open_tracker(cfg, le, name, description, resume_run_id)
-    system = SystemMetrics(run.run_id, run.uri, le.node_rank, cfg.system_metrics_interval_s,
-                           resume=bool(resume_run_id),
-                           active=cfg.system_metrics and le.is_node_leader)
+    spool_root = Path(cfg.checkpoint.dir) / cfg.name
+    # A name a person can tell apart in the runs table (unless tracking.run_name is set).
+    default_name = f"{cfg.name} {backend} {le.nnodes}x{le.local_world_size} {le.launcher}"
+    run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
+                            spool_root, default_name)
+    delivery = start_delivery(cfg.tracking, le, ref, spool_root)
+    if isinstance(run, MlflowTracker):
+        run.open_spool(delivery.directory)
+    run.delivery = delivery
     status, error = "FAILED", ""
     try:
         yield run
@@ -267,10 +332,19 @@ def job_run(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
         raise
     finally:
         signals.shield()
-        system.stop()
         run.finish(status, error)
+        run.left = delivery.close()
+        if run.left:
+            _say_left(run.left, ref.uri, delivery.directory)
         if status != "FINISHED" and not le.is_rank0 and (le.is_node_leader or le.rank == 1):
             end_orphan(run.uri, run.run_id, error.split("\n", 1)[0])
+
+
+def _say_left(left: int, uri: str, directory: Path) -> None:
+    run_dir = directory.parent.parent
+    print(f"ddplab: warning: the tracking server {uri} did not take {left} records within "
+          f"tracking.delivery_timeout_s; they are kept in {directory}: deliver them with "
+          f"`ddplab sync {run_dir}`", file=sys.stderr, flush=True)
 
 
 ORPHAN_GRACE_S = 20.0

@@ -1,0 +1,152 @@
+"""The one process per node that talks to the tracking server, so training never does.
+
+Local rank 0 of every node starts it; it runs at the lowest CPU priority, samples the node's
+system metrics into the spool, and delivers the spool (spool.py) to MLflow: rank 0's metrics,
+params, tags, texts and the run's end. Training processes only append lines to a local file.
+
+    python -m ddplab.delivery SPOOL_DIR --timeout 60 [--system-interval 5 --node node0 --t0-ms MS]
+
+It runs until the training process that started it writes ``closed`` into the spool (the job
+ended) or dies, then keeps delivering what is left for at most --timeout seconds and exits;
+what is still left stays in the spool for ``ddplab sync``. It writes what it did to
+``delivery.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import spool
+
+# The client fails fast and this process retries on its own schedule: MLflow's defaults
+# retry one call for minutes, which is how a dead server used to hang a finished job.
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def make_client(uri: str) -> Any:
+    for k, v in CLIENT_ENV.items():
+        os.environ.setdefault(k, v)
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri)
+
+
+class SystemSampler:
+    """This node's CPU, memory, disk, network (and GPU) metrics, with MLflow's own collectors,
+    as ``system/<node>/...`` at step = seconds since the run started (so a resumed run's
+    samples continue its axis instead of repeating steps)."""
+
+    def __init__(self, stream: spool.Stream, node: str, interval_s: float, t0_ms: int) -> None:
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+        self.monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        with contextlib.suppress(Exception):  # no NVIDIA GPU or no nvidia-ml-py: none
+            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+            self.monitors.append(GPUMonitor())
+        self.stream, self.prefix = stream, f"system/{node}/"
+        self.interval_s, self.t0_ms = interval_s, t0_ms
+        self.due = time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() < self.due:
+            return
+        self.due = time.monotonic() + self.interval_s
+        values: dict[str, float] = {}
+        for m in self.monitors:
+            with contextlib.suppress(Exception):  # one sensor failing must not stop the rest
+                m.collect_metrics()
+                values.update(m.aggregate_metrics())
+                m.clear_metrics()
+        ts = spool.now_ms()
+        self.stream.append({"op": "log", "ts": ts, "step": max(0, (ts - self.t0_ms) // 1000),
+                            "metrics": {self.prefix + k: float(v) for k, v in values.items()}})
+
+
+class Producer:
+    """True while the training process that started us is alive and has not closed the spool.
+    (A file and the parent's pid, not a pipe: DataLoader workers forked from the trainer would
+    inherit a pipe's write end and keep it open.)"""
+
+    def __init__(self, directory: Path) -> None:
+        self.closed, self.parent = directory / spool.CLOSED, os.getppid()
+
+    def __call__(self) -> bool:
+        return os.getppid() == self.parent and not self.closed.exists()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddplab.delivery")
+    p.add_argument("spool", type=Path)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--system-interval", type=float, default=0.0)
+    p.add_argument("--node", default="node0")
+    p.add_argument("--t0-ms", type=int, default=0)
+    args = p.parse_args(argv)
+    with contextlib.suppress(OSError):
+        os.nice(19)  # every cycle taken here is taken from the ranks
+    sampler = (SystemSampler(spool.Stream(args.spool, "system"), args.node,
+                             args.system_interval, args.t0_ms or spool.now_ms())
+               if args.system_interval > 0 else None)
+    alive = Producer(args.spool)
+
+    def producing() -> bool:
+        if sampler:
+            sampler.tick()
+        return alive()
+
+    meta = spool.Meta.read(args.spool)
+    left = spool.deliver(args.spool, make_client(meta.uri), producing, args.timeout)
+    cpu = os.times()
+    (args.spool / "delivery.json").write_text(json.dumps(
+        {"cpu_s": round(cpu.user + cpu.system, 3), "left": left, "pid": os.getpid()}))
+    return 0 if left == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
+    """``ddplab sync``: deliver every spool under ``paths`` that still holds records, each to
+    its run (ended with its recorded status). Idempotent: delivered records are not sent
+    again. Returns 0 when nothing is left anywhere, 1 when a server still did not answer."""
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        print(f"ddplab sync: error: no such file or directory: {missing[0]}", file=sys.stderr)
+        return 2
+    found = spool.find([Path(p) for p in paths])
+    if not found:
+        print(f"ddplab sync: no tracking spool under {' '.join(paths)}: nothing to deliver")
+        return 0
+    still = 0
+    for directory in found:
+        still += _sync_one(directory, timeout_s, uri)
+    return 1 if still else 0
+
+
+def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
+    meta = spool.Meta.read(directory)
+    todo = [r for s in spool.STREAMS for _, r in spool.Stream(directory, s).pending()]
+    where = f"run {meta.run_id} ({directory})"
+    if not todo:
+        print(f"{where}: up to date")
+        return 0
+    ends = [r["status"] for r in todo if r.get("op") == "end"]
+    left = spool.deliver(directory, make_client(uri or meta.uri), lambda: False, timeout_s)
+    if left:
+        print(f"{where}: {uri or meta.uri} did not answer within {timeout_s:.0f} s: "
+              f"{left} of {len(todo)} records still left", file=sys.stderr)
+    else:
+        print(f"{where}: delivered {len(todo)} records"
+              + (f"; run ended {ends[-1]}" if ends else ""))
+    return left

@@ -1,0 +1,38 @@
+"""Many jobs -> one comparison: study files (spec), running them (runner), the report
+(report), and re-running a recorded run to check it (reproduce)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def tracking_uri() -> str:
+    """$MLFLOW_TRACKING_URI, else the same embedded store `ddplab train` uses."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def run_study(path: str, overrides: list, fresh: bool, dry_run: bool) -> int:
+    import yaml
+
+    from . import runner, spec
+
+    study = spec.load_study(path, [o if isinstance(o, str) else o[1] for o in overrides])
+    resolved = yaml.safe_dump({
+        "name": study.name, "experiment": str(study.experiment), "set": study.set,
+        "repeats": study.repeats, "baseline": study.baseline, "extra_set": list(study.extra),
+        "target_accuracy": study.target_accuracy,
+        "variants": [{"name": v.name, "nproc": v.nproc, "nnodes": v.nnodes,
+                      "launcher": v.launcher, "set": v.set} for v in study.variants]},
+        sort_keys=False)
+    return runner.run(study, tracking_uri(), fresh, dry_run, resolved)
+
+
+def show_report(parent_run_id: str) -> int:
+    from mlflow import MlflowClient
+
+    from . import report as study_report
+    from .runner import make_console
+
+    study_report.build(MlflowClient(tracking_uri()), parent_run_id, None, make_console())
+    return 0

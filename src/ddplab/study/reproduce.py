@@ -1,0 +1,135 @@
+"""``ddplab reproduce RUN_ID [--strict]``: run a recorded run again, the same way, and say
+whether it came out the same.
+
+From MLflow it reads the run's resolved config (``config.yaml``), its layout (world size,
+ranks per node, nodes, launcher, backend, threads), git sha and package versions; it warns
+(``--strict``: refuses) when this checkout or its packages differ; it launches the same layout
+on this host into a new run in the same experiment; then it compares the two ``train/loss``
+series step by step and the final eval metrics:
+
+    bitwise            every value identical
+    within_tolerance   every value within a relative 1e-4 (the reduction order changed)
+    differs            anything else
+
+The new run carries ``ddplab.reproduces=<run id>``, ``ddplab.reproduce.verdict`` and the
+artifact ``reproduce/differences.csv``. Exit 0 unless the verdict is ``differs`` (1).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+
+RTOL = 1e-4
+COMPARED = ("train/loss", "eval/loss", "eval/accuracy")
+
+
+def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def compare(client: Any, original: str, new: str) -> tuple[str, list[tuple[str, int, float, float]]]:
+    """The verdict and every (metric, step, original, new) compared."""
+    rows: list[tuple[str, int, float, float]] = []
+    for key in COMPARED:
+        a, b = _series(client, original, key), _series(client, new, key)
+        rows += [(key, s, a.get(s, math.nan), b.get(s, math.nan)) for s in sorted(set(a) | set(b))]
+    if not rows or any(math.isnan(x) or math.isnan(y) for _, _, x, y in rows):
+        return "differs", rows
+    if all(x == y for _, _, x, y in rows):
+        return "bitwise", rows
+    close = all(abs(x - y) <= RTOL * max(abs(x), abs(y), 1e-12) for _, _, x, y in rows)
+    return ("within_tolerance" if close else "differs"), rows
+
+
+def _differences(original: dict[str, str]) -> list[str]:
+    """What differs between the recorded run and this checkout: code and packages."""
+    from .. import capsule
+
+    said = []
+    run_sha = original.get("ddplab.git_sha", "")
+    here = capsule.git_sha()
+    if run_sha and run_sha != here:
+        said.append(f"git sha: the run {run_sha[:12]}, this checkout {here[:12]}")
+    for name, version in capsule.versions().items():
+        recorded = original.get(f"ddplab.version.{name}")
+        if recorded and recorded != str(version):
+            said.append(f"{name}: the run {recorded}, here {version}")
+    return said
+
+
+def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[str]:
+    nnodes = int(tags.get("ddplab.nnodes", "1") or 1)
+    if nnodes > 1:
+        raise ConfigError(f"ddplab.nnodes={nnodes}: reproduce re-launches on this one host; a "
+                          "multi-node run is reproduced by its own launcher (compose, mpirun, "
+                          "a cluster) with MLFLOW_RUN_ID set")
+    world = int(tags.get("ddplab.world_size", "1") or 1)
+    train = ["-m", "ddplab", "train", str(config_path)] + [a for s in sets for a in ("--set", s)]
+    if tags.get("ddplab.launcher") == "openmpi":
+        return ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
+                "-x", "MLFLOW_RUN_ID", "-x", "MLFLOW_TRACKING_URI", "-x", "MASTER_ADDR",
+                "-x", "MASTER_PORT", sys.executable, *train]
+    if world == 1 and tags.get("ddplab.launcher") == "none":
+        return [sys.executable, *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world}", *train]
+
+
+def reproduce(run_id: str, strict: bool) -> int:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from . import tracking_uri
+    from .runner import _free_port
+
+    uri = tracking_uri()
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+        text = client.download_artifacts(run_id, "config.yaml", tempfile.mkdtemp())
+    except MlflowException as e:
+        print(f"ddplab reproduce: error: run {run_id} in {uri}: {str(e).splitlines()[0]}",
+              file=sys.stderr)
+        return 2
+    tags = run.data.tags
+    changed = _differences(tags)
+    for line in changed:
+        print(f"ddplab reproduce: {'error' if strict else 'warning'}: {line}", file=sys.stderr)
+    if changed and strict:
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="ddplab-reproduce-"))
+    sets = [f"tracking.uri={uri}", f"checkpoint.dir={work / 'checkpoints'}",
+            "checkpoint.resume=never", f"dist.backend={tags.get('ddplab.backend', 'auto')}"]
+    if tags.get("ddplab.threads_per_rank"):
+        sets.append(f"dist.threads_per_rank={tags['ddplab.threads_per_rank']}")
+    try:
+        cmd = _command(tags, Path(text), sets)
+    except ConfigError as e:
+        print(f"ddplab reproduce: error: {e}", file=sys.stderr)
+        return 2
+    new = client.create_run(run.info.experiment_id,
+                            run_name=f"reproduce {run.info.run_name or run_id[:8]}",
+                            tags={"ddplab.reproduces": run_id}).info.run_id
+    env = {**os.environ, "MLFLOW_RUN_ID": new, "MLFLOW_TRACKING_URI": uri,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    print(f"reproducing {run_id} as {new}: {' '.join(cmd)}", file=sys.stderr)
+    code = subprocess.run(cmd, env=env, check=False).returncode
+    if client.get_run(new).info.status == "RUNNING":
+        client.set_terminated(new, "FAILED")
+    verdict, rows = compare(client, run_id, new) if code == 0 else ("differs", [])
+    client.set_tag(new, "ddplab.reproduce.verdict", verdict)
+    lines = ["metric,step,original,new,abs_diff"] + [
+        f"{k},{s},{a!r},{b!r},{abs(a - b)!r}" for k, s, a, b in rows]
+    client.log_text(new, "\n".join(lines) + "\n", "reproduce/differences.csv")
+    worst = max((abs(a - b) for _, _, a, b in rows if not math.isnan(a - b)), default=0.0)
+    print(f"reproduce {run_id} -> {new}: {verdict} ({len(rows)} values compared, largest "
+          f"difference {worst:.3g}{', the job exited ' + str(code) if code else ''})")
+    return 0 if verdict != "differs" else 1

@@ -1,0 +1,206 @@
+"""``ddplab study run FILE``: every job of a study, each by its real launcher, as one MLflow
+parent run with one ordinary ddplab run nested under it per job.
+
+Jobs already FINISHED under the study's parent are not run again (``--fresh`` starts a new
+parent); a failed job is recorded and the study goes on; Ctrl-C ends the running job and the
+parent KILLED, leaving no run RUNNING. The report (report.py) is built at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+from .spec import Study, Variant
+
+PARENT, CHILD = "parent", "job"
+
+
+def command(study: Study, v: Variant, repeat: int) -> list[str]:
+    """The job exactly as a user would type it (the launcher's own CLI)."""
+    ck = Path("checkpoints") / "studies" / study.name / f"{v.name}-r{repeat}"
+    sets = v.overrides(study.set, list(study.extra)) + [
+        f"checkpoint.dir={ck}", "checkpoint.resume=never"]  # a job never resumes another's
+    train = ["-m", "ddplab", "train", str(study.experiment)]
+    train += [a for s in sets for a in ("--set", s)]
+    if v.launcher == "mpirun":
+        return ["mpirun", "-np", str(v.nproc * v.nnodes), "--oversubscribe", "--bind-to", "none",
+                "-x", "MLFLOW_RUN_ID", "-x", "MLFLOW_TRACKING_URI", "-x", "MASTER_ADDR",
+                "-x", "MASTER_PORT", sys.executable, *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={v.nproc}", *train]
+
+
+def check_launchers(study: Study) -> None:
+    """Everything the plan needs is here, before anything starts."""
+    for v in study.variants:
+        if v.launcher in ("compose", "compose-mpi"):
+            raise ConfigError(f"{study.path}: variant {v.name}: launcher {v.launcher}: not yet "
+                              "run by `ddplab study run`; use torchrun or mpirun")
+        if v.launcher == "torchrun" and v.nnodes > 1:
+            raise ConfigError(f"{study.path}: variant {v.name}: nnodes {v.nnodes} with torchrun "
+                              "on one host: use launcher mpirun, or one node")
+        if v.launcher == "mpirun" and not shutil.which("mpirun"):
+            raise ConfigError(f"{study.path}: variant {v.name}: launcher mpirun, but mpirun is "
+                              "not installed here (Debian: apt-get install openmpi-bin)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Tracker:
+    """The study's parent run and its children, through MLflow's client."""
+
+    def __init__(self, uri: str, study: Study) -> None:
+        from mlflow import MlflowClient
+
+        self.client, self.uri, self.study = MlflowClient(uri), uri, study
+        exp = self.client.get_experiment_by_name(study.name)
+        self.exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            study.name, tags={"mlflow.experimentKind": "custom_model_development"})
+
+    def parent(self, fresh: bool, resolved: str) -> str:
+        found = [] if fresh else self.client.search_runs(
+            [self.exp_id], f"tags.ddplab.study_role = '{PARENT}'", order_by=["start_time DESC"],
+            max_results=1)
+        if found:
+            run_id = found[0].info.run_id
+            self.client.update_run(run_id, status="RUNNING")
+            return run_id
+        from .. import capsule
+
+        tags = {"ddplab.study": self.study.name, "ddplab.study_role": PARENT,
+                "ddplab.study_file": str(self.study.path), "ddplab.git_sha": capsule.git_sha(),
+                "ddplab.host": socket.gethostname(),
+                "mlflow.note.content": self.study.description or f"study {self.study.name}"}
+        run = self.client.create_run(self.exp_id, run_name=f"study {self.study.name}", tags=tags)
+        self.client.log_text(run.info.run_id, resolved, "study.yaml")
+        return run.info.run_id
+
+    def children(self, parent_id: str) -> list[Any]:
+        return self.client.search_runs(
+            [self.exp_id], f"tags.mlflow.parentRunId = '{parent_id}'", max_results=5000)
+
+    def child(self, parent_id: str, v: Variant, repeat: int) -> str:
+        tags = {"mlflow.parentRunId": parent_id, "ddplab.study": self.study.name,
+                "ddplab.study_role": CHILD, "ddplab.variant": v.name,
+                "ddplab.repeat": str(repeat), "ddplab.requested_launcher": v.launcher}
+        return self.client.create_run(self.exp_id, run_name=f"{v.name} r{repeat}",
+                                      tags=tags).info.run_id
+
+    def close_child(self, run_id: str, why: str, status: str = "FAILED") -> str:
+        """A job that died before ending its run (bad input, a launcher failure): end it."""
+        run = self.client.get_run(run_id)
+        if run.info.status == "RUNNING":
+            self.client.set_tag(run_id, "ddplab.error", why)
+            self.client.set_terminated(run_id, status)
+            return status
+        return run.info.status
+
+
+def _run_job(cmd: list[str], env: dict[str, str], log: Path) -> int:
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGINT)  # the job ends its run KILLED itself
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
+
+
+def make_console() -> Any:
+    """Rich on a terminal; wide plain lines in a pipe or log (rich would fold the table to 80)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True,
+                   width=None if sys.stdout.isatty() else 200)
+
+
+def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> int:
+    console = make_console()
+    plan = study.plan()
+    if dry_run:
+        console.print(f"study {study.name}: {len(plan)} jobs ({len(study.variants)} variants x "
+                      f"{study.repeats} repeats), nothing run (--dry-run)")
+        for v, r in plan:
+            console.print(f"  {v.name} r{r}: {' '.join(command(study, v, r))}", soft_wrap=True)
+        return 0
+    check_launchers(study)
+    tracker = Tracker(uri, study)
+    parent_id = tracker.parent(fresh, resolved)
+    done = {(c.data.tags.get("ddplab.variant"), c.data.tags.get("ddplab.repeat"))
+            for c in tracker.children(parent_id) if c.info.status == "FINISHED"}
+    logs = Path("checkpoints") / "studies" / study.name / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    console.print(f"study {study.name}: parent run {parent_id} in {uri}")
+    status = "FAILED"
+    try:
+        _run_all(study, plan, tracker, parent_id, done, logs, console)
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        console.print("interrupted: the study's parent run ends KILLED")
+    finally:
+        from . import report
+
+        try:
+            report.build(tracker.client, parent_id, study, console)
+        finally:
+            tracker.client.set_terminated(parent_id, status)
+    return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1
+
+
+def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, parent_id: str,
+             done: set[tuple[str, str]], logs: Path, console: Any) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(study.name, total=len(plan))
+        for v, r in plan:
+            progress.update(task, description=f"{v.name} r{r}")
+            if (v.name, str(r)) in done:
+                console.print(f"{v.name} r{r}: already FINISHED in this study, skipped")
+                progress.advance(task)
+                continue
+            console.print(_one_job(study, v, r, tracker, parent_id, logs))
+            progress.advance(task)
+
+
+def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
+             logs: Path) -> str:
+    run_id = tracker.child(parent_id, v, r)
+    env = {**os.environ, "MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracker.uri,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    log = logs / f"{v.name}-r{r}.log"
+    t0 = time.monotonic()
+    try:
+        code = _run_job(command(study, v, r), env, log)
+    except KeyboardInterrupt:
+        tracker.close_child(run_id, "interrupted (Ctrl-C) during the study", "KILLED")
+        raise
+    status = tracker.close_child(run_id, f"the job exited {code} before ending its run; "
+                                         f"its output: {log}")
+    m = tracker.client.get_run(run_id).data.metrics
+    speed = m.get("perf/samples_per_s", m.get("train/samples_per_s", 0.0))
+    line = (f"{v.name} r{r}: {status} in {time.monotonic() - t0:.0f} s, "
+            f"{speed:,.0f} samples/s, eval accuracy {m.get('eval/accuracy', float('nan')):.4f}")
+    return line if status == "FINISHED" else f"{line} (exit {code}; log {log})"

@@ -1,0 +1,179 @@
+"""Study files: a grid of jobs whose comparison is the result.
+
+    name: ch09-threads-vs-processes
+    experiment: ../quickstart.yaml       # the base experiment, relative to this file
+    set: {train.max_steps: 200}          # overrides for every variant
+    repeats: 3                           # each variant this many times, interleaved
+    baseline: 1x2                        # speedup and efficiency are relative to it
+    variants:
+      - {name: 1x2, nproc: 1, set: {dist.threads_per_rank: 2}}
+      - {name: 2x1, nproc: 2, set: {dist.threads_per_rank: 1}}
+    grid: {nproc: [1, 2], dist.backend: [gloo, ccl]}   # a cross product, names generated
+
+Validated like experiments: every error is one line naming the file, the key, the value and
+what is allowed, and every variant's experiment config is resolved (so a bad ``set`` key stops
+the study before any job starts).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import NAME_RE, ConfigError, ExperimentConfig, load, read_yaml_file
+
+LAUNCHERS = ("torchrun", "mpirun", "compose", "compose-mpi")
+LAYOUT_KEYS = ("nproc", "nnodes", "launcher")
+STUDY_KEYS = ("name", "description", "experiment", "set", "repeats", "baseline",
+              "target_accuracy", "variants", "grid")
+VARIANT_KEYS = ("name", *LAYOUT_KEYS, "set")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    nproc: int = 1
+    nnodes: int = 1
+    launcher: str = "torchrun"
+    set: dict[str, Any] = field(default_factory=dict)
+
+    def overrides(self, study_set: dict[str, Any], extra: list[str]) -> list[str]:
+        """The study's set, then the variant's, then the command line's: later wins."""
+        merged = {**study_set, **self.set}
+        return [f"{k}={_yaml_value(v)}" for k, v in merged.items()] + list(extra)
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    path: Path
+    experiment: Path
+    variants: tuple[Variant, ...]
+    baseline: str
+    repeats: int = 1
+    set: dict[str, Any] = field(default_factory=dict)
+    target_accuracy: float = 0.0
+    description: str = ""
+    extra: tuple[str, ...] = ()
+    """``ddplab study run FILE --set k=v``: applies to every variant, last."""
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+    def config(self, v: Variant) -> ExperimentConfig:
+        return load(self.experiment, v.overrides(self.set, list(self.extra)))
+
+    def plan(self) -> list[tuple[Variant, int]]:
+        """Every (variant, repeat), repeats interleaved and rotated: repeat r starts at variant
+        r, so a noisy machine's drift spreads over all variants instead of favouring one."""
+        n = len(self.variants)
+        return [(self.variants[(r + i) % n], r) for r in range(self.repeats) for i in range(n)]
+
+
+def _yaml_value(v: Any) -> str:
+    import json
+
+    return json.dumps(v) if isinstance(v, (dict, list, bool)) or v is None else str(v)
+
+
+def _fail(where: str, key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{where}: {key}: got {value!r}; {allowed}")
+
+
+def _positive_int(where: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(where, key, value, "must be an integer >= 1")
+    return value
+
+
+def _mapping(where: str, key: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _fail(where, key, value, "must be a mapping of config keys to values, "
+                                       "e.g. {train.max_steps: 200}")
+    return value
+
+
+def _variant(where: str, key: str, raw: Any) -> Variant:
+    if not isinstance(raw, dict):
+        raise _fail(where, key, raw, "must be a mapping with at least a name")
+    unknown = [k for k in raw if k not in VARIANT_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: {key}.{unknown[0]}: unknown key; allowed keys: "
+                          f"{', '.join(VARIANT_KEYS)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise _fail(where, f"{key}.name", name, "must be a name of letters, digits, '.', '_' "
+                                                "or '-'")
+    launcher = raw.get("launcher", "torchrun")
+    if launcher not in LAUNCHERS:
+        raise _fail(where, f"{key}.launcher", launcher, f"must be one of {', '.join(LAUNCHERS)}")
+    return Variant(name, _positive_int(where, f"{key}.nproc", raw.get("nproc", 1)),
+                   _positive_int(where, f"{key}.nnodes", raw.get("nnodes", 1)), launcher,
+                   _mapping(where, f"{key}.set", raw.get("set")))
+
+
+def _grid(where: str, raw: Any) -> list[dict[str, Any]]:
+    grid = _mapping(where, "grid", raw)
+    if not grid:
+        return []
+    for k, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise _fail(where, f"grid.{k}", values, "must be a non-empty list of values")
+    out = []
+    for combo in itertools.product(*grid.values()):
+        point = dict(zip(grid, combo, strict=True))
+        name = "-".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in point.items())
+        out.append({"name": name, **{k: v for k, v in point.items() if k in LAYOUT_KEYS},
+                    "set": {k: v for k, v in point.items() if k not in LAYOUT_KEYS}})
+    return out
+
+
+def parse(path: Path, raw: Any, extra: list[str] = ()) -> Study:
+    where = str(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping (name, experiment, variants)")
+    unknown = [k for k in raw if k not in STUDY_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: {unknown[0]}: unknown key; allowed keys: {', '.join(STUDY_KEYS)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise _fail(where, "name", name, "must be a name of letters, digits, '.', '_' or '-'")
+    exp = raw.get("experiment")
+    if not isinstance(exp, str) or not (path.parent / exp).is_file():
+        raise _fail(where, "experiment", exp, "must be an experiment file, relative to the study")
+    listed = raw.get("variants") or []
+    if not isinstance(listed, list):
+        raise _fail(where, "variants", listed, "must be a list of variants")
+    variants = [_variant(where, f"variants[{i}]", v) for i, v in enumerate(listed)]
+    variants += [_variant(where, "grid", v) for v in _grid(where, raw.get("grid"))]
+    if not variants:
+        raise _fail(where, "variants", listed, "a study needs at least one variant (or a grid)")
+    names = [v.name for v in variants]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise _fail(where, "variants", dup, "variant names must be unique")
+    baseline = raw.get("baseline", names[0])
+    if baseline not in names:
+        raise _fail(where, "baseline", baseline, f"must name a variant: {', '.join(names)}")
+    target = raw.get("target_accuracy", 0.0)
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target <= 1:
+        raise _fail(where, "target_accuracy", target, "must be a number in [0, 1]")
+    study = Study(name, path, (path.parent / exp).resolve(), tuple(variants), baseline,
+                  _positive_int(where, "repeats", raw.get("repeats", 1)),
+                  _mapping(where, "set", raw.get("set")), float(target),
+                  str(raw.get("description", "")), tuple(extra))
+    for v in variants:  # every job's config resolves, before any job starts
+        try:
+            study.config(v)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: variant {v.name}: {e}") from None
+    return study
+
+
+def load_study(path: str | Path, extra: list[str] = ()) -> Study:
+    p = Path(path)
+    return parse(p, read_yaml_file(p, "study"), list(extra))

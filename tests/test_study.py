@@ -1,0 +1,152 @@
+"""Studies, reports and reproduce, end to end: `ddplab study run`, `ddplab report` and
+`ddplab reproduce` as a user types them, real torchrun jobs, a real MLflow store."""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, job_env
+
+pytestmark = pytest.mark.e2e
+
+BIN = Path(sys.executable).parent
+TINY = {"data.train_samples": 256, "data.eval_samples": 128, "train.epochs": 2,
+        "train.log_every": 2, "tracking.system_metrics": False}
+
+
+def cli(args: list[str], cwd: Path, store: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_study(tmp_path: Path, **fields) -> Path:
+    study = {"name": "tiny", "experiment": str(REPO / "experiments" / "quickstart.yaml"),
+             "set": TINY, "repeats": 2, "baseline": "one",
+             "variants": [{"name": "one", "nproc": 1, "set": {"dist.threads_per_rank": 1}},
+                          {"name": "two", "nproc": 2, "set": {"dist.threads_per_rank": 1}}]}
+    study.update(fields)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def client(store: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(store)
+
+
+def study_runs(store: str) -> tuple[object, list]:
+    c = client(store)
+    exps = [e.experiment_id for e in c.search_experiments()]
+    found = c.search_runs(exps) if exps else []
+    parents = [r for r in found if r.data.tags.get("ddplab.study_role") == "parent"]
+    return parents, [r for r in found if r.data.tags.get("ddplab.study_role") == "job"]
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"colour": "red"}, "colour: unknown key"),
+    ({"variants": [{"name": "a"}, {"name": "a"}]}, "variants: got 'a'; variant names must be unique"),
+    ({"baseline": "nope"}, "baseline: got 'nope'; must name a variant: one, two"),
+    ({"variants": [{"name": "z", "nproc": 0}]}, "variants[0].nproc: got 0; must be an integer >= 1"),
+    ({"variants": [{"name": "z", "launcher": "slurmish"}]}, "variants[0].launcher: got 'slurmish'"),
+    ({"repeats": -1}, "repeats: got -1"),
+    ({"variants": [{"name": "z", "set": {"optim.lr": -1}}]}, "variant z: --set 'optim.lr=-1'"),
+    ({"grid": {"nproc": []}}, "grid.nproc: got []"),
+])
+def test_a_bad_study_file_is_one_clear_line_and_no_run(tmp_path, store, change, says):
+    if "variants" in change and "baseline" not in change:
+        change = {"baseline": change["variants"][0]["name"], **change}
+    out = cli(["study", "run", str(write_study(tmp_path, **change))], tmp_path, store)
+    assert out.returncode == 2, out.stdout + out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "study.yaml" in line and says in line and "Traceback" not in out.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("checkpoints"))
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, store):
+    out = cli(["study", "run", str(write_study(tmp_path)), "--dry-run"], tmp_path, store)
+    assert out.returncode == 0, out.stderr
+    lines = [x for x in out.stdout.splitlines() if x.startswith("  ")]
+    # Repeats interleaved and rotated: repeat 1 starts with the second variant.
+    assert [x.split(":")[0].strip() for x in lines] == ["one r0", "two r0", "two r1", "one r1"]
+    assert "--nproc-per-node=2" in lines[1]
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path, store):
+    path = write_study(tmp_path, grid={"nproc": [1], "optim.lr": [-1]})  # not runnable: refused
+    assert cli(["study", "run", str(path)], tmp_path, store).returncode == 2
+    bad = {"name": "broken", "nproc": 1, "set": {"data.dataset": "cifar10",
+                                                    "data.root": str(tmp_path / "none")}}
+    path = write_study(tmp_path, variants=[
+        {"name": "one", "nproc": 1, "set": {"dist.threads_per_rank": 1}},
+        {"name": "two", "nproc": 2, "set": {"dist.threads_per_rank": 1}}, bad])
+    out = cli(["study", "run", str(path)], tmp_path, store)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (parent,), children = study_runs(store)
+    assert parent.info.status == "FINISHED" and parent.data.tags["ddplab.study"] == "tiny"
+    ok = [c for c in children if c.info.status == "FINISHED"]
+    assert sorted((c.data.tags["ddplab.variant"], c.data.tags["ddplab.repeat"]) for c in ok) == [
+        ("one", "0"), ("one", "1"), ("two", "0"), ("two", "1")]
+    failed = [c for c in children if c.data.tags["ddplab.variant"] == "broken"]
+    assert len(failed) == 2 and all(c.info.status == "FAILED" for c in failed)
+    assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
+    assert {c.data.tags["ddplab.world_size"] for c in ok if c.data.tags["ddplab.variant"] == "two"} == {"2"}
+
+    # The report's table, recomputed here from the children's own metrics.
+    arts = client(store).download_artifacts(parent.info.run_id, "results.csv", str(tmp_path))
+    rows = {r["variant"]: r for r in csv.DictReader(io.StringIO(Path(arts).read_text()))}
+    speed = {v: statistics.median(c.data.metrics["perf/samples_per_s"] for c in ok
+                                  if c.data.tags["ddplab.variant"] == v) for v in ("one", "two")}
+    assert float(rows["one"]["throughput_median"]) == pytest.approx(speed["one"])
+    assert float(rows["two"]["speedup"]) == pytest.approx(speed["two"] / speed["one"])
+    assert float(rows["two"]["efficiency"]) == pytest.approx(speed["two"] / speed["one"] / 2)
+    assert rows["broken"]["failed"] == "2" and rows["broken"]["throughput_median"] == ""
+    names = {a.path for a in client(store).list_artifacts(parent.info.run_id)}
+    assert {"report.md", "report.html", "results.csv", "throughput.png", "speedup.png",
+            "loss_vs_step.png", "study.yaml"} <= names
+    assert "two" in out.stdout and "speedup" in out.stdout  # the table in the terminal
+
+    again = cli(["study", "run", str(path)], tmp_path, store)  # continues: nothing re-run
+    assert again.stdout.count("already FINISHED in this study, skipped") == 4
+    assert len(study_runs(store)[1]) == len(children) + 2  # only the broken variant again
+
+    rebuilt = cli(["report", parent.info.run_id], tmp_path, store)
+    assert rebuilt.returncode == 0 and "two" in rebuilt.stdout
+
+
+def test_reproduce_says_bitwise_for_a_deterministic_run_and_differs_after_an_edit(tmp_path, store):
+    args = ["train", str(REPO / "experiments" / "quickstart.yaml"), "--set", "train.deterministic=true",
+            "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    args += [a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]
+    first = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
+                            "ddplab", *args], cwd=tmp_path, env=job_env(store),
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    c = client(store)
+    (orig,) = c.search_runs([e.experiment_id for e in c.search_experiments()])
+    assert orig.info.run_name == "quickstart gloo 1x2 torchrun"  # a name a person can tell apart
+    exp = c.get_experiment(orig.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    out = cli(["reproduce", orig.info.run_id], tmp_path, store)
+    assert out.returncode == 0 and ": bitwise (" in out.stdout, out.stdout + out.stderr[-2000:]
+    (copy,) = [r for r in c.search_runs([orig.info.experiment_id])
+               if r.data.tags.get("ddplab.reproduces") == orig.info.run_id]
+    assert copy.data.tags["ddplab.reproduce.verdict"] == "bitwise"
+    assert copy.data.tags["ddplab.world_size"] == "2" and copy.data.tags["ddplab.launcher"] == "torchrun"
+
+    edited = yaml.safe_load(Path(c.download_artifacts(orig.info.run_id, "config.yaml",
+                                                      str(tmp_path))).read_text())
+    edited["optim"]["lr"] = 0.05
+    c.log_text(orig.info.run_id, yaml.safe_dump(edited), "config.yaml")
+    out = cli(["reproduce", orig.info.run_id], tmp_path, store)
+    assert out.returncode == 1 and ": differs (" in out.stdout, out.stdout + out.stderr[-2000:]

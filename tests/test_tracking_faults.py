@@ -1,0 +1,173 @@
+"""End to end: tracking outages against a real `mlflow server` on a free loopback port.
+
+A job never hangs on a dead server and never loses a metric: records wait in the spool next to
+the checkpoints, the job ends within tracking.delivery_timeout_s, and `ddplab sync` delivers
+the rest once the server is back, exactly once. The losses a job printed are the independent
+record of what it logged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUICK, REPO, job_env
+from tests.test_containers import free_port
+
+pytestmark = pytest.mark.e2e
+BIN = Path(sys.executable).parent
+QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
+LOSS_LINE = re.compile(r"step (\d+)/\d+ loss (\d+\.\d+)")
+
+
+class Server:
+    """`mlflow server` with its store in a folder; killed with SIGKILL, started again on the
+    same port and store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--artifacts-destination", str(self.root / "artifacts")],
+            cwd=self.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        deadline = time.monotonic() + 90
+        while not self.answers():
+            assert time.monotonic() < deadline and self.proc.poll() is None, "server did not start"
+            time.sleep(0.5)
+
+    def answers(self) -> bool:
+        from ddplab.tracking import check_reachable
+
+        return check_reachable(self.uri, timeout_s=2) is None
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def client(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient(self.uri)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path)
+    s.start()
+    yield s
+    s.kill()
+
+
+def start_job(tmp_path: Path, server: Server, epochs: int = 3) -> subprocess.Popen:
+    args = [QUICKSTART, *QUICK, "--set", f"train.epochs={epochs}", "--set", "train.log_every=2",
+            "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "tracking.delivery_timeout_s=8"]
+    return subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
+                             "ddplab", "train", *args], cwd=tmp_path,
+                            env=job_env(server.uri), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def kill_after_first_loss(tmp_path: Path, server: Server) -> None:
+    """Kill the server once the job has logged its first loss (to its spool: a local file,
+    so this does not depend on how fast delivery is)."""
+    deadline = time.monotonic() + 180
+    while not any(b'"train/loss"' in f.read_bytes()
+                  for f in (tmp_path / "ck").rglob("spool/node0/records.jsonl")):
+        assert time.monotonic() < deadline, "no loss logged"
+        time.sleep(0.2)
+    server.kill()
+
+
+def printed_losses(output: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
+
+
+def delivered_losses(server: Server, run_id: str) -> list[tuple[int, float]]:
+    return sorted((m.step, round(m.value, 4))
+                  for m in server.client().get_metric_history(run_id, "train/loss"))
+
+
+def sync(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ddplab"), "sync", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, env=job_env(""))
+
+
+def test_server_killed_mid_run_and_never_back_the_job_ends_and_sync_delivers_all(tmp_path, server):
+    job = start_job(tmp_path, server)
+    kill_after_first_loss(tmp_path, server)
+    run_id = the_run_id_from_spool(tmp_path)
+    t_kill = time.monotonic()
+    out, _ = job.communicate(timeout=300)
+    exit_after = time.monotonic() - t_kill
+    assert job.returncode == 0, out[-3000:]  # the training finished; the records are safe
+    assert "ddplab sync" in out and "tracking.delivery_timeout_s" in out, out[-2000:]
+    printed = printed_losses(out)
+    assert len(printed) >= 6
+
+    server.start()  # back, with the same store
+    first = sync(tmp_path, str(tmp_path / "ck"))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "run ended FINISHED" in first.stdout
+    run = server.client().get_run(run_id)
+    assert run.info.status == "FINISHED"
+    got = delivered_losses(server, run_id)
+    assert got == sorted((s, round(v, 4)) for s, v in printed.items())  # every one, once
+    assert "eval/accuracy" in run.data.metrics and run.data.params["train.epochs"] == "3"
+
+    again = sync(tmp_path)  # default: ./checkpoints does not exist here -> say so, exit 2
+    assert again.returncode == 2 and "no such file" in again.stderr
+    again = sync(tmp_path, str(tmp_path / "ck"))
+    assert again.returncode == 0 and "up to date" in again.stdout
+    assert delivered_losses(server, run_id) == got  # idempotent: nothing twice
+    print(f"job exited {exit_after:.1f} s after the server died; "
+          f"{len(got)}/{len(printed)} losses delivered by sync")
+
+
+def the_run_id_from_spool(tmp_path: Path) -> str:
+    deadline = time.monotonic() + 30
+    while not list((tmp_path / "ck").rglob("spool/node0/meta.json")):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    return next((tmp_path / "ck").rglob("spool/node0/meta.json")).parent.parent.parent.name
+
+
+def test_server_down_a_while_and_back_loses_nothing_and_repeats_nothing(tmp_path, server):
+    job = start_job(tmp_path, server, epochs=16)
+    kill_after_first_loss(tmp_path, server)
+    run_id = the_run_id_from_spool(tmp_path)
+    time.sleep(5)
+    server.start()
+    assert job.poll() is None, "the job ended before the server was back: make it longer"
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, out[-3000:]
+    assert "ddplab sync" not in out, out[-2000:]  # delivered before the job ended: nothing left
+    run = server.client().get_run(run_id)
+    assert run.info.status == "FINISHED"
+    printed = printed_losses(out)
+    assert delivered_losses(server, run_id) == sorted((s, round(v, 4)) for s, v in printed.items())
+    system = server.client().get_metric_history(run_id, "system/node0/cpu_utilization_percentage")
+    steps = [m.step for m in system]
+    assert steps and len(steps) == len(set(steps))  # sampled through the outage, each once
+
+
+def test_sync_against_a_dead_server_keeps_everything_and_says_so(tmp_path, server):
+    job = start_job(tmp_path, server)
+    kill_after_first_loss(tmp_path, server)
+    job.communicate(timeout=300)
+    left = sync(tmp_path, str(tmp_path / "ck"), "--timeout", "2")
+    assert left.returncode == 1 and "did not answer" in left.stderr, left.stdout + left.stderr
+    assert "Traceback" not in left.stderr
