@@ -20,7 +20,7 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
-	k8s-emulate k8s-render scan
+	k8s-emulate k8s-render scan study
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -62,6 +62,10 @@ test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make
 
 lint: $(STAMP) ## Lint the Python code
 	$(BIN)/ruff check src tests benchmarks
+
+STUDY ?= experiments/studies/ch09-threads-vs-processes.yaml
+study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the report (README, Studies)
+	$(BIN)/ddplab study run $(STUDY) $(ARGS)
 
 bench: $(STAMP) ## Benchmarks (prints ratios measured side by side)
 	$(BIN)/python benchmarks/bench_core.py $(ARGS)

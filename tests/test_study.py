@@ -150,3 +150,18 @@ def test_reproduce_says_bitwise_for_a_deterministic_run_and_differs_after_an_edi
     c.log_text(orig.info.run_id, yaml.safe_dump(edited), "config.yaml")
     out = cli(["reproduce", orig.info.run_id], tmp_path, store)
     assert out.returncode == 1 and ": differs (" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_gpu_variant_beyond_the_visible_gpus_is_skipped_with_its_reason(tmp_path, store):
+    import torch
+
+    need = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
+    path = write_study(tmp_path, baseline="gpu", variants=[
+        {"name": "gpu", "nproc": need, "set": {"dist.device": "cuda", "dist.backend": "nccl"}}])
+    out = cli(["study", "run", str(path)], tmp_path, store)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert f"gpu r0: skipped: needs {need} GPU(s)" in out.stdout
+    (parent,), children = study_runs(store)
+    assert children == [] and parent.data.tags["ddplab.skipped.gpu"].startswith(f"needs {need}")
+    report = Path(client(store).download_artifacts(parent.info.run_id, "report.md", str(tmp_path)))
+    assert "Skipped gpu: needs" in report.read_text()

@@ -60,7 +60,8 @@ def _resources(run: Any) -> int:
 def _what_ran(runs: list[Any], key: str, asked: str = "") -> str:
     got = sorted({r.data.tags.get(key, "?") for r in runs})
     said = "/".join(got) or "?"
-    wanted = sorted({r.data.tags.get(asked, "") for r in runs} - {""}) if asked else []
+    # "auto" picking gloo is no fallback; asking for ccl and getting gloo is, and is said.
+    wanted = sorted({r.data.tags.get(asked, "") for r in runs} - {"", "auto"}) if asked else []
     if wanted and wanted != got:
         return f"{said} (asked {'/'.join(wanted)})"
     return said
@@ -239,6 +240,8 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None) -
              "speedup / (resources / the baseline's resources)."]
     if target:
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
+    notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
+              if k.startswith("ddplab.skipped.")]
     md = markdown(rows, title, notes)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

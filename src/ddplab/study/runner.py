@@ -53,6 +53,19 @@ def check_launchers(study: Study) -> None:
                               "not installed here (Debian: apt-get install openmpi-bin)")
 
 
+def cannot_run_here(study: Study, v: Variant) -> str:
+    """Why this host cannot run the variant at all ("" if it can): a GPU variant needs one
+    visible GPU per rank."""
+    cfg = study.config(v)
+    if cfg.dist.device != "cuda" and cfg.dist.backend != "nccl":
+        return ""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = v.nproc * v.nnodes
+    return "" if need <= visible else f"needs {need} GPU(s), {visible} visible here"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -177,6 +190,12 @@ def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, pa
         task = progress.add_task(study.name, total=len(plan))
         for v, r in plan:
             progress.update(task, description=f"{v.name} r{r}")
+            reason = cannot_run_here(study, v)
+            if reason:
+                console.print(f"{v.name} r{r}: skipped: {reason}")
+                tracker.client.set_tag(parent_id, f"ddplab.skipped.{v.name}", reason)
+                progress.advance(task)
+                continue
             if (v.name, str(r)) in done:
                 console.print(f"{v.name} r{r}: already FINISHED in this study, skipped")
                 progress.advance(task)
