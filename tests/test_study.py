@@ -165,3 +165,23 @@ def test_a_gpu_variant_beyond_the_visible_gpus_is_skipped_with_its_reason(tmp_pa
     assert children == [] and parent.data.tags["ddplab.skipped.gpu"].startswith(f"needs {need}")
     report = Path(client(store).download_artifacts(parent.info.run_id, "report.md", str(tmp_path)))
     assert "Skipped gpu: needs" in report.read_text()
+
+
+@pytest.mark.parametrize("shipped", sorted(p.name for p in (REPO / "experiments" / "studies").glob("*.yaml")))
+def test_each_shipped_study_runs_reduced(tmp_path, store, shipped):
+    """Every study in experiments/studies/ runs, one repeat of a few steps: each variant ends
+    FINISHED or is skipped with its reason; ccl without its bindings says it fell back."""
+    small = ["--set", "data.train_samples=256", "--set", "data.eval_samples=128",
+             "--set", "train.epochs=2", "--set", "data.dataset=synthetic"]
+    out = cli(["study", "run", str(REPO / "experiments" / "studies" / shipped), "--repeats", "1",
+               *small], tmp_path, store)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (parent,), children = study_runs(store)
+    study = yaml.safe_load((REPO / "experiments" / "studies" / shipped).read_text())
+    skipped = {k.split(".", 2)[2] for k in parent.data.tags if k.startswith("ddplab.skipped.")}
+    ran = {c.data.tags["ddplab.variant"] for c in children if c.info.status == "FINISHED"}
+    assert ran | skipped == {v["name"] for v in study["variants"]} and not ran & skipped
+    for c in children:
+        t = c.data.tags
+        if t.get("ddplab.backend_requested") == "ccl" and t["ddplab.backend"] == "gloo":
+            assert "fallback" in t["ddplab.backend_reason"]

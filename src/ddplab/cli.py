@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     sr.add_argument("--set", dest="overrides", **overrides)
     sr.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
     sr.add_argument("--fresh", action="store_true", help="start a new parent run, re-run all")
+    sr.add_argument("--repeats", type=int, default=0, metavar="N",
+                    help="run each variant N times instead of the file's repeats (a quick look)")
     rp = sub.add_parser("report", help="rebuild a study's report from its parent run")
     rp.add_argument("parent_run_id")
     rr = sub.add_parser("reproduce", help="re-run a recorded run and compare the results")
@@ -139,7 +141,8 @@ def _study(args: argparse.Namespace) -> int:
     from . import study
 
     if args.command == "study":
-        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run)
+        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run,
+                               args.repeats)
     if args.command == "report":
         return study.show_report(args.parent_run_id)
     from .study.reproduce import reproduce

@@ -12,12 +12,19 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
-def run_study(path: str, overrides: list, fresh: bool, dry_run: bool) -> int:
+def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0) -> int:
+    import dataclasses
+
     import yaml
 
+    from ..config import ConfigError
     from . import runner, spec
 
     study = spec.load_study(path, [o if isinstance(o, str) else o[1] for o in overrides])
+    if repeats < 0:
+        raise ConfigError(f"--repeats: got {repeats}; must be an integer >= 1 (0 = the file's)")
+    if repeats:
+        study = dataclasses.replace(study, repeats=repeats)
     resolved = yaml.safe_dump({
         "name": study.name, "experiment": str(study.experiment), "set": study.set,
         "repeats": study.repeats, "baseline": study.baseline, "extra_set": list(study.extra),
