@@ -149,4 +149,8 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
     else:
         print(f"{where}: delivered {len(todo)} records"
               + (f"; run ended {ends[-1]}" if ends else ""))
+    rejected = directory / "rejected.jsonl"
+    if rejected.exists():
+        print(f"{where}: the server refused {len(rejected.read_text().splitlines())} records "
+              f"(kept with its reasons in {rejected})", file=sys.stderr)
     return left

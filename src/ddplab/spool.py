@@ -140,7 +140,6 @@ class Sender:
 
     def __init__(self, client: Any, meta: Meta, rejected: Path) -> None:
         self.client, self.meta, self.rejected = client, meta, rejected
-        self.sent = 0
 
     def send(self, stream: Stream) -> int:
         """Deliver everything pending in ``stream``; returns records delivered. Raises on a
@@ -152,10 +151,9 @@ class Sender:
             except Exception as e:
                 if not _is_permanent(e):
                     raise
-                self._reject(batch, e)
+                self._one_by_one(batch, e)
             stream.mark(end)
             done += len(batch)
-        self.sent += done
         return done
 
     def _send(self, batch: list[dict[str, Any]]) -> None:
@@ -174,6 +172,20 @@ class Sender:
             self.client.log_text(run_id, batch[0]["text"], batch[0]["name"])
         elif op == "end":
             self.client.set_terminated(run_id, batch[0]["status"], end_time=batch[0]["ts"])
+
+    def _one_by_one(self, batch: list[dict[str, Any]], e: Exception) -> None:
+        """A refused batch: send its records alone, so one bad record (a param whose value
+        changed) does not take its neighbours with it; set aside only what is refused."""
+        if len(batch) == 1:
+            self._reject(batch, e)
+            return
+        for record in batch:
+            try:
+                self._send([record])
+            except Exception as one:
+                if not _is_permanent(one):
+                    raise
+                self._reject([record], one)
 
     def _reject(self, batch: list[dict[str, Any]], e: Exception) -> None:
         with self.rejected.open("a") as f:
@@ -202,7 +214,7 @@ def _batches(pending: Iterator[tuple[int, dict[str, Any]]]
 
 
 def deliver(directory: Path, client: Any, producing: Callable[[], bool], timeout_s: float,
-            pause_s: float = 1.0, on_progress: Callable[[int], None] | None = None) -> int:
+            pause_s: float = 1.0) -> int:
     """Send this spool's records while ``producing()`` and, once it says False, until nothing is
     left or ``timeout_s`` has passed. A transient failure (server down) is retried with backoff,
     never dropped. Returns the records still left."""
@@ -216,8 +228,6 @@ def deliver(directory: Path, client: Any, producing: Callable[[], bool], timeout
             for stream in streams:
                 sender.send(stream)
             backoff = pause_s
-            if on_progress:
-                on_progress(sender.sent)
             if deadline is not None:
                 return 0
         except Exception:  # noqa: BLE001 - transient (server down): try again later
