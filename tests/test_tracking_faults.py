@@ -31,16 +31,20 @@ class Server:
     """`mlflow server` with its store in a folder; killed with SIGKILL, started again on the
     same port and store."""
 
-    def __init__(self, root: Path) -> None:
-        self.root, self.port = root, free_port()
+    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
+        self.root, self.port, self.host = root, free_port(), host
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        # Containers reach a server on all interfaces as host.docker.internal (compose/).
+        allowed = ",".join(f"{h}:{self.port}" for h in ("127.0.0.1", "localhost",
+                                                        "host.docker.internal"))
         self.proc = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+            [str(BIN / "mlflow"), "server", "--host", self.host, "--port", str(self.port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", str(self.root / "artifacts")],
+             "--artifacts-destination", str(self.root / "artifacts"),
+             "--allowed-hosts", allowed],
             cwd=self.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
         deadline = time.monotonic() + 90

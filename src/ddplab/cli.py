@@ -139,15 +139,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _study(args: argparse.Namespace) -> int:
     from . import study
+    from .tracking import TrackingError
 
-    if args.command == "study":
-        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run,
-                               args.repeats)
-    if args.command == "report":
-        return study.show_report(args.parent_run_id)
-    from .study.reproduce import reproduce
+    try:
+        if args.command == "study":
+            return study.run_study(args.study, args.overrides, args.fresh, args.dry_run,
+                                   args.repeats)
+        if args.command == "report":
+            return study.show_report(args.parent_run_id)
+        from .study.reproduce import reproduce
 
-    return reproduce(args.run_id, args.strict)
+        return reproduce(args.run_id, args.strict)
+    except TrackingError as e:
+        print(f"ddplab {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -12,6 +12,19 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def reachable_client(uri: str):
+    """An MlflowClient for ``uri``, or one TrackingError line at once when the server does not
+    answer (MLflow's own client would retry for minutes)."""
+    from mlflow import MlflowClient
+
+    from ..tracking import TrackingError, check_reachable
+
+    problem = check_reachable(uri)
+    if problem:
+        raise TrackingError(f"{problem}: start it, or set MLFLOW_TRACKING_URI")
+    return MlflowClient(uri)
+
+
 def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0) -> int:
     import dataclasses
 
@@ -36,10 +49,20 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
 
 
 def show_report(parent_run_id: str) -> int:
-    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
+    from ..tracking import TrackingError
     from . import report as study_report
-    from .runner import make_console
+    from .runner import PARENT, make_console
 
-    study_report.build(MlflowClient(tracking_uri()), parent_run_id, None, make_console())
+    uri = tracking_uri()
+    client = reachable_client(uri)
+    try:
+        role = client.get_run(parent_run_id).data.tags.get("ddplab.study_role")
+    except MlflowException as e:
+        raise TrackingError(f"run {parent_run_id} in {uri}: {str(e).splitlines()[0]}") from None
+    if role != PARENT:
+        raise TrackingError(f"run {parent_run_id} is not a study's parent run (no tag "
+                            f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
+    study_report.build(client, parent_run_id, None, make_console())
     return 0

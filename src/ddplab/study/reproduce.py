@@ -84,14 +84,13 @@ def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[s
 
 
 def reproduce(run_id: str, strict: bool) -> int:
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from . import tracking_uri
+    from . import reachable_client, tracking_uri
     from .runner import _free_port
 
     uri = tracking_uri()
-    client = MlflowClient(uri)
+    client = reachable_client(uri)
     try:
         run = client.get_run(run_id)
         text = client.download_artifacts(run_id, "config.yaml", tempfile.mkdtemp())

@@ -9,6 +9,8 @@ parent KILLED, leaving no run RUNNING. The report (report.py) is built at the en
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -24,11 +26,25 @@ from .spec import Study, Variant
 PARENT, CHILD = "parent", "job"
 
 
+REPO = Path(__file__).resolve().parents[3]
+COMPOSE = {"compose": ("multinode.yml", "node"), "compose-mpi": ("mpi.yml", "launcher")}
+
+
+def _sets(study: Study, v: Variant, repeat: int) -> list[str]:
+    ck = Path("checkpoints") / "studies" / study.name / f"{v.name}-r{repeat}"
+    return v.overrides(study.set, list(study.extra)) + [
+        f"checkpoint.dir={ck}", "checkpoint.resume=never"]  # a job never resumes another's
+
+
 def command(study: Study, v: Variant, repeat: int) -> list[str]:
     """The job exactly as a user would type it (the launcher's own CLI)."""
-    ck = Path("checkpoints") / "studies" / study.name / f"{v.name}-r{repeat}"
-    sets = v.overrides(study.set, list(study.extra)) + [
-        f"checkpoint.dir={ck}", "checkpoint.resume=never"]  # a job never resumes another's
+    if v.launcher in COMPOSE:
+        file, service = COMPOSE[v.launcher]
+        up = ["docker", "compose", "-f", str(REPO / "compose" / file), "up", "--no-deps"]
+        # mpi.yml's workers serve ssh until stopped: the launcher's exit ends the job.
+        return up + (["--exit-code-from", "launcher", "worker", "launcher"]
+                     if v.launcher == "compose-mpi" else [service])
+    sets = _sets(study, v, repeat)
     train = ["-m", "ddplab", "train", str(study.experiment)]
     train += [a for s in sets for a in ("--set", s)]
     if v.launcher == "mpirun":
@@ -39,12 +55,56 @@ def command(study: Study, v: Variant, repeat: int) -> list[str]:
             f"--nproc-per-node={v.nproc}", *train]
 
 
-def check_launchers(study: Study) -> None:
+def compose_env(study: Study, v: Variant, repeat: int, uri: str) -> dict[str, str]:
+    """What the compose files read: the layout, the experiment as the image holds it, the
+    overrides, and the study's tracking server under the name containers reach the host by."""
+    sets = _sets(study, v, repeat)
+    backend = next((s.split("=", 1)[1] for s in reversed(sets) if s.startswith("dist.backend=")),
+                   "auto")
+    return {"NNODES": str(v.nnodes), "NPROC_PER_NODE": str(v.nproc), "SLOTS": str(v.nproc),
+            "EXPERIMENT": str(study.experiment.relative_to(REPO)), "BACKEND": backend,
+            "DDPLAB_SET": " ".join(s for s in sets if not s.startswith("dist.backend=")),
+            "DDPLAB_TRACKING_URI": in_containers(uri), "DDPLAB_UI_URL": uri,
+            "COMPOSE_PROJECT_NAME": re.sub(r"[^a-z0-9_-]", "",
+                                           f"ddplabstudy{os.getpid()}-{v.name.lower()}-{repeat}")}
+
+
+def in_containers(uri: str) -> str:
+    """This host's address as compose's containers reach it (compose: host-gateway)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.hostname in ("127.0.0.1", "localhost", "0.0.0.0"):
+        netloc = "host.docker.internal" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return uri
+
+
+def _check_compose(study: Study, v: Variant, uri: str) -> None:
+    where = f"{study.path}: variant {v.name}: launcher {v.launcher}"
+    if not (REPO / "compose" / COMPOSE[v.launcher][0]).is_file():
+        raise ConfigError(f"{where}: compose variants run from a ddplab checkout (its compose/ "
+                          "folder), not from an installed package")
+    if not uri.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: the jobs run in containers and need a tracking SERVER "
+                          f"(MLFLOW_TRACKING_URI={uri} is a local store): start `mlflow server "
+                          "--host 0.0.0.0 --allowed-hosts host.docker.internal:PORT,localhost:PORT` "
+                          "and set MLFLOW_TRACKING_URI=http://localhost:PORT")
+    try:
+        study.experiment.relative_to(REPO / "experiments")
+    except ValueError:
+        raise ConfigError(f"{where}: the experiment {study.experiment} is not under "
+                          f"{REPO / 'experiments'}, so the image does not hold it") from None
+    if not shutil.which("docker") or subprocess.run(
+            ["docker", "info"], capture_output=True, check=False).returncode:
+        raise ConfigError(f"{where}: needs a running Docker engine (`docker info` must answer)")
+
+
+def check_launchers(study: Study, uri: str) -> None:
     """Everything the plan needs is here, before anything starts."""
     for v in study.variants:
-        if v.launcher in ("compose", "compose-mpi"):
-            raise ConfigError(f"{study.path}: variant {v.name}: launcher {v.launcher}: not yet "
-                              "run by `ddplab study run`; use torchrun or mpirun")
+        if v.launcher in COMPOSE:
+            _check_compose(study, v, uri)
         if v.launcher == "torchrun" and v.nnodes > 1:
             raise ConfigError(f"{study.path}: variant {v.name}: nnodes {v.nnodes} with torchrun "
                               "on one host: use launcher mpirun, or one node")
@@ -76,9 +136,9 @@ class Tracker:
     """The study's parent run and its children, through MLflow's client."""
 
     def __init__(self, uri: str, study: Study) -> None:
-        from mlflow import MlflowClient
+        from . import reachable_client
 
-        self.client, self.uri, self.study = MlflowClient(uri), uri, study
+        self.client, self.uri, self.study = reachable_client(uri), uri, study
         exp = self.client.get_experiment_by_name(study.name)
         self.exp_id = exp.experiment_id if exp else self.client.create_experiment(
             study.name, tags={"mlflow.experimentKind": "custom_model_development"})
@@ -136,6 +196,10 @@ def _run_job(cmd: list[str], env: dict[str, str], log: Path) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             raise
+        finally:
+            if cmd[:2] == ["docker", "compose"]:  # containers and volumes go with the job
+                subprocess.run([*cmd[:4], "down", "-v", "--remove-orphans"], env=env,
+                               stdout=out, stderr=subprocess.STDOUT, check=False)
 
 
 def make_console() -> Any:
@@ -153,9 +217,11 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
         console.print(f"study {study.name}: {len(plan)} jobs ({len(study.variants)} variants x "
                       f"{study.repeats} repeats), nothing run (--dry-run)")
         for v, r in plan:
-            console.print(f"  {v.name} r{r}: {' '.join(command(study, v, r))}", soft_wrap=True)
+            env = (" ".join(f"{k}={shlex.quote(x)}" for k, x in compose_env(study, v, r, uri).items())
+                   + " " if v.launcher in COMPOSE else "")
+            console.print(f"  {v.name} r{r}: {env}{' '.join(command(study, v, r))}", soft_wrap=True)
         return 0
-    check_launchers(study)
+    check_launchers(study, uri)
     tracker = Tracker(uri, study)
     parent_id = tracker.parent(fresh, resolved)
     done = {(c.data.tags.get("ddplab.variant"), c.data.tags.get("ddplab.repeat"))
@@ -209,6 +275,8 @@ def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
     run_id = tracker.child(parent_id, v, r)
     env = {**os.environ, "MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracker.uri,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    if v.launcher in COMPOSE:
+        env |= compose_env(study, v, r, tracker.uri)
     log = logs / f"{v.name}-r{r}.log"
     t0 = time.monotonic()
     try:
