@@ -206,3 +206,26 @@ def test_a_study_against_a_dead_server_stops_at_once_with_one_line(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     out = cli(["study", "run", str(write_study(tmp_path))], tmp_path, dead, timeout=60)
     assert out.returncode == 1 and "unreachable" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_ctrl_c_ends_the_parent_killed_and_leaves_no_child_running(tmp_path, store):
+    """Ctrl-C in a terminal reaches the study (the foreground group), not its job (its own
+    session): the study stops the job, whose run ends KILLED, then ends the parent KILLED."""
+    import os
+    import signal
+    import time
+
+    path = write_study(tmp_path, set={**TINY, "train.epochs": 50})
+    proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
+                            env=job_env(store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not any(c.data.metrics.get("train/loss") for c in study_runs(store)[1]):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-2000:]
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    (parent,), children = study_runs(store)
+    assert parent.info.status == "KILLED"
+    assert [c.info.status for c in children] == ["KILLED"]

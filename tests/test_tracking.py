@@ -95,3 +95,16 @@ def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
         monkeypatch.setattr(tracking, "check_reachable", lambda uri, timeout_s=5.0: "down")
         tracking._create_or_attach(TrackingConfig(uri="http://x:1", wait_s=1), "x", "", "",
                                    tmp_path)
+
+
+def test_the_printed_address_opens_the_run_in_the_model_training_view(monkeypatch):
+    from ddplab.tracking import ui_address
+
+    monkeypatch.delenv("DDPLAB_UI_URL", raising=False)
+    assert ui_address("http://mlflow:5000/", "3", "abc") == (
+        ": http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning")
+    monkeypatch.setenv("DDPLAB_UI_URL", "http://localhost:5123")  # compose: the browser's name
+    assert ui_address("http://mlflow:5000", "3", "abc").startswith(": http://localhost:5123/#/")
+    monkeypatch.delenv("DDPLAB_UI_URL")
+    local = ui_address("sqlite:////x/mlflow.db", "3", "abc")
+    assert "make ui" in local and local.endswith("/#/experiments/3/runs/abc?workflowType=machine_learning")

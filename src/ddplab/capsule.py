@@ -50,12 +50,13 @@ def cpu_model() -> str:
 
 
 def git_sha() -> str:
-    """$DDPLAB_GIT_SHA (set in the images), else the working tree's HEAD, else 'unknown'."""
+    """$DDPLAB_GIT_SHA (set in the images), else the HEAD of the checkout this code runs from
+    (not of the working directory: a job started elsewhere ran this code), else 'unknown'."""
     if os.environ.get("DDPLAB_GIT_SHA"):
         return os.environ["DDPLAB_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, check=False)
+                             timeout=5, check=False, cwd=Path(__file__).resolve().parent)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"

@@ -104,11 +104,5 @@ def _where(tracker: tracking.NullTracker) -> str:
         return "tracking was off: nothing recorded in MLflow"
     if tracker.left:
         return f"MLflow run {tracker.run_id}: not all delivered yet (see the warning above)"
-    route = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
-    # Inside compose or a cluster the tracking URI is an in-network name (http://mlflow:5000)
-    # that the user's browser cannot open: DDPLAB_UI_URL says where the browser finds the UI.
-    ui = os.environ.get("DDPLAB_UI_URL", "")
-    if ui or tracker.uri.startswith(("http://", "https://")):
-        return f"MLflow run {tracker.run_id} FINISHED: {(ui or tracker.uri).rstrip('/')}/{route}"
-    return (f"MLflow run {tracker.run_id} FINISHED in {tracker.uri}; browse it with `make ui`, "
-            f"then http://127.0.0.1:5000/{route}")
+    return f"MLflow run {tracker.run_id} FINISHED" + tracking.ui_address(
+        tracker.uri, tracker.experiment_id, tracker.run_id)

@@ -39,6 +39,18 @@ def resolve_uri(cfg: TrackingConfig, env: dict[str, str] | os._Environ = os.envi
     return cfg.uri or env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def ui_address(uri: str, experiment_id: str, run_id: str) -> str:
+    """Where a browser shows the run: ": <url>", or " in <store>; browse it with ..."."""
+    # workflowType: MLflow 3's UI opens in its GenAI view unless told (or the user toggled it).
+    route = f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    # Inside compose or a cluster the tracking URI is an in-network name (http://mlflow:5000)
+    # that the user's browser cannot open: DDPLAB_UI_URL says where the browser finds the UI.
+    ui = os.environ.get("DDPLAB_UI_URL", "")
+    if ui or uri.startswith(("http://", "https://")):
+        return f": {(ui or uri).rstrip('/')}/{route}"
+    return f" in {uri}; browse it with `make ui`, then http://127.0.0.1:5000/{route}"
+
+
 def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
     """None when the store answers a real API call, else a one-line reason.
 

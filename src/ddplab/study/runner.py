@@ -228,7 +228,10 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
             for c in tracker.children(parent_id) if c.info.status == "FINISHED"}
     logs = Path("checkpoints") / "studies" / study.name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    console.print(f"study {study.name}: parent run {parent_id} in {uri}")
+    from ..tracking import ui_address
+
+    console.print(f"study {study.name}: parent run {parent_id}"
+                  f"{ui_address(uri, tracker.exp_id, parent_id)}")
     status = "FAILED"
     try:
         _run_all(study, plan, tracker, parent_id, done, logs, console)
