@@ -25,8 +25,11 @@ def _group(rank: int, world: int, tmp: str) -> None:
 
 
 def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int,
-                  steps: int) -> None:
-    """k optimizer steps of the book CNN with per-rank batch global/(world*accum)."""
+                  steps: int, knobs: dict | None = None) -> None:
+    """k optimizer steps of the book CNN with per-rank batch global/(world*accum); ``knobs``
+    are DistConfig fields (DDP's knobs, the gradient hook)."""
+    from ddplab.config import DistConfig
+
     _group(rank, world, tmp)
     torch.manual_seed(0)
     data = SyntheticImages(global_batch * steps, SIZE, 3, CLASSES, 1.0, seed=0)
@@ -37,7 +40,8 @@ def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int
     model = models.BookCNN(3, SIZE, CLASSES)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = loop.TrainState(
-        model=models.wrap(model, _plain(), torch.device("cpu")), optimizer=opt,
+        model=models.wrap(model, _plain(), torch.device("cpu"), DistConfig(**(knobs or {}))),
+        optimizer=opt,
         scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
         scaler=torch.amp.GradScaler("cpu", enabled=False), device=torch.device("cpu"),
         grad_accum=accum)

@@ -196,11 +196,25 @@ class DistConfig:
     """Pin each local rank to its own block of cores (the book's explicit core lists)."""
     timeout_s: int = 600
     """Collective and rendezvous timeout in seconds."""
+    # DDP's own knobs (torch.nn.parallel.DistributedDataParallel), recorded with the run.
+    bucket_cap_mb: float = 25.0
+    """Gradients are all-reduced in buckets of this size: smaller starts communication sooner
+    (more overlap with the backward pass), larger sends fewer, bigger messages."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into the buckets: one copy less per step, less memory."""
+    static_graph: bool = False
+    """The set of used parameters never changes between steps: DDP can skip re-checking it."""
+    find_unused_parameters: bool = False
+    """Some parameters get no gradient in a step (branching models); costs a graph walk."""
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    """Gradient compression before the all-reduce: fp16/bf16 halve the bytes sent (cast, sum,
+    cast back); powersgd sends a rank-1 approximation with error feedback (after 2 steps)."""
 
     def __post_init__(self) -> None:
         if self.threads_per_rank != "auto" and self.threads_per_rank < 1:
             _fail("threads_per_rank", self.threads_per_rank, "must be >= 1 or 'auto'")
         _check_range(self, "timeout_s", 1, MAX_TIMEOUT_S)
+        _check_range(self, "bucket_cap_mb", 0, 4096, low_open=True)
 
 
 @dataclass

@@ -90,7 +90,7 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
     opt = optim.optimizer(model, cfg.optim)
     model, opt, ipex = models.maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
     state = loop.TrainState(
-        model=models.wrap(model, cfg.model, device), optimizer=opt,
+        model=models.wrap(model, cfg.model, device, cfg.dist), optimizer=opt,
         scheduler=optim.scheduler(opt, cfg.optim, total_steps(cfg.train, loaders)),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.amp == "fp16"),
         device=device, amp=cfg.train.amp, grad_accum=cfg.train.grad_accum_steps,

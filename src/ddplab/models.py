@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import MODEL_NAMES, ModelConfig
+from .config import MODEL_NAMES, DistConfig, ModelConfig
 
 
 class BookCNN(nn.Module):
@@ -94,11 +94,30 @@ def prepare(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Modu
     return model
 
 
-def wrap(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
-    """DDP (device_ids only on CUDA), then torch.compile over it when asked."""
+def wrap(model: nn.Module, cfg: ModelConfig, device: torch.device,
+         dist_cfg: DistConfig | None = None) -> nn.Module:
+    """DDP (device_ids only on CUDA) with dist's knobs and gradient hook, then torch.compile
+    over it when asked."""
+    d = dist_cfg or DistConfig()
     ids = [device.index] if device.type == "cuda" else None
-    ddp: nn.Module = DDP(model, device_ids=ids)
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=d.bucket_cap_mb,
+              gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+              find_unused_parameters=d.find_unused_parameters)
+    _register_hook(ddp, d.comm_hook)
     return torch.compile(ddp) if cfg.compile else ddp
+
+
+def _register_hook(ddp: DDP, name: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name in ("fp16", "bf16"):
+        # torch's cast-sum-cast hooks; gloo sums fp16 and bf16 on CPU (checked with torch 2.7.1
+        # and 2.14.1), so they work there too, not only on NCCL.
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
+    elif name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
