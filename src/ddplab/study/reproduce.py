@@ -18,7 +18,6 @@ artifact ``reproduce/differences.csv``. Exit 0 unless the verdict is ``differs``
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -73,21 +72,19 @@ def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[s
                           "a cluster) with MLFLOW_RUN_ID set")
     world = int(tags.get("ddplab.world_size", "1") or 1)
     train = ["-m", "ddplab", "train", str(config_path)] + [a for s in sets for a in ("--set", s)]
-    if tags.get("ddplab.launcher") == "openmpi":
-        return ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
-                "-x", "MLFLOW_RUN_ID", "-x", "MLFLOW_TRACKING_URI", "-x", "MASTER_ADDR",
-                "-x", "MASTER_PORT", sys.executable, *train]
     if world == 1 and tags.get("ddplab.launcher") == "none":
         return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={world}", *train]
+    from .runner import local_launch
+
+    return local_launch("mpirun" if tags.get("ddplab.launcher") == "openmpi" else "torchrun",
+                        world, train)
 
 
 def reproduce(run_id: str, strict: bool) -> int:
     from mlflow.exceptions import MlflowException
 
     from . import reachable_client, tracking_uri
-    from .runner import _free_port
+    from .runner import job_env
 
     uri = tracking_uri()
     client = reachable_client(uri)
@@ -117,8 +114,7 @@ def reproduce(run_id: str, strict: bool) -> int:
     new = client.create_run(run.info.experiment_id,
                             run_name=f"reproduce {run.info.run_name or run_id[:8]}",
                             tags={"ddplab.reproduces": run_id}).info.run_id
-    env = {**os.environ, "MLFLOW_RUN_ID": new, "MLFLOW_TRACKING_URI": uri,
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = job_env(new, uri)
     print(f"reproducing {run_id} as {new}: {' '.join(cmd)}", file=sys.stderr)
     code = subprocess.run(cmd, env=env, check=False).returncode
     if client.get_run(new).info.status == "RUNNING":

@@ -47,12 +47,24 @@ def command(study: Study, v: Variant, repeat: int) -> list[str]:
     sets = _sets(study, v, repeat)
     train = ["-m", "ddplab", "train", str(study.experiment)]
     train += [a for s in sets for a in ("--set", s)]
-    if v.launcher == "mpirun":
-        return ["mpirun", "-np", str(v.nproc * v.nnodes), "--oversubscribe", "--bind-to", "none",
+    return local_launch(v.launcher, v.nproc * v.nnodes, train)
+
+
+def local_launch(launcher: str, ranks: int, train: list[str]) -> list[str]:
+    """``ranks`` processes of ``python <train>`` on this host, by mpirun or torchrun; they get
+    the run and the rendezvous from job_env()."""
+    if launcher == "mpirun":
+        return ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none",
                 "-x", "MLFLOW_RUN_ID", "-x", "MLFLOW_TRACKING_URI", "-x", "MASTER_ADDR",
                 "-x", "MASTER_PORT", sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={v.nproc}", *train]
+            f"--nproc-per-node={ranks}", *train]
+
+
+def job_env(run_id: str, uri: str) -> dict[str, str]:
+    """A job launched into a run made beforehand (its rank 0 attaches to MLFLOW_RUN_ID)."""
+    return {**os.environ, "MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": uri,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
 
 
 def compose_env(study: Study, v: Variant, repeat: int, uri: str) -> dict[str, str]:
@@ -276,8 +288,7 @@ def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, pa
 def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
              logs: Path) -> str:
     run_id = tracker.child(parent_id, v, r)
-    env = {**os.environ, "MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracker.uri,
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = job_env(run_id, tracker.uri)
     if v.launcher in COMPOSE:
         env |= compose_env(study, v, r, tracker.uri)
     log = logs / f"{v.name}-r{r}.log"
