@@ -20,7 +20,7 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
-	k8s-emulate k8s-render scan study
+	k8s-emulate k8s-render scan study bench-collectives
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the repor
 
 bench: $(STAMP) ## Benchmarks (prints ratios measured side by side)
 	$(BIN)/python benchmarks/bench_core.py $(ARGS)
+
+bench-collectives: $(STAMP) ## Time and check every collective on NPROC ranks; the support matrix (ARGS: --sizes 1M,64M ...)
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddplab bench collectives $(ARGS)
 
 clean-runs: ## Delete the local MLflow store, artifacts and checkpoints (asks first)
 	@read -p "Delete mlflow.db, mlruns/ and checkpoints/? [y/N] " a && [ "$$a" = y ] && rm -rf mlflow.db mlruns checkpoints || echo kept

@@ -77,6 +77,8 @@ CASES = [
     ("wait negative", None, ["tracking.wait_s=-1"], {}, [], "tracking.wait_s: got -1.0"),
     ("bucket zero", None, ["dist.bucket_cap_mb=0"], {}, [], "dist.bucket_cap_mb: got 0.0"),
     ("hook unknown", None, ["dist.comm_hook=zip"], {}, [], "dist.comm_hook: got 'zip'"),
+    ("profile active 0", None, ["profile.active=0"], {}, [], "profile.active: got 0; must be >= 1"),
+    ("profile wait negative", None, ["profile.wait=-1"], {}, [], "profile.wait: got -1; must be >= 0"),
     ("delivery bound negative", None, ["tracking.delivery_timeout_s=-5"], {}, [],
      "tracking.delivery_timeout_s: got -5.0"),
     ("metrics interval zero", None, ["tracking.system_metrics_interval_s=0"], {}, [],

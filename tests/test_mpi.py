@@ -53,3 +53,21 @@ def test_doctor_reports_unreachable_ssh_hosts(tmp_path, store):
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert any(line.startswith("problem: ssh to 127.0.0.1 fails:") for line in out.stdout.splitlines())
+
+
+def test_bench_collectives_under_mpirun(tmp_path, store):
+    """The collectives benchmark under another launcher: Open MPI's ranks, gloo's collectives."""
+    env = job_env(store, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    out = subprocess.run(
+        [shutil.which("mpirun") or "mpirun", "--oversubscribe", "-np", "2", "-x", "MLFLOW_TRACKING_URI",
+         "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PATH",
+         str(Path(sys.executable).parent / "ddplab"), "bench", "collectives", "--backend", "gloo",
+         "--ops", "all_reduce,all_to_all", "--sizes", "4K", "--iters", "3", "--no-support"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert (run.info.status, run.data.params["launcher"], run.data.params["world_size"]) == (
+        "FINISHED", "openmpi", "2")
+    assert "gloo/cpu/all_to_all/busbw_GBps" in run.data.metrics

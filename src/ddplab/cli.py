@@ -7,6 +7,7 @@
     ddplab study run STUDY.yaml [--dry-run] [--fresh] [--set ...]   # a grid of jobs, one report
     ddplab report PARENT_RUN_ID                   # a study's report, rebuilt from the store
     ddplab reproduce RUN_ID [--strict]            # re-run a recorded run and compare
+    ddplab bench collectives [--backend gloo] [--ops all_reduce] [--sizes 1M,64M]  # any launcher
     ddplab launch --nnodes 2 --peers node -- EXPERIMENT.yaml [--set ...]   # one node of many
     ddplab mpi worker | ddplab mpi launch --nnodes 2 --slots 1 -- EXPERIMENT.yaml  # Open MPI
 """
@@ -63,9 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     rr.add_argument("run_id")
     rr.add_argument("--strict", action="store_true",
                     help="refuse when the code (git sha) or package versions differ")
+    from .bench import parser as bench_parser
     from .mpi import parser as mpi_parser
     from .rendezvous import parser as launch_parser
 
+    bench_parser(sub)
     launch_parser(sub)
     mpi_parser(sub)
     return p
@@ -89,7 +92,7 @@ def entry() -> None:
     process exits with its real code (0 finished, 1 failed, 2 bad input, 130 interrupted).
     """
     code = main()
-    if _COMMAND[0] == "train":
+    if _COMMAND[0] in ("train", "bench"):
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(args)
         if args.command in ("study", "report", "reproduce"):
             return _study(args)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "sync":
             from .delivery import sync
 
@@ -152,6 +157,22 @@ def _study(args: argparse.Namespace) -> int:
         return reproduce(args.run_id, args.strict)
     except TrackingError as e:
         print(f"ddplab {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .backend import BackendError, Rank0Error
+    from .bench.run import BenchError, collectives
+    from .launch import LaunchError
+    from .tracking import TrackingError
+
+    try:
+        return collectives(args)
+    except (BenchError, LaunchError) as e:
+        print(f"{_rank_prefix()}ddplab bench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (BackendError, TrackingError, Rank0Error) as e:
+        print(f"{_rank_prefix()}ddplab bench: error: {e}", file=sys.stderr)
         return EXIT_ERROR
 
 

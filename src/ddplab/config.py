@@ -273,6 +273,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enabled: bool = False
+    """Run torch.profiler on every rank over the steps below; each rank's Chrome trace becomes
+    an artifact of the run (profile/<node>-rank<r>.pt.trace.json.gz), its time shares metrics."""
+    wait: int = 1
+    """Optimizer steps skipped first (start-up is not what a profile should show)."""
+    warmup: int = 1
+    """Steps traced but thrown away (the profiler's own start-up)."""
+    active: int = 3
+    """Steps recorded."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("wait", 0), ("warmup", 0), ("active", 1)):
+            if getattr(self, name) < low:
+                _fail(name, getattr(self, name), f"must be >= {low}")
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     """Experiment name (also the default MLflow experiment)."""
@@ -285,6 +303,7 @@ class ExperimentConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         # The name is a directory under checkpoint.dir and the MLflow experiment: one safe

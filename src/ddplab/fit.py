@@ -44,6 +44,7 @@ def _done(job: Job) -> bool:
 
 def _after_step(job: Job, result: loop.StepResult) -> None:
     job.meter.add(result)
+    job.profiler.step()
     job.stats.step_times.append(result.step_time_s)
     job.stats.data_time += result.data_time_s
     if job.stats.time_to_first_step_s is None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import capsule, checkpoint, config, data, loop, models, optim
 from .backend import Layout
+from .profiling import NoProfile
 from .report import Console, RunStats
 from .tracking import NullTracker
 
@@ -39,6 +40,8 @@ class Job:
     t_start: float
     ckpt: checkpoint.Checkpointer
     stats: RunStats = field(default_factory=RunStats)
+    profiler: NoProfile = field(default_factory=NoProfile)
+    """Stepped after every optimizer step; a real one only inside ``profiling(job)``."""
     meter: loop.Meter = field(default_factory=loop.Meter)
 
     @property

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,7 +105,8 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
         loss_sum, samples, data_time = torch.zeros((), device=state.device), 0, 0.0
         for i in range(group):
             t_fetch = time.perf_counter()
-            x, y = state.to_device(*next(batches))
+            with record_function("ddplab/data"):  # the data wait, as profiles show it
+                x, y = state.to_device(*next(batches))
             data_time += time.perf_counter() - t_fetch
             loss_sum += micro_step(state, x, y, group, sync_grads=i == group - 1)
             samples += y.shape[0]

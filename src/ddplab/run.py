@@ -1,6 +1,7 @@
 """The one function that strings the steps together, in the order the data flows:
 config -> launch environment -> checks -> process group -> resume -> tracked run -> build
-(data, model, state) -> record -> fit (the epoch loop) -> finish (checkpoint, summary).
+(data, model, state) -> record -> fit (the epoch loop, profiled when asked) -> finish
+(checkpoint, summary).
 
 Launched as (any launcher; the rank layout comes from launch.py):
     ddplab train experiments/quickstart.yaml                                  # one process
@@ -25,6 +26,7 @@ from . import backend, checkpoint, checks, config, tracking
 from .fit import finish, fit
 from .job import build, record_start
 from .launch import LaunchEnv
+from .profiling import profiling
 from .report import Console
 
 
@@ -83,7 +85,8 @@ def train(path: str | None, overrides: list[config.Override], summary_out: str =
         with tracking.job_run(cfg, le, layout.choice.name, resume.run_id, signals) as run:
             job = build(cfg, layout, resume, run, summary_out, t_start)
             record_start(job)
-            fit(job)
+            with profiling(job):  # torch.profiler on every rank, when profile.enabled
+                fit(job)
             finish(job)
         backend.finish_together()  # no rank leaves before rank 0 has ended the run
     Console(le.is_rank0).say(_where(run))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,6 +56,14 @@ class Stream:
         if self.fd is None:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def keep_file(self, path: Path) -> Path:
+        """A copy of ``path`` beside the stream, for a record that names it."""
+        folder = self.path.parent / "files"
+        folder.mkdir(exist_ok=True)
+        kept = folder / path.name
+        shutil.copyfile(path, kept)
+        return kept.resolve()
 
     def close(self) -> None:
         if self.fd is not None:
@@ -170,6 +179,8 @@ class Sender:
                 synchronous=True)
         elif op == "text":
             self.client.log_text(run_id, batch[0]["text"], batch[0]["name"])
+        elif op == "file":
+            self.client.log_artifact(run_id, batch[0]["path"], batch[0]["dir"])
         elif op == "end":
             self.client.set_terminated(run_id, batch[0]["status"], end_time=batch[0]["ts"])
 

@@ -97,6 +97,7 @@ class NullTracker:
     def set_tags(self, tags: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_text(self, text: str, name: str) -> None: ...
+    def log_file(self, path: str, artifact_dir: str) -> None: ...
     def finish(self, status: str, error: str = "") -> None: ...
 
 
@@ -142,6 +143,12 @@ class MlflowTracker(NullTracker):
 
     def log_text(self, text: str, name: str) -> None:
         self._append({"op": "text", "name": name, "text": text})
+
+    def log_file(self, path: str, artifact_dir: str) -> None:
+        """A copy goes into the spool (the original may be temporary), then to the run."""
+        assert self.records is not None, "open_spool() first"
+        kept = self.records.keep_file(Path(path))
+        self._append({"op": "file", "path": str(kept), "dir": artifact_dir})
 
     def take_over(self, run: Any) -> None:
         """A resumed attempt continues this run: steps the earlier attempt logged stay as they
