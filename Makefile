@@ -20,7 +20,7 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
-	k8s-emulate k8s-render scan study bench-collectives
+	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -89,6 +89,7 @@ CPU_IMAGE    := $(REGISTRY)/cpu-oneccl
 CUDA_IMAGE   := $(REGISTRY)/cuda-nccl
 MLFLOW_IMAGE := $(REGISTRY)/mlflow
 MPI_IMAGE    := $(REGISTRY)/openmpi
+SLURM_IMAGE  := $(REGISTRY)/slurm
 MPI_RUNTIME  ?= cpu
 SLOTS        ?= 1
 COMPOSE_MPI  := docker compose -f compose/mpi.yml
@@ -109,7 +110,7 @@ compose_build = WITH_ONECCL=$(WITH_ONECCL) ONECCL_VERSION=$(ONECCL_VERSION) \
 	&& docker tag $(2):$(IMAGE_TAG) $(2):latest
 RUNTIME_IMAGE = $(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-oneccl):latest
 
-images: image-cpu image-cuda image-mlflow image-mpi ## Build every image (tags: git revision and latest)
+images: image-cpu image-cuda image-mlflow image-mpi image-slurm ## Build every image (tags: git revision and latest)
 
 image-cpu: ## Build the CPU image (WITH_ONECCL=auto|1|0; TORCH_INDEX_URL=https://pypi.org/simple offline)
 	$(call compose_build,CPU,$(CPU_IMAGE),multinode.yml,,node)
@@ -124,6 +125,16 @@ image-mpi: ## Build the Open MPI image on the CPU image (MPI_RUNTIME=cuda: on th
 	@docker image inspect $(RUNTIME_IMAGE) >/dev/null 2>&1 || $(MAKE) image-$(MPI_RUNTIME)
 	@# mpi.yml builds the worker FROM $$DDPLAB_CPU_IMAGE: here, the runtime image asked for.
 	$(call compose_build,MPI,$(MPI_IMAGE),mpi.yml,DDPLAB_CPU_IMAGE=$(RUNTIME_IMAGE),worker)
+
+image-slurm: ## Build the Slurm image (slurmctld, slurmd, MUNGE) on the CPU image
+	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
+	$(call compose_build,SLURM,$(SLURM_IMAGE),slurm.yml,DDPLAB_CPU_IMAGE=$(CPU_IMAGE):latest,slurmctld)
+
+slurm-up: ## Start the one-host Slurm cluster (compose/slurm.yml) and run its sbatch job
+	docker compose -f compose/slurm.yml up --exit-code-from submit
+
+slurm-down: ## Stop the Slurm cluster and delete its volumes
+	docker compose -f compose/slurm.yml down -v
 
 run-cpu-oneccl: ## Run EXPERIMENT with NPROC ranks via torchrun in the CPU image, backend ccl
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu

@@ -10,7 +10,10 @@ Compares, on the same model (book CNN), data (synthetic 32x32), global batch (64
 Throughput = samples of the last epoch / its wall-clock time (logging, metric reductions and
 checkpointing included), so nothing that slows a real run is hidden. Variants run interleaved,
 in a rotated order each rep (A B C D, B C D A, ...), and medians are compared, because these
-machines are noisy (the same command varies by up to 20% from one minute to the next).
+machines are noisy (the same command varies by up to 20% from one minute to the next); each
+ratio comes with a 95% bootstrap interval over the reps. Beside the noisy throughput ratio, a
+noise-free figure: the CPU time tracking used as a share of the job's (summary.json), in all
+and after its one-time start-up.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -35,7 +39,8 @@ def torchrun(nproc: int, args: list[str], env: dict[str, str]) -> None:
         sys.exit(f"benchmark job failed: {' '.join(cmd)}\n{out.stderr[-3000:]}")
 
 
-BUSY: list[float] = []  # tracking_busy_frac of every tracking-on run
+CPU: dict[str, list[float]] = {"tracking_cpu_share": [], "tracking_cpu_share_steady": [],
+                               "tracking_startup_cpu_s": [], "job_cpu_s": []}  # tracking-on runs
 
 
 def ddplab(nproc: int, tracking: bool, a: argparse.Namespace, env: dict[str, str]) -> float:
@@ -48,7 +53,8 @@ def ddplab(nproc: int, tracking: bool, a: argparse.Namespace, env: dict[str, str
                      "--set", "checkpoint.resume=never"], env)
     summary = json.loads(out.read_text())
     if tracking:
-        BUSY.append(summary["tracking_busy_frac"])
+        for key, values in CPU.items():
+            values.append(summary[key])
     return summary["epoch_samples_per_s"][-1]
 
 
@@ -59,9 +65,23 @@ def bare(a: argparse.Namespace, env: dict[str, str]) -> float:
     return json.loads(out.read_text())["epoch_samples_per_s"][-1]
 
 
+def interval(a: list[float], b: list[float], n: int = 4000) -> tuple[float, float]:
+    """95% bootstrap interval of median(a) / median(b), resampling each side's reps."""
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) /
+                    statistics.median(rng.choices(b, k=len(b))) for _ in range(n))
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+
+
+def ratio(name: str, a: list[float], b: list[float], target: str = "") -> None:
+    lo, hi = interval(a, b)
+    print(f"  {name:34s} {statistics.median(a) / statistics.median(b):.3f}  "
+          f"[95% interval {lo:.3f}-{hi:.3f}]{'  (target ' + target + ')' if target else ''}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=6)
     p.add_argument("--samples", type=int, default=6144)
     p.add_argument("--epochs", type=int, default=2)
     a = p.parse_args()
@@ -86,14 +106,19 @@ def main() -> None:
     print("\nmedian samples/s (last epoch, wall clock):")
     for k, v in med.items():
         print(f"  {k:26s} {v:8.1f}   (runs: {', '.join(f'{x:.0f}' for x in results[k])})")
-    on, off = med["ddplab tracking on, 2x1"], med["ddplab tracking off, 2x1"]
-    print("\nratios:")
-    print(f"  ddplab / bare loop (tracking on)  {on / med['bare DDP loop, 2x1']:.3f}  (target >= 0.97)")
-    print(f"  ddplab / bare loop (tracking off) {off / med['bare DDP loop, 2x1']:.3f}")
-    print(f"  tracking on / off                 {on / off:.3f}  (target >= 0.99)")
-    print(f"  2 ranks x 1 thread / 1 rank x 2   {off / med['ddplab tracking off, 1x2']:.3f}")
-    print(f"\ntime rank 0 spent inside metric logging calls (tracking on, in-process, noise-free): "
-          f"{100 * statistics.median(BUSY):.3f}% of wall time (median of {len(BUSY)} runs)")
+    on, off = results["ddplab tracking on, 2x1"], results["ddplab tracking off, 2x1"]
+    bare_runs, threads = results["bare DDP loop, 2x1"], results["ddplab tracking off, 1x2"]
+    print("\nratios of medians:")
+    ratio("ddplab / bare loop (tracking on)", on, bare_runs, ">= 0.99")
+    ratio("ddplab / bare loop (tracking off)", off, bare_runs, ">= 0.99")
+    ratio("tracking on / off", on, off, ">= 0.99")
+    ratio("2 ranks x 1 thread / 1 rank x 2", off, threads, ">= 0.95")
+    share = statistics.median(CPU["tracking_cpu_share"])
+    steady = statistics.median(CPU["tracking_cpu_share_steady"])
+    print(f"\ntracking's CPU time / the job's (all ranks, the delivery process; noise-free): "
+          f"{100 * share:.2f}% in all, {100 * steady:.2f}% after start-up (target < 1%); "
+          f"start-up {statistics.median(CPU['tracking_startup_cpu_s']):.2f} CPU-s of a "
+          f"{statistics.median(CPU['job_cpu_s']):.1f} CPU-s job (medians of {len(on)} runs)")
 
 
 if __name__ == "__main__":

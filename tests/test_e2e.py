@@ -72,6 +72,11 @@ def test_make_run_gives_one_finished_run_with_everything(tmp_path):
     summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json",
                                                         str(tmp_path))).read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 288
+    # What tracking cost, in CPU seconds of all processes: the delivery process and rank 0's
+    # opening of the run are part of the job; start-up is part of tracking.
+    assert summary["job_cpu_s"] > summary["process_cpu_s"] > 0
+    assert 0 < summary["tracking_startup_cpu_s"] <= summary["tracking_cpu_s"] < summary["job_cpu_s"]
+    assert 0 <= summary["tracking_cpu_share_steady"] < summary["tracking_cpu_share"] < 1
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == sorted(steps) and steps[-1] == 288  # step = global optimizer step
 

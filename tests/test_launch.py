@@ -34,7 +34,12 @@ PYTORCHJOB_WORKER = {  # training operator v1.9 pod env, worker 0 of a Master+2 
     (TORCHRUN_CHILD, LaunchEnv("torchrun", 3, 4, 1, 2, 1, "node0", 29500)),
     (OPENMPI, LaunchEnv("openmpi", 2, 4, 0, 2, 1, "a", 29501)),
     (PMI, LaunchEnv("pmi", 5, 8, 1, 4, 1, "h0", 29500)),
-    (SLURM, LaunchEnv("slurm", 3, 6, 0, 3, 1, "n0", 29500)),
+    # no MASTER_PORT: one from the job id (20000 + 77), so jobs sharing a node differ
+    (SLURM, LaunchEnv("slurm", 3, 6, 0, 3, 1, "n0", 20077)),
+    # a bare `srun ddplab train`: the first host of the allocation is the master
+    ({**{k: v for k, v in SLURM.items() if k != "MASTER_ADDR"},
+      "SLURM_JOB_NODELIST": "cn[07-09,12]", "MASTER_PORT": "29511"},
+     LaunchEnv("slurm", 3, 6, 0, 3, 1, "cn07", 29511)),
     (PYTORCHJOB_WORKER, LaunchEnv("pytorchjob", 1, 3, 0, 1, 1, "job-master-0", 23456)),
     # torchrun inside a PyTorchJob pod: torchrun's variables win over the operator's PET_*
     ({**PYTORCHJOB_WORKER, **TORCHRUN_CHILD}, LaunchEnv("torchrun", 3, 4, 1, 2, 1, "node0", 29500)),
@@ -44,10 +49,29 @@ PYTORCHJOB_WORKER = {  # training operator v1.9 pod env, worker 0 of a Master+2 
     ({k: v for k, v in OPENMPI.items() if not k.startswith("MASTER")}
      | {"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, LaunchEnv("openmpi", 2, 4, 0, 4, 0, "127.0.0.1", 29500)),
     # Slurm with the per-node count given directly
-    ({**SLURM, "SLURM_NTASKS_PER_NODE": "3"}, LaunchEnv("slurm", 3, 6, 0, 3, 1, "n0", 29500)),
+    ({**SLURM, "SLURM_NTASKS_PER_NODE": "3"}, LaunchEnv("slurm", 3, 6, 0, 3, 1, "n0", 20077)),
 ])
 def test_launcher_table(env, expected):
     assert LaunchEnv.from_environ(env) == expected
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node1", "node1"), ("node1,node2", "node1"), ("node[07-09,12],gpu1", "node07"),
+    ("rack[1-2]-n[01-04]", "rack1-n01"), ("c[3,5-9]x,d1", "c3x")])
+def test_first_host_of_a_slurm_hostlist(nodelist, first):
+    from ddplab.launch import first_host
+
+    assert first_host(nodelist) == first
+
+
+def test_slurm_cpus_per_task_sets_the_threads():
+    from ddplab.backend import node_cpus
+
+    le = LaunchEnv.from_environ(SLURM)
+    assert node_cpus(le, {"SLURM_CPUS_PER_TASK": "1"}) == min(3, node_cpus(le, {}))
+    # torchrun under Slurm: SLURM_CPUS_PER_TASK is torchrun's task (the whole node), not a rank's
+    le = LaunchEnv.from_environ({**SLURM, **TORCHRUN_CHILD})
+    assert node_cpus(le, {"SLURM_CPUS_PER_TASK": "1"}) == node_cpus(le, {})
 
 
 def test_layout_properties():

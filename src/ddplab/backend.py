@@ -159,6 +159,16 @@ def usable_cpu_count() -> int:
     return max(1, min(cores, int(quota))) if quota else cores
 
 
+def node_cpus(le: LaunchEnv, env: Mapping[str, str]) -> int:
+    """CPUs the local ranks share: Slurm's allocation when srun started each rank (a site
+    without Slurm's task affinity leaves every core in the mask), else what this process may
+    use."""
+    per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    if le.launcher == "slurm" and per_task.isdigit() and int(per_task) > 0:
+        return min(usable_cpu_count(), int(per_task) * le.local_world_size)
+    return usable_cpu_count()
+
+
 def ccl_worker_count(env: Mapping[str, str]) -> int:
     try:
         return max(0, int(env.get("CCL_WORKER_COUNT", "1")))
@@ -188,7 +198,8 @@ def core_block(cores: list[int], local_rank: int, local_world: int) -> list[int]
 
 def apply_cpu_layout(cfg: DistConfig, le: LaunchEnv, backend: str) -> tuple[int, list[int]]:
     cores = usable_cores()
-    threads = threads_per_rank(cfg, le.local_world_size, usable_cpu_count(), backend, os.environ)
+    threads = threads_per_rank(cfg, le.local_world_size, node_cpus(le, os.environ), backend,
+                               os.environ)
     pinned: list[int] = []
     if cfg.pin_cores:
         pinned = core_block(cores, le.local_rank, le.local_world_size)

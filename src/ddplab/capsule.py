@@ -10,6 +10,7 @@ import os
 import platform
 import socket
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,18 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def scheduler_tags(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The batch scheduler's own name for the job, so a run can be traced to ``sacct``."""
+    tags = {}
+    if "SLURM_JOB_ID" in env:
+        tags["ddplab.slurm_job_id"] = env["SLURM_JOB_ID"]
+        for key, name in (("SLURM_JOB_NAME", "job_name"), ("SLURM_JOB_NODELIST", "nodelist"),
+                          ("SLURM_CLUSTER_NAME", "cluster"), ("SLURM_JOB_PARTITION", "partition")):
+            if key in env:
+                tags[f"ddplab.slurm_{name}"] = env[key]
+    return tags
 
 
 def git_sha() -> str:

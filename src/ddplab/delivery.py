@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -94,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with contextlib.suppress(OSError):
         os.nice(19)  # every cycle taken here is taken from the ranks
+    # A scheduler stopping the job (Slurm's scancel, a node's shutdown) signals every process
+    # of the job, this one included: it must outlive the ranks long enough to deliver the
+    # run's ending. It ends on its own (closed, or its parent gone, then --timeout); the
+    # scheduler's SIGKILL (Slurm: KillWait later) still bounds it.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     sampler = (SystemSampler(spool.Stream(args.spool, "system"), args.node,
                              args.system_interval, args.t0_ms or spool.now_ms())
                if args.system_interval > 0 else None)
@@ -105,7 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         return alive()
 
     meta = spool.Meta.read(args.spool)
-    left = spool.deliver(args.spool, make_client(meta.uri), producing, args.timeout)
+    client = make_client(meta.uri)
+    # What starting costs (importing MLflow, opening its store) apart from what running costs:
+    # the first is paid once per job, the second grows with the job.
+    started = os.times()
+    (args.spool / "delivery-startup.json").write_text(json.dumps(
+        {"cpu_s": round(started.user + started.system, 3)}))
+    left = spool.deliver(args.spool, client, producing, args.timeout)
     cpu = os.times()
     (args.spool / "delivery.json").write_text(json.dumps(
         {"cpu_s": round(cpu.user + cpu.system, 3), "left": left, "pid": os.getpid()}))

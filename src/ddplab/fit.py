@@ -8,8 +8,12 @@ import json
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from . import checkpoint, loop, models
 from .job import Job
+from .report import CpuUse
 
 
 def fit(job: Job) -> None:
@@ -89,6 +93,19 @@ def _save(job: Job, final: bool) -> None:
                                      job.run.run_id, final))
 
 
+def _cpu(job: Job) -> CpuUse:
+    """Collective: the job's CPU seconds over all ranks, and what tracking took of them (each
+    node's delivery process, rank 0's opening of the run, its appends to the spool)."""
+    total, startup = job.run.delivery.cpu_s() if job.run.delivery else (0.0, 0.0)
+    mine = time.process_time()
+    t = torch.tensor([mine, total, startup, job.run.open_cpu_s, job.run.busy_s],
+                     dtype=torch.float64, device=job.layout.device)
+    if job.layout.le.world_size > 1:
+        dist.all_reduce(t)
+    ranks, delivery, delivery_startup, opening, appends = t.tolist()
+    return CpuUse(ranks + delivery, delivery + opening + appends, delivery_startup + opening, mine)
+
+
 def finish(job: Job) -> dict[str, Any]:
     """Final evaluation (if the last step has none yet), final checkpoint, summary.json."""
     if job.stats.evaluated_at != job.state.step:
@@ -99,8 +116,7 @@ def finish(job: Job) -> dict[str, Any]:
         wall_time_s=time.perf_counter() - job.t_start, world_size=le.world_size,
         global_batch=job.cfg.global_batch(le.world_size), steps=job.state.step,
         checkpoint=str(job.ckpt.last) if job.ckpt.last else None, tracking_busy_s=job.run.busy_s,
-        tracking_cpu_s=job.run.delivery.cpu_s() if job.run.delivery else 0.0,
-        process_cpu_s=time.process_time())
+        cpu=_cpu(job))
     job.run.log_metrics({"perf/samples_per_s": summary["samples_per_s_steady"],
                          "perf/wall_time_s": summary["wall_time_s"]}, job.state.step)
     text = json.dumps(summary, indent=2)

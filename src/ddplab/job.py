@@ -137,6 +137,7 @@ def _tags(job: Job) -> dict[str, Any]:
         "ddplab.global_batch": job.cfg.global_batch(le.world_size),
         "ddplab.resumed_from": job.resume.path or "none",
         **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},
+        **capsule.scheduler_tags(),
     }
 
 

@@ -186,13 +186,34 @@ def _slurm_tasks_on_node(env: Mapping[str, str]) -> int:
     return _int(env, "SLURM_NTASKS")  # a single-node step
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: "node[07-09,12],gpu1" -> "node07"."""
+    item = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())
+    if not item:
+        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm hostlist")
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], item.group(0))
+
+
+def slurm_master(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR and MASTER_PORT from the allocation, where the user set neither: the first
+    node of the step (or job), and a port from the job id, so two jobs sharing a node do not
+    collide (the convention of Lightning's and torchtitan's Slurm support)."""
+    out = {}
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    if "MASTER_ADDR" not in env and nodelist:
+        out["MASTER_ADDR"] = first_host(nodelist)
+    if "MASTER_PORT" not in env and env.get("SLURM_JOB_ID", "").isdigit():
+        out["MASTER_PORT"] = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
+    return out
+
+
 def _slurm(env: Mapping[str, str]) -> LaunchEnv | None:
     # sbatch alone sets SLURM_JOB_ID but not SLURM_PROCID: only srun-started tasks count.
     if "SLURM_PROCID" not in env:
         return None
     world = _int(env, "SLURM_NTASKS")
     local_world = _slurm_tasks_on_node(env)
-    addr, port = _master(env, "slurm", local_world, world)
+    addr, port = _master({**env, **slurm_master(env)}, "slurm", local_world, world)
     node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
     return LaunchEnv("slurm", _int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID"),
                      local_world, node, addr, port)

@@ -12,6 +12,7 @@ local rank 0) sends the spool on and samples the node's system metrics
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +93,9 @@ class NullTracker:
     """Records the server had not taken when the job ended (kept in the spool)."""
     delivery: Any = None
     """This node's delivery process, if it has one (its CPU time is tracking's cost)."""
+    open_cpu_s: float = 0.0
+    """CPU seconds this process spent creating or attaching to the run (rank 0: MLflow's
+    import and the first calls to the store)."""
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
@@ -277,15 +281,21 @@ class Delivery:
             # its own: closed, or its parent gone, then within its timeout.
             stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
 
-    def cpu_s(self) -> float:
-        """CPU seconds the delivery process has used so far (what tracking costs the node)."""
+    def cpu_s(self) -> tuple[float, float]:
+        """CPU seconds the delivery process has used so far (what tracking costs the node), and
+        how many of them its start-up took (importing MLflow, opening the store)."""
         try:
             import psutil
 
             t = psutil.Process(self.proc.pid).cpu_times()
-            return t.user + t.system
+            total = t.user + t.system
         except Exception:  # noqa: BLE001 - gone already, or no psutil: unknown
-            return 0.0
+            return 0.0, 0.0
+        try:
+            startup = json.loads((self.directory / "delivery-startup.json").read_text())["cpu_s"]
+        except (OSError, ValueError, KeyError):
+            startup = total  # still starting
+        return total, min(startup, total)
 
     def close(self) -> int:
         (self.directory / spool.CLOSED).write_text(str(spool.now_ms()))
@@ -302,8 +312,8 @@ class NoDelivery:
 
     directory = Path()
 
-    def cpu_s(self) -> float:
-        return 0.0
+    def cpu_s(self) -> tuple[float, float]:
+        return 0.0, 0.0
 
     def close(self) -> int:
         return 0
@@ -334,8 +344,10 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
     spool_root = Path(cfg.checkpoint.dir) / cfg.name
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
     default_name = f"{cfg.name} {backend} {le.nnodes}x{le.local_world_size} {le.launcher}"
+    cpu0 = time.process_time()
     run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
                             spool_root, default_name)
+    run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
     delivery = start_delivery(cfg.tracking, le, ref, spool_root)
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)
