@@ -30,7 +30,8 @@ def fresh_images():
     prefix = f"ddplabfresh{uuid.uuid4().hex[:8]}"
     names = {"DDPLAB_CPU_IMAGE": f"{prefix}/cpu-oneccl:latest",
              "DDPLAB_MLFLOW_IMAGE": f"{prefix}/mlflow:latest",
-             "DDPLAB_MPI_IMAGE": f"{prefix}/openmpi:latest"}
+             "DDPLAB_MPI_IMAGE": f"{prefix}/openmpi:latest",
+             "DDPLAB_SLURM_IMAGE": f"{prefix}/slurm:latest"}
     yield names
     # This runs before compose_factory's `down`: stop what still uses the images first.
     for name in names.values():
@@ -42,10 +43,17 @@ def fresh_images():
         sh(["docker", "rmi", *left], timeout=300)
 
 
-@pytest.mark.parametrize("file, service, launcher", [
-    ("multinode.yml", "node", "torchrun"), ("mpi.yml", "worker", "openmpi")])
+# file -> (the service the job runs in, its launcher, the image built on the CPU one, the
+# service that exits when the job is done and how many of it)
+CASES = {"multinode.yml": ("node", "torchrun", "", "node", 2),
+         "mpi.yml": ("worker", "openmpi", "DDPLAB_MPI_IMAGE", "launcher", 1),
+         "slurm.yml": ("submit", "slurm", "DDPLAB_SLURM_IMAGE", "submit", 1)}
+
+
+@pytest.mark.parametrize("file", list(CASES))
 def test_compose_up_as_typed_builds_its_images_and_runs_the_job(compose_factory, fresh_images,
-                                                                file, service, launcher):
+                                                                file):
+    service, launcher, on_cpu, ends, count = CASES[file]
     assert not any(_image_exists(n) for n in fresh_images.values())
     c = compose_factory(2, 1, file=file, service=service, **fresh_images)
     c.up()
@@ -56,15 +64,12 @@ def test_compose_up_as_typed_builds_its_images_and_runs_the_job(compose_factory,
     assert (t["ddplab.launcher"], t["ddplab.world_size"]) == (launcher, "2")
     assert len(t["ddplab.hosts"].split(",")) == 2 and len(all_runs(c.base)) == 1
     built = [n for n in fresh_images.values() if _image_exists(n)]
-    expected = ["DDPLAB_CPU_IMAGE", "DDPLAB_MLFLOW_IMAGE"] + (["DDPLAB_MPI_IMAGE"] if
-                                                             file == "mpi.yml" else [])
+    expected = ["DDPLAB_CPU_IMAGE", "DDPLAB_MLFLOW_IMAGE"] + ([on_cpu] if on_cpu else [])
     assert built == [fresh_images[k] for k in expected]
-    assert t["ddplab.image"] == fresh_images[expected[-1] if file == "mpi.yml" else expected[0]]
+    assert t["ddplab.image"] == fresh_images[on_cpu or "DDPLAB_CPU_IMAGE"]
     # The address printed is the browser's (the published port), never the in-network name.
     route = f"http://localhost:{c.port}/#/experiments/{run['info']['experiment_id']}/runs/"
-    deadline = time.monotonic() + 120
-    exited = wait_exits(c, "launcher" if file == "mpi.yml" else service,
-                        1 if file == "mpi.yml" else 2, deadline)
+    exited = wait_exits(c, ends, count, time.monotonic() + 120)
     assert exited and set(exited) == {0}
     logs = c.logs()
     assert route + run["info"]["run_id"] in logs and "http://mlflow:5000/#" not in logs

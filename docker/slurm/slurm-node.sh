@@ -34,6 +34,10 @@ SlurmdParameters=config_overrides
 # A node that stops answering is DOWN after this long, and its jobs end (ddplab's run FAILED).
 SlurmdTimeout=30
 KillWait=10
+# A job whose node fails ends (NODE_FAIL) instead of waiting in the queue for the node, so
+# `sbatch --wait` returns. Sites that requeue (Slurm's default) get the job started again,
+# and ddplab resumes it from its last checkpoint into the same run (checkpoint.resume auto).
+JobRequeue=0
 NodeName=${nodes} CPUs=${cpus} RealMemory=${memory_mb} State=UNKNOWN
 PartitionName=cpu Nodes=${nodes} Default=YES MaxTime=INFINITE State=UP
 CONF

@@ -1,0 +1,87 @@
+"""Container tier: a real Slurm cluster (compose/slurm.yml: slurmctld, two slurmd nodes, MUNGE)
+runs `sbatch slurm/cpu.sbatch`; checked through MLflow's REST API. Needs the images
+(`make image-slurm image-mlflow`; CI builds them, see .ci/run)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.test_containers import (  # noqa: F401 - compose_factory is a fixture
+    SMALL,
+    compose_factory,
+    exec_in,
+    finished,
+    metrics,
+    sh,
+    tags,
+    wait_exits,
+)
+
+pytestmark = pytest.mark.container
+IMAGES = ("ddplab/slurm:latest", "ddplab/mlflow:latest")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def images() -> None:
+    if sh(["docker", "info"], timeout=30).returncode:
+        pytest.fail("no Docker engine: start dockerd (`docker info` must answer)")
+    for image in IMAGES:
+        if sh(["docker", "image", "inspect", image], timeout=30).returncode:
+            pytest.fail(f"{image} is missing: `make image-slurm image-mlflow` (CI: see .ci/run)")
+
+
+def cluster(compose_factory, **env: str):  # noqa: F811 - the fixture, passed on
+    c = compose_factory(2, 1, file="slurm.yml", service="submit", **env)
+    c.up()
+    return c
+
+
+def test_sbatch_on_two_nodes_gives_one_slurm_run(compose_factory):  # noqa: F811
+    c = cluster(compose_factory, DDPLAB_SET=SMALL.replace("--set ", ""))
+    codes = wait_exits(c, "submit", 1, time.monotonic() + 600)
+    assert codes == [0], c.up_output()[-4000:]
+    run = c.wait_run(finished, timeout=60)
+    t = tags(run)
+    assert run["info"]["status"] == "FINISHED"
+    assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nnodes"]) == ("slurm", "2", "2")
+    assert sorted(t["ddplab.hosts"].split(",")) == ["node1", "node2"]  # two hosts
+    assert t["ddplab.slurm_job_id"] == "1" and t["ddplab.slurm_nodelist"] == "node[1-2]"
+    assert t["mlflow.runName"] == "quickstart gloo 2x1 slurm"
+    assert metrics(run)["eval/accuracy"] > 0.3
+    out = c.up_output()
+    assert "submitting as ddplab" in out and "job 1 ended with exit code 0" in out
+
+
+def wait_training(c) -> dict:
+    return c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
+
+
+def test_scancel_ends_the_run_failed_never_running(compose_factory):  # noqa: F811
+    """scancel sends SIGTERM to every process of the job: the ranks end the run FAILED
+    ("terminated by SIGTERM"), and the delivery process outlives them to send that."""
+    c = cluster(compose_factory)
+    wait_training(c)
+    t0 = time.monotonic()
+    assert exec_in(c, "slurmctld", "scancel 1").returncode == 0
+    run = c.wait_run(finished, timeout=60)
+    assert run["info"]["status"] == "FAILED" and time.monotonic() - t0 < 60
+    assert "SIGTERM" in tags(run)["ddplab.error"]
+    time.sleep(5)
+    assert c.wait_run(finished, timeout=10)["info"]["status"] == "FAILED"  # and it stays so
+    assert wait_exits(c, "submit", 1, time.monotonic() + 60) not in ([], [0])
+
+
+def test_a_killed_node_fails_the_slurm_job_in_bounded_time(compose_factory):  # noqa: F811
+    c = cluster(compose_factory)
+    wait_training(c)
+    victim = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
+                 "--filter", "label=com.docker.compose.service=node2"]).stdout.split()
+    t0 = time.monotonic()
+    sh(["docker", "kill", *victim])  # rank 1 (node1, the first host, holds rank 0)
+    run = c.wait_run(finished, timeout=180)
+    assert run["info"]["status"] == "FAILED"
+    assert time.monotonic() - t0 < 180
+    codes = wait_exits(c, "submit", 1, t0 + 180)
+    assert codes and codes[0] != 0, codes
