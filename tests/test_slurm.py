@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.conftest import REPO
 from tests.test_containers import (  # noqa: F401 - compose_factory is a fixture
     SMALL,
     compose_factory,
@@ -85,3 +86,37 @@ def test_a_killed_node_fails_the_slurm_job_in_bounded_time(compose_factory):  # 
     assert time.monotonic() - t0 < 180
     codes = wait_exits(c, "submit", 1, t0 + 180)
     assert codes and codes[0] != 0, codes
+
+
+STUDY = """
+name: slurm-layouts
+experiment: /workspace/experiments/quickstart.yaml
+set: {data.train_samples: 1536, data.eval_samples: 512, train.epochs: 2}
+baseline: 2x1
+variants:
+  - {name: 2x1, nnodes: 2, nproc: 1, launcher: slurm}
+  - {name: 1x2, nnodes: 1, nproc: 2, launcher: slurm}
+"""
+
+
+def test_a_study_submits_its_slurm_variants_with_sbatch(compose_factory):  # noqa: F811
+    """`ddplab study run` on the cluster's login node (the controller): each variant is an
+    `sbatch --wait` job into its own child run of the study's parent run."""
+    c = cluster(compose_factory, SBATCH_ARGS="--nodes=1")  # the submit service's own job
+    assert wait_exits(c, "submit", 1, time.monotonic() + 300) == [0], c.up_output()[-3000:]
+    script = (f"cat > /jobs/study.yaml <<'EOF'\n{STUDY}\nEOF\n"
+              "cd /workspace && ddplab study run /jobs/study.yaml --repeats 1")
+    out = sh([*c.cmd, "exec", "-T", "-u", "ddplab", "slurmctld", "bash", "-c", script],
+             env=c.env, cwd=REPO, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    from tests.test_containers import all_runs
+
+    runs = all_runs(c.base)
+    children = [r for r in runs if tags(r).get("ddplab.variant")]
+    assert sorted(tags(r)["ddplab.variant"] for r in children) == ["1x2", "2x1"]
+    for r in children:
+        t = tags(r)
+        assert r["info"]["status"] == "FINISHED" and t["ddplab.launcher"] == "slurm"
+        assert t["ddplab.nnodes"] == ("2" if t["ddplab.variant"] == "2x1" else "1")
+        assert t["ddplab.slurm_job_id"] and t["mlflow.parentRunId"]
+    assert "2x1" in out.stdout and "1x2" in out.stdout  # the report's table

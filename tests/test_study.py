@@ -72,6 +72,20 @@ def test_a_bad_study_file_is_one_clear_line_and_no_run(tmp_path, store, change, 
     assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("checkpoints"))
 
 
+def test_slurm_variants_are_sbatch_jobs_and_need_a_login_node(tmp_path, store):
+    """This machine is no Slurm login node: the plan shows the sbatch command, a real run
+    stops before anything starts (the cluster tier, tests/test_slurm.py, runs them)."""
+    path = write_study(tmp_path, baseline="s",
+                       variants=[{"name": "s", "nnodes": 2, "nproc": 1, "launcher": "slurm"}])
+    plan = cli(["study", "run", str(path), "--dry-run"], tmp_path, store)
+    assert plan.returncode == 0, plan.stderr
+    assert "sbatch --wait --nodes=2 --ntasks-per-node=1 --job-name=ddplab-tiny-s" in plan.stdout
+    assert "slurm/cpu.sbatch" in plan.stdout and "checkpoint.dir=checkpoints/studies" in plan.stdout
+    out = cli(["study", "run", str(path)], tmp_path, "http://127.0.0.1:9")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "launcher slurm: sbatch is not on PATH: run the study on a Slurm login node" in out.stderr
+
+
 def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, store):
     out = cli(["study", "run", str(write_study(tmp_path)), "--dry-run"], tmp_path, store)
     assert out.returncode == 0, out.stderr

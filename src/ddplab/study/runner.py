@@ -36,8 +36,24 @@ def _sets(study: Study, v: Variant, repeat: int) -> list[str]:
         f"checkpoint.dir={ck}", "checkpoint.resume=never"]  # a job never resumes another's
 
 
+def sbatch_script() -> Path:
+    """The batch script slurm variants submit: $DDPLAB_SBATCH_SCRIPT, else the checkout's
+    slurm/cpu.sbatch, else ./slurm/cpu.sbatch (where the images keep it)."""
+    chosen = os.environ.get("DDPLAB_SBATCH_SCRIPT", "")
+    if chosen:
+        return Path(chosen)
+    here = REPO / "slurm" / "cpu.sbatch"
+    return here if here.is_file() else Path("slurm", "cpu.sbatch").resolve()
+
+
 def command(study: Study, v: Variant, repeat: int) -> list[str]:
     """The job exactly as a user would type it (the launcher's own CLI)."""
+    if v.launcher == "slurm":
+        # Submitted to the cluster this host is a login node of; --wait returns the job's code.
+        sets = [a for s in _sets(study, v, repeat) for a in ("--set", s)]
+        return ["sbatch", "--wait", f"--nodes={v.nnodes}", f"--ntasks-per-node={v.nproc}",
+                f"--job-name=ddplab-{study.name}-{v.name}", str(sbatch_script()),
+                str(study.experiment), *sets]
     if v.launcher in COMPOSE:
         file, service = COMPOSE[v.launcher]
         up = ["docker", "compose", "-f", str(REPO / "compose" / file), "up", "--no-deps"]
@@ -112,6 +128,19 @@ def _check_compose(study: Study, v: Variant, uri: str) -> None:
         raise ConfigError(f"{where}: needs a running Docker engine (`docker info` must answer)")
 
 
+def _check_slurm(study: Study, v: Variant, uri: str) -> None:
+    where = f"{study.path}: variant {v.name}: launcher slurm"
+    if not shutil.which("sbatch"):
+        raise ConfigError(f"{where}: sbatch is not on PATH: run the study on a Slurm login node")
+    if not sbatch_script().is_file():
+        raise ConfigError(f"{where}: no batch script at {sbatch_script()} (set "
+                          "DDPLAB_SBATCH_SCRIPT, or run from a ddplab checkout)")
+    if not uri.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: the jobs run on compute nodes and need a tracking SERVER "
+                          f"(MLFLOW_TRACKING_URI={uri} is a local store): point "
+                          "MLFLOW_TRACKING_URI at the site's MLflow server")
+
+
 def check_launchers(study: Study, uri: str) -> None:
     """Everything the plan needs is here, before anything starts."""
     for v in study.variants:
@@ -120,6 +149,8 @@ def check_launchers(study: Study, uri: str) -> None:
         if v.launcher == "torchrun" and v.nnodes > 1:
             raise ConfigError(f"{study.path}: variant {v.name}: nnodes {v.nnodes} with torchrun "
                               "on one host: use launcher mpirun, or one node")
+        if v.launcher == "slurm":
+            _check_slurm(study, v, uri)
         if v.launcher == "mpirun" and not shutil.which("mpirun"):
             raise ConfigError(f"{study.path}: variant {v.name}: launcher mpirun, but mpirun is "
                               "not installed here (Debian: apt-get install openmpi-bin)")
@@ -291,6 +322,8 @@ def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
     env = job_env(run_id, tracker.uri)
     if v.launcher in COMPOSE:
         env |= compose_env(study, v, r, tracker.uri)
+    if v.launcher == "slurm":  # the ranks find their master in the allocation, not here
+        env = {k: x for k, x in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     log = logs / f"{v.name}-r{r}.log"
     t0 = time.monotonic()
     try:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import NAME_RE, ConfigError, ExperimentConfig, load, read_yaml_file
 
-LAUNCHERS = ("torchrun", "mpirun", "compose", "compose-mpi")
+LAUNCHERS = ("torchrun", "mpirun", "compose", "compose-mpi", "slurm")
 LAYOUT_KEYS = ("nproc", "nnodes", "launcher")
 STUDY_KEYS = ("name", "description", "experiment", "set", "repeats", "baseline",
               "target_accuracy", "variants", "grid")

@@ -1,0 +1,118 @@
+"""Slurm against compose: the same 2 nodes x 1 rank quickstart, submitted with `sbatch --wait`
+to compose/slurm.yml's cluster and started with `docker compose -f compose/multinode.yml up`
+(torchrun); interleaved, medians. Prints, per launcher, the time from the command to the first
+training step (the timestamp of the run's train/time_to_first_step_s metric) and the steady
+throughput (perf/samples_per_s).
+
+    python benchmarks/bench_slurm.py --reps 3        (needs `make image-slurm image-mlflow`)
+
+Slurm's time counts a running cluster (the scheduler's start-up is a site's, not a job's);
+compose's counts starting the node containers (its MLflow server is up first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(cmd: list[str], env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def rest(port: int, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def newest_run(port: int) -> dict:
+    ids = [e["experiment_id"] for e in rest(port, "/api/2.0/mlflow/experiments/search",
+                                            {"max_results": 100})["experiments"]]
+    return rest(port, "/api/2.0/mlflow/runs/search",
+                {"experiment_ids": ids, "order_by": ["attributes.start_time DESC"]})["runs"][0]
+
+
+def first_step_and_speed(port: int, t0: float) -> tuple[float, float]:
+    run = newest_run(port)
+    if run["info"]["status"] != "FINISHED":
+        sys.exit(f"the job's run ended {run['info']['status']}")
+    m = {x["key"]: x for x in run["data"]["metrics"]}
+    return m["train/time_to_first_step_s"]["timestamp"] / 1000 - t0, m["perf/samples_per_s"]["value"]
+
+
+class Project:
+    def __init__(self, file: str, name: str, port: int) -> None:
+        self.cmd = ["docker", "compose", "-f", str(REPO / "compose" / file)]
+        self.port = port
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")},
+                    "COMPOSE_PROJECT_NAME": name, "MLFLOW_PORT": str(port), "NNODES": "2",
+                    "NPROC_PER_NODE": "1"}
+
+    def up(self, *services: str) -> None:
+        out = sh([*self.cmd, "up", "-d", "--wait", *services], self.env)
+        if out.returncode:
+            sys.exit(out.stderr[-2000:])
+
+    def down(self) -> None:
+        sh([*self.cmd, "down", "-v"], self.env)
+
+
+def slurm_job(p: Project) -> tuple[float, float]:
+    t0 = time.time()
+    out = sh([*p.cmd, "exec", "-T", "-u", "ddplab", "slurmctld", "sbatch", "--wait",
+              "--output=/jobs/bench-%j.out", "slurm/cpu.sbatch"], p.env)
+    if out.returncode:
+        sys.exit(f"sbatch failed: {out.stdout}{out.stderr}")
+    return first_step_and_speed(p.port, t0)
+
+
+def compose_job(p: Project) -> tuple[float, float]:
+    t0 = time.time()
+    out = sh([*p.cmd, "up", "--no-deps", "--exit-code-from", "node", "node"], p.env)
+    if out.returncode:
+        sys.exit(f"compose up failed: {out.stdout[-2000:]}")
+    return first_step_and_speed(p.port, t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    slurm = Project("slurm.yml", "ddplabbenchslurm", 5091)
+    compose = Project("multinode.yml", "ddplabbenchcompose", 5092)
+    try:
+        slurm.up("slurmctld", "node1", "node2", "mlflow")
+        compose.up("mlflow")
+        time.sleep(10)  # slurmd registers with the controller
+        results: dict[str, list[tuple[float, float]]] = {"slurm (sbatch, srun)": [],
+                                                          "compose (torchrun)": []}
+        jobs = {"slurm (sbatch, srun)": lambda: slurm_job(slurm),
+                "compose (torchrun)": lambda: compose_job(compose)}
+        for rep in range(a.reps):
+            for name in (list(jobs) if rep % 2 == 0 else list(jobs)[::-1]):
+                results[name].append(jobs[name]())
+                first, speed = results[name][-1]
+                print(f"rep {rep + 1}/{a.reps} {name:22s} first step after {first:5.1f} s, "
+                      f"{speed:7.1f} samples/s", flush=True)
+        print("\nmedians (2 nodes x 1 rank, quickstart):")
+        for name, rs in results.items():
+            print(f"  {name:22s} command -> first step {statistics.median(r[0] for r in rs):5.1f} s"
+                  f"   steady {statistics.median(r[1] for r in rs):7.1f} samples/s")
+    finally:
+        slurm.down()
+        compose.down()
+
+
+if __name__ == "__main__":
+    main()
