@@ -102,7 +102,8 @@ variants:
 def test_a_study_submits_its_slurm_variants_with_sbatch(compose_factory):  # noqa: F811
     """`ddplab study run` on the cluster's login node (the controller): each variant is an
     `sbatch --wait` job into its own child run of the study's parent run."""
-    c = cluster(compose_factory, SBATCH_ARGS="--nodes=1")  # the submit service's own job
+    # Nodes of 4 CPUs: 1x2 asks 2 tasks x --cpus-per-task 2 (the template's) of one node.
+    c = cluster(compose_factory, SBATCH_ARGS="--nodes=1", SLURM_CPUS="4")
     assert wait_exits(c, "submit", 1, time.monotonic() + 300) == [0], c.up_output()[-3000:]
     script = (f"cat > /jobs/study.yaml <<'EOF'\n{STUDY}\nEOF\n"
               "cd /workspace && ddplab study run /jobs/study.yaml --repeats 1")
@@ -120,3 +121,4 @@ def test_a_study_submits_its_slurm_variants_with_sbatch(compose_factory):  # noq
         assert t["ddplab.nnodes"] == ("2" if t["ddplab.variant"] == "2x1" else "1")
         assert t["ddplab.slurm_job_id"] and t["mlflow.parentRunId"]
     assert "2x1" in out.stdout and "1x2" in out.stdout  # the report's table
+    assert "http://mlflow:5000/#" not in out.stdout  # only addresses the browser can open

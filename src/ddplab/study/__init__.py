@@ -26,6 +26,9 @@ def reachable_client(uri: str):
 
 
 def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0) -> int:
+    # MLflow prints "View run at <tracking URI>" when a run ends: on a cluster an in-network
+    # name the browser cannot open. The study prints each address itself (DDPLAB_UI_URL).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     import dataclasses
 
     import yaml
