@@ -59,10 +59,20 @@ class Project:
                     "COMPOSE_PROJECT_NAME": name, "MLFLOW_PORT": str(port), "NNODES": "2",
                     "NPROC_PER_NODE": "1"}
 
-    def up(self, *services: str) -> None:
-        out = sh([*self.cmd, "up", "-d", "--wait", *services], self.env)
+    def up(self, *services: str, wait: bool = True) -> None:
+        out = sh([*self.cmd, "up", "-d", *(["--wait"] if wait else []), *services], self.env)
         if out.returncode:
             sys.exit(out.stderr[-2000:])
+
+    def nodes_idle(self, want: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = sh([*self.cmd, "exec", "-T", "slurmctld", "sinfo", "-h", "-t", "idle", "-o", "%D"],
+                     self.env)
+            if out.stdout.strip() == str(want):
+                return
+            time.sleep(2)
+        sys.exit(f"the Slurm nodes did not come up within {timeout:.0f} s")
 
     def down(self) -> None:
         sh([*self.cmd, "down", "-v"], self.env)
@@ -92,9 +102,9 @@ def main() -> None:
     slurm = Project("slurm.yml", "ddplabbenchslurm", 5091)
     compose = Project("multinode.yml", "ddplabbenchcompose", 5092)
     try:
-        slurm.up("slurmctld", "node1", "node2", "mlflow")
+        slurm.up("slurmctld", "node1", "node2", "mlflow", wait=False)
         compose.up("mlflow")
-        time.sleep(10)  # slurmd registers with the controller
+        slurm.nodes_idle(2)
         results: dict[str, list[tuple[float, float]]] = {"slurm (sbatch, srun)": [],
                                                           "compose (torchrun)": []}
         jobs = {"slurm (sbatch, srun)": lambda: slurm_job(slurm),
