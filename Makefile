@@ -169,10 +169,11 @@ run-mpi-multinode: ## mpirun across NNODES worker containers x SLOTS ranks (comp
 mpi-down: ## Stop the MPI simulation and delete its volumes
 	$(COMPOSE_MPI) down -v
 
-lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose file
+lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose files
 	$(BIN)/hadolint docker/*/Dockerfile
 	$(COMPOSE) config --quiet
 	$(COMPOSE_MPI) config --quiet
+	docker compose -f compose/slurm.yml config --quiet
 
 # ---- Kubernetes (README, "Kubernetes") ----
 k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' schema (no cluster)
