@@ -368,7 +368,11 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
         if run.left:
             _say_left(run.left, ref.uri, delivery.directory)
         if status != "FINISHED" and not le.is_rank0 and (le.is_node_leader or le.rank == 1):
-            end_orphan(run.uri, run.run_id, error.split("\n", 1)[0])
+            # Watched from a detached process: this rank must exit now (see orphan.py).
+            if run.run_id:
+                from . import orphan
+
+                orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], ORPHAN_GRACE_S)
 
 
 def _say_left(left: int, uri: str, directory: Path) -> None:
