@@ -196,6 +196,12 @@ def _delete_artifact(artifact_uri: str, path: str) -> None:
 TRAINING_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
+def experiment_id(client: Any, name: str) -> str:
+    """The experiment called ``name``, created (in the model-training view) when missing."""
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp else client.create_experiment(name, tags=TRAINING_KIND)
+
+
 def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
                       resume_run_id: str, spool_root: Path, run_name: str = "") -> MlflowTracker:
     from mlflow import MlflowClient
@@ -223,8 +229,7 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
         tracker.take_over(run)
         return tracker
     exp_name = cfg.experiment or name
-    exp = client.get_experiment_by_name(exp_name)
-    exp_id = exp.experiment_id if exp else client.create_experiment(exp_name, tags=TRAINING_KIND)
+    exp_id = experiment_id(client, exp_name)
     tags = {"mlflow.note.content": description} if description else {}
     return MlflowTracker(client, client.create_run(exp_id, run_name=cfg.run_name or run_name,
                                                    tags=tags), uri)

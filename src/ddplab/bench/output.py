@@ -126,11 +126,9 @@ class Report(Silent):
         self.client, self.out = client, out
         self.run_id, self.uri, self.experiment_id = "", "", ""
         if client is not None:
-            from ..tracking import TRAINING_KIND
+            from ..tracking import experiment_id
 
-            exp = client.get_experiment_by_name(experiment)
-            self.experiment_id = (exp.experiment_id if exp else
-                                  client.create_experiment(experiment, tags=TRAINING_KIND))
+            self.experiment_id = experiment_id(client, experiment)
             run = client.create_run(self.experiment_id, run_name=run_name,
                                     tags={"ddplab.kind": "bench-collectives"})
             self.run_id, self.uri = run.info.run_id, client.tracking_uri

@@ -179,12 +179,11 @@ class Tracker:
     """The study's parent run and its children, through MLflow's client."""
 
     def __init__(self, uri: str, study: Study) -> None:
+        from ..tracking import experiment_id
         from . import reachable_client
 
         self.client, self.uri, self.study = reachable_client(uri), uri, study
-        exp = self.client.get_experiment_by_name(study.name)
-        self.exp_id = exp.experiment_id if exp else self.client.create_experiment(
-            study.name, tags={"mlflow.experimentKind": "custom_model_development"})
+        self.exp_id = experiment_id(self.client, study.name)
 
     def parent(self, fresh: bool, resolved: str) -> str:
         found = [] if fresh else self.client.search_runs(
