@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddplab import loop, models
+from ddplab import backend, loop, models
 from ddplab.config import DataConfig
 from ddplab.data import SyntheticImages, datasets, loaders
 
@@ -22,6 +22,14 @@ SIZE, CLASSES = 8, 4
 def _group(rank: int, world: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
     torch.set_num_threads(1)
+
+
+def _finish() -> None:
+    """Tear down as the product does: all ranks done, DDP's reducer collected, then the group.
+    (Destroying the group under a live DDP model with a comm hook aborted rank 0 once in CI:
+    'terminate called without an active exception'.)"""
+    backend.finish_together()
+    backend.destroy_process_group()
 
 
 def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int,
@@ -48,7 +56,8 @@ def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int
     losses = [float(r.loss_sum) / r.samples for r in loop.train_epoch(state, loader)]
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "steps": state.step, "losses": losses}, Path(tmp) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    del state, model, opt
+    _finish()
 
 
 def _plain():
@@ -67,7 +76,7 @@ def evaluate_shards(rank: int, world: int, tmp: str, size: int) -> None:
     r = loop.evaluate(model, ld.eval, state)
     torch.save({"count": r.count, "correct": r.correct, "loss": r.loss,
                 "local": len(ld.eval.sampler)}, Path(tmp) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    _finish()
 
 
 def sampler_epochs(rank: int, world: int, tmp: str, size: int) -> None:
@@ -82,7 +91,7 @@ def sampler_epochs(rank: int, world: int, tmp: str, size: int) -> None:
         dist.all_gather_object(gathered, shard)
         seen[epoch] = gathered
     torch.save(seen, Path(tmp) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    _finish()
 
 
 def reduce_interval(rank: int, world: int, tmp: str) -> None:
@@ -92,4 +101,4 @@ def reduce_interval(rank: int, world: int, tmp: str) -> None:
     for _ in range(rank + 1):
         meter.add(loop.StepResult(1, 0, 10, torch.tensor(10.0 * (rank + 1)), 0.5, 0.1))
     torch.save(loop.reduce_interval(meter, torch.device("cpu")), Path(tmp) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    _finish()
