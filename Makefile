@@ -20,7 +20,7 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
-	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down
+	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -33,6 +33,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP) ## Create .venv with ddplab and the dev tools (runs by itself when needed)
 
+CCL_STAMP := $(VENV)/lib/ddplab-ccl/BUILD.json
+$(CCL_STAMP): $(STAMP) src/ddplab/ccl/csrc/ddplab_ccl.cpp src/ddplab/ccl/build.py
+	$(BIN)/python -m ddplab.ccl.build
+
+setup-ccl: $(CCL_STAMP) ## Build ddplab's oneCCL backend `ccl` into .venv (oneCCL from PyPI; needs g++, libfabric1)
+
 run: $(STAMP) ## Run the main job: EXPERIMENT (quickstart) with NPROC (2) local ranks via torchrun
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddplab train $(EXPERIMENT) $(ARGS)
 
@@ -42,7 +48,7 @@ ui: $(STAMP) ## Open the MLflow UI on http://127.0.0.1:5000 (UI_PORT) over the s
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
-test: $(STAMP) ## Run the test tiers that need no Docker or Open MPI: unit, distributed, end-to-end
+test: $(STAMP) $(CCL_STAMP) ## Run the test tiers that need no Docker or Open MPI: unit, distributed, end-to-end
 	$(BIN)/pytest -m "not container and not mpi" $(PYTEST_ARGS)
 
 test-mpi: $(STAMP) ## Native mpirun tests (needs Open MPI: apt-get install openmpi-bin)
@@ -51,10 +57,10 @@ test-mpi: $(STAMP) ## Native mpirun tests (needs Open MPI: apt-get install openm
 test-unit: $(STAMP) ## Unit tests only (no process group, no Docker, no mpirun)
 	$(BIN)/pytest -m "not distributed and not e2e and not container and not mpi" $(PYTEST_ARGS)
 
-test-distributed: $(STAMP) ## Multi-process tests on CPU (gloo)
+test-distributed: $(STAMP) $(CCL_STAMP) ## Multi-process tests on CPU (gloo, and ddplab's ccl)
 	$(BIN)/pytest -m distributed $(PYTEST_ARGS)
 
-test-e2e: $(STAMP) ## End-to-end tests with the README's own commands
+test-e2e: $(STAMP) $(CCL_STAMP) ## End-to-end tests with the README's own commands
 	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
 
 test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make images`)

@@ -1,6 +1,8 @@
 """Backend resolution, CPU thread layout, oneCCL environment, process group up and down.
 
-``auto`` = nccl on CUDA, ccl on CPU when ``oneccl_bindings_for_pytorch`` imports, else gloo.
+``auto`` = nccl on CUDA, ccl on CPU when oneCCL is usable, else gloo. ``ccl`` is Intel's
+``oneccl_bindings_for_pytorch`` when they import, else ddplab's own backend (``make setup-ccl``,
+:mod:`ddplab.ccl`); the run records which (``ddplab.ccl_impl``).
 An explicit backend that is missing fails, unless ``dist.allow_backend_fallback`` is true:
 then gloo runs with a warning. The choice and its reason are recorded in the run
 (``ddplab.backend``, ``ddplab.backend_requested``, ``ddplab.backend_reason``).
@@ -50,6 +52,7 @@ class Layout:
     threads: int
     pinned: list[int]
     ccl_env: dict[str, str]
+    ccl_impl: str | None = None
 
 
 def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
@@ -60,37 +63,53 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
         import warnings
 
         warnings.warn(choice.reason, stacklevel=2)
-    ccl_env = apply_ccl_env(le, os.environ) if choice.name == "ccl" else {}
+    impl = import_ccl() if choice.name == "ccl" else None
+    ccl_env = apply_ccl_env(le, os.environ, impl) if impl else {}
     threads, pinned = torch.get_num_threads(), []
     if device.type == "cpu":
         threads, pinned = apply_cpu_layout(cfg, le, choice.name)
     else:
         torch.cuda.set_device(device)
-    return Layout(le, device, choice, threads, pinned, ccl_env)
+    return Layout(le, device, choice, threads, pinned, ccl_env, impl.name if impl else None)
 
 
-def import_ccl() -> tuple[ModuleType | None, str]:
-    """Import the oneCCL bindings (registers backend "ccl"); never raises.
+@dataclass(frozen=True)
+class CclImpl:
+    """Which oneCCL backend registers ``ccl``: "intel-bindings", "ddplab", or None (neither)."""
+
+    name: str | None
+    why: str
+    pkg_dir: str | None = None  # the bindings' own directory (their libfabric lives there)
+
+
+def import_ccl() -> CclImpl:
+    """Register ``ccl``: Intel's bindings when they import, else ddplab's own build; never raises.
 
     The bindings refuse a torch of another version in many ways (ImportError, OSError for
     an ABI mismatch, AttributeError), so anything that goes wrong means "not available".
     """
     try:
-        return importlib.import_module("oneccl_bindings_for_pytorch"), "imported"
+        module = importlib.import_module("oneccl_bindings_for_pytorch")
+        return CclImpl("intel-bindings", f"Intel's bindings {_version(module)}",
+                       getattr(module, "cwd", None))
     except Exception as e:  # noqa: BLE001 - see docstring
-        return None, f"oneccl_bindings_for_pytorch does not import ({type(e).__name__}: {e})"
+        intel = f"oneccl_bindings_for_pytorch does not import ({type(e).__name__}: {e})"
+    from . import ccl
+
+    ok, why = ccl.register()
+    return CclImpl("ddplab", why) if ok else CclImpl(None, f"{why}; {intel}")
 
 
 def available(device_type: str) -> dict[str, tuple[bool, str]]:
     """Each backend -> (usable here, why). ccl is imported as a side effect when present."""
-    ccl, ccl_why = import_ccl()
+    ccl = import_ccl()
     cuda = device_type == "cuda"
     return {
         "gloo": (dist.is_gloo_available(), "built into torch"),
         "nccl": (cuda and dist.is_nccl_available(),
                  "needs a CUDA device and torch built with NCCL" if not cuda
                  else ("built into torch" if dist.is_nccl_available() else "torch lacks NCCL")),
-        "ccl": (ccl is not None, ccl_why if ccl is None else f"bindings {_version(ccl)}"),
+        "ccl": (ccl.name is not None, ccl.why),
         "mpi": (dist.is_mpi_available(), "torch built with MPI" if dist.is_mpi_available()
                 else "this torch build has no MPI backend (build torch from source with MPI)"),
     }
@@ -107,7 +126,7 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
         if device_type == "cuda" and table["nccl"][0]:
             return BackendChoice("nccl", "auto", "auto: CUDA device, NCCL available")
         if device_type == "cpu" and table["ccl"][0]:
-            return BackendChoice("ccl", "auto", "auto: CPU, oneCCL bindings import")
+            return BackendChoice("ccl", "auto", f"auto: CPU, oneCCL usable ({table['ccl'][1]})")
         why = table["ccl"][1] if device_type == "cpu" else table["nccl"][1]
         return BackendChoice("gloo", "auto", f"auto: gloo, because {why}")
     ok, why = table[requested]
@@ -118,7 +137,7 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
     if allow_fallback:
         return BackendChoice("gloo", requested, f"fallback to gloo: {requested} unavailable ({why})",
                              fell_back=True)
-    hint = (" Install the bindings (README, 'Backends') or set dist.allow_backend_fallback=true"
+    hint = (" Run 'make setup-ccl' (README, 'Backends') or set dist.allow_backend_fallback=true"
             if requested == "ccl" else " Set dist.allow_backend_fallback=true to use gloo instead")
     raise BackendError(f"dist.backend: {requested!r} is not available: {why}.{hint}")
 
@@ -224,6 +243,8 @@ def ccl_env_defaults(le: LaunchEnv, pkg_dir: str | None, env: Mapping[str, str])
         "CCL_PROCESS_LAUNCHER": "none",
         "CCL_LOCAL_RANK": str(le.local_rank),
         "CCL_LOCAL_SIZE": str(le.local_world_size),
+        # oneCCL warns about every variable set (and that OpenMP collectives need MPI): noise.
+        "CCL_LOG_LEVEL": "error",
     }
     if le.nnodes > 1:
         out["FI_PROVIDER"] = "tcp"
@@ -237,10 +258,8 @@ def ccl_env_defaults(le: LaunchEnv, pkg_dir: str | None, env: Mapping[str, str])
     return {k: v for k, v in out.items() if k not in env}
 
 
-def apply_ccl_env(le: LaunchEnv, env: MutableMapping[str, str]) -> dict[str, str]:
-    ccl, _ = import_ccl()
-    pkg_dir = getattr(ccl, "cwd", None) if ccl is not None else None
-    defaults = ccl_env_defaults(le, pkg_dir, env)
+def apply_ccl_env(le: LaunchEnv, env: MutableMapping[str, str], impl: CclImpl) -> dict[str, str]:
+    defaults = ccl_env_defaults(le, impl.pkg_dir, env)
     env.update(defaults)
     return defaults
 

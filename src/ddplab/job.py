@@ -126,6 +126,7 @@ def _tags(job: Job) -> dict[str, Any]:
         "ddplab.backend": layout.choice.name,
         "ddplab.backend_requested": layout.choice.requested,
         "ddplab.backend_reason": layout.choice.reason,
+        "ddplab.ccl_impl": layout.ccl_impl or "none",
         "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
         "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
         "ddplab.device": layout.device.type, "ddplab.hosts": ",".join(job.hosts),

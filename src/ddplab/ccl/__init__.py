@@ -1,0 +1,105 @@
+"""ddplab's own c10d backend ``ccl`` over oneCCL's CPU runtime, for a torch that Intel's
+``oneccl_bindings_for_pytorch`` no longer serves.
+
+``make setup-ccl`` (``python -m ddplab.ccl.build``) puts oneCCL's runtime and headers from
+PyPI under :func:`home` and compiles ``csrc/ddplab_ccl.cpp`` against the installed torch.
+:func:`load` imports that build (never raising) and :func:`register` makes it torch's ``ccl``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ONECCL_VERSION = "2022.2.0"
+EXT_NAME = "ddplab_ccl"
+
+_loaded: tuple[ModuleType | None, str] | None = None
+
+
+def home() -> Path:
+    """Where the runtime, headers and the built backend live (``DDPLAB_CCL_HOME`` moves it)."""
+    return Path(os.environ.get("DDPLAB_CCL_HOME") or Path(sys.prefix, "lib", "ddplab-ccl"))
+
+
+def build_info(where: Path | None = None) -> dict:
+    try:
+        return json.loads(((where or home()) / "BUILD.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def libfabric() -> str | None:
+    """oneCCL's ofi transport loads libfabric.so.1 at run time (Debian: libfabric1)."""
+    return ctypes.util.find_library("fabric")
+
+
+def missing(where: Path | None = None) -> str | None:
+    """Why the built backend cannot load here, or None."""
+    import torch
+
+    where = where or home()
+    ext = where / f"{EXT_NAME}.so"
+    if not ext.exists():
+        return f"ddplab's ccl backend is not built (no {ext}; run: make setup-ccl)"
+    built_for = build_info(where).get("torch")
+    if built_for != torch.__version__:
+        return (f"ddplab's ccl backend was built for torch {built_for}, this is torch "
+                f"{torch.__version__} (run: make setup-ccl)")
+    if libfabric() is None:
+        return ("oneCCL's ofi transport needs libfabric.so.1, not found "
+                "(Debian/Ubuntu: apt-get install libfabric1)")
+    return None
+
+
+def load() -> tuple[ModuleType | None, str]:
+    """(the extension module, why) - the module is None when it cannot load; never raises."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    why = missing()
+    if why:
+        return None, why
+    where = home()
+    try:
+        # The extension NEEDs libccl.so.1 by name: load it from here first (it finds its
+        # plugin loader libccl.so.2 beside itself through its $ORIGIN run path).
+        ctypes.CDLL(str(where / "lib" / "libccl.so.1"), mode=ctypes.RTLD_GLOBAL)
+        spec = importlib.util.spec_from_file_location(
+            EXT_NAME, where / f"{EXT_NAME}.so",
+            loader=importlib.machinery.ExtensionFileLoader(EXT_NAME, str(where / f"{EXT_NAME}.so")))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
+        return None, f"ddplab's ccl backend does not load ({type(e).__name__}: {e})"
+    return module, f"ddplab's own backend over oneCCL {module.oneccl_version()}"
+
+
+def register() -> tuple[bool, str]:
+    """Make ``ccl`` torch's name for ddplab's backend; (registered, why)."""
+    import torch.distributed as dist
+
+    module, why = load()
+    if module is None:
+        return False, why
+    if "ccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("ccl", _creator(module), devices=["cpu"])
+    return True, why
+
+
+def _creator(module: ModuleType):
+    def create(store, rank: int, size: int, timeout: datetime.timedelta):
+        return module.create_backend(store, rank, size, timeout)
+    return create
