@@ -24,6 +24,10 @@ def store(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
+# A machine where `make setup-ccl` never ran: ddplab's own ccl backend is not there.
+NO_CCL = {"DDPLAB_CCL_HOME": "/nonexistent/ddplab-ccl"}
+
+
 def job_env(store: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MLFLOW_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_",

@@ -6,6 +6,7 @@ runs ddplab's own loop, and writes what it saw to ``<out>/rank<r>.pt`` for the p
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import torch
@@ -19,8 +20,18 @@ from ddplab.data import SyntheticImages, datasets, loaders
 SIZE, CLASSES = 8, 4
 
 
-def _group(rank: int, world: int, tmp: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
+def _group(rank: int, world: int, tmp: str, name: str = "gloo", timeout_s: int = 120) -> None:
+    if name == "ccl":  # as the product does it: register ddplab's build, set oneCCL's variables
+        import os
+
+        from ddplab.launch import LaunchEnv
+
+        impl = backend.import_ccl()
+        assert impl.name == "ddplab", impl.why
+        backend.apply_ccl_env(LaunchEnv("test", rank, world, rank, world, 0, "127.0.0.1", 0),
+                              os.environ, impl)
+    dist.init_process_group(name, init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
 
 
@@ -33,12 +44,12 @@ def _finish() -> None:
 
 
 def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int,
-                  steps: int, knobs: dict | None = None) -> None:
+                  steps: int, knobs: dict | None = None, name: str = "gloo") -> None:
     """k optimizer steps of the book CNN with per-rank batch global/(world*accum); ``knobs``
-    are DistConfig fields (DDP's knobs, the gradient hook)."""
+    are DistConfig fields (DDP's knobs, the gradient hook); ``name`` the backend."""
     from ddplab.config import DistConfig
 
-    _group(rank, world, tmp)
+    _group(rank, world, tmp, name)
     torch.manual_seed(0)
     data = SyntheticImages(global_batch * steps, SIZE, 3, CLASSES, 1.0, seed=0)
     # Unshuffled: step s of rank r holds samples r, r+world, ... of global batch s, so the

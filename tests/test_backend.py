@@ -59,6 +59,7 @@ def test_real_import_of_the_stand_in_bindings_registers_ccl(monkeypatch):
 
 def test_without_bindings_the_table_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # import fails
+    monkeypatch.setenv("DDPLAB_CCL_HOME", "/nonexistent")  # and ddplab's own is not built
     ok, why = backend.available("cpu")["ccl"]
     assert not ok and "does not import" in why
 

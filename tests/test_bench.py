@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ddplab.bench import collectives as bc
 from ddplab.bench.ops import OPS, Op
 from ddplab.bench.run import BenchError, parse_size
-from tests.conftest import ddplab, job_env, runs
+from tests.conftest import NO_CCL, ddplab, job_env, runs
 
 ALL_OPS = list(OPS)
 
@@ -69,7 +69,7 @@ def test_a_wrong_result_is_caught_not_timed():
 @pytest.mark.distributed
 def test_two_ranks_every_op_checked_one_run(tmp_path, store):
     out = ddplab(["bench", "collectives", "--backend", "gloo", "--sizes", "1K,64K",
-                  "--iters", "5", "--out", "files"], tmp_path, job_env(store), nproc=2)
+                  "--iters", "5", "--out", "files"], tmp_path, job_env(store, **NO_CCL), nproc=2)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _csv(tmp_path / "files" / "results.csv")
     sized = [op for op in ALL_OPS if op != "barrier"]
@@ -130,7 +130,7 @@ def test_the_issue_command_as_typed(tmp_path, store):
 def test_bad_arguments_are_one_line(tmp_path, store, args, needle):
     if "nccl" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: nccl can run")
-    out = ddplab(["bench", "collectives", *args], tmp_path, job_env(store))
+    out = ddplab(["bench", "collectives", *args], tmp_path, job_env(store, **NO_CCL))
     assert out.returncode == 2
     assert needle in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

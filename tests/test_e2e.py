@@ -16,7 +16,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import QUICK, REPO, STAND_INS, ddplab, job_env, runs
+from tests.conftest import NO_CCL, QUICK, REPO, STAND_INS, ddplab, job_env, runs
 
 pytestmark = pytest.mark.e2e
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
@@ -180,7 +180,7 @@ def test_ctrl_c_ends_the_run_killed(tmp_path, store):
     ("unknown model", ["--set", "model.name=vgg"], {}, 2, "model.name: got 'vgg'; choose one of"),
     ("missing dataset", ["--set", "data.dataset=cifar10", "--set", "data.root=nodata"], {}, 2,
      "CIFAR-10 is not in"),
-    ("unavailable backend", ["--set", "dist.backend=ccl"], {}, 1, "'ccl' is not available"),
+    ("unavailable backend", ["--set", "dist.backend=ccl"], NO_CCL, 1, "'ccl' is not available"),
     ("unreachable tracking server", [], {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, 1,
      "tracking server http://127.0.0.1:9 is unreachable"),
     ("contradictory launcher", [], {"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, 2,
@@ -210,11 +210,13 @@ def test_failure_after_the_run_started_is_recorded(tmp_path, store):
 def test_stand_in_ccl_bindings_are_used_and_recorded(tmp_path, store):
     """STAND-IN bindings (tests/stand_ins, gloo underneath): proves the wiring, not oneCCL."""
     env = job_env(store, PYTHONPATH=str(STAND_INS))
-    out = ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=6"], tmp_path, env, nproc=2)
+    out = ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=6",
+                  "--set", "dist.backend=ccl"], tmp_path, env, nproc=2)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = runs(store)
     tags = run.data.tags
-    assert (tags["ddplab.backend"], tags["ddplab.backend_requested"]) == ("ccl", "auto")
+    assert (tags["ddplab.backend"], tags["ddplab.backend_requested"]) == ("ccl", "ccl")
+    assert tags["ddplab.ccl_impl"] == "intel-bindings"  # the bindings win over ddplab's own
     assert tags["ddplab.version.oneccl_bindings"] == "absent"  # a stand-in, not installed
     client = MlflowClient(store)
     env_json = json.loads(Path(client.download_artifacts(run.info.run_id, "environment.json",
@@ -226,7 +228,7 @@ def test_stand_in_ccl_bindings_are_used_and_recorded(tmp_path, store):
 def test_ccl_fallback_is_explicit_and_recorded(tmp_path, store):
     out = ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=3",
                   "--set", "dist.backend=ccl", "--set", "dist.allow_backend_fallback=true"],
-                 tmp_path, job_env(store))
+                 tmp_path, job_env(store, **NO_CCL))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fallback to gloo" in out.stderr
     tags = runs(store)[0].data.tags
@@ -236,7 +238,7 @@ def test_ccl_fallback_is_explicit_and_recorded(tmp_path, store):
 
 def test_doctor_exits_nonzero_with_one_line_per_problem(tmp_path, store):
     bindir = Path(sys.executable).parent
-    env = job_env("http://127.0.0.1:9")
+    env = job_env("http://127.0.0.1:9", **NO_CCL)
     out = subprocess.run([str(bindir / "ddplab"), "doctor", QUICKSTART, "--set", "dist.backend=ccl",
                           "--set", "dist.threads_per_rank=8"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)

@@ -33,7 +33,16 @@ def versions() -> dict[str, str]:
             out[key] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[key] = "absent"
+    out["ddplab_ccl"] = _ddplab_ccl()
     return out
+
+
+def _ddplab_ccl() -> str:
+    """ddplab's own oneCCL backend as built (by make setup-ccl), from its build record."""
+    from . import ccl
+
+    info = ccl.build_info()
+    return f"oneccl {info['oneccl']} for torch {info['torch']}" if info else "absent"
 
 
 def launcher_env(env: os._Environ | dict[str, str] = os.environ) -> dict[str, str]:

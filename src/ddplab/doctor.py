@@ -93,6 +93,20 @@ def _layout(env: Mapping[str, str], problems: list[str]) -> LaunchEnv | None:
     return le
 
 
+def ccl_transport(le: LaunchEnv, env: Mapping[str, str]) -> str:
+    """The oneCCL transport a run would use: the user's variables over ddplab's defaults."""
+    from . import backend, ccl
+
+    impl = backend.import_ccl()
+    merged = {**backend.ccl_env_defaults(le, impl.pkg_dir, env), **env}
+    transport = merged.get("CCL_ATL_TRANSPORT", "ofi")
+    if transport != "ofi":
+        return f"{impl.name}, transport {transport} (CCL_ATL_TRANSPORT)"
+    fabric = merged.get("CCL_OFI_LIBRARY_PATH") or ccl.libfabric() or "libfabric.so.1 NOT FOUND"
+    provider = merged.get("FI_PROVIDER", "libfabric's choice")
+    return f"{impl.name}, transport ofi over {fabric}, provider {provider}"
+
+
 def doctor(experiment: str | None, overrides: list[str]) -> int:
     from . import backend, capsule, tracking
 
@@ -109,7 +123,8 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
     for name, (ok, why) in table.items():
         print(f"backend      {name:5s} {'yes' if ok else 'no '}  {why}")
     try:
-        choice = backend.resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, table)
+        choice = backend.resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, table,
+                                 backend.cores_per_rank(le, os.environ))
         print(f"backend      -> {choice.name} ({choice.reason})")
     except backend.BackendError as e:
         choice = None
@@ -117,6 +132,8 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
 
     cores = backend.usable_cpu_count()
     ccl = choice is not None and choice.name == "ccl"
+    if ccl:
+        print("ccl          " + ccl_transport(le, os.environ))
     threads = backend.threads_per_rank(cfg.dist, le.local_world_size, cores,
                                        choice.name if choice else "gloo", os.environ)
     workers = backend.ccl_worker_count(os.environ) if ccl else 0

@@ -22,7 +22,7 @@ from types import ModuleType
 ONECCL_VERSION = "2022.2.0"
 EXT_NAME = "ddplab_ccl"
 
-_loaded: tuple[ModuleType | None, str] | None = None
+_loaded: dict[Path, tuple[ModuleType | None, str]] = {}
 
 
 def home() -> Path:
@@ -62,17 +62,16 @@ def missing(where: Path | None = None) -> str | None:
 
 def load() -> tuple[ModuleType | None, str]:
     """(the extension module, why) - the module is None when it cannot load; never raises."""
-    global _loaded
-    if _loaded is None:
-        _loaded = _load()
-    return _loaded
+    where = home()
+    if where not in _loaded:
+        _loaded[where] = _load(where)
+    return _loaded[where]
 
 
-def _load() -> tuple[ModuleType | None, str]:
-    why = missing()
+def _load(where: Path) -> tuple[ModuleType | None, str]:
+    why = missing(where)
     if why:
         return None, why
-    where = home()
     try:
         # The extension NEEDs libccl.so.1 by name: load it from here first (it finds its
         # plugin loader libccl.so.2 beside itself through its $ORIGIN run path).

@@ -523,6 +523,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rank"), py::arg("size"), py::arg("timeout"));
   m.def("oneccl_version", []() {
     auto v = ccl::get_library_version();
-    return std::string(v.full);
+    return c10::str(v.major, ".", v.minor, ".", v.update);
   });
 }

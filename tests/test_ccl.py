@@ -1,0 +1,187 @@
+"""ddplab's own ``ccl`` backend (oneCCL 2022.2.0 from PyPI, built by ``make setup-ccl``, which
+``make test`` runs first): real oneCCL collectives between real processes, checked against
+gloo; DDP on ccl equals one rank with the global batch; the build's own pieces."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddplab import backend, ccl
+from ddplab.bench import OP_NAMES
+from ddplab.ccl import build
+from tests import ccl_workers, dist_workers
+from tests.conftest import QUICK, ddplab, job_env, runs
+from tests.test_distributed import reference, spawn
+from tests.test_e2e import fresh_copy
+
+
+def built() -> None:
+    why = ccl.missing()
+    assert why is None, f"{why} (make test builds it: make setup-ccl)"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_and_dtype_gives_glooes_result(tmp_path, world):
+    """20 cases (each reduce op, small/large/uneven/non-contiguous, list and tensor
+    forms, point to point) x float32, bfloat16, float16, float64, int32, int64: ccl's result
+    is bit-identical to gloo's on every rank (the inputs are small integers, so every result
+    is exact in every dtype and the order of summation cannot excuse a difference)."""
+    built()
+    ranks = spawn(ccl_workers.compare_with_gloo, world, tmp_path)
+    for r in ranks:
+        assert r["differ"] == []
+        assert r["checked"] == 19 * 6 + 4  # 20 cases; avg only in the 4 floating dtypes
+        # What ccl cannot do fails at once with a message, never a hang or a wrong answer.
+        assert "does not support gather" in r["errors"]["gather"]
+        assert "cannot reduce bool tensors" in r["errors"]["bool"]
+        assert "AVG needs a floating dtype" in r["errors"]["avg_int"]
+
+
+@pytest.mark.distributed
+def test_ddp_on_ccl_matches_one_rank_with_the_global_batch(tmp_path):
+    """DDP's gradient all-reduce (async, bucketed, through the Work's Future) on ccl: 2 ranks
+    reach the parameters of 1 rank with the global batch (rtol 1e-4: float32 sums in another
+    order), and both ranks hold identical parameters."""
+    built()
+    ranks = spawn(dist_workers.train_k_steps, 2, tmp_path, 12, 1, 4, None, "ccl")
+    ref = reference(tmp_path, 12, 4)
+    for p, q in zip(ranks[0]["params"], ref["params"], strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"],
+                                                 strict=True))
+
+
+@pytest.mark.distributed
+def test_async_all_reduce_returns_at_once_and_completes_its_future(tmp_path):
+    built()
+    for r in spawn(ccl_workers.async_overlap, 2, tmp_path):
+        assert r["ok"] and r["done"]
+        assert r["returned_s"] < r["waited_s"]  # started, not finished, when the call returned
+
+
+@pytest.mark.distributed
+def test_a_silent_peer_is_an_error_within_the_timeout_not_a_hang(tmp_path):
+    """Rank 1 stays alive but never calls the second all-reduce; the group's timeout is 3 s."""
+    built()
+    r = spawn(ccl_workers.missing_peer, 2, tmp_path)[0]
+    assert "did not complete within 3000 ms" in r["outcome"]
+    assert 2.5 < r["after_s"] < 10
+
+
+def test_the_build_is_recorded_and_picked_over_nothing():
+    """After make setup-ccl: ccl resolves to ddplab's backend, which says what it is."""
+    built()
+    info = ccl.build_info()
+    assert (info["torch"], info["oneccl"]) == (torch.__version__, ccl.ONECCL_VERSION)
+    impl = backend.import_ccl()
+    assert impl.name == "ddplab" and "oneCCL 2022.2.0" in impl.why
+    assert backend.available("cpu")["ccl"][0]
+
+
+@pytest.mark.parametrize("cores, name", [(1, "gloo"), (2, "ccl"), (None, "ccl")])
+def test_auto_picks_ccl_only_with_a_core_for_its_worker_thread(cores, name):
+    table = {"gloo": (True, ""), "nccl": (False, ""), "ccl": (True, "ddplab"), "mpi": (False, "")}
+    choice = backend.resolve("auto", "cpu", False, table, cores_per_rank=cores)
+    assert choice.name == name
+    if name == "gloo":
+        assert "worker thread needs one of its own" in choice.reason
+
+
+def test_unbuilt_stale_or_transportless_builds_say_what_to_run(tmp_path, monkeypatch):
+    where = tmp_path / "ccl"
+    assert "not built" in ccl.missing(where) and "make setup-ccl" in ccl.missing(where)
+    where.mkdir()
+    (where / f"{ccl.EXT_NAME}.so").write_bytes(b"")
+    (where / "BUILD.json").write_text(json.dumps({"torch": "2.7.0", "oneccl": "2022.2.0"}))
+    assert "built for torch 2.7.0" in ccl.missing(where)
+    (where / "BUILD.json").write_text(json.dumps({"torch": torch.__version__}))
+    monkeypatch.setattr(ccl, "libfabric", lambda: None)
+    assert "apt-get install libfabric1" in ccl.missing(where)
+
+
+def test_without_a_build_ccl_is_unavailable_with_both_reasons(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPLAB_CCL_HOME", str(tmp_path / "nowhere"))
+    ok, why = backend.available("cpu")["ccl"]
+    assert not ok and "not built" in why and "oneccl_bindings_for_pytorch" in why
+
+
+def test_extract_takes_only_the_named_members(tmp_path):
+    wheel = tmp_path / "w.whl"
+    prefix = "oneccl-2022.2.0.data/data/"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name in ("lib/libccl.so.1", "lib/libccl.so.2", "include/oneapi/ccl.hpp",
+                     "include/oneapi/ccl/types.hpp", "etc/conda/x.sh"):
+            zf.writestr(prefix + name, name)
+    dest = tmp_path / "out"
+    build.extract(wheel, prefix, {"lib/libccl.so.2": "lib/libccl.so.2", "include/": "include/"},
+                  dest)
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert got == ["include/oneapi/ccl.hpp", "include/oneapi/ccl/types.hpp", "lib/libccl.so.2"]
+    assert (dest / "lib/libccl.so.2").read_text() == "lib/libccl.so.2"
+
+
+def test_a_failed_build_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+    """No compiler: one line saying what to install, and the old build is untouched."""
+    dest = tmp_path / "ddplab-ccl"
+    dest.mkdir()
+    (dest / "BUILD.json").write_text("{}")
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    assert build.main(["--dest", str(dest)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["setup-ccl: error: no C++ compiler (c++/g++) on PATH "
+                   "(Debian/Ubuntu: apt-get install g++)"]
+    assert (dest / "BUILD.json").read_text() == "{}"
+    assert not Path(str(dest) + ".new").exists()
+
+
+@pytest.mark.e2e
+def test_make_run_on_ccl_gives_a_finished_run_that_says_which_ccl(tmp_path):
+    """The issue's command, `make run ARGS="--set dist.backend=ccl"`, after make setup-ccl:
+    one FINISHED run of 2 ranks on real oneCCL, tagged with which implementation ran."""
+    built()
+    repo = fresh_copy(tmp_path / "clone")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {k: v for k, v in job_env(store).items() if not k.startswith(("MAKE", "MFLAGS"))}
+    venv = Path(sys.executable).parent.parent
+    args = " ".join(["--set", "dist.backend=ccl", *QUICK])
+    out = subprocess.run(["make", "-o", f"{venv}/.ddplab-setup", "run", f"VENV={venv}",
+                          f"ARGS={args}"], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and "eval/accuracy" in run.data.metrics
+    assert (tags["ddplab.backend"], tags["ddplab.ccl_impl"], tags["ddplab.world_size"]) == (
+        "ccl", "ddplab", "2")
+    assert "oneCCL 2022.2.0" in tags["ddplab.backend_reason"]
+    assert tags["ddplab.version.ddplab_ccl"].startswith("oneccl 2022.2.0")
+
+
+@pytest.mark.distributed
+def test_bench_collectives_on_ccl_checks_every_op_and_names_what_it_lacks(tmp_path):
+    """`ddplab bench collectives --backend ccl` on 2 ranks: every op ccl has comes out right;
+    gather and scatter (oneCCL has none) are "no" in the support matrix, with torch's reason."""
+    built()
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = ddplab(["bench", "collectives", "--backend", "ccl", "--sizes", "1K,1M", "--iters", "3",
+                  "--no-tracking", "--out", "."], tmp_path, job_env(store), nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(tmp_path / "support.csv") as f:
+        support = {r["op"]: r for r in csv.DictReader(f)
+                   if (r["backend"], r["device"]) == ("ccl", "cpu")}
+    works = {op for op, r in support.items() if r["works"] == "True"}
+    assert works == set(OP_NAMES) - {"gather", "scatter"}
+    assert "does not support gather" in support["gather"]["why_not"]
+    assert {r["op"] for r in rows if r["backend"] == "ccl"} == works
+    assert all(r["correct"] == "True" for r in rows)
