@@ -30,6 +30,8 @@ p.add_argument("--ipex", default="")
 p.add_argument("--oneccl", choices=["0", "1", "auto"], default="0",
                help="1: the bindings must register ccl; 0: they must be absent; auto: either")
 p.add_argument("--cuda", action="store_true", help="torch must be built with CUDA and NCCL")
+p.add_argument("--ddplab-ccl", action="store_true",
+               help="ddplab's own ccl backend must load (built by python -m ddplab.ccl.build)")
 a = p.parse_args()
 
 import torch  # noqa: E402 - after argument errors
@@ -62,6 +64,14 @@ if a.oneccl == "1" or (a.oneccl == "auto" and found["oneccl_bind_pt"] != "absent
 elif a.oneccl == "0" and found["oneccl_bind_pt"] != "absent":
     fail("WITH_ONECCL=0 but oneccl_bind_pt is installed")
 import ddplab.run  # noqa: E402,F401 - the package and its dependencies import
+
+if a.ddplab_ccl:
+    from ddplab import ccl  # noqa: E402
+
+    module, why = ccl.load()
+    if module is None:
+        fail(why)
+    found["ddplab_ccl"] = module.oneccl_version()
 
 Path("/opt/ddplab").mkdir(parents=True, exist_ok=True)
 Path("/opt/ddplab/image.json").write_text(json.dumps(found, indent=2))

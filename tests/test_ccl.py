@@ -87,13 +87,17 @@ def test_the_build_is_recorded_and_picked_over_nothing():
     assert backend.available("cpu")["ccl"][0]
 
 
-@pytest.mark.parametrize("cores, name", [(1, "gloo"), (2, "ccl"), (None, "ccl")])
-def test_auto_picks_ccl_only_with_a_core_for_its_worker_thread(cores, name):
-    table = {"gloo": (True, ""), "nccl": (False, ""), "ccl": (True, "ddplab"), "mpi": (False, "")}
-    choice = backend.resolve("auto", "cpu", False, table, cores_per_rank=cores)
-    assert choice.name == name
-    if name == "gloo":
-        assert "worker thread needs one of its own" in choice.reason
+@pytest.mark.parametrize("impl, cores, name, why", [
+    ("intel-bindings", 1, "gloo", "worker thread needs one of its own"),
+    ("intel-bindings", 2, "ccl", "oneCCL usable"),
+    ("intel-bindings", None, "ccl", "oneCCL usable"),
+    ("ddplab", 16, "gloo", "opt-in (set dist.backend=ccl)"),
+])
+def test_auto_picks_ccl_only_where_it_should_win(impl, cores, name, why):
+    table = {"gloo": (True, ""), "nccl": (False, ""), "ccl": (True, impl), "mpi": (False, "")}
+    choice = backend.resolve("auto", "cpu", False, table, cores_per_rank=cores, ccl_impl=impl)
+    assert choice.name == name and why in choice.reason
+    assert backend.resolve("ccl", "cpu", False, table, cores_per_rank=1, ccl_impl=impl).name == "ccl"
 
 
 def test_unbuilt_stale_or_transportless_builds_say_what_to_run(tmp_path, monkeypatch):

@@ -78,6 +78,7 @@ def test_images_carry_their_versions_and_run_as_non_root():
     assert uid == "10001" and json.loads(found)["torch"].startswith("2.7.1")
     asked, got = labels["Labels"]["io.ddplab.with-oneccl"], json.loads(found)["oneccl_bind_pt"]
     assert (asked, got == "absent") not in (("1", True), ("0", False))  # the build kept its word
+    assert json.loads(found)["ddplab_ccl"] == "2022.2.0"  # ddplab's own ccl loads in the image
 
 
 def oneccl_in_image() -> bool:
@@ -101,10 +102,11 @@ def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
     t = run.data.tags
     assert run.info.status == "FINISHED" and t["ddplab.world_size"] == "2"
     assert t["ddplab.backend_requested"] == "ccl"
-    ccl_installed = oneccl_in_image()
-    # Honest tags: ccl when the bindings are in the image, else a recorded fallback to gloo.
-    assert t["ddplab.backend"] == ("ccl" if ccl_installed else "gloo")
-    assert ccl_installed or "fallback to gloo" in t["ddplab.backend_reason"]
+    # Real oneCCL in every CPU image: Intel's bindings where the build could install them,
+    # else ddplab's own backend, compiled into the image; the run says which.
+    assert t["ddplab.backend"] == "ccl" and "fallback" not in t["ddplab.backend_reason"]
+    assert t["ddplab.ccl_impl"] == ("intel-bindings" if oneccl_in_image() else "ddplab")
+    assert "ccl (" in out.stderr  # the start line names the backend
     assert t["ddplab.image"].startswith("ddplab/cpu-oneccl:")
     assert t["ddplab.version.torch"].startswith("2.7.1") and t["ddplab.ipex"] == "used"
 

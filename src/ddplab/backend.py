@@ -58,13 +58,15 @@ class Layout:
 def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     """Device, backend (with its recorded reason), oneCCL variables, CPU threads and pinning."""
     device = resolve_device(cfg.device, le.local_rank)
+    impl = import_ccl() if device.type == "cpu" else None
     choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback,
-                     cores_per_rank=cores_per_rank(le, os.environ))
+                     cores_per_rank=cores_per_rank(le, os.environ),
+                     ccl_impl=impl.name if impl else None)
     if choice.fell_back:
         import warnings
 
         warnings.warn(choice.reason, stacklevel=2)
-    impl = import_ccl() if choice.name == "ccl" else None
+    impl = impl if choice.name == "ccl" else None
     ccl_env = apply_ccl_env(le, os.environ, impl) if impl else {}
     threads, pinned = torch.get_num_threads(), []
     if device.type == "cpu":
@@ -122,21 +124,14 @@ def _version(module: ModuleType) -> str:
 
 def resolve(requested: str, device_type: str, allow_fallback: bool,
             table: Mapping[str, tuple[bool, str]] | None = None,
-            cores_per_rank: int | None = None) -> BackendChoice:
-    """``cores_per_rank`` (None: enough) decides ``auto`` on CPU: oneCCL's worker thread needs a
-    core of its own, and with one core per rank ccl trains slower than gloo (0.79x measured)."""
+            cores_per_rank: int | None = None, ccl_impl: str | None = None) -> BackendChoice:
+    """``auto`` on CPU takes ccl only where it should win: Intel's bindings (ddplab's own
+    backend is opt-in, ``dist.backend=ccl``, until measured faster than gloo) and a core per
+    rank for oneCCL's worker thread (``cores_per_rank``, None: enough; with one core per rank
+    ccl trained at 0.79x gloo)."""
     table = table if table is not None else available(device_type)
     if requested == "auto":
-        if device_type == "cuda" and table["nccl"][0]:
-            return BackendChoice("nccl", "auto", "auto: CUDA device, NCCL available")
-        if device_type == "cpu" and table["ccl"][0]:
-            if cores_per_rank is None or cores_per_rank >= 2:
-                return BackendChoice("ccl", "auto", f"auto: CPU, oneCCL usable ({table['ccl'][1]})")
-            return BackendChoice("gloo", "auto", f"auto: gloo, because each rank has {cores_per_rank} "
-                                 "core(s) and oneCCL's worker thread needs one of its own "
-                                 "(set dist.backend=ccl to use it anyway)")
-        why = table["ccl"][1] if device_type == "cpu" else table["nccl"][1]
-        return BackendChoice("gloo", "auto", f"auto: gloo, because {why}")
+        return _auto(device_type, table, cores_per_rank, ccl_impl)
     ok, why = table[requested]
     if requested == "nccl" and device_type != "cuda":
         ok, why = False, "nccl needs dist.device cuda"
@@ -148,6 +143,24 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
     hint = (" Run 'make setup-ccl' (README, 'Backends') or set dist.allow_backend_fallback=true"
             if requested == "ccl" else " Set dist.allow_backend_fallback=true to use gloo instead")
     raise BackendError(f"dist.backend: {requested!r} is not available: {why}.{hint}")
+
+
+def _auto(device_type: str, table: Mapping[str, tuple[bool, str]], cores_per_rank: int | None,
+          ccl_impl: str | None) -> BackendChoice:
+    if device_type == "cuda" and table["nccl"][0]:
+        return BackendChoice("nccl", "auto", "auto: CUDA device, NCCL available")
+    if device_type == "cuda":
+        return BackendChoice("gloo", "auto", f"auto: gloo, because {table['nccl'][1]}")
+    if not table["ccl"][0]:
+        return BackendChoice("gloo", "auto", f"auto: gloo, because {table['ccl'][1]}")
+    if ccl_impl == "ddplab":
+        return BackendChoice("gloo", "auto", "auto: gloo; ddplab's own ccl is built but opt-in "
+                             "(set dist.backend=ccl)")
+    if cores_per_rank is not None and cores_per_rank < 2:
+        return BackendChoice("gloo", "auto", f"auto: gloo, because each rank has {cores_per_rank} "
+                             "core(s) and oneCCL's worker thread needs one of its own "
+                             "(set dist.backend=ccl to use it anyway)")
+    return BackendChoice("ccl", "auto", f"auto: CPU, oneCCL usable ({table['ccl'][1]})")
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:

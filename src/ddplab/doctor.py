@@ -124,7 +124,8 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
         print(f"backend      {name:5s} {'yes' if ok else 'no '}  {why}")
     try:
         choice = backend.resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, table,
-                                 backend.cores_per_rank(le, os.environ))
+                                 backend.cores_per_rank(le, os.environ),
+                                 backend.import_ccl().name)
         print(f"backend      -> {choice.name} ({choice.reason})")
     except backend.BackendError as e:
         choice = None

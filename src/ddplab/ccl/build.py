@@ -88,6 +88,7 @@ def compile_extension(dest: Path, build_dir: Path) -> Path:
     say(f"compiling {SOURCE.name} against torch (a minute or two)")
     # load() imports what it built: the runtime it links must already be loaded.
     ctypes.CDLL(str(dest / "lib" / "libccl.so.1"), mode=ctypes.RTLD_GLOBAL)
+    build_dir.mkdir(parents=True, exist_ok=True)  # older torch does not make it
     ext.load(name=EXT_NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
              extra_include_paths=[str(dest / "include")],
              extra_cflags=["-O2"],

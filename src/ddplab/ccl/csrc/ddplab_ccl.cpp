@@ -21,6 +21,7 @@
 
 #include <oneapi/ccl.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -132,7 +133,6 @@ class CclWork : public c10d::Work {
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   Tensors result() override { return outputs_; }
-  std::chrono::milliseconds getTimeout() const override { return timeout_; }
 
   void complete(std::exception_ptr error) {
     finish(error);
@@ -167,6 +167,22 @@ struct Queue {
   bool stop = false;
 };
 
+// ccl::event::wait() spins. This thread must not take a core from the compute threads while
+// DDP overlaps communication with backward (oneCCL's own worker already spins for the
+// operation), so it polls with a backoff that sleeps, at most 1 ms late.
+void await_event(ccl::event& ev) {
+  auto pause = std::chrono::microseconds(10);
+  for (int polls = 0; !ev.test(); ++polls) {
+    if (polls < 64) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+  ev.wait();  // done already: returns at once and lets oneCCL release the operation
+}
+
 void drain(std::shared_ptr<Queue> q) {
   for (;;) {
     Pending p;
@@ -179,7 +195,7 @@ void drain(std::shared_ptr<Queue> q) {
     }
     std::exception_ptr error;
     try {
-      p.event.wait();
+      await_event(p.event);
       if (p.after) p.after();
     } catch (...) {
       error = std::current_exception();
@@ -397,9 +413,15 @@ class CclBackend : public c10d::Backend {
                    [flat, outs]() mutable { copy_out(flat, outs); }, {in, flat});
   }
 
+  // ccl::barrier blocks its caller in a spin loop; a one-element all-reduce is the same
+  // synchronisation, asynchronous, so a rank waiting here leaves its cores to others (on a
+  // small machine: rank 0's tracking delivery at the end of a job).
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& /*opts*/) override {
+    auto token = at::zeros({1}, at::kFloat);
+    auto ev = ccl::allreduce(token.data_ptr(), token.data_ptr(), 1, ccl::datatype::float32,
+                             ccl::reduction::sum, *comm_);
     Tensors none;
-    return enqueue(OpType::BARRIER, "ccl:barrier", none, none, ccl::barrier(*comm_), nullptr, {});
+    return enqueue(OpType::BARRIER, "ccl:barrier", none, none, std::move(ev), nullptr, {token});
   }
 
   c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int /*tag*/) override {
