@@ -43,14 +43,15 @@ CPU: dict[str, list[float]] = {"tracking_cpu_share": [], "tracking_cpu_share_ste
                                "tracking_startup_cpu_s": [], "job_cpu_s": []}  # tracking-on runs
 
 
-def ddplab(nproc: int, tracking: bool, a: argparse.Namespace, env: dict[str, str]) -> float:
+def ddplab(nproc: int, tracking: bool, a: argparse.Namespace, env: dict[str, str],
+           extra: tuple[str, ...] = ()) -> float:
     out = Path(env["BENCH_DIR"]) / "summary.json"
     torchrun(nproc, ["-m", "ddplab", "train", str(REPO / "experiments" / "quickstart.yaml"),
                      "--summary-out", str(out),
                      "--set", f"data.train_samples={a.samples}", "--set", f"train.epochs={a.epochs}",
                      "--set", f"data.batch_size={64 // nproc}", "--set", "optim.scheduler=none",
                      "--set", "optim.warmup_steps=0", "--set", f"tracking.enabled={str(tracking).lower()}",
-                     "--set", "checkpoint.resume=never"], env)
+                     "--set", "checkpoint.resume=never", *extra], env)
     summary = json.loads(out.read_text())
     if tracking:
         for key, values in CPU.items():

@@ -125,10 +125,10 @@ def _version(module: ModuleType) -> str:
 def resolve(requested: str, device_type: str, allow_fallback: bool,
             table: Mapping[str, tuple[bool, str]] | None = None,
             cores_per_rank: int | None = None, ccl_impl: str | None = None) -> BackendChoice:
-    """``auto`` on CPU takes ccl only where it should win: Intel's bindings (ddplab's own
-    backend is opt-in, ``dist.backend=ccl``, until measured faster than gloo) and a core per
-    rank for oneCCL's worker thread (``cores_per_rank``, None: enough; with one core per rank
-    ccl trained at 0.79x gloo)."""
+    """``auto`` on CPU takes ccl only where it is known to win: Intel's bindings with a core
+    per rank for oneCCL's worker thread (``cores_per_rank``, None: enough; with one core per
+    rank they trained at 0.79x gloo). ddplab's own backend is opt-in (``dist.backend=ccl``):
+    1.22x gloo on one machine, not yet tested across machines."""
     table = table if table is not None else available(device_type)
     if requested == "auto":
         return _auto(device_type, table, cores_per_rank, ccl_impl)
@@ -155,7 +155,7 @@ def _auto(device_type: str, table: Mapping[str, tuple[bool, str]], cores_per_ran
         return BackendChoice("gloo", "auto", f"auto: gloo, because {table['ccl'][1]}")
     if ccl_impl == "ddplab":
         return BackendChoice("gloo", "auto", "auto: gloo; ddplab's own ccl is built but opt-in "
-                             "(set dist.backend=ccl)")
+                             "(set dist.backend=ccl) until it is proven across machines")
     if cores_per_rank is not None and cores_per_rank < 2:
         return BackendChoice("gloo", "auto", f"auto: gloo, because each rank has {cores_per_rank} "
                              "core(s) and oneCCL's worker thread needs one of its own "

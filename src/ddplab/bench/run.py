@@ -93,6 +93,8 @@ def collectives(a: argparse.Namespace) -> int:
     plan = plan_from(a)
     le = LaunchEnv.from_environ(os.environ)
     backends = usable_backends(plan, a.backend.strip() != "all")
+    if "ccl" in backends:  # as a training job does: oneCCL reads them when its group starts
+        backend.apply_ccl_env(le, os.environ, backend.import_ccl())
     control = backend.BackendChoice("gloo", "gloo", "the benchmark's control group")
     import torch
 
