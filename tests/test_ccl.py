@@ -77,9 +77,11 @@ def test_a_silent_peer_is_an_error_within_the_timeout_not_a_hang(tmp_path):
     assert 2.5 < r["after_s"] < 10
 
 
-def test_the_build_is_recorded_and_picked_over_nothing():
-    """After make setup-ccl: ccl resolves to ddplab's backend, which says what it is."""
+def test_the_build_is_recorded_and_picked_over_nothing(monkeypatch):
+    """After make setup-ccl, without Intel's bindings: ccl is ddplab's backend, which says what
+    it is."""
     built()
+    monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # import fails
     info = ccl.build_info()
     assert (info["torch"], info["oneccl"]) == (torch.__version__, ccl.ONECCL_VERSION)
     impl = backend.import_ccl()
@@ -114,6 +116,7 @@ def test_unbuilt_stale_or_transportless_builds_say_what_to_run(tmp_path, monkeyp
 
 def test_without_a_build_ccl_is_unavailable_with_both_reasons(tmp_path, monkeypatch):
     monkeypatch.setenv("DDPLAB_CCL_HOME", str(tmp_path / "nowhere"))
+    monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # import fails
     ok, why = backend.available("cpu")["ccl"]
     assert not ok and "not built" in why and "oneccl_bindings_for_pytorch" in why
 

@@ -146,9 +146,9 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
     over = oversubscription(threads, le.local_world_size, cores, workers)
     if over:
         problems.append(over)
-    if ccl and cores // le.local_world_size < 2:
+    if ccl and backend.import_ccl().name == "intel-bindings" and cores // le.local_world_size < 2:
         print("warning      oneCCL's worker thread needs a core of its own: with fewer than 2 "
-              "cores per rank ccl is slower than gloo here")
+              "cores per rank Intel's ccl is slower than gloo here")
 
     shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0
     need = shm_needed(cfg, le.local_world_size)
