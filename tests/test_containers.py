@@ -228,6 +228,19 @@ def test_compose_multinode_gives_one_run_across_nodes(compose_factory, nnodes, n
     assert wait_exits(c, c.service, nnodes, time.monotonic() + 120) == [0] * nnodes
 
 
+def test_compose_multinode_on_ddplabs_ccl_across_containers(compose_factory):
+    """BACKEND=ccl: two containers talk through oneCCL (ofi, libfabric's tcp provider, the
+    key-value store's address passed through the c10d Store), one FINISHED run that says so."""
+    c = compose_factory(2, 1, BACKEND="ccl", DDPLAB_SET="data.train_samples=2048")
+    c.up()
+    run = c.wait_run(finished, timeout=600)
+    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
+    t = tags(run)
+    assert (t["ddplab.backend"], t["ddplab.ccl_impl"], t["ddplab.nnodes"]) == ("ccl", "ddplab", "2")
+    assert len(t["ddplab.hosts"].split(",")) == 2
+    assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
+
+
 def test_a_killed_node_fails_the_job_in_bounded_time(compose_factory):
     c = compose_factory(2, 1)
     c.up()
