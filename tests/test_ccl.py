@@ -17,6 +17,7 @@ import torch
 from ddplab import backend, ccl
 from ddplab.bench import OP_NAMES
 from ddplab.ccl import build
+from ddplab.launch import LaunchEnv
 from tests import ccl_workers, dist_workers
 from tests.conftest import QUICK, ddplab, job_env, runs
 from tests.test_distributed import reference, spawn
@@ -192,3 +193,22 @@ def test_bench_collectives_on_ccl_checks_every_op_and_names_what_it_lacks(tmp_pa
     assert "does not support gather" in support["gather"]["why_not"]
     assert {r["op"] for r in rows if r["backend"] == "ccl"} == works
     assert all(r["correct"] == "True" for r in rows)
+
+
+@pytest.mark.parametrize("world, local, outcome", [
+    (4, 2, "refused"), (2, 1, "ccl"), (3, 3, "ccl")])
+def test_several_nodes_with_several_ranks_each_are_refused_not_hung(world, local, outcome):
+    """2 containers x 2 ranks hung in oneCCL's first collective (2 x 1 and 1 x N run): ddplab
+    says so at once, or falls back to gloo when allowed, instead of hanging for dist.timeout_s."""
+    le = LaunchEnv("torchrun", 0, world, 0, local, 0, "node0", 29500)
+    ccl_choice = backend.BackendChoice("ccl", "ccl", "requested")
+    mine = backend.CclImpl("ddplab", "ddplab's own")
+    if outcome == "ccl":
+        assert backend.check_ccl_layout(ccl_choice, mine, le, False) == ccl_choice
+        return
+    with pytest.raises(backend.BackendError, match="does not yet run 2 nodes x 2 ranks"):
+        backend.check_ccl_layout(ccl_choice, mine, le, False)
+    fell = backend.check_ccl_layout(ccl_choice, mine, le, True)
+    assert fell.name == "gloo" and fell.fell_back and "does not yet run" in fell.reason
+    intel = backend.CclImpl("intel-bindings", "Intel's")
+    assert backend.check_ccl_layout(ccl_choice, intel, le, False) == ccl_choice

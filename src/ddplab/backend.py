@@ -62,6 +62,7 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback,
                      cores_per_rank=cores_per_rank(le, os.environ),
                      ccl_impl=impl.name if impl else None)
+    choice = check_ccl_layout(choice, impl, le, cfg.allow_backend_fallback)
     if choice.fell_back:
         import warnings
 
@@ -161,6 +162,22 @@ def _auto(device_type: str, table: Mapping[str, tuple[bool, str]], cores_per_ran
                              "core(s) and oneCCL's worker thread needs one of its own "
                              "(set dist.backend=ccl to use it anyway)")
     return BackendChoice("ccl", "auto", f"auto: CPU, oneCCL usable ({table['ccl'][1]})")
+
+
+def check_ccl_layout(choice: BackendChoice, impl: CclImpl | None, le: LaunchEnv,
+                     allow_fallback: bool) -> BackendChoice:
+    """ddplab's own ccl with several nodes AND several ranks per node hangs in its first
+    collective (seen with 2 containers x 2 ranks; 2 x 1 and one node x N work): refuse it."""
+    if not (choice.name == "ccl" and impl is not None and impl.name == "ddplab"
+            and le.nnodes > 1 and le.local_world_size > 1):
+        return choice
+    why = (f"ddplab's ccl does not yet run {le.nnodes} nodes x {le.local_world_size} ranks "
+           "(several nodes with several ranks each hang in oneCCL's first collective; one rank "
+           "per node, or one node, works)")
+    if allow_fallback:
+        return BackendChoice("gloo", choice.requested, f"fallback to gloo: {why}", fell_back=True)
+    raise BackendError(f"dist.backend: 'ccl': {why}. Use gloo, or set "
+                       "dist.allow_backend_fallback=true")
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
