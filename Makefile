@@ -48,7 +48,7 @@ ui: $(STAMP) ## Open the MLflow UI on http://127.0.0.1:5000 (UI_PORT) over the s
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
-test: $(STAMP) $(CCL_STAMP) ## Run the test tiers that need no Docker or Open MPI: unit, distributed, end-to-end
+test: $(STAMP) $(CCL_STAMP) ## Build ddplab's ccl (setup-ccl), then the tiers that need no Docker or Open MPI: unit, distributed, end-to-end
 	$(BIN)/pytest -m "not container and not mpi" $(PYTEST_ARGS)
 
 test-mpi: $(STAMP) ## Native mpirun tests (needs Open MPI: apt-get install openmpi-bin)
