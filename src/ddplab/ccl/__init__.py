@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import datetime
 import importlib.machinery
 import importlib.util
 import json
@@ -94,11 +93,6 @@ def register() -> tuple[bool, str]:
     if module is None:
         return False, why
     if "ccl" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("ccl", _creator(module), devices=["cpu"])
+        # c10d calls it as (store, rank, size, timeout): the extension's function as it is.
+        dist.Backend.register_backend("ccl", module.create_backend, devices=["cpu"])
     return True, why
-
-
-def _creator(module: ModuleType):
-    def create(store, rank: int, size: int, timeout: datetime.timedelta):
-        return module.create_backend(store, rank, size, timeout)
-    return create
