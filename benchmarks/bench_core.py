@@ -6,12 +6,17 @@
 Compares, on the same model (book CNN), data (synthetic 32x32), global batch (64) and threads:
   1. ddplab (tracking on) vs a minimal hand-written DDP loop (benchmarks/bare_ddp.py), 2 ranks;
   2. ddplab tracking on vs off, 2 ranks;
-  3. 2 ranks x 1 thread vs 1 rank x 2 threads (ddplab, tracking off).
+  3. 2 ranks x 1 thread vs 1 rank x 2 threads (ddplab, tracking off), on gloo and, once
+     `make setup-ccl` has built it, on ddplab's own ccl.
+``--only tracking`` spends every rep on the on/off pair (the small effect that needs the most
+reps); ``--only layout`` on the threads-vs-processes question.
 Throughput = samples of the last epoch / its wall-clock time (logging, metric reductions and
 checkpointing included), so nothing that slows a real run is hidden. Variants run interleaved,
 in a rotated order each rep (A B C D, B C D A, ...), and medians are compared, because these
-machines are noisy (the same command varies by up to 20% from one minute to the next); each
-ratio comes with a 95% bootstrap interval over the reps. Beside the noisy throughput ratio, a
+machines are noisy (the same command varies by up to 20% from one minute to the next). Each
+ratio is given two ways: the ratio of the medians, and the median of the per-rep ratios (each
+rep's two runs ran minutes apart at most, so the machine's slow drift cancels in their ratio),
+each with a 95% bootstrap interval over the reps. Beside the noisy throughput ratio, a
 noise-free figure: the CPU time tracking used as a share of the job's (summary.json), in all
 and after its one-time start-up.
 """
@@ -26,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,18 +72,94 @@ def bare(a: argparse.Namespace, env: dict[str, str]) -> float:
     return json.loads(out.read_text())["epoch_samples_per_s"][-1]
 
 
-def interval(a: list[float], b: list[float], n: int = 4000) -> tuple[float, float]:
-    """95% bootstrap interval of median(a) / median(b), resampling each side's reps."""
+def _boot(stat, n: int = 4000) -> tuple[float, float]:
     rng = random.Random(0)
-    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) /
-                    statistics.median(rng.choices(b, k=len(b))) for _ in range(n))
-    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+    values = sorted(stat(rng) for _ in range(n))
+    return values[int(0.025 * n)], values[int(0.975 * n) - 1]
+
+
+def interval(a: list[float], b: list[float]) -> tuple[float, float]:
+    """95% bootstrap interval of median(a) / median(b), resampling each side's reps."""
+    return _boot(lambda rng: statistics.median(rng.choices(a, k=len(a))) /
+                 statistics.median(rng.choices(b, k=len(b))))
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Median of the per-rep ratios a[i] / b[i] and its 95% bootstrap interval over the reps."""
+    r = [x / y for x, y in zip(a, b, strict=True)]
+    lo, hi = _boot(lambda rng: statistics.median(rng.choices(r, k=len(r))))
+    return statistics.median(r), lo, hi
 
 
 def ratio(name: str, a: list[float], b: list[float], target: str = "") -> None:
     lo, hi = interval(a, b)
-    print(f"  {name:34s} {statistics.median(a) / statistics.median(b):.3f}  "
-          f"[95% interval {lo:.3f}-{hi:.3f}]{'  (target ' + target + ')' if target else ''}")
+    mid, plo, phi = paired(a, b)
+    print(f"  {name:38s} {statistics.median(a) / statistics.median(b):.3f} [{lo:.3f}-{hi:.3f}]"
+          f"  paired {mid:.3f} [{plo:.3f}-{phi:.3f}]"
+          f"{'  (target ' + target + ')' if target else ''}")
+
+
+ON, OFF, BARE = "ddplab tracking on, 2x1", "ddplab tracking off, 2x1", "bare DDP loop, 2x1"
+THREADS, CCL = "ddplab tracking off, 1x2", "ddplab tracking off, 2x1 ccl"
+ONLY = {"all": (BARE, ON, OFF, THREADS, CCL), "tracking": (ON, OFF), "layout": (OFF, THREADS, CCL)}
+
+
+def ccl_missing() -> str | None:
+    """Why ddplab's own ccl cannot run here (None when it can)."""
+    sys.path.insert(0, str(REPO / "src"))
+    from ddplab import ccl
+
+    return ccl.missing()
+
+
+def make_variants(a: argparse.Namespace, env: dict[str, str]) -> dict[str, Callable[[], float]]:
+    every = {
+        BARE: lambda: bare(a, env),
+        ON: lambda: ddplab(2, True, a, env),
+        OFF: lambda: ddplab(2, False, a, env),
+        THREADS: lambda: ddplab(1, False, a, env),
+        CCL: lambda: ddplab(2, False, a, env, ("--set", "dist.backend=ccl")),
+    }
+    wanted = [k for k in ONLY[a.only] if k != CCL or not ccl_missing()]
+    if CCL in ONLY[a.only] and CCL not in wanted:
+        print(f"(no ccl variant: {ccl_missing()})")
+    return {k: every[k] for k in wanted}
+
+
+def run_interleaved(variants: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for rep in range(reps):
+        # Rotate the order each rep so no variant always runs first (or after the same one).
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            results[name].append(variants[name]())
+            print(f"rep {rep + 1}/{reps} {name:30s} {results[name][-1]:8.1f} samples/s",
+                  flush=True)
+    return results
+
+
+def report(results: dict[str, list[float]]) -> None:
+    print("\nmedian samples/s (last epoch, wall clock):")
+    for k, v in results.items():
+        print(f"  {k:30s} {statistics.median(v):8.1f}   (runs: {', '.join(f'{x:.0f}' for x in v)})")
+    print("\nratios (of the medians [95% interval], and paired: the median per-rep ratio):")
+    pairs = [("ddplab / bare loop (tracking on)", ON, BARE, ">= 0.99"),
+             ("ddplab / bare loop (tracking off)", OFF, BARE, ">= 0.99"),
+             ("tracking on / off", ON, OFF, ">= 0.99"),
+             ("2 ranks x 1 thread / 1 rank x 2", OFF, THREADS, ">= 0.95"),
+             ("2 ranks x 1 thread on ccl / 1 rank x 2", CCL, THREADS, ">= 0.95"),
+             ("ccl / gloo, 2 ranks x 1 thread", CCL, OFF, "")]
+    for name, a, b, target in pairs:
+        if a in results and b in results:
+            ratio(name, results[a], results[b], target)
+    if CPU["job_cpu_s"]:
+        share = statistics.median(CPU["tracking_cpu_share"])
+        steady = statistics.median(CPU["tracking_cpu_share_steady"])
+        print(f"\ntracking's CPU time / the job's (all ranks, the delivery process; noise-free): "
+              f"{100 * share:.2f}% in all, {100 * steady:.2f}% after start-up (target < 1%); "
+              f"start-up {statistics.median(CPU['tracking_startup_cpu_s']):.2f} CPU-s of a "
+              f"{statistics.median(CPU['job_cpu_s']):.1f} CPU-s job "
+              f"(medians of {len(CPU['job_cpu_s'])} runs)")
 
 
 def main() -> None:
@@ -85,41 +167,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--samples", type=int, default=6144)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--only", choices=sorted(ONLY), default="all",
+                   help="which comparison to spend the reps on (default: all)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "BENCH_DIR": tmp, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db"}
-        variants = {
-            "bare DDP loop, 2x1": lambda: bare(a, env),
-            "ddplab tracking on, 2x1": lambda: ddplab(2, True, a, env),
-            "ddplab tracking off, 2x1": lambda: ddplab(2, False, a, env),
-            "ddplab tracking off, 1x2": lambda: ddplab(1, False, a, env),
-        }
-        results: dict[str, list[float]] = {k: [] for k in variants}
-        names = list(variants)
-        for rep in range(a.reps):
-            # Rotate the order each rep so no variant always runs first (or after the same one).
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
-                fn = variants[name]
-                results[name].append(fn())
-                print(f"rep {rep + 1}/{a.reps} {name:26s} {results[name][-1]:8.1f} samples/s",
-                      flush=True)
-    med = {k: statistics.median(v) for k, v in results.items()}
-    print("\nmedian samples/s (last epoch, wall clock):")
-    for k, v in med.items():
-        print(f"  {k:26s} {v:8.1f}   (runs: {', '.join(f'{x:.0f}' for x in results[k])})")
-    on, off = results["ddplab tracking on, 2x1"], results["ddplab tracking off, 2x1"]
-    bare_runs, threads = results["bare DDP loop, 2x1"], results["ddplab tracking off, 1x2"]
-    print("\nratios of medians:")
-    ratio("ddplab / bare loop (tracking on)", on, bare_runs, ">= 0.99")
-    ratio("ddplab / bare loop (tracking off)", off, bare_runs, ">= 0.99")
-    ratio("tracking on / off", on, off, ">= 0.99")
-    ratio("2 ranks x 1 thread / 1 rank x 2", off, threads, ">= 0.95")
-    share = statistics.median(CPU["tracking_cpu_share"])
-    steady = statistics.median(CPU["tracking_cpu_share_steady"])
-    print(f"\ntracking's CPU time / the job's (all ranks, the delivery process; noise-free): "
-          f"{100 * share:.2f}% in all, {100 * steady:.2f}% after start-up (target < 1%); "
-          f"start-up {statistics.median(CPU['tracking_startup_cpu_s']):.2f} CPU-s of a "
-          f"{statistics.median(CPU['job_cpu_s']):.1f} CPU-s job (medians of {len(on)} runs)")
+        results = run_interleaved(make_variants(a, env), a.reps)
+    report(results)
 
 
 if __name__ == "__main__":

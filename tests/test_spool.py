@@ -58,3 +58,37 @@ def test_delivery_lands_everything_once_and_sets_a_refused_record_aside(store):
     s.mark(0)  # as if the offset had been lost after the server took everything: send again
     assert spool.deliver(d, client, lambda: False, timeout_s=5) == 0
     assert len(client.get_metric_history(run_id, "loss")) == 5  # each step still once
+
+
+def _early_delivery():
+    from ddplab.config import TrackingConfig
+    from ddplab.tracking import Delivery
+
+    return Delivery(0, TrackingConfig(system_metrics=False, delivery_timeout_s=10))
+
+
+def test_a_delivery_started_before_its_run_delivers_once_attached(store):
+    """The job starts the delivery process before rank 0 opens the run (its MLflow import then
+    overlaps the ranks' wait); attaching names the spool, and everything written lands."""
+    from ddplab.tracking import RunRef
+
+    client, run_id, d = store
+    delivery = _early_delivery()
+    pid = delivery.proc.pid
+    delivery.attach(d, RunRef(run_id, client.tracking_uri, "0", spool.now_ms()))
+    s = spool.Stream(d, "records")
+    s.append({"op": "log", "ts": 1, "step": 0, "metrics": {"loss": 0.5}})
+    s.append({"op": "end", "ts": 2, "status": "FINISHED"})
+    assert delivery.close() == 0 and delivery.proc.pid == pid
+    assert delivery.proc.returncode == 0
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run_id, "loss")] == [0.5]
+
+
+def test_a_delivery_whose_run_never_opened_exits_at_once(tmp_path):
+    """Rank 0 could not open the run (a dead server, say): the process it started for the run
+    exits within seconds, writing nothing, instead of outliving the failed job."""
+    delivery = _early_delivery()
+    delivery.cancel()
+    assert delivery.proc.returncode == 0
+    assert not list(tmp_path.iterdir())

@@ -5,11 +5,15 @@ system metrics into the spool, and delivers the spool (spool.py) to MLflow: rank
 params, tags, texts and the run's end. Training processes only append lines to a local file.
 
     python -m ddplab.delivery SPOOL_DIR --timeout 60 [--system-interval 5 --node node0 --t0-ms MS]
+    python -m ddplab.delivery --timeout 60 ...   (the spool comes on stdin: {"spool": ..., "t0_ms": ...})
 
-It runs until the training process that started it writes ``closed`` into the spool (the job
-ended) or dies, then keeps delivering what is left for at most --timeout seconds and exits;
-what is still left stays in the spool for ``ddplab sync``. It writes what it did to
-``delivery.json``.
+A job starts it the second way, before its run exists: the start-up (importing MLflow, about
+1.6 CPU-s) then runs while the ranks wait for rank 0 to open the run, not during the first
+epoch; it reads which spool to deliver once it is ready, and exits at once on an empty stdin
+(the run was never opened). It runs until the training process that started it writes
+``closed`` into the spool (the job ended) or dies, then keeps delivering what is left for at
+most --timeout seconds and exits; what is still left stays in the spool for ``ddplab sync``.
+It writes what it did to ``delivery.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,22 @@ def make_client(uri: str) -> Any:
     from mlflow import MlflowClient
 
     return MlflowClient(uri)
+
+
+def preload() -> None:
+    """Import what delivering and sampling need, before there is anything to deliver."""
+    import mlflow.system_metrics.metrics.cpu_monitor  # noqa: F401
+    from mlflow import MlflowClient  # noqa: F401
+
+
+def spool_from_stdin() -> tuple[Path | None, int]:
+    """The spool and the run's start time, once the job has opened its run; (None, 0) when
+    stdin closes without them (rank 0 failed before the run existed)."""
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None, 0
+    told = json.loads(line)
+    return Path(told["spool"]), int(told["t0_ms"])
 
 
 class SystemSampler:
@@ -87,7 +107,7 @@ class Producer:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddplab.delivery")
-    p.add_argument("spool", type=Path)
+    p.add_argument("spool", type=Path, nargs="?", help="default: read from stdin when ready")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--system-interval", type=float, default=0.0)
     p.add_argument("--node", default="node0")
@@ -101,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     # scheduler's SIGKILL (Slurm: KillWait later) still bounds it.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    if args.spool is None:
+        preload()
+        args.spool, args.t0_ms = spool_from_stdin()
+        if args.spool is None:
+            return 0
     sampler = (SystemSampler(spool.Stream(args.spool, "system"), args.node,
                              args.system_interval, args.t0_ms or spool.now_ms())
                if args.system_interval > 0 else None)

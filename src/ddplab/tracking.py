@@ -269,22 +269,42 @@ def open_tracker(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str
 
 class Delivery:
     """This node's delivery process (delivery.py), started by its local rank 0: it samples the
-    node's system metrics and sends the node's spool to the server. ``close()`` lets it finish
-    within ``timeout_s`` and says how many records are still left."""
+    node's system metrics and sends the node's spool to the server. Started before the run
+    exists, so its start-up (importing MLflow) overlaps the ranks' wait for rank 0 to open the
+    run instead of the first epoch; ``attach()`` then names the run's spool. ``close()`` lets
+    it finish within ``timeout_s`` and says how many records are still left."""
 
-    def __init__(self, directory: Path, ref: RunRef, node_rank: int, cfg: TrackingConfig) -> None:
-        self.directory, self.timeout_s = directory, cfg.delivery_timeout_s
-        spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
-        (directory / spool.CLOSED).unlink(missing_ok=True)  # an earlier attempt's
+    def __init__(self, node_rank: int, cfg: TrackingConfig) -> None:
+        self.directory, self.timeout_s = Path(), cfg.delivery_timeout_s
         interval = cfg.system_metrics_interval_s if cfg.system_metrics else 0
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddplab.delivery", str(directory), "--timeout",
-             str(cfg.delivery_timeout_s), "--system-interval", str(interval),
-             "--node", f"node{node_rank}", "--t0-ms", str(ref.start_ms)],
+            [sys.executable, "-m", "ddplab.delivery", "--timeout", str(cfg.delivery_timeout_s),
+             "--system-interval", str(interval), "--node", f"node{node_rank}"],
             # Its own session: the signals meant for the ranks (Ctrl-C, torchrun's killpg of a
             # failed job) must not stop it before the run's ending is delivered. It ends on
             # its own: closed, or its parent gone, then within its timeout.
-            stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+            stdin=subprocess.PIPE, text=True, close_fds=True, start_new_session=True)
+
+    def attach(self, directory: Path, ref: RunRef) -> None:
+        """Deliver this run's spool. (The pipe is closed here, before any DataLoader worker is
+        forked, so no other process holds it.)"""
+        self.directory = directory
+        spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
+        (directory / spool.CLOSED).unlink(missing_ok=True)  # an earlier attempt's
+        self._tell(json.dumps({"spool": str(directory), "t0_ms": ref.start_ms}) + "\n")
+
+    def cancel(self) -> None:
+        """No run was opened: the process exits on the empty stdin."""
+        self._tell("")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=15)
+
+    def _tell(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):  # it died: nothing to deliver through it
+            self.proc.stdin.write(line)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
 
     def cpu_s(self) -> tuple[float, float]:
         """CPU seconds the delivery process has used so far (what tracking costs the node), and
@@ -317,6 +337,9 @@ class NoDelivery:
 
     directory = Path()
 
+    def attach(self, directory: Path, ref: RunRef) -> None: ...
+    def cancel(self) -> None: ...
+
     def cpu_s(self) -> tuple[float, float]:
         return 0.0, 0.0
 
@@ -324,11 +347,10 @@ class NoDelivery:
         return 0
 
 
-def start_delivery(cfg: TrackingConfig, le: LaunchEnv, ref: RunRef, spool_root: Path
-                   ) -> Delivery | NoDelivery:
-    if not (ref.run_id and le.is_node_leader):
+def start_delivery(cfg: TrackingConfig, le: LaunchEnv) -> Delivery | NoDelivery:
+    if not (cfg.enabled and le.is_node_leader):
         return NoDelivery()
-    return Delivery(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref, le.node_rank, cfg)
+    return Delivery(le.node_rank, cfg)
 
 
 @contextlib.contextmanager
@@ -349,11 +371,16 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
     spool_root = Path(cfg.checkpoint.dir) / cfg.name
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
     default_name = f"{cfg.name} {backend} {le.nnodes}x{le.local_world_size} {le.launcher}"
+    delivery = start_delivery(cfg.tracking, le)
     cpu0 = time.process_time()
-    run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
-                            spool_root, default_name)
+    try:
+        run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
+                                spool_root, default_name)
+    except BaseException:
+        delivery.cancel()
+        raise
     run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
-    delivery = start_delivery(cfg.tracking, le, ref, spool_root)
+    delivery.attach(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref)
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)
     run.delivery = delivery
