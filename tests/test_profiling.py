@@ -84,6 +84,22 @@ def test_two_ranks_each_leave_a_trace_and_their_shares(tmp_path, store):
 
 
 @pytest.mark.distributed
+def test_a_profile_on_ccl_records_every_rank_and_its_ccl_communication(tmp_path, store):
+    """ddplab's own ccl (oneCCL) has no gather: the traces still reach rank 0, and its
+    collectives count as communication."""
+    from ddplab import ccl
+
+    assert ccl.missing() is None, "make test builds it: make setup-ccl"
+    out = profiled(tmp_path, store, "profile.active=2", "dist.backend=ccl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "profile (2 ranks" in out.stderr
+    (run,) = runs(store)
+    assert run.data.tags["ddplab.backend"] == "ccl"
+    m = run.data.metrics
+    assert all(m[f"profile/rank{r}/comm_frac"] > 0 for r in (0, 1)), m
+
+
+@pytest.mark.distributed
 def test_a_job_shorter_than_the_window_says_so(tmp_path, store):
     out = profiled(tmp_path, store, "train.max_steps=2", "profile.wait=5")
     assert out.returncode == 0, out.stderr[-3000:]

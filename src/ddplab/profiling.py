@@ -163,9 +163,10 @@ def profiling(job: Any) -> Iterator[None]:
 def _record(job: Any, prof: Profile, cfg: ProfileConfig) -> None:
     le = job.layout.le
     mine = (f"node{le.node_rank}-rank{le.rank}", prof.trace, prof.shares)
-    every: list[Any] = [None] * le.world_size if le.is_rank0 else []
+    every: list[Any] = [None] * le.world_size
     if le.world_size > 1:
-        dist.gather_object(mine, every if le.is_rank0 else None, dst=0)
+        # all_gather, not gather: oneCCL (ccl) has no gather; the traces are gzipped (~1 MB).
+        dist.all_gather_object(every, mine)
     else:
         every = [mine]
     if not le.is_rank0:
