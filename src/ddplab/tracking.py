@@ -301,6 +301,8 @@ class Delivery:
 
     def _tell(self, line: str) -> None:
         assert self.proc.stdin is not None
+        if self.proc.stdin.closed:  # told already
+            return
         with contextlib.suppress(OSError):  # it died: nothing to deliver through it
             self.proc.stdin.write(line)
         with contextlib.suppress(OSError):
@@ -376,11 +378,11 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
     try:
         run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
                                 spool_root, default_name)
+        run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
+        delivery.attach(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref)
     except BaseException:
-        delivery.cancel()
+        delivery.cancel()  # nothing to deliver: it must not outlive the failed job
         raise
-    run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
-    delivery.attach(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref)
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)
     run.delivery = delivery
