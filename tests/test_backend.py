@@ -110,3 +110,21 @@ def test_cgroup_quota(tmp_path, text, expected):
     f.write_text(text + "\n")
     assert backend.cpu_quota(f) == expected
     assert backend.cpu_quota(tmp_path / "absent") is None
+
+
+def test_a_oneccl_failure_at_start_is_not_blamed_on_missing_peers(monkeypatch):
+    """oneCCL can fail to open its transport within seconds (seen once in ~50 jobs here:
+    "failed to initialize ATL", libfabric found no provider). That error text, as ddplab's ccl
+    raised it, must not be reported as a 600 s wait for peers that never came; a store timeout
+    still is."""
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "43367")
+    le = LaunchEnv("torchrun", 1, 2, 1, 2, 0, "localhost", 43367)
+    ccl = RuntimeError("oneCCL: atl_ofi_comm.cpp:1413 init_transport: EXCEPTION: failed to "
+                       "initialize ATL")
+    said = backend._init_failure(ccl, le, 600)
+    assert "ccl backend did not start" in said and "failed to initialize ATL" in said
+    assert "waited" not in said and "never came" not in said
+    store = RuntimeError("Timed out after 601 seconds waiting for clients. 1/2 clients joined.")
+    said = backend._init_failure(store, le, 600)
+    assert "waited 600s (dist.timeout_s) for rank 0's store at localhost:43367" in said

@@ -330,13 +330,23 @@ def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.devic
         dist.init_process_group(choice.name, init_method="env://", rank=le.rank,
                                 world_size=le.world_size, timeout=timeout, **kwargs)
     except RuntimeError as e:  # DistStoreError, DistNetworkError: a peer or the master is missing
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        whom = (f"the other {le.world_size - 1} rank(s) to join its store at {where}" if le.is_rank0
-                else f"rank 0's store at {where} (MASTER_ADDR:MASTER_PORT) and the other ranks")
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise BackendError(f"rank {le.rank} of {le.world_size} waited {timeout_s}s "
-                           f"(dist.timeout_s) for {whom}; they never came ({type(e).__name__}: "
-                           f"{first})") from None
+        raise BackendError(_init_failure(e, le, timeout_s)) from None
+
+
+def _init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int) -> str:
+    """One line: why this rank's process group did not start."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    if first.startswith("oneCCL:"):
+        # ddplab's ccl failed in oneCCL itself (its transport, say), within seconds: no peer is
+        # missing, so the waiting message below would send the user looking in the wrong place.
+        return (f"rank {le.rank} of {le.world_size}: the ccl backend did not start ({first}); "
+                "`ddplab doctor` shows oneCCL's transport and provider; dist.backend=gloo "
+                "avoids oneCCL")
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    whom = (f"the other {le.world_size - 1} rank(s) to join its store at {where}" if le.is_rank0
+            else f"rank 0's store at {where} (MASTER_ADDR:MASTER_PORT) and the other ranks")
+    return (f"rank {le.rank} of {le.world_size} waited {timeout_s}s (dist.timeout_s) for {whom}; "
+            f"they never came ({type(e).__name__}: {first})")
 
 
 @contextlib.contextmanager
