@@ -120,9 +120,11 @@ def make_variants(a: argparse.Namespace, env: dict[str, str]) -> dict[str, Calla
         THREADS: lambda: ddplab(1, False, a, env),
         CCL: lambda: ddplab(2, False, a, env, ("--set", "dist.backend=ccl")),
     }
-    wanted = [k for k in ONLY[a.only] if k != CCL or not ccl_missing()]
-    if CCL in ONLY[a.only] and CCL not in wanted:
-        print(f"(no ccl variant: {ccl_missing()})")
+    wanted = list(ONLY[a.only])
+    why = ccl_missing() if CCL in wanted else None
+    if why:
+        wanted.remove(CCL)
+        print(f"(no ccl variant: {why})")
     return {k: every[k] for k in wanted}
 
 
