@@ -23,8 +23,23 @@ TINY = {"data.train_samples": 256, "data.eval_samples": 128, "train.epochs": 2,
 
 
 def cli(args: list[str], cwd: Path, store: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store),
-                          capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"ddplab {' '.join(args)}: no end in {timeout} s\n{_text(e.stdout)}\n"
+                    f"{_text(e.stderr)[-2000:]}\n{newest_job_log(cwd)}")
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else b or ""
+
+
+def newest_job_log(cwd: Path) -> str:
+    """The tail of the study's most recent job log: where a stuck study was stuck."""
+    logs = sorted((cwd / "checkpoints" / "studies").glob("*/logs/*.log"),
+                  key=lambda p: p.stat().st_mtime)
+    return f"{logs[-1]}:\n{logs[-1].read_text(errors='replace')[-6000:]}" if logs else "(no job log)"
 
 
 def write_study(tmp_path: Path, **fields) -> Path:
@@ -222,14 +237,12 @@ def test_a_study_against_a_dead_server_stops_at_once_with_one_line(tmp_path):
     assert out.returncode == 1 and "unreachable" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_ctrl_c_ends_the_parent_killed_and_leaves_no_child_running(tmp_path, store):
-    """Ctrl-C in a terminal reaches the study (the foreground group), not its job (its own
-    session): the study stops the job, whose run ends KILLED, then ends the parent KILLED."""
-    import os
-    import signal
+def start_long_study(tmp_path: Path, store: str) -> subprocess.Popen:
+    """A study whose one job runs long enough; returns once that job is training."""
     import time
 
     path = write_study(tmp_path, set={**TINY, "train.epochs": 50})
+    study_runs(store)  # the store's tables first: two processes creating them at once collide
     proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
                             env=job_env(store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -237,9 +250,43 @@ def test_ctrl_c_ends_the_parent_killed_and_leaves_no_child_running(tmp_path, sto
     while not any(c.data.metrics.get("train/loss") for c in study_runs(store)[1]):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-2000:]
         time.sleep(0.5)
-    os.kill(proc.pid, signal.SIGINT)
+    return proc
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_or_termination_ends_the_parent_killed_and_leaves_no_child_running(
+        tmp_path, store, sig):
+    """Ctrl-C in a terminal reaches the study (the foreground group), not its job (its own
+    session); so does `kill` (SIGTERM) or a closed terminal (SIGHUP). The study stops the job,
+    whose run ends KILLED, then ends the parent KILLED."""
+    import os
+    import signal
+
+    proc = start_long_study(tmp_path, store)
+    os.kill(proc.pid, getattr(signal, sig))
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:]
     (parent,), children = study_runs(store)
     assert parent.info.status == "KILLED"
+    assert [c.info.status for c in children] == ["KILLED"]
+
+
+def test_a_study_killed_outright_takes_its_running_job_with_it(tmp_path, store):
+    """SIGKILL leaves the study no chance to act: the kernel's parent-death signal still stops
+    its job (own session, so nothing else would), whose run ends KILLED, not RUNNING forever."""
+    import os
+    import signal
+    import time
+
+    proc = start_long_study(tmp_path, store)
+    job = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                          text=True).stdout.split()]
+    assert job, "the study's job launcher was not found"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 120
+    while any(Path(f"/proc/{pid}").exists() for pid in job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in job), "the job outlived its study"
+    _, children = study_runs(store)
     assert [c.info.status for c in children] == ["KILLED"]

@@ -2,8 +2,9 @@
 parent run with one ordinary ddplab run nested under it per job.
 
 Jobs already FINISHED under the study's parent are not run again (``--fresh`` starts a new
-parent); a failed job is recorded and the study goes on; Ctrl-C ends the running job and the
-parent KILLED, leaving no run RUNNING. The report (report.py) is built at the end.
+parent); a failed job is recorded and the study goes on; Ctrl-C, SIGTERM or SIGHUP end the running
+job and the parent KILLED, leaving no run RUNNING (and a study SIGKILLed takes its job with
+it). The report (report.py) is built at the end.
 """
 
 from __future__ import annotations
@@ -224,10 +225,26 @@ class Tracker:
         return run.info.status
 
 
+def _tied_to_this_process(cmd: list[str]) -> list[str]:
+    """``cmd`` under util-linux's setpriv, which makes the kernel send it SIGINT if this
+    process dies (even SIGKILLed), so a job never outlives its study unseen. SIGINT, as for
+    Ctrl-C: torchrun passes it on and the ranks end the run KILLED (SIGTERM means a peer
+    failed). (subprocess's preexec_fn could set the same prctl, but is unsafe here: rich's
+    progress bar runs a thread.)"""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "INT", "--", *cmd] if setpriv and _pdeathsig_ok(setpriv) else cmd
+
+
+def _pdeathsig_ok(setpriv: str) -> bool:
+    """util-linux >= 2.33 has --pdeathsig; busybox's setpriv does not."""
+    out = subprocess.run([setpriv, "--help"], capture_output=True, text=True, check=False)
+    return "--pdeathsig" in out.stdout + out.stderr
+
+
 def _run_job(cmd: list[str], env: dict[str, str], log: Path) -> int:
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(_tied_to_this_process(cmd), env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return proc.wait()
         except KeyboardInterrupt:
@@ -276,6 +293,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
                   f"{ui_address(uri, tracker.exp_id, parent_id)}")
     status = "FAILED"
     try:
+        _stop_on_termination()
         _run_all(study, plan, tracker, parent_id, done, logs, console)
         status = "FINISHED"
     except KeyboardInterrupt:
@@ -289,6 +307,13 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
         finally:
             tracker.client.set_terminated(parent_id, status)
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1
+
+
+def _stop_on_termination() -> None:
+    """SIGTERM (kill, a batch system's time limit) and SIGHUP (the terminal closed) stop the
+    study the way Ctrl-C does: the running job ends its run KILLED, then the parent does."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
 
 def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, parent_id: str,
