@@ -204,7 +204,8 @@ def test_failure_after_the_run_started_is_recorded(tmp_path, store):
                   "--set", "data.download=true"], tmp_path, job_env(store))
     (run,) = runs(store)
     assert out.returncode == 1 and run.info.status == "FAILED", out.stderr[-2000:]
-    assert run.data.tags["ddplab.error"]
+    assert "data.download: CIFAR-10 could not be downloaded" in run.data.tags["ddplab.error"]
+    assert "Traceback" not in out.stderr and "data.download" in out.stderr
 
 
 def test_stand_in_ccl_bindings_are_used_and_recorded(tmp_path, store):

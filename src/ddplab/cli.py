@@ -88,10 +88,16 @@ def entry() -> None:
     threads can still hold work objects whose tensors reference Python objects while the
     interpreter tears down, which aborts a rank whose job is done ("terminate called without
     an active exception", SIGABRT; pytorch/pytorch#179291). Everything that matters is written
-    by then (the run's status, the checkpoint, summary.json), so stdio is flushed and the
-    process exits with its real code (0 finished, 1 failed, 2 bad input, 130 interrupted).
+    by then (the run's status, the checkpoint, summary.json), so stdio is flushed, oneCCL's
+    shared memory released, and the process exits with its real code (0 finished, 1 failed,
+    2 bad input, 130 interrupted).
     """
-    code = main()
+    try:
+        code = main()
+    finally:
+        from . import ccl
+
+        ccl.release_shm()  # libfabric's destructor, which would, does not run after os._exit
     if _COMMAND[0] in ("train", "bench"):
         for stream in (sys.stdout, sys.stderr):
             try:

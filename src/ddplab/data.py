@@ -60,6 +60,12 @@ def cifar10(cfg: DataConfig, train: bool) -> Dataset:
     try:
         return torchvision.datasets.CIFAR10(str(root), train=train, transform=tf,
                                             download=cfg.download)
+    except OSError as e:  # urllib's URLError and socket errors are OSErrors
+        raise DataError(
+            f"data.download: CIFAR-10 could not be downloaded into {root.resolve()} "
+            f"({type(e).__name__}: {getattr(e, 'reason', e)}). Put the extracted "
+            "cifar-10-python.tar.gz there, or run where https://www.cs.toronto.edu is reachable"
+        ) from None
     except RuntimeError as e:
         if "not found" not in str(e).lower() and "corrupted" not in str(e).lower():
             raise

@@ -78,12 +78,24 @@ def _data(cfg: config.ExperimentConfig, layout: Layout) -> data.Loaders:
     d, le = cfg.data, layout.le
     # Only one process per node may download; the others wait for it, then read the files.
     first = le.is_node_leader or not (d.dataset == "cifar10" and d.download)
-    sets = data.datasets(d, cfg.train.seed) if first else None
-    dist.barrier()
+    sets, failed = _datasets_or_error(cfg) if first else (None, "")
+    # Instead of a barrier: a rank that failed says so, and no rank waits for it in vain.
+    said: list[Any] = [None] * le.world_size
+    dist.all_gather_object(said, failed)
+    why = next((f"rank {r}: {w}" if r != le.rank else w for r, w in enumerate(said) if w), "")
+    if why:
+        raise data.DataError(why)
     if sets is None:
         sets = data.datasets(d, cfg.train.seed)
     return data.loaders(d, sets, cfg.train.seed, le.rank, le.world_size,
                         pin=layout.device.type == "cuda")
+
+
+def _datasets_or_error(cfg: config.ExperimentConfig) -> tuple[Any, str]:
+    try:
+        return data.datasets(cfg.data, cfg.train.seed), ""
+    except data.DataError as e:
+        return None, str(e)
 
 
 def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loaders,
