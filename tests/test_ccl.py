@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -179,6 +180,27 @@ def shm_regions() -> set[str]:
     import re
 
     return {p.name for p in Path("/dev/shm").iterdir() if re.fullmatch(r"\d+:\d+:\d+", p.name)}
+
+
+def test_release_takes_only_this_process_regions_and_doctor_counts_the_orphans(tmp_path):
+    """release_shm unlinks <own pid>:n:n and nothing else; stale_shm counts the regions of
+    processes that are gone (a SIGKILLed rank's), not live ones nor other files."""
+    built()
+    ccl.load()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        names = [f"{os.getpid()}:0:0", f"{os.getpid()}:1:0", f"{gone.pid}:0:0",
+                 f"{alive.pid}:0:0", "torch_123", f"{os.getpid()}x:0:0"]
+        for n in names:
+            (tmp_path / n).write_bytes(b"x" * 8192)
+        assert ccl.stale_shm(tmp_path)[0] == 1
+        assert ccl.release_shm(tmp_path) == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+        assert ccl.stale_shm(tmp_path) == (1, (tmp_path / names[2]).stat().st_blocks * 512)
+    finally:
+        alive.kill()
 
 
 @pytest.mark.distributed

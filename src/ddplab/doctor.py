@@ -107,6 +107,23 @@ def ccl_transport(le: LaunchEnv, env: Mapping[str, str]) -> str:
     return f"{impl.name}, transport ofi over {fabric}, provider {provider}"
 
 
+def _check_shm(cfg: ExperimentConfig, le: LaunchEnv, problems: list[str]) -> None:
+    from . import ccl
+
+    shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0
+    need = shm_needed(cfg, le.local_world_size)
+    print(f"/dev/shm     {shm / 2**20:.0f} MiB (loader workers need about {need / 2**20:.0f} MiB)")
+    if shm < need:
+        problems.append(f"/dev/shm is {shm / 2**20:.0f} MiB but {cfg.data.num_workers} loader "
+                        f"worker(s) x {le.local_world_size} rank(s) need about {need / 2**20:.0f} "
+                        "MiB: raise it (docker --shm-size 2g, compose shm_size) or set "
+                        "data.num_workers=0")
+    stale, used = ccl.stale_shm()
+    if stale:
+        print(f"warning      /dev/shm holds {stale} oneCCL shm region(s) of ranks that are gone "
+              f"({used / 2**20:.0f} MiB of RAM): remove them (README, Troubleshooting)")
+
+
 def doctor(experiment: str | None, overrides: list[str]) -> int:
     from . import backend, capsule, tracking
 
@@ -150,14 +167,7 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
         print("warning      oneCCL's worker thread needs a core of its own: with fewer than 2 "
               "cores per rank Intel's ccl is slower than gloo here")
 
-    shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0
-    need = shm_needed(cfg, le.local_world_size)
-    print(f"/dev/shm     {shm / 2**20:.0f} MiB (loader workers need about {need / 2**20:.0f} MiB)")
-    if shm < need:
-        problems.append(f"/dev/shm is {shm / 2**20:.0f} MiB but {cfg.data.num_workers} loader "
-                        f"worker(s) x {le.local_world_size} rank(s) need about {need / 2**20:.0f} "
-                        "MiB: raise it (docker --shm-size 2g, compose shm_size) or set "
-                        "data.num_workers=0")
+    _check_shm(cfg, le, problems)
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []

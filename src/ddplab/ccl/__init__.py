@@ -108,16 +108,39 @@ def release_shm(shm: Path = Path("/dev/shm"), pid: int | None = None) -> int:
     that mapped the region keep their mapping. A no-op where the backend was never loaded."""
     if not any(module for module, _ in _loaded.values()):
         return 0
-    mine = re.compile(rf"{pid or os.getpid()}:\d+:\d+")
+    mine = str(pid or os.getpid())
     gone = 0
-    try:
-        names = [e.name for e in os.scandir(shm) if mine.fullmatch(e.name)]
-    except OSError:
-        return 0
-    for name in names:
+    for name in [n for n, owner in _shm_regions(shm) if owner == mine]:
         try:
             (shm / name).unlink()
             gone += 1
         except OSError:
             pass
     return gone
+
+
+def stale_shm(shm: Path = Path("/dev/shm")) -> tuple[int, int]:
+    """(count, bytes of RAM) of shm regions whose rank is gone (SIGKILLed ranks leave them).
+    Only reported (``ddplab doctor``), never removed: a process in another PID namespace
+    that shares this /dev/shm would look gone from here."""
+    count = used = 0
+    for name, owner in _shm_regions(shm):
+        if not Path("/proc", owner).exists():
+            try:
+                used += (shm / name).stat().st_blocks * 512
+                count += 1
+            except OSError:
+                pass
+    return count, used
+
+
+def _shm_regions(shm: Path) -> list[tuple[str, str]]:
+    """(name, owner pid) of libfabric shm regions: ``<pid>:<n>:<n>``."""
+    try:
+        names = [e.name for e in os.scandir(shm)]
+    except OSError:
+        return []
+    return [(n, n.split(":", 1)[0]) for n in names if _REGION.fullmatch(n)]
+
+
+_REGION = re.compile(r"\d+:\d+:\d+")
