@@ -2,13 +2,14 @@
 parent run with one ordinary ddplab run nested under it per job.
 
 Jobs already FINISHED under the study's parent are not run again (``--fresh`` starts a new
-parent); a failed job is recorded and the study goes on; Ctrl-C, SIGTERM or SIGHUP end the running
-job and the parent KILLED, leaving no run RUNNING (and a study SIGKILLed takes its job with
+parent); a failed job is recorded and the study goes on; Ctrl-C, SIGTERM or SIGHUP end the
+running job and the parent KILLED, leaving no run RUNNING (and a study SIGKILLed takes its job with
 it). The report (report.py) is built at the end.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -235,6 +236,7 @@ def _tied_to_this_process(cmd: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "INT", "--", *cmd] if setpriv and _pdeathsig_ok(setpriv) else cmd
 
 
+@functools.cache
 def _pdeathsig_ok(setpriv: str) -> bool:
     """util-linux >= 2.33 has --pdeathsig; busybox's setpriv does not."""
     out = subprocess.run([setpriv, "--help"], capture_output=True, text=True, check=False)
