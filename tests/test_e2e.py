@@ -121,7 +121,9 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     # Measured about 3 s; 30 s is far below the 120 s collective timeout a hang would take.
     assert proc.returncode != 0 and time.monotonic() - t0 < 30
     (failed,) = runs(store)
-    assert failed.info.status == "FAILED" and failed.data.tags.get("ddplab.error")
+    rejected = [p.read_text()[-2000:] for p in (tmp_path / "ck").rglob("rejected.jsonl")]
+    assert failed.info.status == "FAILED" and failed.data.tags.get("ddplab.error"), (
+        f"{failed.data.tags}\nrejected by the store: {rejected}\n{proc.stdout.read()[-4000:]}")
 
     # A resume that would change what the run computes is refused, and the run is untouched.
     changed = ddplab(["train", *args, "--set", "optim.lr=0.05"], tmp_path, env, nproc=2)

@@ -28,3 +28,39 @@ def test_train_in_process_runs_the_pipeline_to_one_finished_run(tmp_path, monkey
     # One checkpoint per epoch: the last epoch's is the final one, written once.
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints" / "quickstart").rglob("step-*.pt"))
     assert ckpts == ["step-00000008.pt", "step-00000016.pt"]
+
+
+def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkeypatch):
+    """A rank's collective fails and, while its error is being written down, torchrun's SIGTERM
+    arrives (its peer died): the run still ends FAILED with that error, not a bare FAILED."""
+    import os
+    import signal
+    import traceback
+
+    import pytest
+
+    from ddplab import tracking
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+
+    def collective_fails(job):
+        raise RuntimeError("Connection closed by peer")
+
+    real_format_exc = traceback.format_exc
+
+    def format_exc_and_get_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered at the next bytecode, here
+        return real_format_exc()
+
+    monkeypatch.setattr(run, "fit", collective_fails)
+    monkeypatch.setattr(tracking.traceback, "format_exc", format_exc_and_get_sigterm)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        run.train(str(REPO / "experiments" / "quickstart.yaml"),
+                  ["data.train_samples=64", "data.eval_samples=32", "tracking.system_metrics=false"])
+    (r,) = runs(store)
+    assert r.info.status == "FAILED"
+    assert "RuntimeError: Connection closed by peer" in r.data.tags["ddplab.error"]

@@ -391,6 +391,10 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
         yield run
         status = "FINISHED"
     except BaseException as e:
+        # The ending begins here. A signal now (torchrun's SIGTERM once a peer died, just as
+        # this rank's own collective failed) would cut this block and leave the run FAILED
+        # with no error recorded (seen in CI).
+        signals.shield()
         status = signals.status()
         error = ("interrupted (SIGINT / Ctrl-C)" if status == "KILLED"
                  else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
