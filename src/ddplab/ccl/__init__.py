@@ -99,7 +99,7 @@ def register() -> tuple[bool, str]:
     return True, why
 
 
-def release_shm(shm: Path = Path("/dev/shm"), pid: int | None = None) -> int:
+def release_shm(shm: Path = Path("/dev/shm")) -> int:
     """Unlink the shared-memory regions libfabric's shm transport (CCL_ATL_SHM=1) made for this
     process; returns how many. libfabric removes them only in its library destructor or its
     signal handler, which a rank ending by ``os._exit`` (cli.entry) never runs: each region
@@ -108,7 +108,7 @@ def release_shm(shm: Path = Path("/dev/shm"), pid: int | None = None) -> int:
     that mapped the region keep their mapping. A no-op where the backend was never loaded."""
     if not any(module for module, _ in _loaded.values()):
         return 0
-    mine = str(pid or os.getpid())
+    mine = str(os.getpid())
     gone = 0
     for name in [n for n, owner in _shm_regions(shm) if owner == mine]:
         try:
