@@ -20,7 +20,8 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
-	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl
+	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
+	clean-images
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -135,6 +136,17 @@ image-mpi: ## Build the Open MPI image on the CPU image (MPI_RUNTIME=cuda: on th
 image-slurm: ## Build the Slurm image (slurmctld, slurmd, MUNGE) on the CPU image
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
 	$(call compose_build,SLURM,$(SLURM_IMAGE),slurm.yml,DDPLAB_CPU_IMAGE=$(CPU_IMAGE):latest,slurmctld)
+
+# Every build tags the git revision, so each commit's images stay until removed (GBs apiece).
+BUILD_CACHE_KEEP ?= 20GB
+clean-images: ## Remove ddplab images of other revisions (keeps :latest and :IMAGE_TAG), dangling layers, build cache past BUILD_CACHE_KEEP
+	@old=$$(docker images --format '{{.Repository}}:{{.Tag}}' \
+	  | grep -E '^$(REGISTRY)/(cpu-oneccl|cuda-nccl|mlflow|openmpi|slurm):' \
+	  | grep -vE ':(latest|$(IMAGE_TAG))$$' || true); \
+	if [ -n "$$old" ]; then docker rmi $$old || echo "make clean-images: kept the images above: containers still use them (docker ps -a)"; \
+	else echo "make clean-images: no images of other revisions"; fi
+	docker image prune -f
+	docker builder prune -f --keep-storage $(BUILD_CACHE_KEEP)
 
 slurm-up: ## Start the one-host Slurm cluster (compose/slurm.yml) and run its sbatch job
 	docker compose -f compose/slurm.yml up --exit-code-from submit

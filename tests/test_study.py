@@ -22,9 +22,10 @@ TINY = {"data.train_samples": 256, "data.eval_samples": 128, "train.epochs": 2,
         "train.log_every": 2, "tracking.system_metrics": False}
 
 
-def cli(args: list[str], cwd: Path, store: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def cli(args: list[str], cwd: Path, store: str, timeout: int = 600,
+        **env_extra: str) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store),
+        return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store, **env_extra),
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"ddplab {' '.join(args)}: no end in {timeout} s\n{_text(e.stdout)}\n"
@@ -166,8 +167,11 @@ def test_reproduce_says_bitwise_for_a_deterministic_run_and_differs_after_an_edi
     assert orig.info.run_name == "quickstart gloo 1x2 torchrun"  # a name a person can tell apart
     exp = c.get_experiment(orig.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
-    out = cli(["reproduce", orig.info.run_id], tmp_path, store)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = cli(["reproduce", orig.info.run_id], tmp_path, store, TMPDIR=str(scratch))
     assert out.returncode == 0 and ": bitwise (" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert not list(scratch.glob("ddplab-reproduce-*"))  # its config and checkpoints: scratch
     (copy,) = [r for r in c.search_runs([orig.info.experiment_id])
                if r.data.tags.get("ddplab.reproduces") == orig.info.run_id]
     assert copy.data.tags["ddplab.reproduce.verdict"] == "bitwise"

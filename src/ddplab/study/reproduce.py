@@ -81,6 +81,13 @@ def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[s
 
 
 def reproduce(run_id: str, strict: bool) -> int:
+    # The config and the new job's checkpoints are scratch: the new run keeps what matters, and
+    # each reproduction would otherwise leave tens of MB in the temporary directory.
+    with tempfile.TemporaryDirectory(prefix="ddplab-reproduce-") as work:
+        return _reproduce(run_id, strict, Path(work))
+
+
+def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     from mlflow.exceptions import MlflowException
 
     from . import reachable_client, tracking_uri
@@ -90,7 +97,7 @@ def reproduce(run_id: str, strict: bool) -> int:
     client = reachable_client(uri)
     try:
         run = client.get_run(run_id)
-        text = client.download_artifacts(run_id, "config.yaml", tempfile.mkdtemp())
+        text = client.download_artifacts(run_id, "config.yaml", str(work))
     except MlflowException as e:
         print(f"ddplab reproduce: error: run {run_id} in {uri}: {str(e).splitlines()[0]}",
               file=sys.stderr)
@@ -101,7 +108,6 @@ def reproduce(run_id: str, strict: bool) -> int:
         print(f"ddplab reproduce: {'error' if strict else 'warning'}: {line}", file=sys.stderr)
     if changed and strict:
         return 2
-    work = Path(tempfile.mkdtemp(prefix="ddplab-reproduce-"))
     sets = [f"tracking.uri={uri}", f"checkpoint.dir={work / 'checkpoints'}",
             "checkpoint.resume=never", f"dist.backend={tags.get('ddplab.backend', 'auto')}"]
     if tags.get("ddplab.threads_per_rank"):
@@ -119,6 +125,11 @@ def reproduce(run_id: str, strict: bool) -> int:
     code = subprocess.run(cmd, env=env, check=False).returncode
     if client.get_run(new).info.status == "RUNNING":
         client.set_terminated(new, "FAILED")
+    return _judge(client, run_id, new, code)
+
+
+def _judge(client: Any, run_id: str, new: str, code: int) -> int:
+    """Record and print the verdict on the new run; exit 1 when it differs."""
     verdict, rows = compare(client, run_id, new) if code == 0 else ("differs", [])
     client.set_tag(new, "ddplab.reproduce.verdict", verdict)
     lines = ["metric,step,original,new,abs_diff"] + [
