@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddplab import ccl
 from tests.dist_workers import _finish, _group
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64]
@@ -202,3 +203,4 @@ def missing_peer(rank: int, world: int, tmp: str) -> None:
     else:
         time.sleep(8)  # alive but silent, past rank 0's timeout
         torch.save({}, Path(tmp) / "rank1.pt")
+    ccl.release_shm()  # no _finish on a broken group, but its libfabric regions still go

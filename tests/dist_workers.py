@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddplab import backend, loop, models
+from ddplab import backend, ccl, loop, models
 from ddplab.config import DataConfig
 from ddplab.data import SyntheticImages, datasets, loaders
 
@@ -41,6 +41,7 @@ def _finish() -> None:
     'terminate called without an active exception'.)"""
     backend.finish_together()
     backend.destroy_process_group()
+    ccl.release_shm()  # as cli.entry does: a spawned ccl rank's libfabric region is not kept
 
 
 def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int,
