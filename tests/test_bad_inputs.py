@@ -134,7 +134,129 @@ CASES = [
     ("checkpoint dir under a file", None, ["checkpoint.dir=afile/ck"], {}, [],
      "checkpoint.dir: got 'afile/ck'; afile is a file"),
     ("missing experiment", ("missing", None), [], {}, [], "nope.yaml: experiment file not found"),
+    # ---- your own parts (userbad.py sits beside exp.yaml; see the clean_env fixture) ----
+    ("import path syntax", _file("model:\n  name: 'my-mod:build'\n"), [], {}, [],
+     "model.name: got 'my-mod:build'; an import path is"),
+    ("own module missing", _file("model:\n  name: nosuchmod:build\n"), [], {}, [],
+     "model.name: got 'nosuchmod:build'; module 'nosuchmod' not found"),
+    ("own attribute missing", _file("model:\n  name: userbad:nothing\n"), [], {}, [],
+     "userbad has no attribute 'nothing'"),
+    ("own part not callable", _file("model:\n  name: userbad:NOT_CALLABLE\n"), [], {}, [],
+     "NOT_CALLABLE is a int, not callable"),
+    ("own module raises at import", _file("train:\n  loss: userbroken:loss\n"), [], {}, [],
+     "train.loss: got 'userbroken:loss'; importing userbroken raised RuntimeError: half-written"),
+    ("own model raises", _file("model:\n  name: userbad:raises\n"), [], {}, [],
+     "model.name: got 'userbad:raises'; calling it raised ValueError: no such width"),
+    ("own model wrong type", _file("model:\n  name: userbad:returns_int\n"), [], {}, [],
+     "it returned int, expected a torch.nn.Module"),
+    ("own model bad args", _file("model:\n  name: userbad:mlp\n  args: {depth: 2}\n"), [], {}, [],
+     "calling it raised TypeError"),
+    ("own model forward fails", _file("model:\n  name: userbad:wrong_width\n"), [], {}, [],
+     "model.name: got 'userbad:wrong_width'; its forward on a batch of 2 samples raised"),
+    ("own data one set", _file("data:\n  dataset: userbad:one_set\n"), [], {}, [],
+     "it returned TensorDataset, expected (train_dataset, eval_dataset)"),
+    ("own data empty", _file("data:\n  dataset: userbad:empty_sets\n"), [], {}, [],
+     "its train dataset is empty"),
+    ("own data not map-style", _file("data:\n  dataset: userbad:iterables\n"), [], {}, [],
+     "is not map-style"),
+    ("own data bad samples", _file("data:\n  dataset: userbad:bare_tensors\n"), [], {}, [],
+     "expected (input, target)"),
+    ("own data args not a mapping", _file("data:\n  dataset: userbad:one_set\n  args: 5\n"), [], {},
+     [], "data.args: got 5; expected a mapping"),
+    ("own loss not scalar", _file("train:\n  loss: userbad:per_sample_loss\n"), [], {}, [],
+     "train.loss: got 'userbad:per_sample_loss'; it returned a tensor of shape (2,), expected a scalar"),
+    ("own loss raises", _file("train:\n  loss: userbad:raising_loss\n"), [], {}, [],
+     "on the model's outputs it raised ZeroDivisionError"),
+    ("loss unknown", None, ["train.loss=hinge"], {}, [], "train.loss: got 'hinge'; choose one of"),
+    ("args for a built-in model", None, ["model.args.width=2"], {}, [],
+     "model.args: got {'width': 2}; model 'cnn' takes no args"),
+    ("args for a built-in dataset", None, ["data.args.n=2"], {}, [],
+     "data.args: got {'n': 2}; only your own dataset callable takes args"),
+    ("dataset unknown", None, ["data.dataset=mnist"], {}, [], "data.dataset: got 'mnist'; choose one of"),
+    ("gpt unknown arg", None, ["model.name=gpt", "model.args.n_layers=2"], {}, [],
+     "model.args.n_layers: got 2; unknown gpt argument"),
+    ("gpt heads do not divide", None, ["model.name=gpt", "model.args.n_embd=100", "model.args.n_head=3"],
+     {}, [], "model.args.n_embd: got 100; must be a multiple of model.args.n_head (3)"),
+    ("gpt dropout one", None, ["model.name=gpt", "model.args.dropout=1.0"], {}, [],
+     "model.args.dropout: got 1.0; must be in [0, 1)"),
+    ("gpt layers text", None, ["model.name=gpt", "model.args.n_layer=two"], {}, [],
+     "model.args.n_layer: got 'two'; expected int"),
+    ("gpt on images", None, ["model.name=gpt"], {}, [], "model.name: got 'gpt'; gpt takes token data"),
+    ("cnn on tokens", None, ["data.dataset=tokens", "data.root="], {}, [],
+     "model.name: got 'cnn'; it takes images, data.dataset 'tokens' gives tokens data"),
+    ("tokens text missing", None, ["data.dataset=tokens", "model.name=gpt", "data.root=nowhere.txt"],
+     {}, [], "data.root: got 'nowhere.txt'; no such file or folder"),
+    ("tokens text too short", None, ["data.dataset=tokens", "model.name=gpt", "data.root=short.txt"],
+     {}, [], "bytes of text is too short for data.seq_len 128"),
+    ("tokens channels_last", None, ["data.dataset=tokens", "model.name=gpt", "data.root=",
+                                    "model.channels_last=true"], {}, [], "model.channels_last: got True"),
+    ("seq len zero", None, ["data.seq_len=0"], {}, [], "data.seq_len: got 0; must be >= 1"),
+    ("eval every steps negative", None, ["train.eval_every_steps=-1"], {}, [],
+     "train.eval_every_steps: got -1"),
+    ("imagefolder missing", None, ["data.dataset=imagefolder", "data.root=nowhere"], {}, [],
+     "data.root: got 'nowhere'; "),
+    ("imagefolder split missing", None, ["data.dataset=imagefolder", "data.root=imgs_noval"], {}, [],
+     "imgs_noval/val is missing"),
+    ("imagefolder split empty", None, ["data.dataset=imagefolder", "data.root=imgs_empty"], {}, [],
+     "imgs_empty/val holds no images"),
+    ("imagefolder classes differ", None, ["data.dataset=imagefolder", "data.root=imgs_mismatch"], {}, [],
+     "the class folders of train (a, b) and val (a, c) differ"),
+    ("imagefolder two channels", None, ["data.dataset=imagefolder", "data.channels=2"], {}, [],
+     "data.channels: got 2; ImageFolder images are read as 1"),
 ]
+
+USERBAD = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+NOT_CALLABLE = 3
+
+def raises():
+    raise ValueError("no such width")
+
+def returns_int():
+    return 3
+
+def mlp(width=4):
+    return nn.Linear(width, 2)
+
+def wrong_width():
+    return nn.Linear(5, 2)
+
+def one_set():
+    return TensorDataset(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
+
+def empty_sets():
+    empty = TensorDataset(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+    return empty, empty
+
+def iterables():
+    return iter([1]), iter([2])
+
+def bare_tensors():
+    return torch.zeros(4, 3), torch.zeros(4, 3)
+
+def per_sample_loss(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+def raising_loss(outputs, targets):
+    return 1 / 0
+"""
+
+
+def _user_files(root: Path) -> None:
+    """The user's modules and data trees that the table's own-part rows point at."""
+    (root / "userbad.py").write_text(USERBAD)
+    (root / "userbroken.py").write_text("raise RuntimeError('half-written module')\n")
+    (root / "short.txt").write_text("too short")
+    for tree, splits in {"imgs_noval": {"train": "ab"}, "imgs_empty": {"train": "ab", "val": ""},
+                         "imgs_mismatch": {"train": "ab", "val": "ac"}}.items():
+        for split, classes in splits.items():
+            (root / tree / split).mkdir(parents=True)
+            for c in classes:
+                (root / tree / split / c).mkdir()
+                (root / tree / split / c / "x.png").write_bytes(b"")
 
 
 def _experiment(tmp_path: Path, spec) -> str:
@@ -159,6 +281,7 @@ def clean_env(monkeypatch, tmp_path):
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("not a directory")
+    _user_files(tmp_path)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     return store

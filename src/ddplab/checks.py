@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from .config import ConfigError, ExperimentConfig
+from . import data, models, textdata, userparts
+from .config import ConfigError, ExperimentConfig, is_import_path
 from .launch import LaunchEnv
+from .userparts import Parts
 
 # What MLflow's client can open (mlflow.tracking._tracking_service.utils, store registry).
 TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file",
@@ -20,15 +23,20 @@ TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "
 
 
 def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
-                 cuda_available: bool) -> None:
+                 cuda_available: bool, experiment: str | Path | None = None) -> Parts:
+    """Every check; returns the user's resolved parts (``experiment``: the file, whose folder
+    goes on the import path)."""
     cfg.global_batch(le.world_size)
     _layout(cfg, cuda_available)
+    _data(cfg)
+    parts = _user_parts(cfg, experiment)
     if cfg.tracking.enabled:
         _tracking_uri(cfg.tracking.uri)
     if le.is_rank0:
         _writable_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
         if summary_out:
             _summary_path(Path(summary_out))
+    return parts
 
 
 def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:
@@ -43,7 +51,7 @@ def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:
         raise ConfigError("dist.backend: got 'nccl'; nccl needs a CUDA device, use gloo or ccl "
                           "on CPU")
     channels = 3 if cfg.data.dataset == "cifar10" else cfg.data.channels
-    if cfg.model.name != "cnn" and channels != 3:
+    if cfg.model.name not in ("cnn", "gpt") and not is_import_path(cfg.model.name) and channels != 3:
         raise ConfigError(f"data.channels: got {channels}; model.name {cfg.model.name!r} takes "
                           "3-channel images (the book's cnn takes any)")
     if cfg.data.dataset == "cifar10" and not cfg.data.download:
@@ -52,6 +60,99 @@ def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:
             raise ConfigError(f"data.root: got {cfg.data.root!r}; CIFAR-10 is not in "
                               f"{folder.resolve()}: put the extracted cifar-10-python.tar.gz "
                               "there, or set data.download=true where the internet is reachable")
+
+
+BUILT_IN_KINDS = {"synthetic": "image", "cifar10": "image", "imagefolder": "image",
+                  "tokens": "tokens"}
+
+
+def _data(cfg: ExperimentConfig) -> None:
+    """The built-in datasets' files, and built-in models against the data kind they take."""
+    d = cfg.data
+    if d.dataset == "imagefolder":
+        why = data.imagefolder_problem(d.root)
+        if why:
+            raise ConfigError(f"data.root: got {d.root!r}; {why}")
+    if d.dataset == "tokens":
+        why = textdata.problem(d.root, d.seq_len)
+        if why:
+            raise ConfigError(f"data.root: got {d.root!r}; {why}")
+    kind = BUILT_IN_KINDS.get(d.dataset)
+    if kind:
+        _model_fits(cfg, kind)
+    if cfg.model.channels_last and kind == "tokens":
+        raise ConfigError("model.channels_last: got True; channels_last is for image batches, "
+                          "data.dataset 'tokens' gives token ids")
+
+
+def _model_fits(cfg: ExperimentConfig, kind: str) -> None:
+    name = cfg.model.name
+    if is_import_path(name) or models.needs(name) == kind:
+        return
+    if name == "gpt":
+        raise ConfigError(f"model.name: got 'gpt'; gpt takes token data (data.dataset: tokens), "
+                          f"data.dataset {cfg.data.dataset!r} gives {kind} data")
+    raise ConfigError(f"model.name: got {name!r}; it takes images, data.dataset "
+                      f"{cfg.data.dataset!r} gives {kind} data (use model.name gpt, or your own)")
+
+
+def _user_parts(cfg: ExperimentConfig, experiment: str | Path | None) -> Parts:
+    """Import the user's parts; when there are any, build the model and run one tiny batch
+    through it and the loss, so a wrong return type fails here, not on every rank later."""
+    parts = userparts.resolve(cfg, experiment)
+    if parts.paths:
+        _probe(cfg, parts)
+    return parts
+
+
+def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
+    import torch
+
+    from . import losses
+
+    if parts.datasets is None and cfg.data.dataset == "cifar10" and cfg.data.download:
+        return  # nothing on disk yet to probe with; the job's own data step downloads it
+    sets = parts.datasets or data.datasets(cfg.data, cfg.train.seed)
+    info = data.describe(cfg.data, sets[0])
+    if parts.model is None:
+        _model_fits(cfg, info.kind)
+    model = models.build(cfg.model, info, parts.model)
+    x, y = _sample(cfg, sets)
+    was_training = model.training
+    with torch.no_grad():
+        model.eval()
+        outputs = _run(f"model.name: got {cfg.model.name!r}; its forward on a batch of "
+                       f"{len(y)} samples raised", lambda: model(x))
+        loss = _run(f"train.loss: got {cfg.train.loss!r}; on the model's outputs it raised",
+                    lambda: losses.get(cfg.train.loss, parts.loss)(outputs, y))
+    model.train(was_training)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+            else type(loss).__name__
+        raise ConfigError(f"train.loss: got {cfg.train.loss!r}; it returned {what}, expected a "
+                          "scalar floating-point tensor")
+
+
+def _sample(cfg: ExperimentConfig, sets: Any) -> tuple[Any, Any]:
+    import torch
+
+    try:
+        x, y = data.first_batch(sets)
+    except Exception as e:  # noqa: BLE001 - the user's samples may not collate
+        raise ConfigError(f"data.dataset: got {cfg.data.dataset!r}; its samples do not form a "
+                          f"batch ({userparts.why(e)})") from None
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        raise ConfigError(f"data.dataset: got {cfg.data.dataset!r}; a batch is ({type(x).__name__}, "
+                          f"{type(y).__name__}), expected (tensor, tensor): samples of "
+                          "(input, target) that are tensors or numbers")
+    return x, y
+
+
+def _run(prefix: str, fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the user's code may raise anything
+        raise ConfigError(f"{prefix} {userparts.why(e)}") from None
 
 
 def _tracking_uri(uri: str) -> None:

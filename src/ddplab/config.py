@@ -22,7 +22,27 @@ from typing import Any, Literal, Union
 import yaml
 
 # Names the model registry (models.py) must provide; a unit test keeps the two in step.
-MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i in range(8))
+MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i in range(8)) + ("gpt",)
+DATASETS = ("synthetic", "cifar10", "imagefolder", "tokens")
+LOSSES = ("cross_entropy", "mse")
+# gpt's model.args and their types; the rest of a model's args go to the user's callable as given.
+GPT_ARGS: dict[str, type] = {"n_layer": int, "n_head": int, "n_embd": int, "dropout": float}
+# "package.module:callable" (the callable may be a dotted attribute, e.g. "mod:Class.create").
+IMPORT_PATH_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_import_path(value: str) -> bool:
+    """A user part ("pkg.module:callable") rather than a built-in name."""
+    return ":" in value
+
+
+def _check_part(key: str, value: str, builtins: tuple[str, ...]) -> None:
+    """A built-in name, or a well-formed import path (whether it imports is the checks step's)."""
+    if is_import_path(value):
+        if not IMPORT_PATH_RE.fullmatch(value):
+            _fail(key, value, "an import path is 'package.module:callable' (Python names, one ':')")
+    elif value not in builtins:
+        _fail(key, value, f"choose one of: {', '.join(builtins)}, or 'package.module:callable'")
 
 
 class ConfigError(ValueError):
@@ -57,10 +77,16 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 @dataclass
 class DataConfig:
-    dataset: Literal["synthetic", "cifar10"] = "synthetic"
-    """Which dataset: a generated, learnable image set, or CIFAR-10 from ``root``."""
+    dataset: str = "synthetic"
+    """synthetic (a generated, learnable image set), cifar10, imagefolder
+    (``root/train/<class>/*`` and ``root/val/<class>/*``), tokens (byte-level next-token data from
+    the text file or folder at ``root``; generated when ``root`` is ''), or your own
+    ``package.module:callable`` returning ``(train_dataset, eval_dataset)``."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for your own dataset callable (only with an import path)."""
     root: str = "data"
-    """Where CIFAR-10 lives (torchvision's ``cifar-10-batches-py`` folder goes inside)."""
+    """Where the data lives: CIFAR-10's folder (``cifar-10-batches-py`` goes inside), the
+    ImageFolder tree, or the text (a file or a folder) for ``tokens``."""
     download: bool = False
     """Let torchvision download CIFAR-10 into ``root`` (local rank 0 only, then a barrier)."""
     train_samples: int = 8192
@@ -72,7 +98,9 @@ class DataConfig:
     channels: int = 3
     """Synthetic: image channels (CIFAR-10 is always 3)."""
     num_classes: int = 10
-    """Synthetic: number of classes (CIFAR-10 is always 10)."""
+    """Synthetic: number of classes (CIFAR-10 is always 10; ImageFolder counts its folders)."""
+    seq_len: int = 128
+    """tokens: tokens per sample, the model's context length."""
     noise: float = 1.5
     """Synthetic: noise standard deviation around each class's prototype; higher is harder."""
     batch_size: int = 32
@@ -87,8 +115,13 @@ class DataConfig:
     """Keep loader workers alive between epochs (needs num_workers > 0)."""
 
     def __post_init__(self) -> None:
+        _check_part("dataset", self.dataset, DATASETS)
+        if self.args and not is_import_path(self.dataset):
+            _fail("args", self.args, f"only your own dataset callable takes args, not {self.dataset!r}")
+        if self.dataset == "imagefolder" and self.channels not in (1, 3):
+            _fail("channels", self.channels, "ImageFolder images are read as 1 (grayscale) or 3 (RGB)")
         for name in ("train_samples", "eval_samples", "image_size", "channels", "batch_size",
-                     "eval_batch_size"):
+                     "eval_batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 _fail(name, getattr(self, name), "must be >= 1")
         if self.num_classes < 2:
@@ -98,14 +131,20 @@ class DataConfig:
         _check_range(self, "noise", 0)
         if self.persistent_workers and self.num_workers == 0:
             _fail("persistent_workers", True, "needs data.num_workers > 0")
-        if self.dataset == "synthetic" and self.image_size < 4:
+        if self.dataset in ("synthetic", "imagefolder") and self.image_size < 4:
             _fail("image_size", self.image_size, "must be >= 4 (the CNN pools twice)")
 
 
 @dataclass
 class ModelConfig:
     name: str = "cnn"
-    """Model from the registry: cnn (the book's CIFAR CNN), resnet18/50, efficientnet_b0..b7."""
+    """Built in: cnn (the book's CIFAR CNN), resnet18/50, efficientnet_b0..b7 (images); gpt (a
+    small decoder-only transformer, for ``data.dataset: tokens``). Or your own
+    ``package.module:callable`` returning an ``nn.Module``; where its signature names
+    num_classes, channels, image_size, vocab_size or seq_len, ddplab passes them from the data."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the model: gpt takes n_layer, n_head, n_embd, dropout; your own
+    callable takes whatever it declares."""
     channels_last: bool = False
     """Use the channels_last memory format (faster convolutions on recent CPUs and GPUs)."""
     compile: bool = False
@@ -114,8 +153,30 @@ class ModelConfig:
     """On CPU, run ipex.optimize when intel_extension_for_pytorch imports and matches torch."""
 
     def __post_init__(self) -> None:
-        if self.name not in MODEL_NAMES:
-            _fail("name", self.name, f"choose one of: {', '.join(MODEL_NAMES)}")
+        _check_part("name", self.name, MODEL_NAMES)
+        if self.name == "gpt":
+            _check_gpt_args(self.args)
+        elif self.args and not is_import_path(self.name):
+            _fail("args", self.args, f"model {self.name!r} takes no args (gpt and your own "
+                  "callables do)")
+
+
+def _check_gpt_args(args: dict[str, Any]) -> None:
+    for key, value in args.items():
+        tp = GPT_ARGS.get(key)
+        if tp is None:
+            _fail(f"args.{key}", value, f"unknown gpt argument; allowed: {', '.join(GPT_ARGS)}")
+        ok = isinstance(value, (int, float) if tp is float else int) and not isinstance(value, bool)
+        if not ok:
+            _fail(f"args.{key}", value, f"expected {tp.__name__}, not {type(value).__name__}")
+        if tp is int and value < 1:
+            _fail(f"args.{key}", value, "must be >= 1")
+    dropout = args.get("dropout", 0.0)
+    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+        _fail("args.dropout", dropout, "must be in [0, 1)")
+    n_embd, n_head = args.get("n_embd", 128), args.get("n_head", 4)
+    if n_embd % n_head:
+        _fail("args.n_embd", n_embd, f"must be a multiple of model.args.n_head ({n_head})")
 
 
 @dataclass
@@ -170,12 +231,18 @@ class TrainConfig:
     """Optimizer steps between metric points (the loss is averaged over ranks each time)."""
     eval_every_epochs: int = 1
     """Evaluate after every N epochs, and always after the last."""
+    eval_every_steps: int = 0
+    """Also evaluate every N optimizer steps (0 = off): finer eval curves for long epochs."""
+    loss: str = "cross_entropy"
+    """cross_entropy (class logits, or (batch, seq, vocab) logits for tokens), mse, or your
+    own ``package.module:callable`` (outputs, targets) -> a scalar tensor."""
 
     def __post_init__(self) -> None:
+        _check_part("loss", self.loss, LOSSES)
         for name in ("epochs", "grad_accum_steps", "log_every", "eval_every_epochs"):
             if getattr(self, name) < 1:
                 _fail(name, getattr(self, name), "must be >= 1")
-        for name in ("max_steps", "global_batch_size", "seed"):
+        for name in ("max_steps", "global_batch_size", "seed", "eval_every_steps"):
             if getattr(self, name) < 0:
                 _fail(name, getattr(self, name), "must be >= 0")
         _check_range(self, "grad_clip", 0)
@@ -368,6 +435,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
         _fail(key, value, f"expected {_type_name(tp)}")
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            _fail(key, value, "expected a mapping of names to values")
+        return dict(value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             _fail(key, value, f"expected a mapping of {tp.__name__} keys")

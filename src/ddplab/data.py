@@ -1,5 +1,9 @@
 """Datasets -> per-rank loaders.
 
+Built in: synthetic images, CIFAR-10, an ImageFolder tree, byte tokens (textdata.py); a user's
+own datasets come from userparts.py. ddplab owns what follows in every case: sharding,
+loaders, workers and the batch arithmetic.
+
 Training uses a DistributedSampler with one seed shared by every rank and ``set_epoch`` each
 epoch, so ranks see disjoint shards of one shuffled order. Evaluation shards are strided and
 unpadded, so every sample is counted exactly once when the totals are all-reduced.
@@ -11,10 +15,12 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from . import textdata
 from .config import DataConfig
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -76,9 +82,54 @@ def cifar10(cfg: DataConfig, train: bool) -> Dataset:
         ) from None
 
 
+IMAGEFOLDER_SPLITS = ("train", "val")
+
+
+def imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset]:
+    """torchvision's ImageFolder over ``root/train`` and ``root/val``, resized to image_size."""
+    import torchvision
+    from torchvision import transforms
+
+    steps = [transforms.Resize((cfg.image_size, cfg.image_size))]
+    if cfg.channels == 1:
+        steps.append(transforms.Grayscale(1))
+    tf = transforms.Compose([*steps, transforms.ToTensor()])
+    train, evals = (torchvision.datasets.ImageFolder(str(Path(cfg.root) / split), transform=tf)
+                    for split in IMAGEFOLDER_SPLITS)
+    return train, evals
+
+
+def imagefolder_problem(root: str) -> str:
+    """Why ``root`` is not a usable ImageFolder tree, or '' (checked before any run exists)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    classes: dict[str, list[str]] = {}
+    for split in IMAGEFOLDER_SPLITS:
+        folder = Path(root) / split
+        if not folder.is_dir():
+            return f"{folder.resolve()} is missing (an ImageFolder tree has {root}/train/<class>/* " \
+                   f"and {root}/val/<class>/*)"
+        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
+        images = [p for c in classes[split] for p in (folder / c).rglob("*")
+                  if p.suffix.lower() in IMG_EXTENSIONS]
+        if not images:
+            return f"{folder.resolve()} holds no images in class folders"
+    if len(classes["train"]) < 2:
+        return f"{Path(root, 'train').resolve()} has {len(classes['train'])} class folder(s); need >= 2"
+    if classes["train"] != classes["val"]:
+        return (f"the class folders of train ({', '.join(classes['train'])}) and val "
+                f"({', '.join(classes['val'])}) differ")
+    return ""
+
+
 def datasets(cfg: DataConfig, seed: int) -> tuple[Dataset, Dataset]:
+    """The built-in datasets (a user's own come from userparts)."""
     if cfg.dataset == "cifar10":
         return cifar10(cfg, train=True), cifar10(cfg, train=False)
+    if cfg.dataset == "imagefolder":
+        return imagefolder(cfg)
+    if cfg.dataset == "tokens":
+        return textdata.datasets(cfg.root, cfg.seq_len, cfg.train_samples, cfg.eval_samples, seed)
     args = (cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise)
     # Same prototypes (same seed), different noise streams for train and eval.
     train = SyntheticImages(cfg.train_samples, *args, seed=seed)
@@ -87,11 +138,58 @@ def datasets(cfg: DataConfig, seed: int) -> tuple[Dataset, Dataset]:
     return train, evals
 
 
-def input_shape(cfg: DataConfig) -> tuple[int, int, int, int]:
-    """(channels, height, width, classes) the model must accept."""
+@dataclass(frozen=True)
+class DataInfo:
+    """What the data says about the model it needs (0 = does not apply)."""
+
+    kind: str
+    """image (C x H x W samples, class targets), tokens (token ids), or other."""
+    channels: int = 0
+    image_size: int = 0
+    num_classes: int = 0
+    vocab_size: int = 0
+    seq_len: int = 0
+
+    def model_kwargs(self) -> dict[str, int]:
+        """The names a model callable may declare, with the data's values."""
+        names = ("channels", "image_size", "num_classes", "vocab_size", "seq_len")
+        return {n: getattr(self, n) for n in names if getattr(self, n)}
+
+
+def describe(cfg: DataConfig, train_set: Dataset) -> DataInfo:
+    """The model's input and output sizes, from the config and the data itself."""
     if cfg.dataset == "cifar10":
-        return 3, 32, 32, 10
-    return cfg.channels, cfg.image_size, cfg.image_size, cfg.num_classes
+        return DataInfo("image", 3, 32, 10)
+    if cfg.dataset == "synthetic":
+        return DataInfo("image", cfg.channels, cfg.image_size, cfg.num_classes)
+    if cfg.dataset == "imagefolder":
+        return DataInfo("image", cfg.channels, cfg.image_size, len(train_set.classes))
+    if cfg.dataset == "tokens":
+        return DataInfo("tokens", vocab_size=textdata.VOCAB_SIZE, seq_len=cfg.seq_len)
+    return _describe_own(cfg, train_set)
+
+
+def _describe_own(cfg: DataConfig, train_set: Dataset) -> DataInfo:
+    """A user's dataset: its attributes (classes, num_classes, vocab_size, ...) win; else the
+    first sample's shape; else data.* from the config."""
+    x = train_set[0][0]
+    attr = lambda name, default: int(getattr(train_set, name, default))  # noqa: E731
+    classes = len(train_set.classes) if hasattr(train_set, "classes") else attr("num_classes",
+                                                                                 cfg.num_classes)
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        return DataInfo("image", attr("channels", x.shape[0]), attr("image_size", x.shape[-1]),
+                        classes)
+    if isinstance(x, torch.Tensor) and x.dim() == 1 and not x.is_floating_point():
+        return DataInfo("tokens", num_classes=0, vocab_size=attr("vocab_size", 256),
+                        seq_len=attr("seq_len", x.shape[0]))
+    return DataInfo("other", num_classes=classes)
+
+
+def first_batch(sets: tuple[Dataset, Any], n: int = 2) -> Any:
+    """A tiny batch from the training set, collated as the loader will (for checks)."""
+    from torch.utils.data import default_collate
+
+    return default_collate([sets[0][i] for i in range(min(n, len(sets[0])))])
 
 
 class ResumableSampler(DistributedSampler):

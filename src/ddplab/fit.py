@@ -5,6 +5,7 @@ evaluation, the final checkpoint, summary.json. The train step itself is loop.py
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -35,7 +36,8 @@ def fit(job: Job) -> None:
         job.run.log_metrics({"epoch/time_s": job.stats.epoch_times[-1],
                              "epoch/epoch": epoch + 1}, state.step)
         last = epoch + 1 == train.epochs or _done(job)
-        if (epoch + 1) % train.eval_every_epochs == 0 or last:
+        due = (epoch + 1) % train.eval_every_epochs == 0 or last
+        if due and job.stats.evaluated_at != state.step:  # eval_every_steps may have just run
             _evaluate(job)
         every = job.cfg.checkpoint.every_epochs
         if every and (epoch + 1) % every == 0 and not last:  # the last one is finish()'s
@@ -57,6 +59,9 @@ def _after_step(job: Job, result: loop.StepResult) -> None:
                             result.step)
     if result.step % job.cfg.train.log_every == 0:
         _log_interval(job)
+    every_eval = job.cfg.train.eval_every_steps
+    if every_eval and result.step % every_eval == 0:
+        _evaluate(job)
     every = job.cfg.checkpoint.every_steps
     if every and result.step % every == 0 and not _done(job):
         _save(job, final=False)
@@ -80,12 +85,17 @@ def _log_interval(job: Job) -> None:
 
 def _evaluate(job: Job) -> None:
     r = loop.evaluate(models.unwrap(job.state.model), job.loaders.eval, job.state)
-    metrics = {"eval/loss": r.loss, "eval/accuracy": r.accuracy}
+    metrics = {"eval/loss": r.loss}
+    if r.accuracy is not None:
+        metrics["eval/accuracy"] = r.accuracy
+    if job.info.kind == "tokens":
+        metrics["eval/perplexity"] = math.exp(min(r.loss, 700.0))  # exp(710) overflows a float
     job.run.log_metrics(metrics, job.state.step)
     job.stats.last.update(metrics)
     job.stats.evaluated_at = job.state.step
-    job.console.say(f"eval at step {job.state.step}: loss {r.loss:.4f} accuracy "
-                    f"{r.accuracy:.4f} ({r.correct}/{r.count})")
+    shown = [f"{k.removeprefix('eval/')} {v:.4f}" for k, v in metrics.items()]
+    scored = f" ({r.correct}/{r.predictions})" if r.accuracy is not None else ""
+    job.console.say(f"eval at step {job.state.step}: {' '.join(shown)}{scored}")
 
 
 def _save(job: Job, final: bool) -> None:
@@ -122,6 +132,6 @@ def finish(job: Job) -> dict[str, Any]:
     text = json.dumps(summary, indent=2)
     job.run.log_text(text, "summary.json")
     job.console.save_summary(text)
-    job.console.say(f"done in {summary['wall_time_s']:.1f}s: {job.state.step} steps, "
-                    f"eval accuracy {job.stats.last.get('eval/accuracy', 0):.4f}")
+    final = ", ".join(f"{k} {v:.4f}" for k, v in job.stats.last.items() if k.startswith("eval/"))
+    job.console.say(f"done in {summary['wall_time_s']:.1f}s: {job.state.step} steps, {final}")
     return summary

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import capsule, checkpoint, config, data, loop, models, optim
+from . import capsule, checkpoint, config, data, loop, losses, models, optim
 from .backend import Layout
 from .profiling import NoProfile
 from .report import Console, RunStats
 from .tracking import NullTracker
+from .userparts import Parts
 
 
 @dataclass
@@ -39,6 +40,10 @@ class Job:
     hosts: list[str]
     t_start: float
     ckpt: checkpoint.Checkpointer
+    info: data.DataInfo
+    """What the data told the model (sizes, and whether it is image or token data)."""
+    parts: Parts
+    """The user's own parts, if any (their provenance goes into the run)."""
     stats: RunStats = field(default_factory=RunStats)
     profiler: NoProfile = field(default_factory=NoProfile)
     """Stepped after every optimizer step; a real one only inside ``profiling(job)``."""
@@ -57,15 +62,15 @@ def total_steps(train: config.TrainConfig, loaders: data.Loaders) -> int:
 
 
 def build(cfg: config.ExperimentConfig, layout: Layout, resume: checkpoint.Resume,
-          run: NullTracker, summary_out: str, t_start: float) -> Job:
+          run: NullTracker, parts: Parts, summary_out: str, t_start: float) -> Job:
     le = layout.le
     hosts = _hosts(le.world_size)
-    loaders = _data(cfg, layout)
-    state, ipex = _model(cfg, layout.device, loaders, resume.payload, le.world_size)
+    loaders, info = _data(cfg, layout, parts)
+    state, ipex = _model(cfg, layout.device, loaders, info, parts, resume.payload, le.world_size)
     ckpt = checkpoint.Checkpointer(Path(cfg.checkpoint.dir) / cfg.name, cfg.checkpoint.keep,
                                    le.is_rank0)
     return Job(cfg, layout, run, resume, Console(le.is_rank0, summary_out), loaders, state, ipex,
-               hosts, t_start, ckpt)
+               hosts, t_start, ckpt, info, parts)
 
 
 def _hosts(world_size: int) -> list[str]:
@@ -74,11 +79,12 @@ def _hosts(world_size: int) -> list[str]:
     return sorted(set(names))
 
 
-def _data(cfg: config.ExperimentConfig, layout: Layout) -> data.Loaders:
+def _data(cfg: config.ExperimentConfig, layout: Layout,
+          parts: Parts) -> tuple[data.Loaders, data.DataInfo]:
     d, le = cfg.data, layout.le
     # Only one process per node may download; the others wait for it, then read the files.
     first = le.is_node_leader or not (d.dataset == "cifar10" and d.download)
-    sets, failed = _datasets_or_error(cfg) if first else (None, "")
+    sets, failed = _datasets_or_error(cfg, parts) if first else (None, "")
     # Instead of a barrier: a rank that failed says so, and no rank waits for it in vain.
     said: list[Any] = [None] * le.world_size
     dist.all_gather_object(said, failed)
@@ -87,11 +93,14 @@ def _data(cfg: config.ExperimentConfig, layout: Layout) -> data.Loaders:
         raise data.DataError(why)
     if sets is None:
         sets = data.datasets(d, cfg.train.seed)
-    return data.loaders(d, sets, cfg.train.seed, le.rank, le.world_size,
-                        pin=layout.device.type == "cuda")
+    loaders = data.loaders(d, sets, cfg.train.seed, le.rank, le.world_size,
+                           pin=layout.device.type == "cuda")
+    return loaders, data.describe(d, sets[0])
 
 
-def _datasets_or_error(cfg: config.ExperimentConfig) -> tuple[Any, str]:
+def _datasets_or_error(cfg: config.ExperimentConfig, parts: Parts) -> tuple[Any, str]:
+    if parts.datasets is not None:  # the user's own, built by the checks step
+        return parts.datasets, ""
     try:
         return data.datasets(cfg.data, cfg.train.seed), ""
     except data.DataError as e:
@@ -99,9 +108,9 @@ def _datasets_or_error(cfg: config.ExperimentConfig) -> tuple[Any, str]:
 
 
 def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loaders,
-           payload: dict[str, Any] | None, world_size: int) -> tuple[loop.TrainState, models.IpexStatus]:
-    channels, size, _, classes = data.input_shape(cfg.data)
-    model = models.prepare(models.build(cfg.model.name, channels, size, classes), cfg.model, device)
+           info: data.DataInfo, parts: Parts, payload: dict[str, Any] | None,
+           world_size: int) -> tuple[loop.TrainState, models.IpexStatus]:
+    model = models.prepare(models.build(cfg.model, info, parts.model), cfg.model, device)
     opt = optim.optimizer(model, cfg.optim)
     model, opt, ipex = models.maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
     state = loop.TrainState(
@@ -109,7 +118,8 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
         scheduler=optim.scheduler(opt, cfg.optim, total_steps(cfg.train, loaders)),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.amp == "fp16"),
         device=device, amp=cfg.train.amp, grad_accum=cfg.train.grad_accum_steps,
-        grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last)
+        grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last,
+        loss=losses.get(cfg.train.loss, parts.loss))
     if payload is not None:
         checkpoint.restore(state, payload, world_size)
     return state, ipex
@@ -151,6 +161,7 @@ def _tags(job: Job) -> dict[str, Any]:
         "ddplab.resumed_from": job.resume.path or "none",
         **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},
         **capsule.scheduler_tags(),
+        **job.parts.tags(),
     }
 
 

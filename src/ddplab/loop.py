@@ -19,6 +19,8 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
+from .losses import Loss, cross_entropy, is_classification
+
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -35,6 +37,8 @@ class TrainState:
     grad_accum: int = 1
     grad_clip: float = 0.0
     channels_last: bool = False
+    loss: Loss = cross_entropy
+    """train.loss: (outputs, targets) -> the batch's mean loss."""
     step: int = 0
     """Optimizer steps taken (the MLflow step of every metric)."""
     epoch: int = 0
@@ -76,7 +80,7 @@ def micro_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, group_size: 
     ctx = contextlib.nullcontext() if sync_grads else ddp.no_sync()
     with ctx:
         with state.autocast():
-            loss = nn.functional.cross_entropy(state.model(x), y)
+            loss = state.loss(state.model(x), y)
         state.scaler.scale(loss / group_size).backward()
     return loss.detach() * y.shape[0]
 
@@ -167,9 +171,14 @@ def reduce_interval(meter: Meter, device: torch.device) -> dict[str, float | lis
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
-    accuracy: float
+    accuracy: float | None
+    """Share of correct predictions (per token for token data); None when the outputs do not
+    score classes (a regression loss, say)."""
     count: int
+    """Samples evaluated."""
     correct: int
+    predictions: int
+    """Predictions scored: samples, or tokens for token data."""
 
 
 @torch.no_grad()
@@ -180,14 +189,20 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
     hang when shards differ in length by a batch.
     """
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=state.device)
+    # loss sum, correct, samples, scored predictions, batches that were not classification
+    totals = torch.zeros(5, dtype=torch.float64, device=state.device)
     for x, y in loader:
         x, y = state.to_device(x, y)
         with state.autocast():
-            logits = model(x)
-        totals[0] += nn.functional.cross_entropy(logits.float(), y, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == y).sum()
+            outputs = model(x)
+        totals[0] += state.loss(outputs.float(), y).double() * y.shape[0]
         totals[2] += y.shape[0]
+        if is_classification(outputs, y):
+            totals[1] += (outputs.argmax(dim=-1) == y).sum()
+            totals[3] += y.numel()
+        else:
+            totals[4] += 1
     dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return EvalResult(loss_sum / max(count, 1), correct / max(count, 1), int(count), int(correct))
+    loss_sum, correct, count, scored, other = totals.tolist()
+    accuracy = correct / max(scored, 1) if not other else None
+    return EvalResult(loss_sum / max(count, 1), accuracy, int(count), int(correct), int(scored))

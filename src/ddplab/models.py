@@ -1,4 +1,8 @@
-"""Model registry; build, move, optimise (IPEX, channels_last, compile), wrap in DDP."""
+"""Model registry; build, move, optimise (IPEX, channels_last, compile), wrap in DDP.
+
+Built-in models are built from the data's sizes (data.DataInfo); a user's own model callable
+goes through userparts.py instead and meets the same prepare/wrap steps here.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,15 @@ import importlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import MODEL_NAMES, DistConfig, ModelConfig
+from . import userparts
+from .config import MODEL_NAMES, ConfigError, DistConfig, ModelConfig
+from .data import DataInfo
 
 
 class BookCNN(nn.Module):
@@ -32,26 +39,54 @@ class BookCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def _torchvision(name: str) -> Callable[[int, int, int], nn.Module]:
-    def build(channels: int, size: int, num_classes: int) -> nn.Module:
+Builder = Callable[[DataInfo, dict], nn.Module]
+
+
+def _torchvision(name: str) -> Builder:
+    def build(info: DataInfo, args: dict) -> nn.Module:
         import torchvision
 
-        if channels != 3:
-            raise ValueError(f"model.name: {name} takes 3-channel images, data has {channels}")
-        return getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+        if info.channels != 3:
+            raise ValueError(f"model.name: {name} takes 3-channel images, data has {info.channels}")
+        return getattr(torchvision.models, name)(weights=None, num_classes=info.num_classes)
     return build
 
 
-REGISTRY: dict[str, Callable[[int, int, int], nn.Module]] = {
-    "cnn": BookCNN,
-    **{name: _torchvision(name) for name in MODEL_NAMES if name != "cnn"},
+def _cnn(info: DataInfo, args: dict) -> nn.Module:
+    return BookCNN(info.channels, info.image_size, info.num_classes)
+
+
+def _gpt(info: DataInfo, args: dict) -> nn.Module:
+    from .gpt import GPT
+
+    return GPT(vocab_size=info.vocab_size, seq_len=info.seq_len, **args)
+
+
+REGISTRY: dict[str, Builder] = {
+    "cnn": _cnn, "gpt": _gpt,
+    **{name: _torchvision(name) for name in MODEL_NAMES if name not in ("cnn", "gpt")},
 }
 
 
-def build(name: str, channels: int, size: int, num_classes: int) -> nn.Module:
-    if name not in REGISTRY:
-        raise ValueError(f"model.name: unknown model {name!r}; choose one of: {', '.join(REGISTRY)}")
-    return REGISTRY[name](channels, size, num_classes)
+def needs(name: str) -> str:
+    """The data kind a built-in model takes: tokens for gpt, images for the rest."""
+    return "tokens" if name == "gpt" else "image"
+
+
+def build(cfg: ModelConfig, info: DataInfo, own: Callable[..., Any] | None = None) -> nn.Module:
+    """A built-in model from the data's sizes, or the user's callable (``own``) with model.args
+    and whichever sizes its signature names."""
+    if own is None:
+        if cfg.name not in REGISTRY:
+            raise ValueError(f"model.name: unknown model {cfg.name!r}; choose one of: "
+                             f"{', '.join(REGISTRY)}")
+        return REGISTRY[cfg.name](info, cfg.args)
+    model = userparts.call("model.name", cfg.name, own,
+                           userparts.offered(own, cfg.args, info.model_kwargs()))
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name: got {cfg.name!r}; it returned {type(model).__name__}, "
+                          "expected a torch.nn.Module")
+    return model
 
 
 @dataclass(frozen=True)

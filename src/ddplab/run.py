@@ -77,13 +77,13 @@ def train(path: str | None, overrides: list[config.Override], summary_out: str =
     t_start = time.perf_counter()
     cfg = config.load(path, overrides)
     le = LaunchEnv.from_environ(os.environ)
-    checks.before_start(cfg, le, summary_out, torch.cuda.is_available())  # no run exists yet
+    parts = checks.before_start(cfg, le, summary_out, torch.cuda.is_available(), path)  # no run yet
     _seed(cfg.train)
     layout = backend.plan_layout(cfg.dist, le)
     with backend.process_group(layout, cfg.dist.timeout_s), Signals() as signals:
         resume = checkpoint.find_and_share(cfg, le.is_rank0, le.world_size)
         with tracking.job_run(cfg, le, layout.choice.name, resume.run_id, signals) as run:
-            job = build(cfg, layout, resume, run, summary_out, t_start)
+            job = build(cfg, layout, resume, run, parts, summary_out, t_start)
             record_start(job)
             with profiling(job):  # torch.profiler on every rank, when profile.enabled
                 fit(job)

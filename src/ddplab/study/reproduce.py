@@ -18,6 +18,7 @@ artifact ``reproduce/differences.csv``. Exit 0 unless the verdict is ``differs``
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,26 @@ def _differences(original: dict[str, str]) -> list[str]:
         recorded = original.get(f"ddplab.version.{name}")
         if recorded and recorded != str(version):
             said.append(f"{name}: the run {recorded}, here {version}")
+    return said + _user_modules(original)
+
+
+def _user_modules(original: dict[str, str]) -> list[str]:
+    """The user's own modules (model, data, loss) whose file changed or went since the run."""
+    from ..userparts import sha256
+
+    said, seen = [], set()
+    for part in ("model", "data", "loss"):
+        file, recorded = original.get(f"ddplab.user.{part}.file"), original.get(
+            f"ddplab.user.{part}.sha256")
+        if not file or file == "none" or file in seen:
+            continue
+        seen.add(file)
+        now = sha256(Path(file))
+        if now == "missing":
+            said.append(f"{part} module {file}: the run used it, it is gone here")
+        elif now != recorded:
+            said.append(f"{part} module {file}: changed since the run (sha256 "
+                        f"{(recorded or '?')[:12]} then, {now[:12]} now)")
     return said
 
 
@@ -121,6 +142,11 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
                             run_name=f"reproduce {run.info.run_name or run_id[:8]}",
                             tags={"ddplab.reproduces": run_id}).info.run_id
     env = job_env(new, uri)
+    # The run's config is re-read from a temporary folder: its user modules are found where the
+    # original experiment file was.
+    search = tags.get("ddplab.user.search_path", "none")
+    if search != "none":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (search, env.get("PYTHONPATH", "")) if p)
     print(f"reproducing {run_id} as {new}: {' '.join(cmd)}", file=sys.stderr)
     code = subprocess.run(cmd, env=env, check=False).returncode
     if client.get_run(new).info.status == "RUNNING":

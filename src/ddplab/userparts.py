@@ -1,0 +1,180 @@
+"""The user's own parts: a model, datasets and a loss given as ``package.module:callable``.
+
+Resolved in the checks step, before any process group or run exists: the experiment file's
+folder goes on the import path (a module beside the experiment imports without PYTHONPATH),
+each callable is imported and called, and its result checked (a model is an ``nn.Module``,
+datasets a pair of map-style datasets, the loss a scalar tensor for one tiny batch). Every
+failure is one ConfigError line naming the key, the value and what went wrong.
+
+The run records each part's import path, its module file, the file's sha256 and whether git
+has it committed (``ddplab.user.<part>.*`` tags), so ``ddplab reproduce --strict`` can refuse
+a module that changed since.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, ExperimentConfig, is_import_path
+
+DATA_NAMES = ("root", "seed", "image_size", "channels", "num_classes", "seq_len")
+"""data.* values a dataset callable receives when its signature names them."""
+
+
+def add_search_path(experiment: str | Path | None) -> str:
+    """Put the experiment file's folder first on sys.path; returns it ('' without a file)."""
+    if experiment is None:
+        return ""
+    folder = str(Path(experiment).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return folder
+
+
+def load_callable(key: str, path: str) -> Callable[..., Any]:
+    """``pkg.mod:attr.sub`` -> the object, or one line saying why not."""
+    module_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = f"module {e.name!r} not found" if e.name else str(e)
+        raise ConfigError(f"{key}: got {path!r}; {missing} (modules beside the experiment file "
+                          "import as they are; others must be installed or on PYTHONPATH)") from None
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything at import
+        raise ConfigError(f"{key}: got {path!r}; importing {module_name} raised "
+                          f"{why(e)}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key}: got {path!r}; {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key}: got {path!r}; {attr} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def why(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def call(key: str, path: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """Call a user's callable; any exception becomes one line."""
+    try:
+        return fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's code may raise anything
+        raise ConfigError(f"{key}: got {path!r}; calling it raised {why(e)}") from None
+
+
+def offered(fn: Callable[..., Any], given: dict[str, Any], available: dict[str, Any]) -> dict[str, Any]:
+    """``given`` plus those of ``available`` that the signature names and ``given`` lacks."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return dict(given)
+    return {**{k: v for k, v in available.items() if k in params and k not in given}, **given}
+
+
+def provenance(path: str) -> dict[str, str]:
+    """The module file behind an import path, its sha256 and its state in git."""
+    module = sys.modules.get(path.partition(":")[0])
+    file = getattr(module, "__file__", None)
+    if not file:
+        return {"file": "none", "sha256": "none", "git": "not a file"}
+    p = Path(file).resolve()
+    return {"file": str(p), "sha256": sha256(p), "git": git_state(p)}
+
+
+def sha256(p: Path) -> str:
+    try:
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+    except OSError:
+        return "missing"
+
+
+def git_state(p: Path) -> str:
+    """committed | modified | untracked | not in git."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(p.parent), *args], capture_output=True, text=True,
+                              check=False, timeout=30)
+    try:
+        if git("rev-parse", "--is-inside-work-tree").returncode != 0:
+            return "not in git"
+        if git("ls-files", "--error-unmatch", p.name).returncode != 0:
+            return "untracked"
+        return "committed" if git("diff", "--quiet", "HEAD", "--", p.name).returncode == 0 \
+            else "modified"
+    except (OSError, subprocess.TimeoutExpired):
+        return "not in git"
+
+
+@dataclass
+class Parts:
+    """The resolved user parts; built-in ones are None and ddplab's own code builds them."""
+
+    model: Callable[..., Any] | None = None
+    datasets: tuple[Any, Any] | None = None
+    loss: Callable[..., Any] | None = None
+    search_path: str = ""
+    paths: dict[str, str] = field(default_factory=dict)
+    """part -> import path, for the parts the user gave."""
+
+    def tags(self) -> dict[str, str]:
+        if not self.paths:
+            return {}
+        tags = {"ddplab.user.search_path": self.search_path or "none"}
+        for part, path in self.paths.items():
+            tags[f"ddplab.user.{part}"] = path
+            tags |= {f"ddplab.user.{part}.{k}": v for k, v in provenance(path).items()}
+        return tags
+
+
+def resolve(cfg: ExperimentConfig, experiment: str | Path | None) -> Parts:
+    """Import and call the user's parts (checks step); built-in parts stay None."""
+    parts = Parts(search_path=add_search_path(experiment))
+    if is_import_path(cfg.data.dataset):
+        parts.paths["data"] = cfg.data.dataset
+        parts.datasets = _datasets(cfg)
+    if is_import_path(cfg.model.name):
+        parts.paths["model"] = cfg.model.name
+        parts.model = load_callable("model.name", cfg.model.name)
+    if is_import_path(cfg.train.loss):
+        parts.paths["loss"] = cfg.train.loss
+        parts.loss = load_callable("train.loss", cfg.train.loss)
+    return parts
+
+
+def _datasets(cfg: ExperimentConfig) -> tuple[Any, Any]:
+    d, key = cfg.data, "data.dataset"
+    fn = load_callable(key, d.dataset)
+    available = {"root": d.root, "seed": cfg.train.seed, "image_size": d.image_size,
+                 "channels": d.channels, "num_classes": d.num_classes, "seq_len": d.seq_len}
+    sets = call(key, d.dataset, fn, offered(fn, d.args, available))
+    if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
+        raise ConfigError(f"{key}: got {d.dataset!r}; it returned {type(sets).__name__}, expected "
+                          "(train_dataset, eval_dataset)")
+    for name, s in zip(("train", "eval"), sets, strict=True):
+        _map_style(key, d.dataset, name, s)
+    return sets[0], sets[1]
+
+
+def _map_style(key: str, path: str, name: str, ds: Any) -> None:
+    if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+        raise ConfigError(f"{key}: got {path!r}; its {name} dataset ({type(ds).__name__}) is not "
+                          "map-style (needs __len__ and __getitem__)")
+    try:
+        n, first = len(ds), ds[0] if len(ds) else None
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"{key}: got {path!r}; reading its {name} dataset raised {why(e)}") from None
+    if n < 1:
+        raise ConfigError(f"{key}: got {path!r}; its {name} dataset is empty")
+    if not (isinstance(first, (tuple, list)) and len(first) == 2):
+        raise ConfigError(f"{key}: got {path!r}; a sample of its {name} dataset is "
+                          f"{type(first).__name__}, expected (input, target)")
