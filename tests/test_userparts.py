@@ -1,0 +1,296 @@
+"""Your own experiment: a model, datasets and a loss given by import path; ImageFolder trees;
+the built-in GPT on byte tokens. Unit tests first, then real jobs (torchrun, mpirun, the CPU
+image) with modules and data that live outside the repository."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ddplab import config, data, losses, textdata, userparts
+from ddplab.gpt import GPT
+from tests.conftest import REPO, job_env, runs
+
+BIN = Path(sys.executable).parent
+SPIRALS = REPO / "experiments" / "examples" / "spirals.yaml"
+
+MYNET = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """A small CNN; ddplab passes channels, image_size and num_classes from the data."""
+
+    def __init__(self, channels, image_size, num_classes, width=16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(width, num_classes))
+        self.image_size = image_size
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def build(channels, image_size, num_classes, width=16):
+    return Net(channels, image_size, num_classes, width)
+'''
+
+COLOURS = {"red": (200, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 200)}
+
+
+def imagefolder_tree(root: Path, per_class: dict[str, int], size: int = 12) -> Path:
+    """A real ImageFolder tree of PNGs: one colour per class, with noise."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split, n in per_class.items():
+        for name, rgb in COLOURS.items():
+            (root / split / name).mkdir(parents=True)
+            for i in range(n):
+                noise = torch.randint(-60, 61, (size, size, 3), generator=g)
+                pixels = (torch.tensor(rgb) + noise).clamp(0, 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels, "RGB").save(root / split / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def own_experiment(tmp_path: Path) -> Path:
+    """An experiment, its model module and its images, all outside the repository."""
+    exp = tmp_path / "myexp"
+    exp.mkdir()
+    (exp / "mynet.py").write_text(MYNET)
+    imagefolder_tree(tmp_path / "imgs", {"train": 48, "val": 16})
+    (exp / "own.yaml").write_text(yaml.safe_dump({
+        "name": "own", "data": {"dataset": "imagefolder", "root": str(tmp_path / "imgs"),
+                                "image_size": 12, "batch_size": 8},
+        "model": {"name": "mynet:build", "args": {"width": 16}},
+        "optim": {"name": "adam", "lr": 0.01}, "train": {"epochs": 4, "log_every": 4},
+        "checkpoint": {"dir": str(tmp_path / "ck")}}))
+    return exp / "own.yaml"
+
+
+# ---- unit ----
+
+def test_a_module_beside_the_experiment_imports_without_pythonpath(own_experiment, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "mynet", raising=False)
+    cfg = config.load(own_experiment)
+    parts = userparts.resolve(cfg, own_experiment)
+    assert parts.search_path == str(own_experiment.parent) and parts.paths == {"model": "mynet:build"}
+    info = data.DataInfo("image", 3, 12, 3)
+    from ddplab import models
+
+    model = models.build(cfg.model, info, parts.model)
+    assert model(torch.zeros(2, 3, 12, 12)).shape == (2, 3)  # num_classes came from the data
+    tags = parts.tags()
+    file = own_experiment.parent / "mynet.py"
+    assert tags["ddplab.user.model.file"] == str(file)
+    assert tags["ddplab.user.model.sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+    assert tags["ddplab.user.model.git"] == "not in git"
+
+
+def test_offered_passes_only_the_names_a_signature_declares():
+    def build(num_classes, hidden=4):
+        return num_classes, hidden
+    got = userparts.offered(build, {"hidden": 8}, {"num_classes": 5, "channels": 3, "hidden": 1})
+    assert got == {"num_classes": 5, "hidden": 8}  # the user's args win over ddplab's values
+
+
+def test_git_state_tells_committed_modified_and_untracked(tmp_path):
+    git = shutil.which("git")
+    assert git
+    def run(*a):
+        subprocess.run([git, "-C", str(tmp_path), *a], check=True, capture_output=True)
+    run("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    run("add", "a.py")
+    run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "a")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    assert userparts.git_state(tmp_path / "a.py") == "committed"
+    assert userparts.git_state(tmp_path / "b.py") == "untracked"
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert userparts.git_state(tmp_path / "a.py") == "modified"
+
+
+def test_byte_tokens_are_the_text_shifted_by_one(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 20)
+    train, evals = textdata.datasets(str(text), 16, 0, 0, seed=0)
+    x, y = train[3]
+    assert x.dtype == torch.long and x.shape == (16,) and torch.equal(x[1:], y[:-1])
+    assert x[0] == (3 * 16) % 256 and len(train) == (4608 - 1) // 16 and len(evals) == (512 - 1) // 16
+    assert textdata.problem(str(text), 16) == ""
+    assert "too short" in textdata.problem(str(text), 4096)
+
+
+def test_generated_text_is_the_seeds_and_only_the_seeds():
+    a, b, c = textdata.generated(5000, 1), textdata.generated(5000, 1), textdata.generated(5000, 2)
+    assert a == b and a != c and len(a) == 5000
+    assert set(a) <= set(b"abcdefghijklmnopqrstuvwxyz .\n")
+
+
+def test_gpt_gives_logits_per_position_and_ties_its_weights():
+    m = GPT(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
+    out = m(torch.randint(256, (3, 20)))
+    assert out.shape == (3, 20, 256) and m.lm_head.weight is m.wte.weight
+    # causal: the first position's logits do not depend on later tokens
+    x = torch.randint(256, (1, 20))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 1) % 256
+    assert torch.equal(m(x)[0, :10], m(y)[0, :10]) and not torch.equal(m(x)[0, 10:], m(y)[0, 10:])
+
+
+def test_cross_entropy_flattens_token_logits():
+    out, tgt = torch.randn(2, 5, 7), torch.randint(7, (2, 5))
+    expected = torch.nn.functional.cross_entropy(out.reshape(10, 7), tgt.reshape(10))
+    assert torch.equal(losses.cross_entropy(out, tgt), expected)
+    assert losses.is_classification(out, tgt) and not losses.is_classification(out, tgt.float())
+
+
+def test_imagefolder_tree_gives_classes_and_sizes_from_the_tree(tmp_path):
+    root = imagefolder_tree(tmp_path / "imgs", {"train": 3, "val": 2}, size=10)
+    cfg = config.load(None, ["data.dataset=imagefolder", f"data.root={root}", "data.image_size=8"])
+    assert data.imagefolder_problem(str(root)) == ""
+    train, evals = data.datasets(cfg.data, 0)
+    assert len(train) == 9 and len(evals) == 6 and train[0][0].shape == (3, 8, 8)
+    assert data.describe(cfg.data, train) == data.DataInfo("image", 3, 8, 3)
+    gray = config.load(None, ["data.dataset=imagefolder", f"data.root={root}", "data.channels=1"])
+    assert data.datasets(gray.data, 0)[0][0][0].shape == (1, 32, 32)
+
+
+def test_a_users_dataset_describes_itself_by_attributes_then_shapes():
+    cfg = config.load(None, ["data.dataset=mine:sets"])
+    ds = torch.utils.data.TensorDataset(torch.zeros(4, 1, 6, 6), torch.zeros(4, dtype=torch.long))
+    ds.classes = ["a", "b", "c", "d", "e"]
+    assert data.describe(cfg.data, ds) == data.DataInfo("image", 1, 6, 5)
+    toks = torch.utils.data.TensorDataset(torch.zeros(4, 9, dtype=torch.long), torch.zeros(4, 9))
+    assert data.describe(cfg.data, toks).model_kwargs() == {"vocab_size": 256, "seq_len": 9}
+
+
+# ---- real jobs ----
+
+def _torchrun(args: list[str], cwd: Path, store: str, nproc: int = 2,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m",
+                           "ddplab", *args], cwd=cwd, env=job_env(store), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.e2e
+def test_own_model_and_imagefolder_outside_the_repository_train_under_torchrun(
+        own_experiment, tmp_path, store):
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    out = _torchrun(["train", str(own_experiment)], elsewhere, store)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    t, m = run.data.tags, run.data.metrics
+    assert run.info.status == "FINISHED" and t["ddplab.world_size"] == "2"
+    assert m["eval/accuracy"] > 0.6, m  # chance is 1/3
+    file = own_experiment.parent / "mynet.py"
+    assert t["ddplab.user.model"] == "mynet:build" and t["ddplab.user.model.file"] == str(file)
+    assert t["ddplab.user.model.sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+    assert run.data.params["model.args.width"] == "16" and run.data.params["data.dataset"] == "imagefolder"
+
+
+@pytest.mark.e2e
+def test_lm_tiny_eval_loss_falls_by_a_third(tmp_path, store):
+    out = _torchrun(["train", str(REPO / "experiments" / "lm-tiny.yaml"),
+                     "--set", f"data.root={REPO / 'README.md'}",
+                     "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, store)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    from mlflow import MlflowClient
+
+    evals = [m.value for m in sorted(MlflowClient(store).get_metric_history(run.info.run_id, "eval/loss"),
+                                     key=lambda m: m.step)]
+    assert len(evals) > 10 and evals[-1] <= 0.7 * evals[0], evals
+    assert run.data.metrics["eval/perplexity"] == pytest.approx(math.exp(evals[-1]))
+    assert 0 < run.data.metrics["eval/accuracy"] < 1
+
+
+def _reproduce(run_id: str, cwd: Path, store: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ddplab"), "reproduce", run_id, *extra], cwd=cwd,
+                          env=job_env(store), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.e2e
+def test_deterministic_lm_run_reproduces_bitwise(tmp_path, store):
+    out = _torchrun(["train", str(REPO / "experiments" / "lm-tiny.yaml"),
+                     "--set", f"data.root={REPO / 'README.md'}", "--set", "train.max_steps=12",
+                     "--set", "train.eval_every_steps=4", "--set", "train.deterministic=true",
+                     "--set", "train.log_every=2", "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
+                    tmp_path, store)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    again = _reproduce(run.info.run_id, tmp_path, store)
+    assert again.returncode == 0 and ": bitwise (" in again.stdout, again.stdout + again.stderr[-2000:]
+
+
+@pytest.mark.e2e
+def test_reproduce_finds_the_users_module_and_strict_refuses_it_changed(tmp_path, store):
+    exp = tmp_path / "examples"
+    shutil.copytree(SPIRALS.parent, exp)
+    args = ["train", str(exp / "spirals.yaml"), "--set", "train.max_steps=10",
+            "--set", "train.deterministic=true", "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    out = _torchrun(args, tmp_path, store)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.data.tags["ddplab.user.loss"] == "spirals:smoothed_cross_entropy"
+    same = _reproduce(run.info.run_id, tmp_path, store, "--strict")
+    assert same.returncode == 0 and ": bitwise (" in same.stdout, same.stdout + same.stderr[-2000:]
+    module = exp / "spirals.py"
+    module.write_text(module.read_text().replace("label_smoothing=0.05", "label_smoothing=0.1"))
+    changed = _reproduce(run.info.run_id, tmp_path, store, "--strict")
+    assert changed.returncode == 2, changed.stdout + changed.stderr
+    assert f"module {module}: changed since the run" in changed.stderr
+
+
+@pytest.mark.e2e
+def test_a_study_sweeps_model_and_data_args_of_a_users_experiment(tmp_path, store):
+    shutil.copytree(SPIRALS.parent, tmp_path / "examples")
+    study = tmp_path / "sweep.yaml"
+    study.write_text(yaml.safe_dump({
+        "name": "sweep", "experiment": "examples/spirals.yaml", "repeats": 1,
+        "set": {"train.max_steps": 8, "tracking.system_metrics": False},
+        "grid": {"nproc": [1], "model.args.hidden": [8, 16], "data.args.arms": [2]}}))
+    out = subprocess.run([str(BIN / "ddplab"), "study", "run", str(study)], cwd=tmp_path,
+                         env=job_env(store), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    children = [r for r in runs(store) if "ddplab.variant" in r.data.tags]
+    assert sorted(r.data.params["model.args.hidden"] for r in children) == ["16", "8"]
+    assert {r.data.params["data.args.arms"] for r in children} == {"2"}
+    assert all(r.info.status == "FINISHED" for r in children)
+
+
+@pytest.mark.mpi
+def test_the_example_experiment_runs_under_mpirun(tmp_path, store):
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "Open MPI is not installed: apt-get install openmpi-bin (CI does)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = job_env(store, MASTER_PORT=str(port))
+    if os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    out = subprocess.run(
+        [mpirun, "--oversubscribe", "-np", "2", "-x", "MLFLOW_TRACKING_URI", "-x", "MASTER_PORT",
+         "-x", "PATH", str(BIN / "ddplab"), "train", str(SPIRALS), "--set", "train.epochs=4",
+         "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "openmpi"
+    assert run.data.tags["ddplab.user.model"] == "spirals:mlp" and run.data.metrics["eval/accuracy"] > 0.6
