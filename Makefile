@@ -17,22 +17,27 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ddplab-setup
 
-.PHONY: help setup run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
+.PHONY: help setup lock run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
 	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
-	clean-images
+	clean-images image-cpu-intel
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml constraints.txt
+# Every package from the hashed lock (make lock), then ddplab itself, editable.
+$(STAMP): pyproject.toml requirements-dev.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q --require-hashes -r requirements-dev.lock
+	$(BIN)/python -m pip install -q --no-deps -e .
 	@touch $@
 
-setup: $(STAMP) ## Create .venv with ddplab and the dev tools (runs by itself when needed)
+setup: $(STAMP) ## Create .venv with ddplab and the dev tools from requirements-dev.lock (runs by itself when needed)
+
+lock: $(STAMP) ## Regenerate the hashed locks (requirements.lock, requirements-dev.lock) from pyproject.toml and constraints.txt
+	$(BIN)/python tools/lock.py
 
 CCL_STAMP := $(VENV)/lib/ddplab-ccl/BUILD.json
 $(CCL_STAMP): $(STAMP) src/ddplab/ccl/csrc/ddplab_ccl.cpp src/ddplab/ccl/build.py
@@ -68,7 +73,7 @@ test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make
 	$(BIN)/pytest -m container $(PYTEST_ARGS)
 
 lint: $(STAMP) ## Lint the Python code
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools docker
 
 STUDY ?= experiments/studies/ch09-threads-vs-processes.yaml
 study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the report (README, Studies)
@@ -87,10 +92,10 @@ clean-runs: ## Delete the local MLflow store, artifacts and checkpoints (asks fi
 REGISTRY        ?= ddplab
 IMAGE_TAG       ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
 GIT_SHA         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
-WITH_ONECCL     ?= auto
+WITH_ONECCL     ?= 0
 ONECCL_VERSION  ?= 2.7.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
-CUDA_TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cu126
+CUDA_TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cu130
 INTEL_INDEX_URL ?= https://pytorch-extension.intel.com/release-whl/stable/cpu/us/
 CPU_IMAGE    := $(REGISTRY)/cpu-oneccl
 CUDA_IMAGE   := $(REGISTRY)/cuda-nccl
@@ -119,8 +124,15 @@ RUNTIME_IMAGE = $(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-one
 
 images: image-cpu image-cuda image-mlflow image-mpi image-slurm ## Build every image (tags: git revision and latest)
 
-image-cpu: ## Build the CPU image (WITH_ONECCL=auto|1|0; TORCH_INDEX_URL=https://pypi.org/simple offline)
+image-cpu: ## Build the CPU image: the native torch, ddplab's ccl (TORCH_INDEX_URL=https://pypi.org/simple offline)
 	$(call compose_build,CPU,$(CPU_IMAGE),multinode.yml,,node)
+
+INTEL_IMAGE := $(REGISTRY)/cpu-intel
+image-cpu-intel: ## Build Intel's stack apart (IPEX 2.7 + oneccl_bindings_for_pytorch on torch 2.7.1): ddplab/cpu-intel
+	$(call build,cpu-oneccl,$(INTEL_IMAGE),--build-arg TORCH_VERSION=2.7.1 --build-arg TORCHVISION_VERSION=0.22.1 \
+	  --build-arg IPEX_VERSION=2.7.0 --build-arg WITH_ONECCL=$(if $(filter 0,$(WITH_ONECCL)),auto,$(WITH_ONECCL)) \
+	  --build-arg ONECCL_VERSION=$(ONECCL_VERSION) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) \
+	  --build-arg INTEL_INDEX_URL=$(INTEL_INDEX_URL) --build-arg DDPLAB_TORCH_STACK=intel)
 
 image-cuda: ## Build the CUDA image (torch's CUDA build brings the CUDA runtime and NCCL)
 	$(call build,cuda-nccl,$(CUDA_IMAGE),--build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX_URL))
@@ -141,7 +153,7 @@ image-slurm: ## Build the Slurm image (slurmctld, slurmd, MUNGE) on the CPU imag
 BUILD_CACHE_KEEP ?= 20GB
 clean-images: ## Remove ddplab images of other revisions (keeps :latest and :IMAGE_TAG), dangling layers, build cache past BUILD_CACHE_KEEP
 	@old=$$(docker images --format '{{.Repository}}:{{.Tag}}' \
-	  | grep -E '^$(REGISTRY)/(cpu-oneccl|cuda-nccl|mlflow|openmpi|slurm):' \
+	  | grep -E '^$(REGISTRY)/(cpu-oneccl|cpu-intel|cuda-nccl|mlflow|openmpi|slurm):' \
 	  | grep -vE ':(latest|$(IMAGE_TAG))$$' || true); \
 	if [ -n "$$old" ]; then docker rmi $$old || echo "make clean-images: kept the images above: containers still use them (docker ps -a)"; \
 	else echo "make clean-images: no images of other revisions"; fi

@@ -4,17 +4,27 @@ import pytest
 import torch
 
 from ddplab import models
-from ddplab.config import MODEL_NAMES
+from ddplab.config import MODEL_NAMES, ModelConfig
+from ddplab.data import DataInfo
+
+
+def build(name: str, channels: int, size: int, classes: int) -> torch.nn.Module:
+    return models.build(ModelConfig(name=name), DataInfo("image", channels, size, classes))
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_every_name_config_accepts_builds_its_own_architecture(name):
-    """Each accepted name builds, takes a CIFAR-sized batch, and is the architecture it names
-    (a registry entry pointing at the wrong builder would change the parameter count)."""
-    m = models.build(name, 3, 32, 10).eval()
+    """Each accepted name builds, takes a batch of its data kind (CIFAR-sized images, or 32
+    tokens for gpt), and is the architecture it names (a registry entry pointing at the wrong
+    builder would change the parameter count)."""
+    if name == "gpt":
+        m = models.build(ModelConfig(name="gpt"), DataInfo("tokens", vocab_size=256, seq_len=32))
+        x, out = torch.zeros(1, 32, dtype=torch.long), (1, 32, 256)
+    else:
+        m, x, out = build(name, 3, 32, 10), torch.zeros(1, 3, 32, 32), (1, 10)
     with torch.no_grad():
-        assert m(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
-    params = sum(p.numel() for p in m.parameters())
+        assert m.eval()(x).shape == out
+    params = sum(p.numel() for p in m.parameters())  # gpt's output layer shares wte's weights
     assert params == EXPECTED_PARAMS[name]
 
 
@@ -26,13 +36,16 @@ EXPECTED_PARAMS = {
     "efficientnet_b0": 4020358, "efficientnet_b1": 6525994, "efficientnet_b2": 7715084,
     "efficientnet_b3": 10711602, "efficientnet_b4": 17566546, "efficientnet_b5": 28361274,
     "efficientnet_b6": 40758754, "efficientnet_b7": 63812570,
+    # wte 256x128 + wpe 32x128 + 2 blocks x (2 LayerNorms 512 + qkv 49,536 + proj 16,512 +
+    # MLP 66,048 + 65,664) + ln_f 256
+    "gpt": 32768 + 4096 + 2 * (512 + 49536 + 16512 + 66048 + 65664) + 256,
 }
 
 
 @pytest.mark.parametrize("name, size", [("cnn", 32), ("cnn", 12), ("resnet18", 32),
                                         ("efficientnet_b0", 32)])
 def test_builds_with_num_classes(name, size):
-    m = models.build(name, 3, size, 7).eval()
+    m = build(name, 3, size, 7).eval()
     with torch.no_grad():
         assert m(torch.zeros(2, 3, size, size)).shape == (2, 7)
 
@@ -46,8 +59,10 @@ def test_book_cnn_layout():
 
 
 def test_unknown_model_lists_choices():
-    with pytest.raises(ValueError, match="unknown model 'vgg'; choose one of: cnn, resnet18"):
-        models.build("vgg", 3, 32, 10)
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="unknown model 'vgg'; choose one of: cnn, gpt, resnet18"):
+        models.build(SimpleNamespace(name="vgg", args={}), DataInfo("image", 3, 32, 10))
 
 
 def test_ipex_absent_or_mismatched_is_a_status_not_a_failure():

@@ -13,7 +13,9 @@ def test_only_complete_lines_are_records_and_a_torn_one_is_skipped(tmp_path):
     with s.path.open("ab") as f:
         f.write(b'{"op": "log", "ste\n{"op": "text", "name": "x", "text": "y"}\n{"op": "lo')
     got = [r for _, r in s.pending()]
-    assert [r["op"] for r in got] == ["log", "text"]  # torn line skipped, partial tail waits
+    # the torn line is set aside as no record (never blocking the rest); the partial tail waits
+    assert [r["op"] for r in got] == ["log", "invalid", "text"] and "not JSON" in got[1]["why"]
+    assert [r["op"] for _, r in s.pending(final=True)][-1] == "invalid"  # the writer is gone
     end = max(o for o, _ in s.pending())
     s.mark(end)
     assert list(s.pending()) == [] and s.left() == 0
@@ -50,13 +52,14 @@ def test_delivery_lands_everything_once_and_sets_a_refused_record_aside(store):
     s.append({"op": "log", "ts": 2001, "params": {"lr": "0.2"}})  # MLflow refuses a changed param
     s.append({"op": "text", "ts": 2002, "name": "note.txt", "text": "hello"})
     s.append({"op": "end", "ts": 3000, "status": "FINISHED"})
-    assert spool.deliver(d, client, lambda: False, timeout_s=5) == 0
+    out = spool.deliver(d, client, lambda: False, timeout_s=5)
+    assert (out.left, out.set_aside) == (0, 1)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["lr"] == "0.1"
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1, 2, 3, 4]
     assert "0.2" in (d / "rejected.jsonl").read_text()
     s.mark(0)  # as if the offset had been lost after the server took everything: send again
-    assert spool.deliver(d, client, lambda: False, timeout_s=5) == 0
+    assert spool.deliver(d, client, lambda: False, timeout_s=5).left == 0
     assert len(client.get_metric_history(run_id, "loss")) == 5  # each step still once
 
 

@@ -72,10 +72,14 @@ def study_runs(store: str) -> tuple[object, list]:
     ({"colour": "red"}, "colour: unknown key"),
     ({"variants": [{"name": "a"}, {"name": "a"}]}, "variants: got 'a'; variant names must be unique"),
     ({"baseline": "nope"}, "baseline: got 'nope'; must name a variant: one, two"),
-    ({"variants": [{"name": "z", "nproc": 0}]}, "variants[0].nproc: got 0; must be an integer >= 1"),
+    ({"variants": [{"name": "z", "nproc": 0}]}, "variants[0].nproc: got 0; must be an integer in [1, "),
     ({"variants": [{"name": "z", "launcher": "slurmish"}]}, "variants[0].launcher: got 'slurmish'"),
     ({"repeats": -1}, "repeats: got -1"),
-    ({"variants": [{"name": "z", "set": {"optim.lr": -1}}]}, "variant z: --set 'optim.lr=-1'"),
+    ({"variants": [{"name": "z", "set": {"optim.lr": -1}}]}, "variant z: set 'optim.lr=-1'"),
+    ({"repeats": 1000000000000}, "repeats: got 1000000000000; must be an integer in [1, 1000]"),
+    ({"variants": [{"name": "z", "set": {"train.amp": "fp16"}}]}, "variant z: train.amp: got 'fp16'"),
+    ({"variants": [{"name": "z", "set": {"train.global_batch_size": 99}}]},
+     "variant z: train.global_batch_size: got 99"),
     ({"grid": {"nproc": []}}, "grid.nproc: got []"),
 ])
 def test_a_bad_study_file_is_one_clear_line_and_no_run(tmp_path, store, change, says):

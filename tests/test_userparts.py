@@ -108,15 +108,19 @@ def test_offered_passes_only_the_names_a_signature_declares():
     assert got == {"num_classes": 5, "hidden": 8}  # the user's args win over ddplab's values
 
 
-def test_git_state_tells_committed_modified_and_untracked(tmp_path):
+def git_repo_with_a_commit(root: Path) -> None:
+    """A real git repository holding a.py (x = 1), committed."""
     git = shutil.which("git")
     assert git
-    def run(*a):
-        subprocess.run([git, "-C", str(tmp_path), *a], check=True, capture_output=True)
-    run("init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    run("add", "a.py")
-    run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "a")
+    for args in (["init", "-q"], ["add", "a.py"],
+                 ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "a"]):
+        if args[0] == "add":
+            (root / "a.py").write_text("x = 1\n")
+        subprocess.run([git, "-C", str(root), *args], check=True, capture_output=True)
+
+
+def test_git_state_tells_committed_modified_and_untracked(tmp_path):
+    git_repo_with_a_commit(tmp_path)
     (tmp_path / "b.py").write_text("y = 1\n")
     assert userparts.git_state(tmp_path / "a.py") == "committed"
     assert userparts.git_state(tmp_path / "b.py") == "untracked"
@@ -181,10 +185,10 @@ def test_a_users_dataset_describes_itself_by_attributes_then_shapes():
 
 # ---- real jobs ----
 
-def _torchrun(args: list[str], cwd: Path, store: str, nproc: int = 2,
-              timeout: int = 600) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], cwd: Path, store: str, nproc: int = 2, timeout: int = 600,
+              **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m",
-                           "ddplab", *args], cwd=cwd, env=job_env(store), capture_output=True,
+                           "ddplab", *args], cwd=cwd, env=job_env(store, **env), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -221,9 +225,14 @@ def test_lm_tiny_eval_loss_falls_by_a_third(tmp_path, store):
     assert 0 < run.data.metrics["eval/accuracy"] < 1
 
 
+# As an image states it: the code's sha and whether its tree was clean (a developer's checkout
+# is dirty while they work, and --strict refuses that by design).
+PINNED = {"DDPLAB_GIT_SHA": "0123456789ab", "DDPLAB_GIT_DIRTY": "false"}
+
+
 def _reproduce(run_id: str, cwd: Path, store: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "ddplab"), "reproduce", run_id, *extra], cwd=cwd,
-                          env=job_env(store), capture_output=True, text=True, timeout=600)
+                          env=job_env(store, **PINNED), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.e2e
@@ -232,7 +241,7 @@ def test_deterministic_lm_run_reproduces_bitwise(tmp_path, store):
                      "--set", f"data.root={REPO / 'README.md'}", "--set", "train.max_steps=12",
                      "--set", "train.eval_every_steps=4", "--set", "train.deterministic=true",
                      "--set", "train.log_every=2", "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
-                    tmp_path, store)
+                    tmp_path, store, **PINNED)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = runs(store)
     again = _reproduce(run.info.run_id, tmp_path, store)
@@ -245,10 +254,11 @@ def test_reproduce_finds_the_users_module_and_strict_refuses_it_changed(tmp_path
     shutil.copytree(SPIRALS.parent, exp)
     args = ["train", str(exp / "spirals.yaml"), "--set", "train.max_steps=10",
             "--set", "train.deterministic=true", "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
-    out = _torchrun(args, tmp_path, store)
+    out = _torchrun(args, tmp_path, store, **PINNED)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = runs(store)
     assert run.data.tags["ddplab.user.loss"] == "spirals:smoothed_cross_entropy"
+    assert run.data.tags["ddplab.git_dirty"] == "false"
     same = _reproduce(run.info.run_id, tmp_path, store, "--strict")
     assert same.returncode == 0 and ": bitwise (" in same.stdout, same.stdout + same.stderr[-2000:]
     module = exp / "spirals.py"
@@ -294,3 +304,27 @@ def test_the_example_experiment_runs_under_mpirun(tmp_path, store):
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "openmpi"
     assert run.data.tags["ddplab.user.model"] == "spirals:mlp" and run.data.metrics["eval/accuracy"] > 0.6
+
+
+def test_git_dirty_says_so_and_keeps_the_diff(tmp_path):
+    from ddplab import capsule
+
+    git_repo_with_a_commit(tmp_path)
+    assert capsule.git_dirty(tmp_path) == ("false", "")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "new.py").write_text("")
+    dirty, diff = capsule.git_dirty(tmp_path)
+    assert dirty == "true" and "+x = 2" in diff and "#   new.py" in diff
+
+
+@pytest.mark.e2e
+def test_a_run_from_a_dirty_tree_says_so_and_strict_reproduce_refuses_it(tmp_path, store):
+    dirty = {**PINNED, "DDPLAB_GIT_DIRTY": "true"}
+    out = _torchrun(["train", str(SPIRALS), "--set", "train.max_steps=4",
+                     "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, store, nproc=1, **dirty)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.data.tags["ddplab.git_dirty"] == "true"
+    refused = _reproduce(run.info.run_id, tmp_path, store, "--strict")
+    assert refused.returncode == 2 and "uncommitted changes" in refused.stderr, refused.stderr
+    assert len(runs(store)) == 1  # refused before any new run

@@ -84,6 +84,64 @@ def git_sha() -> str:
         return "unknown"
 
 
+MAX_DIFF_BYTES = 4 * 2**20
+# Where the hashed lock lies: a checkout (src/ddplab -> the repository root), or an image.
+LOCK_FILES = (Path(__file__).resolve().parents[2] / "requirements.lock",
+              Path("/opt/ddplab/lock/requirements.lock"))
+
+
+def lock_digest() -> str:
+    """The inputs digest the lock opens with (make lock): equal digests, equal environments."""
+    for path in LOCK_FILES:
+        try:
+            first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+        except OSError:
+            continue
+        if first.startswith("# inputs-sha256: "):
+            return first.removeprefix("# inputs-sha256: ")[:16]
+    return "unknown"
+
+
+def torch_build() -> str:
+    """Which build of torch ran, e.g. 2.14.1+cu130 (PyPI's) or 2.14.1+cpu (PyTorch's CPU index);
+    a version without its own label gets one from the build."""
+    if "+" in torch.__version__:
+        return torch.__version__
+    cuda = torch.version.cuda
+    return f"{torch.__version__}+{'cu' + cuda.replace('.', '') if cuda else 'cpu'}"
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def _git(*args: str, where: Path = HERE) -> subprocess.CompletedProcess | None:
+    """git in the checkout this code runs from; None where there is no git or no checkout."""
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                              check=False, cwd=where)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def git_dirty(where: Path = HERE) -> tuple[str, str]:
+    """("true" with the uncommitted diff | "false" | "unknown", diff) for the checkout this code
+    runs from: edited or untracked files in the repository mean the sha alone does not say
+    what ran. An installed copy (an image, a wheel) is "unknown" unless $DDPLAB_GIT_DIRTY says."""
+    if os.environ.get("DDPLAB_GIT_SHA"):
+        return os.environ.get("DDPLAB_GIT_DIRTY", "unknown"), ""
+    status = _git("status", "--porcelain", "--untracked-files=normal", where=where)
+    if status is None or status.returncode != 0:
+        return "unknown", ""
+    if not status.stdout.strip():
+        return "false", ""
+    diff = _git("diff", "HEAD", where=where)
+    text = diff.stdout if diff is not None else ""
+    untracked = [line[3:] for line in status.stdout.splitlines() if line.startswith("??")]
+    if untracked:
+        text += "\n# untracked files (not in the diff):\n" + "\n".join(f"#   {u}" for u in untracked)
+    return "true", text[:MAX_DIFF_BYTES]
+
+
 def container_image() -> str:
     """The image this process runs in ($DDPLAB_IMAGE from our Dockerfiles), or ''."""
     image = os.environ.get("DDPLAB_IMAGE", "")

@@ -97,14 +97,35 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: str) -> list[tuple[str, 
     return changes
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a vanished folder): one line."""
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """torch.save reports a full disk as a RuntimeError from its zip writer, raised while
+    handling the OSError that says what happened: the OSError is the reason to give."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
 def write_atomic(payload: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)  # a full disk must not also leave half a checkpoint behind
+        cause = _root_cause(e)
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)[:200]
+        raise CheckpointError(f"checkpoint.dir: could not write {path} ({why})") from e
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable

@@ -15,11 +15,8 @@ from typing import Any
 from . import data, models, textdata, userparts
 from .config import ConfigError, ExperimentConfig, is_import_path
 from .launch import LaunchEnv
+from .tracking import resolve_uri, uri_problem
 from .userparts import Parts
-
-# What MLflow's client can open (mlflow.tracking._tracking_service.utils, store registry).
-TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file",
-                    "databricks", "databricks-uc", "uc")
 
 
 def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
@@ -33,10 +30,24 @@ def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
     if cfg.tracking.enabled:
         _tracking_uri(cfg.tracking.uri)
     if le.is_rank0:
+        if cfg.tracking.enabled:
+            _run_to_attach(resolve_uri(cfg.tracking))
         _writable_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
+        _really_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
         if summary_out:
             _summary_path(Path(summary_out))
     return parts
+
+
+def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
+                cuda_available: bool, experiment: str | Path) -> None:
+    """What a study checks of each variant before any run exists: the batch arithmetic, and,
+    for jobs that run on this host, the same machine, data and user-part checks as train."""
+    cfg.global_batch(world_size)
+    if on_this_host:
+        _layout(cfg, cuda_available)
+        _data(cfg)
+        _user_parts(cfg, experiment)
 
 
 def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:
@@ -160,10 +171,26 @@ def _tracking_uri(uri: str) -> None:
         "MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))
     if not value:
         return  # the embedded default store
-    scheme = value.split(":", 1)[0].lower() if ":" in value else ""
-    if scheme not in TRACKING_SCHEMES:
-        raise ConfigError(f"{source}: got {value!r}; use a tracking server (http://host:5000) or a "
-                          f"store URI with one of the schemes {', '.join(TRACKING_SCHEMES)}")
+    problem = uri_problem(value)
+    if problem:
+        raise ConfigError(f"{source}: got {value!r}; {problem}")
+
+
+def _run_to_attach(uri: str) -> None:
+    """$MLFLOW_RUN_ID (a study's or a launcher's run for this job) must name a run there."""
+    run_id = os.environ.get("MLFLOW_RUN_ID", "")
+    if not run_id:
+        return
+    from .tracking import check_reachable, open_client
+
+    if check_reachable(uri):
+        return  # the tracker's own wait and message (tracking.wait_s) handle a down server
+    try:
+        open_client(uri).get_run(run_id)
+    except Exception as e:  # noqa: BLE001 - no such run, or a store that cannot say
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"MLFLOW_RUN_ID: got {run_id!r}; no such run in {uri} ({first}): unset "
+                          "it to start a new run") from None
 
 
 def _writable_dir(path: Path, key: str, given: str = "") -> None:
@@ -175,6 +202,27 @@ def _writable_dir(path: Path, key: str, given: str = "") -> None:
         raise ConfigError(f"{key}: got {given!r}; {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: got {given!r}; {existing} is not writable by this user")
+
+
+def _really_writable(path: Path, key: str) -> None:
+    """Make the folder and a file in it, then take back what was made: permission bits do not
+    tell (root passes os.access on /proc, read-only mounts, full disks), trying does."""
+    import tempfile
+
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".ddplab-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: got {str(path)!r}; cannot write there ({e.strerror or e})") \
+            from None
+    finally:
+        for p in made:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                break
 
 
 def _summary_path(path: Path) -> None:

@@ -133,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         if args.command == "sync":
             from .delivery import sync
+            from .tracking import validated_uri
 
-            return sync(args.paths, args.timeout, args.tracking_uri)
+            uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
+            return sync(args.paths, args.timeout, uri)
         if args.command == "doctor":
             from .doctor import doctor
 
@@ -200,7 +202,9 @@ def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
     from .run import Terminated, train
     from .tracking import TrackingError
 
-    expected = (BackendError, DataError, TrackingError, Rank0Error, Terminated,
+    from .checkpoint import CheckpointError
+
+    expected = (BackendError, DataError, TrackingError, Rank0Error, Terminated, CheckpointError,
                 FileNotFoundError, ValueError)
     warnings.filterwarnings("default")
     from .config import ConfigError

@@ -143,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     started = os.times()
     (args.spool / "delivery-startup.json").write_text(json.dumps(
         {"cpu_s": round(started.user + started.system, 3)}))
-    left = spool.deliver(args.spool, client, producing, args.timeout)
+    out = spool.deliver(args.spool, client, producing, args.timeout)
     cpu = os.times()
-    (args.spool / "delivery.json").write_text(json.dumps(
-        {"cpu_s": round(cpu.user + cpu.system, 3), "left": left, "pid": os.getpid()}))
-    return 0 if left == 0 else 1
+    with contextlib.suppress(OSError):  # a full disk: the spool itself still says what is left
+        (args.spool / "delivery.json").write_text(json.dumps(
+            {"cpu_s": round(cpu.user + cpu.system, 3), "left": out.left,
+             "set_aside": out.set_aside, "error": out.error, "pid": os.getpid()}))
+    return 0 if out.left == 0 else 1
 
 
 if __name__ == "__main__":
@@ -157,7 +159,9 @@ if __name__ == "__main__":
 def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
     """``ddplab sync``: deliver every spool under ``paths`` that still holds records, each to
     its run (ended with its recorded status). Idempotent: delivered records are not sent
-    again. Returns 0 when nothing is left anywhere, 1 when a server still did not answer."""
+    again. Returns 0 when everything is delivered everywhere; 1 when records are still left (a
+    server that did not answer or refused for now), were set aside (refused as records, or no
+    records), or a run is not in the store."""
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
         print(f"ddplab sync: error: no such file or directory: {missing[0]}", file=sys.stderr)
@@ -168,27 +172,78 @@ def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
         return 0
     still = 0
     for directory in found:
-        still += _sync_one(directory, timeout_s, uri)
+        try:
+            still += _sync_one(directory, timeout_s, uri)
+        except (OSError, ValueError, KeyError) as e:  # an unreadable spool: the others go on
+            print(f"{directory}: cannot be read ({type(e).__name__}: {e})", file=sys.stderr)
+            still += 1
     return 1 if still else 0
+
+
+def job_over(directory: Path) -> bool:
+    """The job that wrote this spool has ended: it closed the spool, or its delivery process
+    finished (it outlives the job, and attach() clears both for a new attempt)."""
+    return (directory / spool.CLOSED).exists() or (directory / "delivery.json").exists()
 
 
 def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
     meta = spool.Meta.read(directory)
-    todo = [r for s in spool.STREAMS for _, r in spool.Stream(directory, s).pending()]
+    target = uri or meta.uri
+    over = job_over(directory)
+    todo = sum(s.left(over) for s in (spool.Stream(directory, n) for n in spool.STREAMS))
     where = f"run {meta.run_id} ({directory})"
-    if not todo:
-        print(f"{where}: up to date")
-        return 0
-    ends = [r["status"] for r in todo if r.get("op") == "end"]
-    left = spool.deliver(directory, make_client(uri or meta.uri), lambda: False, timeout_s)
-    if left:
-        print(f"{where}: {uri or meta.uri} did not answer within {timeout_s:.0f} s: "
-              f"{left} of {len(todo)} records still left", file=sys.stderr)
+    client = make_client(target)
+    try:
+        client.get_run(meta.run_id)
+    except Exception as e:  # noqa: BLE001 - no run, or no answer: say which, keep everything
+        if spool.status_of(e) == 404:
+            print(f"{where}: error: {target} has no run {meta.run_id} (the job tracked to "
+                  f"{meta.uri}); sync to that store, or --tracking-uri the one that holds the run",
+                  file=sys.stderr)
+        else:
+            print(f"{where}: {target} {_failed(spool.describe(e))}; {todo} records kept in the "
+                  "spool", file=sys.stderr)
+        return max(todo, 1)
+    before = spool.rejected_in(directory)
+    ends = [r["status"] for s in spool.STREAMS for _, r in spool.Stream(directory, s).pending(over)
+            if r.get("op") == "end"]
+    out = spool.Outcome()
+    if todo:
+        out = spool.deliver(directory, client, lambda: False, timeout_s, final=over)
+        if out.left:
+            print(f"{where}: {target} {_failed(out.error)} within {timeout_s:.0f} s: {out.left} of "
+                  f"{todo} records still left in the spool", file=sys.stderr)
+        else:
+            print(f"{where}: delivered {todo - out.set_aside} records"
+                  + (f"; run ended {ends[-1]}" if ends else ""))
     else:
-        print(f"{where}: delivered {len(todo)} records"
-              + (f"; run ended {ends[-1]}" if ends else ""))
-    rejected = directory / "rejected.jsonl"
-    if rejected.exists():
-        print(f"{where}: the server refused {len(rejected.read_text().splitlines())} records "
-              f"(kept with its reasons in {rejected})", file=sys.stderr)
-    return left
+        print(f"{where}: up to date")
+    refused = spool.rejected_in(directory)
+    if refused:
+        new = f", {refused - before} of them now" if refused > before else ""
+        print(f"{where}: {refused} records set aside{new} (refused by the server as records, or "
+              f"no records), kept with the reasons in {directory / spool.REJECTED}",
+              file=sys.stderr)
+    if over and not out.left:
+        _end_if_abandoned(client, meta, where)
+    return out.left + refused
+
+
+def _failed(error: str) -> str:
+    """"refused ..." when the server answered no, "did not answer (...)" when it was silent."""
+    return error if error.startswith("refused") else f"did not answer ({error})"
+
+
+def _end_if_abandoned(client: Any, meta: spool.Meta, where: str) -> None:
+    """Everything the job recorded is in, the job is over, and the run still says RUNNING: its
+    end was never recorded (killed outright, or its last line torn). End it FAILED, saying so."""
+    try:
+        if client.get_run(meta.run_id).info.status != "RUNNING":
+            return
+        client.set_tag(meta.run_id, "ddplab.error", "the job ended without recording its end "
+                       "(killed outright, or its last record torn); ended by ddplab sync")
+        client.set_terminated(meta.run_id, "FAILED")
+    except Exception as e:  # noqa: BLE001
+        print(f"{where}: could not end the run ({spool.describe(e)})", file=sys.stderr)
+        return
+    print(f"{where}: the job had ended without recording the run's end: ended it FAILED")

@@ -44,6 +44,9 @@ class Job:
     """What the data told the model (sizes, and whether it is image or token data)."""
     parts: Parts
     """The user's own parts, if any (their provenance goes into the run)."""
+    git_dirty: str = "unknown"
+    """Whether the checkout had uncommitted changes when the job started: true|false|unknown."""
+    git_diff: str = ""
     stats: RunStats = field(default_factory=RunStats)
     profiler: NoProfile = field(default_factory=NoProfile)
     """Stepped after every optimizer step; a real one only inside ``profiling(job)``."""
@@ -69,8 +72,9 @@ def build(cfg: config.ExperimentConfig, layout: Layout, resume: checkpoint.Resum
     state, ipex = _model(cfg, layout.device, loaders, info, parts, resume.payload, le.world_size)
     ckpt = checkpoint.Checkpointer(Path(cfg.checkpoint.dir) / cfg.name, cfg.checkpoint.keep,
                                    le.is_rank0)
+    dirty, diff = capsule.git_dirty() if le.is_rank0 else ("unknown", "")
     return Job(cfg, layout, run, resume, Console(le.is_rank0, summary_out), loaders, state, ipex,
-               hosts, t_start, ckpt, info, parts)
+               hosts, t_start, ckpt, info, parts, dirty, diff)
 
 
 def _hosts(world_size: int) -> list[str]:
@@ -134,6 +138,8 @@ def record_start(job: Job) -> None:
                          "backend": layout.choice.__dict__,
                          "ccl_env_set_by_ddplab": layout.ccl_env, "ipex": job.ipex.__dict__})
     job.run.log_text(json.dumps(env, indent=2, default=str), "environment.json")
+    if job.git_diff:  # the sha alone does not say what ran
+        job.run.log_text(job.git_diff, "git.diff")
     what = "resuming " + job.resume.path if job.resume.path else "starting"
     job.console.say(
         f"{what}: run {job.run.run_id or '(tracking off)'}, {le.launcher} x{le.world_size} on "
@@ -153,7 +159,9 @@ def _tags(job: Job) -> dict[str, Any]:
         "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
         "ddplab.device": layout.device.type, "ddplab.hosts": ",".join(job.hosts),
         "ddplab.rank0_host": socket.gethostname(),
-        "ddplab.git_sha": capsule.git_sha(), "ddplab.image": capsule.container_image() or "none",
+        "ddplab.git_sha": capsule.git_sha(), "ddplab.git_dirty": job.git_dirty,
+        "ddplab.lock": capsule.lock_digest(), "ddplab.torch_build": capsule.torch_build(),
+        "ddplab.image": capsule.container_image() or "none",
         "ddplab.threads_per_rank": layout.threads,
         "ddplab.pinned_cores": ",".join(map(str, layout.pinned)) or "none",
         "ddplab.ipex": "used" if job.ipex.used else f"not used: {job.ipex.reason}",

@@ -81,8 +81,11 @@ class Stream:
         tmp.write_text(str(offset))
         os.replace(tmp, self.mark_path)
 
-    def pending(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(end offset, record) for each complete line not yet delivered."""
+    def pending(self, final: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(end offset, record) for each complete line not yet delivered. A line that is not a
+        record (torn by a crash mid-write, or garbage) comes as an ``invalid`` record, to be
+        set aside with its reason, never blocking the rest. A last line without its newline is
+        being written, unless ``final`` (the writer is gone): then it is torn."""
         start = self.delivered()
         try:
             with self.path.open("rb") as f:
@@ -92,17 +95,35 @@ class Stream:
             return
         offset = start
         for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                return  # being written, or cut by a crash: not a record yet
+            if not line.endswith(b"\n") and not final:
+                return  # being written: not a record yet
             offset += len(line)
-            try:
-                yield offset, json.loads(line)
-            except ValueError:
-                continue  # a line torn by a crash mid-write: skip it, never block on it
+            yield offset, parse(line)
 
-    def left(self) -> int:
-        """Complete records not yet delivered."""
-        return sum(1 for _ in self.pending())
+    def left(self, final: bool = False) -> int:
+        """Records not yet delivered (with ``final``, a torn last line counts)."""
+        return sum(1 for _ in self.pending(final))
+
+
+OPS = {"log": (), "text": ("name", "text"), "file": ("path", "dir"), "end": ("status",)}
+
+
+def parse(line: bytes) -> dict[str, Any]:
+    """A spool line as a record, or an ``invalid`` record saying why it is not one."""
+    text = line.decode("utf-8", errors="replace").rstrip("\n")
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return {"op": "invalid", "why": "not JSON (a line torn by a crash?)", "line": text[:2000]}
+    if not isinstance(record, dict) or record.get("op") not in OPS:
+        return {"op": "invalid", "why": "JSON, but not a ddplab record (no known op)",
+                "line": text[:2000]}
+    missing = [k for k in OPS[record["op"]] if k not in record]
+    maps_ok = all(isinstance(record.get(k, {}), dict) for k in ("metrics", "params", "tags"))
+    if missing or not maps_ok or not isinstance(record.get("ts", 0), int):
+        return {"op": "invalid", "why": f"a {record['op']} record with missing or mistyped fields "
+                f"{', '.join(missing) or 'metrics/params/tags/ts'}", "line": text[:2000]}
+    return record
 
 
 @dataclass(frozen=True)
@@ -120,8 +141,19 @@ class Meta:
         (directory / "meta.json").write_text(json.dumps(self.__dict__, indent=1))
 
 
-def left_in(directory: Path) -> int:
-    return sum(Stream(directory, s).left() for s in STREAMS)
+def left_in(directory: Path, final: bool = False) -> int:
+    return sum(Stream(directory, s).left(final) for s in STREAMS)
+
+
+def rejected_in(directory: Path) -> int:
+    """Records the server refused (or that were no records), kept in rejected.jsonl."""
+    try:
+        return len((directory / REJECTED).read_text().splitlines())
+    except OSError:
+        return 0
+
+
+REJECTED = "rejected.jsonl"
 
 
 def find(paths: list[Path]) -> list[Path]:
@@ -135,13 +167,35 @@ def find(paths: list[Path]) -> list[Path]:
     return found
 
 
-class Permanent(Exception):
-    """The server refused a record (4xx): sending it again would be refused again."""
+class Invalid(Exception):
+    """A spool line that is not a record: nothing could ever deliver it."""
+
+
+# What the server says about a RECORD (a param whose value changed, a value too long): sending
+# it again would be refused again. Every other refusal is about the connection, the credentials
+# or the run (401, 403, 404, 408, 409, 429, 5xx, a proxy's answer for a while): retried, and
+# the record kept until it is delivered.
+RECORD_REFUSALS = (400, 413, 422)
+
+
+def status_of(e: Exception) -> int:
+    try:
+        return int(getattr(e, "get_http_status_code", lambda: 0)() or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _is_permanent(e: Exception) -> bool:
-    status = getattr(e, "get_http_status_code", lambda: 500)()
-    return 400 <= int(status) < 500
+    return isinstance(e, Invalid) or status_of(e) in RECORD_REFUSALS
+
+
+def describe(e: Exception) -> str:
+    """One line for a delivery failure: refused (with the HTTP status) or no answer."""
+    status = status_of(e)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if status and status != 500:
+        return f"refused with HTTP {status}: {first}"
+    return f"{type(e).__name__}: {first}"
 
 
 class Sender:
@@ -149,12 +203,14 @@ class Sender:
 
     def __init__(self, client: Any, meta: Meta, rejected: Path) -> None:
         self.client, self.meta, self.rejected = client, meta, rejected
+        self.set_aside = 0
+        """Records refused for good (or no records) in this sender's life."""
 
-    def send(self, stream: Stream) -> int:
+    def send(self, stream: Stream, final: bool = False) -> int:
         """Deliver everything pending in ``stream``; returns records delivered. Raises on a
-        transient failure (server down), after marking what got through."""
+        transient failure (server down, or refusing for now), after marking what got through."""
         done = 0
-        for batch, end in _batches(stream.pending()):
+        for batch, end in _batches(stream.pending(final)):
             try:
                 self._send(batch)
             except Exception as e:
@@ -169,6 +225,8 @@ class Sender:
         from mlflow.entities import Metric, Param, RunTag
 
         op, run_id = batch[0]["op"], self.meta.run_id
+        if op == "invalid":
+            raise Invalid(batch[0]["why"])
         if op == "log":
             self.client.log_batch(
                 run_id,
@@ -202,6 +260,7 @@ class Sender:
         with self.rejected.open("a") as f:
             for r in batch:
                 f.write(json.dumps({"error": str(e)[:500], "record": r}) + "\n")
+        self.set_aside += len(batch)
 
 
 def _batches(pending: Iterator[tuple[int, dict[str, Any]]]
@@ -224,29 +283,41 @@ def _batches(pending: Iterator[tuple[int, dict[str, Any]]]
         yield batch, end
 
 
+@dataclass
+class Outcome:
+    """How a delivery ended: records still left, records set aside, the last failure."""
+
+    left: int = 0
+    set_aside: int = 0
+    error: str = ""
+
+
 def deliver(directory: Path, client: Any, producing: Callable[[], bool], timeout_s: float,
-            pause_s: float = 3.0) -> int:
+            pause_s: float = 3.0, final: bool = False) -> Outcome:
     """Send this spool's records while ``producing()`` and, once it says False, until nothing is
-    left or ``timeout_s`` has passed. A transient failure (server down) is retried with backoff,
-    never dropped. Returns the records still left."""
-    sender = Sender(client, Meta.read(directory), directory / "rejected.jsonl")
+    left or ``timeout_s`` has passed. A transient failure (server down, or refusing for a while)
+    is retried with backoff, never dropped; only what the server refuses as a record, or what is
+    no record, is set aside in rejected.jsonl. ``final``: the writer is gone (a torn last line is
+    set aside too)."""
+    sender = Sender(client, Meta.read(directory), directory / REJECTED)
     streams = [Stream(directory, s) for s in STREAMS]
-    backoff, deadline = pause_s, None
+    backoff, deadline, error = pause_s, None, ""
     while True:
         if deadline is None and not producing():  # asked BEFORE sending: nothing is missed
             deadline = time.monotonic() + timeout_s
         try:
             for stream in streams:
-                sender.send(stream)
+                sender.send(stream, final and deadline is not None)
             backoff = pause_s
             if deadline is not None:
-                return 0
-        except Exception:  # noqa: BLE001 - transient (server down): try again later
+                return Outcome(0, sender.set_aside)
+        except Exception as e:  # noqa: BLE001 - transient (server down): try again later
+            error = describe(e)
             # Backing off spares a down server; once the job has ended, the bound is short
             # and every second counts, so retries come faster.
             backoff = min(backoff * 2, 10.0 if deadline is None else 2.0)
             if deadline is not None and time.monotonic() >= deadline:
-                return left_in(directory)
+                return Outcome(left_in(directory, final), sender.set_aside, error)
         if deadline is None:
             _nap(backoff, producing)
         else:

@@ -18,8 +18,6 @@ import subprocess
 import sys
 import time
 import traceback
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,33 +50,119 @@ def ui_address(uri: str, experiment_id: str, run_id: str) -> str:
     return f" in {uri}; browse it with `make ui`, then http://127.0.0.1:5000/{route}"
 
 
+# What MLflow's client can open (mlflow.tracking._tracking_service.utils, store registry).
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file",
+                    "databricks", "databricks-uc", "uc")
+# SQLAlchemy's default driver per database (SQLAlchemy 2.1: psycopg 3 for postgresql).
+DB_DRIVERS = {"postgresql": ("psycopg", "psycopg[binary]"), "mysql": ("MySQLdb", "mysqlclient"),
+              "mssql": ("pyodbc", "pyodbc")}
+DRIVER_MODULES = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]",
+                  "pymysql": "pymysql", "mysqldb": "mysqlclient", "pyodbc": "pyodbc",
+                  "pg8000": "pg8000", "asyncpg": "asyncpg", "pymssql": "pymssql"}
+
+
+def uri_problem(value: str) -> str | None:
+    """Why MLflow's client could not use this tracking URI, or None (no network involved)."""
+    import importlib.util
+
+    scheme, sep, rest = value.partition(":")
+    scheme = scheme.lower() if sep else ""
+    base, _, driver = scheme.partition("+")
+    if base not in TRACKING_SCHEMES:
+        return (f"use a tracking server (http://host:5000) or a store URI with one of the "
+                f"schemes {', '.join(TRACKING_SCHEMES)}")
+    if base == "sqlite" and rest.strip("/") in ("", ":memory:"):
+        return ("an in-memory SQLite store vanishes with the process that opened it, before the "
+                "run could be read: give a file, sqlite:///path/mlflow.db")
+    if base == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+        return ("MLflow 3 refuses the file store unless MLFLOW_ALLOW_FILE_STORE=true; use "
+                "sqlite:///path/mlflow.db (the default) or a server")
+    if base in DB_DRIVERS:
+        module, package = (driver, DRIVER_MODULES.get(driver, driver)) if driver else DB_DRIVERS[base]
+        if importlib.util.find_spec(module.lower() if module != "MySQLdb" else module) is None:
+            return f"{base} needs its driver: pip install {package} (or name one: {base}+driver://)"
+    return None
+
+
+def validated_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
+    """The tracking URI a command uses (``explicit``, else $MLFLOW_TRACKING_URI, else the
+    embedded store here), or one ConfigError line naming where the bad one came from."""
+    from .config import ConfigError
+
+    value, where = (explicit, source) if explicit else (
+        os.environ.get("MLFLOW_TRACKING_URI", ""), "MLFLOW_TRACKING_URI")
+    if not value:
+        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    problem = uri_problem(value)
+    if problem:
+        raise ConfigError(f"{where}: got {value!r}; {problem}")
+    return value
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Jobs started together on a new SQLite store would both run MLflow's schema migrations
+    ("duplicate column name"): the first to open it does, the others wait on a file lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])  # sqlite:////abs or sqlite:///rel
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{db}.ddplab-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield  # an unwritable folder: MLflow's own error will say so
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def open_client(uri: str) -> Any:
+    """An MlflowClient whose store is ready (created and migrated once, under store_lock)."""
+    from mlflow import MlflowClient
+
+    with store_lock(uri):
+        client = MlflowClient(uri)
+        if not uri.startswith(("http://", "https://")):
+            client.search_experiments(max_results=1)  # creates and migrates the store now
+    return client
+
+
 def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
     """None when the store answers a real API call, else a one-line reason.
 
-    MLflow's own client retries for minutes; a job should say at once that the server is
-    down. /health would not do: it answers even when clients get 403 (allowed-hosts).
+    Through MLflow's own client, so every way it authenticates works here too (basic auth,
+    MLFLOW_TRACKING_TOKEN, a custom CA, auth plugins), but without its minutes of retries: a
+    job should say at once that the server is down. /health would not do: it answers even
+    when clients get 403 (allowed-hosts).
     """
     if not uri.startswith(("http://", "https://")):
         return None
-    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
-    headers = {}
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get(
-        "MLFLOW_TRACKING_PASSWORD")
-    if user and password:
-        import base64
+    from mlflow import MlflowClient
 
-        token = base64.b64encode(f"{user}:{password}".encode()).decode()
-        headers["Authorization"] = f"Basic {token}"
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(timeout_s))}
+    saved = {k: os.environ.get(k) for k in quick}
+    os.environ.update(quick)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                    timeout=timeout_s) as r:
-            r.read(1)
+        MlflowClient(uri).search_experiments(max_results=1)
         return None
-    except urllib.error.HTTPError as e:
-        return f"tracking server {uri} answered HTTP {e.code} ({e.reason})"
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        return f"tracking server {uri} is unreachable ({reason})"
+    except Exception as e:  # noqa: BLE001 - any failure is the one line below
+        status = getattr(e, "get_http_status_code", lambda: 0)()
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if status and status != 500 and "Max retries" not in text:
+            return f"tracking server {uri} answered HTTP {status} ({text[:200]})"
+        return f"tracking server {uri} is unreachable ({text[:200]})"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class NullTracker:
@@ -173,11 +257,32 @@ class MlflowTracker(NullTracker):
         if self.finished or self.records is None:
             return
         self.finished = True
-        if error:
-            self.set_tags({"ddplab.error": error[-4000:]})
-            self.log_text(error, "error.txt")
-        self._append({"op": "end", "status": status})
-        self.records.close()
+        try:
+            if error:
+                self.set_tags({"ddplab.error": error[-4000:]})
+                self.log_text(error, "error.txt")
+            self._append({"op": "end", "status": status})
+        except OSError as e:  # the spool cannot be written (a full disk): end the run directly
+            self._end_directly(status, error, e)
+        finally:
+            self.records.close()
+
+    def _end_directly(self, status: str, error: str, e: OSError) -> None:
+        """The run's end and its real reason straight to the server, when the spool cannot take
+        them: a run must never stay RUNNING, nor end blaming the wrong thing."""
+        why = f"the tracking spool could not be written ({e.strerror or e}): records after " \
+              "that point are not in the run"
+        first = error.split("\n", 1)[0] if error else ""
+        try:
+            self.client.set_tag(self.run_id, "ddplab.error", (f"{first}; " if first else "") + why)
+            self.client.set_terminated(self.run_id, "FAILED" if status == "FINISHED" else status)
+        except Exception as sent:  # noqa: BLE001 - nothing else can end it: say so, once
+            print(f"ddplab: error: run {self.run_id} could not be ended ({why}; the server: "
+                  f"{type(sent).__name__}: {str(sent)[:200]}); end it with `mlflow runs` or the "
+                  "UI", file=sys.stderr, flush=True)
+            return
+        print(f"ddplab: error: {why}; run {self.run_id} ended FAILED directly", file=sys.stderr,
+              flush=True)
 
 
 def _delete_artifact(artifact_uri: str, path: str) -> None:
@@ -204,8 +309,6 @@ def experiment_id(client: Any, name: str) -> str:
 
 def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
                       resume_run_id: str, spool_root: Path, run_name: str = "") -> MlflowTracker:
-    from mlflow import MlflowClient
-
     uri = resolve_uri(cfg)
     problem = check_reachable(uri)
     deadline = time.monotonic() + cfg.wait_s
@@ -216,13 +319,13 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
         waited = f" after waiting {cfg.wait_s:.0f}s (tracking.wait_s)" if cfg.wait_s else ""
         raise TrackingError(f"{problem}{waited}. Start it, fix MLFLOW_TRACKING_URI, or set "
                             "tracking.enabled=false")
-    client = MlflowClient(uri)
+    client = open_client(uri)
     run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID", "")
     if run_id:
         # What an earlier attempt left undelivered goes first (its error and end included), so
         # the take-over below sees, and sets aside, everything that attempt recorded.
         for left in spool.find([spool_root / run_id]):
-            spool.deliver(left, client, lambda: False, timeout_s=30.0)
+            spool.deliver(left, client, lambda: False, timeout_s=30.0, final=True)
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
         tracker = MlflowTracker(client, run, uri)
@@ -291,6 +394,7 @@ class Delivery:
         self.directory = directory
         spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
         (directory / spool.CLOSED).unlink(missing_ok=True)  # an earlier attempt's
+        (directory / "delivery.json").unlink(missing_ok=True)  # (sync reads both: job over)
         self._tell(json.dumps({"spool": str(directory), "t0_ms": ref.start_ms}) + "\n")
 
     def cancel(self) -> None:
@@ -325,13 +429,15 @@ class Delivery:
         return total, min(startup, total)
 
     def close(self) -> int:
-        (self.directory / spool.CLOSED).write_text(str(spool.now_ms()))
+        """Records not delivered: still left, or set aside (refused as records)."""
+        with contextlib.suppress(OSError):  # a full disk: the delivery also ends when we do
+            (self.directory / spool.CLOSED).write_text(str(spool.now_ms()))
         try:
             self.proc.wait(timeout=self.timeout_s + 15)  # its own bound, plus its start-up
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        return spool.left_in(self.directory)
+        return spool.left_in(self.directory) + spool.rejected_in(self.directory)
 
 
 class NoDelivery:
@@ -414,10 +520,22 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
 
 
 def _say_left(left: int, uri: str, directory: Path) -> None:
+    """The job's last lines: what the server has not taken, why, and where it is kept."""
     run_dir = directory.parent.parent
-    print(f"ddplab: warning: the tracking server {uri} did not take {left} records within "
-          f"tracking.delivery_timeout_s; they are kept in {directory}: deliver them with "
-          f"`ddplab sync {run_dir}`", file=sys.stderr, flush=True)
+    refused = spool.rejected_in(directory)
+    try:
+        last = json.loads((directory / "delivery.json").read_text()).get("error", "")
+    except (OSError, ValueError):
+        last = ""
+    if left > refused:
+        print(f"ddplab: warning: the tracking server {uri} did not take {left - refused} records "
+              f"within tracking.delivery_timeout_s{f' (last: {last})' if last else ''}; they are "
+              f"kept in {directory}: deliver them with `ddplab sync {run_dir}`",
+              file=sys.stderr, flush=True)
+    if refused:
+        print(f"ddplab: warning: the tracking server refused {refused} records as invalid; they "
+              f"are kept with its reasons in {directory / spool.REJECTED} (`ddplab sync "
+              f"{run_dir}` lists them)", file=sys.stderr, flush=True)
 
 
 ORPHAN_GRACE_S = 20.0

@@ -53,9 +53,11 @@ def plan_from(a: argparse.Namespace) -> Plan:
     for flag, value, low in (("--iters", a.iters, 1), ("--warmup", a.warmup, 0)):
         if value < low:
             raise BenchError(f"{flag}: got {value}; must be an integer >= {low}")
-    for flag, value in (("--point-time", a.point_time), ("--timeout", a.timeout)):
-        if not value > 0:
-            raise BenchError(f"{flag}: got {value}; must be a number of seconds > 0")
+    import math
+
+    for flag, value, most in (("--point-time", a.point_time, 3600), ("--timeout", a.timeout, 86400)):
+        if not (math.isfinite(value) and 0 < value <= most):
+            raise BenchError(f"{flag}: got {value}; must be a number of seconds in (0, {most}]")
     sizes = sorted({parse_size(s) for s in a.sizes.split(",") if s.strip()})
     if not sizes:
         raise BenchError("--sizes: empty; e.g. --sizes 1K,64M")
@@ -91,6 +93,10 @@ def collectives(a: argparse.Namespace) -> int:
     from ..launch import LaunchEnv
 
     plan = plan_from(a)
+    if not a.no_tracking:  # a bad URI is one line before any process group, as for train
+        from ..study import tracking_uri
+
+        a.tracking_uri = tracking_uri(a.tracking_uri)
     le = LaunchEnv.from_environ(os.environ)
     backends = usable_backends(plan, a.backend.strip() != "all")
     if "ccl" in backends:  # as a training job does: oneCCL reads them when its group starts
@@ -120,9 +126,9 @@ def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]
     def create() -> Report:
         client = None
         if not a.no_tracking:
-            from ..study import reachable_client, tracking_uri
+            from ..study import reachable_client
 
-            client = reachable_client(a.tracking_uri or tracking_uri())
+            client = reachable_client(a.tracking_uri)
         params = {"world_size": le.world_size, "nnodes": le.nnodes, "launcher": le.launcher,
                   "backends": ",".join(backends), "ops": ",".join(o.name for o in plan.ops),
                   "sizes": ",".join(str(s) for s in plan.sizes), "dtype": str(plan.dtype)[6:],

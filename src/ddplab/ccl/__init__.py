@@ -37,9 +37,13 @@ def build_info(where: Path | None = None) -> dict:
         return {}
 
 
-def libfabric() -> str | None:
-    """oneCCL's ofi transport loads libfabric.so.1 at run time (Debian: libfabric1)."""
-    return ctypes.util.find_library("fabric")
+def libfabric(where: Path | None = None) -> str | None:
+    """oneCCL's ofi transport loads libfabric.so.1 at run time: the system's (Debian:
+    libfabric1), else the one ``make setup-ccl`` fetched beside the backend (ccl/fabric.py)."""
+    from .fabric import bundled
+
+    mine = bundled(where or home())
+    return str(mine) if mine else ctypes.util.find_library("fabric")
 
 
 def missing(where: Path | None = None) -> str | None:
@@ -54,9 +58,9 @@ def missing(where: Path | None = None) -> str | None:
     if built_for != torch.__version__:
         return (f"ddplab's ccl backend was built for torch {built_for}, this is torch "
                 f"{torch.__version__} (run: make setup-ccl)")
-    if libfabric() is None:
-        return ("oneCCL's ofi transport needs libfabric.so.1, not found "
-                "(Debian/Ubuntu: apt-get install libfabric1)")
+    if libfabric(where) is None:
+        return ("oneCCL's ofi transport needs libfabric.so.1, not found (run make setup-ccl, "
+                "which fetches it, or apt-get install libfabric1)")
     return None
 
 
@@ -73,6 +77,9 @@ def _load(where: Path) -> tuple[ModuleType | None, str]:
     if why:
         return None, why
     try:
+        from .fabric import preload
+
+        preload(where)  # a libfabric of our own, where the system has none
         # The extension NEEDs libccl.so.1 by name: load it from here first (it finds its
         # plugin loader libccl.so.2 beside itself through its $ORIGIN run path).
         ctypes.CDLL(str(where / "lib" / "libccl.so.1"), mode=ctypes.RTLD_GLOBAL)

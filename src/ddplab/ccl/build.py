@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ctypes.util
 import json
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from . import EXT_NAME, ONECCL_VERSION, home, libfabric
+from . import EXT_NAME, ONECCL_VERSION, fabric, home
 
 SOURCE = Path(__file__).with_name("csrc") / f"{EXT_NAME}.cpp"
 WHEELS = {  # PyPI name -> {member under <name>-<version>.data/data/ -> path under home()}
@@ -50,9 +51,6 @@ def preflight() -> None:
     if not include.exists():
         raise BuildError(f"Python's headers are missing ({include}; Debian/Ubuntu: "
                          f"apt-get install python3-dev)")
-    if libfabric() is None:
-        say("warning: libfabric.so.1 not found; the backend builds but oneCCL's ofi transport "
-            "needs it to run (Debian/Ubuntu: apt-get install libfabric1)")
 
 
 def fetch(dest: Path, wheel_dir: Path) -> None:
@@ -109,6 +107,11 @@ def build(dest: Path) -> None:
     staging.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="ddplab-ccl-") as tmp:
         fetch(staging, Path(tmp, "wheels"))
+        if ctypes.util.find_library("fabric") is None:  # the transport, where the system has none
+            try:
+                fabric.fetch(staging, say)
+            except fabric.FetchError as e:
+                raise BuildError(str(e)) from None
         compile_extension(staging, Path(tmp, "build"))
     (staging / "BUILD.json").write_text(json.dumps(
         {"torch": torch.__version__, "oneccl": ONECCL_VERSION, "source": SOURCE.name,

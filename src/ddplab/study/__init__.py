@@ -4,25 +4,25 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
-def tracking_uri() -> str:
-    """$MLFLOW_TRACKING_URI, else the same embedded store `ddplab train` uses."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+def tracking_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
+    """$MLFLOW_TRACKING_URI (or ``explicit``), checked as `ddplab train` checks it, else the
+    same embedded store `ddplab train` uses; a bad one is one ConfigError line (exit 2)."""
+    from ..tracking import validated_uri
+
+    return validated_uri(explicit, source)
 
 
 def reachable_client(uri: str):
     """An MlflowClient for ``uri``, or one TrackingError line at once when the server does not
     answer (MLflow's own client would retry for minutes)."""
-    from mlflow import MlflowClient
-
-    from ..tracking import TrackingError, check_reachable
+    from ..tracking import TrackingError, check_reachable, open_client
 
     problem = check_reachable(uri)
     if problem:
         raise TrackingError(f"{problem}: start it, or set MLFLOW_TRACKING_URI")
-    return MlflowClient(uri)
+    return open_client(uri)
 
 
 def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0) -> int:
@@ -36,19 +36,49 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
     from ..config import ConfigError
     from . import runner, spec
 
-    study = spec.load_study(path, [o if isinstance(o, str) else o[1] for o in overrides])
-    if repeats < 0:
-        raise ConfigError(f"--repeats: got {repeats}; must be an integer >= 1 (0 = the file's)")
+    # The study's own client calls fail fast: MLflow's default retries a dead server for
+    # minutes a call (a study once sat silent for 12 minutes, then printed 15 tracebacks).
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    study = spec.load_study(path, list(overrides))
+    if not 0 <= repeats <= spec.MAX_REPEATS:
+        raise ConfigError(f"--repeats: got {repeats}; must be an integer in [1, "
+                          f"{spec.MAX_REPEATS}] (0 = the file's)")
     if repeats:
         study = dataclasses.replace(study, repeats=repeats)
     resolved = yaml.safe_dump({
         "name": study.name, "experiment": str(study.experiment), "set": study.set,
-        "repeats": study.repeats, "baseline": study.baseline, "extra_set": list(study.extra),
+        "repeats": study.repeats, "baseline": study.baseline,
+        "extra_set": [spec.as_text(o) for o in study.extra],
         "target_accuracy": study.target_accuracy,
         "variants": [{"name": v.name, "nproc": v.nproc, "nnodes": v.nnodes,
                       "launcher": v.launcher, "set": v.set} for v in study.variants]},
         sort_keys=False)
-    return runner.run(study, tracking_uri(), fresh, dry_run, resolved)
+    uri = tracking_uri()
+    try:
+        return runner.run(study, uri, fresh, dry_run, resolved)
+    except ConfigError:
+        raise
+    except Exception as e:
+        if not _tracking_failure(e):
+            raise
+        from ..tracking import TrackingError
+
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise TrackingError(f"the tracking store {uri} stopped answering ({first}); what was "
+                            "recorded stays: rerun the same `ddplab study run` when it is back "
+                            "(FINISHED jobs are skipped, and runs left RUNNING are ended)") from None
+
+
+def _tracking_failure(e: BaseException) -> bool:
+    """MLflow's client or its HTTP layer failing (a server gone mid-study)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        from requests.exceptions import RequestException
+    except ImportError:  # pragma: no cover - MLflow depends on requests
+        RequestException = OSError  # noqa: N806
+    return isinstance(e, (MlflowException, RequestException, ConnectionError))
 
 
 def show_report(parent_run_id: str) -> int:
@@ -65,7 +95,9 @@ def show_report(parent_run_id: str) -> int:
     except MlflowException as e:
         raise TrackingError(f"run {parent_run_id} in {uri}: {str(e).splitlines()[0]}") from None
     if role != PARENT:
-        raise TrackingError(f"run {parent_run_id} is not a study's parent run (no tag "
-                            f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
+        from ..config import ConfigError
+
+        raise ConfigError(f"run {parent_run_id} is not a study's parent run (no tag "
+                          f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
     study_report.build(client, parent_run_id, None, make_console())
     return 0

@@ -77,6 +77,24 @@ def time_to_target(client: Any, run: Any, target: float) -> float | None:
     return None
 
 
+ENVIRONMENT_TAGS = {"ddplab.torch_build": "torch", "ddplab.lock": "locked environment",
+                    "ddplab.image": "image", "ddplab.git_sha": "code"}
+
+
+def environment_warnings(children: list[Any]) -> list[str]:
+    """A warning per environment fact the variants do not share: a comparison of two torch
+    builds or two code versions is not the comparison the study asked for."""
+    said = []
+    for tag, what in ENVIRONMENT_TAGS.items():
+        by_value: dict[str, set[str]] = {}
+        for c in children:
+            by_value.setdefault(c.data.tags.get(tag, "?"), set()).add(c.data.tags.get("ddplab.variant", "?"))
+        if len(by_value) > 1:
+            parts = "; ".join(f"{v}: {', '.join(sorted(names))}" for v, names in sorted(by_value.items()))
+            said.append(f"WARNING: the variants ran different {what} ({tag}): {parts}.")
+    return said
+
+
 def latest_per_job(children: list[Any]) -> dict[str, list[Any]]:
     """Per variant, one run per repeat: the FINISHED one, else the newest attempt."""
     best: dict[tuple[str, str], Any] = {}
@@ -242,6 +260,7 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None) -
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
               if k.startswith("ddplab.skipped.")]
+    notes += environment_warnings(children)
     md = markdown(rows, title, notes)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

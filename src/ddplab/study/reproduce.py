@@ -58,6 +58,17 @@ def _differences(original: dict[str, str]) -> list[str]:
     here = capsule.git_sha()
     if run_sha and run_sha != here:
         said.append(f"git sha: the run {run_sha[:12]}, this checkout {here[:12]}")
+    for tag, here_now in (("ddplab.lock", capsule.lock_digest()),
+                          ("ddplab.torch_build", capsule.torch_build())):
+        recorded = original.get(tag)
+        if recorded and recorded != here_now:
+            said.append(f"{tag.removeprefix('ddplab.')}: the run {recorded}, here {here_now}")
+    if original.get("ddplab.git_dirty") == "true":
+        said.append("the run was made from a checkout with uncommitted changes (its git.diff "
+                    "artifact holds them): the sha alone cannot rebuild what ran")
+    elif capsule.git_dirty()[0] == "true":
+        said.append("this checkout has uncommitted changes (git status): it is not the code "
+                    f"the run's sha {run_sha[:12]} names")
     for name, version in capsule.versions().items():
         recorded = original.get(f"ddplab.version.{name}")
         if recorded and recorded != str(version):

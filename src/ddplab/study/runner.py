@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from .spec import Study, Variant
+from .spec import Study, Variant, as_text
 
 PARENT, CHILD = "parent", "job"
 
@@ -34,7 +34,7 @@ COMPOSE = {"compose": ("multinode.yml", "node"), "compose-mpi": ("mpi.yml", "lau
 
 def _sets(study: Study, v: Variant, repeat: int) -> list[str]:
     ck = Path("checkpoints") / "studies" / study.name / f"{v.name}-r{repeat}"
-    return v.overrides(study.set, list(study.extra)) + [
+    return [as_text(o) for o in v.overrides(study.set, list(study.extra))] + [
         f"checkpoint.dir={ck}", "checkpoint.resume=never"]  # a job never resumes another's
 
 
@@ -158,6 +158,41 @@ def check_launchers(study: Study, uri: str) -> None:
                               "not installed here (Debian: apt-get install openmpi-bin)")
 
 
+LOCAL_LAUNCHERS = ("torchrun", "mpirun")
+
+
+def check_variants(study: Study) -> None:
+    """Each variant passes the checks its job would run, before any run exists: a variant that
+    cannot run (fp16 without CUDA, a batch that does not add up) is one line, not a FAILED
+    child found later."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    for v in study.variants:
+        if cannot_run_here(study, v):
+            continue  # skipped with its reason when its turn comes
+        from .. import checks
+
+        try:
+            checks.for_variant(study.config(v), v.nproc * v.nnodes, v.launcher in LOCAL_LAUNCHERS,
+                               cuda, study.experiment)
+        except ConfigError as e:
+            raise ConfigError(f"{study.path}: variant {v.name}: {e}") from None
+
+
+def settings_digest(study: Study) -> dict[str, str]:
+    """What makes a study's jobs comparable with each other: the settings and the experiment
+    file (not the number of repeats, which a rerun may raise)."""
+    import hashlib
+    import json
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"set": digest([study.set, [as_text(o) for o in study.extra]]),
+            "variants": digest([(v.name, v.nproc, v.nnodes, v.launcher, v.set) for v in study.variants]),
+            "experiment": digest(study.experiment.read_text(errors="replace"))}
+
+
 def cannot_run_here(study: Study, v: Variant) -> str:
     """Why this host cannot run the variant at all ("" if it can): a GPU variant needs one
     visible GPU per rank."""
@@ -191,19 +226,43 @@ class Tracker:
         found = [] if fresh else self.client.search_runs(
             [self.exp_id], f"tags.ddplab.study_role = '{PARENT}'", order_by=["start_time DESC"],
             max_results=1)
+        digest = {f"ddplab.study_digest.{k}": v for k, v in settings_digest(self.study).items()}
         if found:
             run_id = found[0].info.run_id
+            self._same_settings(found[0], digest)
             self.client.update_run(run_id, status="RUNNING")
+            for k, v in digest.items():
+                self.client.set_tag(run_id, k, v)
+            self._end_stale_children(run_id)
             return run_id
         from .. import capsule
 
-        tags = {"ddplab.study": self.study.name, "ddplab.study_role": PARENT,
+        tags = {**digest, "ddplab.study": self.study.name, "ddplab.study_role": PARENT,
                 "ddplab.study_file": str(self.study.path), "ddplab.git_sha": capsule.git_sha(),
                 "ddplab.host": socket.gethostname(),
                 "mlflow.note.content": self.study.description or f"study {self.study.name}"}
         run = self.client.create_run(self.exp_id, run_name=f"study {self.study.name}", tags=tags)
         self.client.log_text(run.info.run_id, resolved, "study.yaml")
         return run.info.run_id
+
+    def _same_settings(self, parent: Any, digest: dict[str, str]) -> None:
+        """A rerun continues its parent only with the same settings: otherwise its FINISHED
+        jobs (skipped now) and the new ones would be compared as if they were alike."""
+        changed = [k.rsplit(".", 1)[1] for k, v in digest.items()
+                   if parent.data.tags.get(k, v) != v]
+        if changed:
+            raise ConfigError(
+                f"{self.study.path}: the study's {', '.join(changed)} changed since its parent run "
+                f"{parent.info.run_id}: its FINISHED jobs would be mixed with jobs of other "
+                "settings. Run with --fresh to start a new parent run (the old one stays)")
+
+    def _end_stale_children(self, parent_id: str) -> None:
+        """Children an earlier study process left RUNNING (it was killed outright): end them, so
+        they run again and nothing stays RUNNING."""
+        for c in self.children(parent_id):
+            if c.info.status == "RUNNING":
+                self.close_child(c.info.run_id, "left RUNNING when an earlier `ddplab study run` "
+                                 "was killed; ended by the next one, which runs the job again")
 
     def children(self, parent_id: str) -> list[Any]:
         return self.client.search_runs(
@@ -283,6 +342,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
             console.print(f"  {v.name} r{r}: {env}{' '.join(command(study, v, r))}", soft_wrap=True)
         return 0
     check_launchers(study, uri)
+    check_variants(study)
     tracker = Tracker(uri, study)
     parent_id = tracker.parent(fresh, resolved)
     done = {(c.data.tags.get("ddplab.variant"), c.data.tags.get("ddplab.repeat"))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import NAME_RE, ConfigError, ExperimentConfig, load, read_yaml_file
+from ..config import NAME_RE, ConfigError, ExperimentConfig, Override, load, read_yaml_file
 
 LAUNCHERS = ("torchrun", "mpirun", "compose", "compose-mpi", "slurm")
 LAYOUT_KEYS = ("nproc", "nnodes", "launcher")
@@ -39,10 +39,12 @@ class Variant:
     launcher: str = "torchrun"
     set: dict[str, Any] = field(default_factory=dict)
 
-    def overrides(self, study_set: dict[str, Any], extra: list[str]) -> list[str]:
-        """The study's set, then the variant's, then the command line's: later wins."""
+    def overrides(self, study_set: dict[str, Any], extra: list[Override]) -> list[Override]:
+        """The study's set, then the variant's, then $DDPLAB_SET's and the command line's
+        (each keeping its source for error messages): later wins."""
         merged = {**study_set, **self.set}
-        return [f"{k}={_yaml_value(v)}" for k, v in merged.items()] + list(extra)
+        return [("set", f"{k}={_yaml_value(v)}") for k, v in merged.items()] \
+            + list(extra)
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class Study:
     set: dict[str, Any] = field(default_factory=dict)
     target_accuracy: float = 0.0
     description: str = ""
-    extra: tuple[str, ...] = ()
-    """``ddplab study run FILE --set k=v``: applies to every variant, last."""
+    extra: tuple[Override, ...] = ()
+    """``$DDPLAB_SET`` and ``ddplab study run FILE --set k=v``: every variant, last."""
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -73,18 +75,39 @@ class Study:
 
 
 def _yaml_value(v: Any) -> str:
+    """The value as YAML text that reads back as the same value (the job reads --set as YAML):
+    a string such as "speed: fast" or "1e-3" is quoted, so it stays a string."""
     import json
 
-    return json.dumps(v) if isinstance(v, (dict, list, bool)) or v is None else str(v)
+    from ..config import _read_yaml
+
+    if isinstance(v, (dict, list, bool)) or v is None:
+        return json.dumps(v)
+    text = str(v)
+    if isinstance(v, str):
+        try:
+            same = _read_yaml(text) == v
+        except Exception:  # noqa: BLE001 - not valid YAML unquoted: quote it
+            same = False
+        return text if same else json.dumps(v)
+    return text
+
+
+def as_text(item: Override) -> str:
+    """An override as the ``key=value`` a job's ``--set`` takes."""
+    return item if isinstance(item, str) else item[1]
 
 
 def _fail(where: str, key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{where}: {key}: got {value!r}; {allowed}")
 
 
-def _positive_int(where: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(where, key, value, "must be an integer >= 1")
+MAX_REPEATS, MAX_RANKS = 1000, 65536
+
+
+def _positive_int(where: str, key: str, value: Any, most: int = MAX_RANKS) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise _fail(where, key, value, f"must be an integer in [1, {most}]")
     return value
 
 
@@ -163,7 +186,7 @@ def parse(path: Path, raw: Any, extra: list[str] = ()) -> Study:
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target <= 1:
         raise _fail(where, "target_accuracy", target, "must be a number in [0, 1]")
     study = Study(name, path, (path.parent / exp).resolve(), tuple(variants), baseline,
-                  _positive_int(where, "repeats", raw.get("repeats", 1)),
+                  _positive_int(where, "repeats", raw.get("repeats", 1), MAX_REPEATS),
                   _mapping(where, "set", raw.get("set")), float(target),
                   str(raw.get("description", "")), tuple(extra))
     for v in variants:  # every job's config resolves, before any job starts
@@ -174,6 +197,6 @@ def parse(path: Path, raw: Any, extra: list[str] = ()) -> Study:
     return study
 
 
-def load_study(path: str | Path, extra: list[str] = ()) -> Study:
+def load_study(path: str | Path, extra: list[Override] = ()) -> Study:
     p = Path(path)
     return parse(p, read_yaml_file(p, "study"), list(extra))

@@ -1,0 +1,358 @@
+"""The fault matrix of a hostile pass: nothing lost, nothing left RUNNING, one line instead of a
+traceback. Real parts: a real `mlflow server`, a 127.0.0.1 proxy in front of it that answers
+chosen status codes for a while, a tmpfs that fills up, real torchrun jobs and studies, the
+spool as a crashed job leaves it."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddplab import spool
+from tests.conftest import QUICK, REPO, job_env, runs
+from tests.test_tracking_faults import Server, printed_losses
+
+pytestmark = pytest.mark.e2e
+BIN = Path(sys.executable).parent
+QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
+
+
+def ddplab(args: list[str], cwd: Path, store: str, timeout: int = 300,
+           **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store, **env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(out: subprocess.CompletedProcess, code: int, says: str) -> None:
+    lines = [x for x in out.stderr.splitlines() if x.strip() and "Warning" not in x
+             and not x.startswith("  ")]
+    assert out.returncode == code, out.stdout[-1500:] + out.stderr[-1500:]
+    assert "Traceback" not in out.stderr and any(says in x for x in lines), out.stderr[-2000:]
+
+
+# ---- class 5: every command takes the tracking URI the same way ----
+
+STUDY = REPO / "experiments" / "studies" / "ch09-bf16.yaml"
+
+
+@pytest.mark.parametrize("uri, says", [
+    ("garbage://x", "use a tracking server"),
+    ("sqlite://", "an in-memory SQLite store vanishes"),
+    ("file:///tmp/nowhere-mlruns", "MLflow 3 refuses the file store"),
+    ("postgresql://u:p@127.0.0.1/db", "postgresql needs its driver"),
+])
+@pytest.mark.parametrize("command", [["study", "run", str(STUDY)], ["report", "abc"],
+                                     ["reproduce", "abc"], ["bench", "collectives"],
+                                     ["train", QUICKSTART]])
+def test_a_bad_tracking_uri_is_one_line_for_every_command(tmp_path, uri, says, command):
+    out = ddplab(command, tmp_path, uri, timeout=120)
+    one_line(out, 2, f"MLFLOW_TRACKING_URI: got {uri!r}; {says}")
+
+
+def test_sync_checks_its_tracking_uri_too(tmp_path):
+    out = ddplab(["sync", str(tmp_path), "--tracking-uri", "garbage://x"], tmp_path, "")
+    one_line(out, 2, "--tracking-uri: got 'garbage://x'")
+
+
+def test_bench_refuses_an_endless_timeout(tmp_path, store):
+    one_line(ddplab(["bench", "collectives", "--timeout", "inf"], tmp_path, store), 2,
+             "--timeout: got inf")
+
+
+def test_a_run_id_that_names_no_run_is_one_line_and_no_run(tmp_path, store):
+    out = ddplab(["train", QUICKSTART, *QUICK], tmp_path, store, MLFLOW_RUN_ID="0123abcd")
+    one_line(out, 2, "MLFLOW_RUN_ID: got '0123abcd'; no such run")
+    assert runs(store) == []
+
+
+def test_two_jobs_started_together_on_a_fresh_store_both_finish(tmp_path, store):
+    args = [str(BIN / "ddplab"), "train", QUICKSTART, *QUICK, "--set", "train.max_steps=2"]
+    procs = [subprocess.Popen([*args, "--set", f"checkpoint.dir={tmp_path / f'ck{i}'}"],
+                              cwd=tmp_path, env=job_env(store), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-1500:] for o in outs)
+    assert sorted(r.info.status for r in runs(store)) == ["FINISHED", "FINISHED"]
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_one_line(tmp_path, store):
+    out = ddplab(["train", QUICKSTART, "--set", "checkpoint.dir=/proc/ddplab-ck"], tmp_path, store)
+    one_line(out, 2, "checkpoint.dir: got '/proc/ddplab-ck'; cannot write there")
+    assert runs(store) == []
+
+
+# ---- classes 1, 4, 6: sync with what crashed jobs and wrong stores leave ----
+
+def make_spool(root: Path, store: str, lines: list[bytes], closed: bool = True) -> tuple[Path, str]:
+    """A spool as a job leaves it: a run in ``store`` and these raw lines."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("x") or client.get_experiment(client.create_experiment("x"))
+    run_id = client.create_run(exp.experiment_id).info.run_id
+    d = spool.spool_dir(root, run_id, 0)
+    spool.Meta(store, run_id, exp.experiment_id).write(d)
+    (d / "records.jsonl").write_bytes(b"".join(lines))
+    if closed:
+        (d / spool.CLOSED).write_text("1")
+    return d, run_id
+
+
+def log(step: int) -> bytes:
+    return json.dumps({"op": "log", "ts": 1000 + step, "step": step,
+                       "metrics": {"loss": 1.0 / (step + 1)}}).encode() + b"\n"
+
+
+def test_sync_sets_aside_what_is_no_record_counts_it_and_goes_on(tmp_path, store):
+    from mlflow import MlflowClient
+
+    end = b'{"op": "end", "ts": 5, "status": "FINISHED"}\n'
+    bad, bad_id = make_spool(tmp_path / "a", store,
+                             [log(0), b'{"op": "nonsense"}\n', b"[1, 2]\n", log(1), end])
+    good, good_id = make_spool(tmp_path / "b", store, [log(0), log(1)])
+    out = ddplab(["sync", str(tmp_path)], tmp_path, store)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "2 records set aside" in out.stderr and "Traceback" not in out.stderr
+    c = MlflowClient(store)
+    assert [m.step for m in c.get_metric_history(bad_id, "loss")] == [0, 1]
+    assert [m.step for m in c.get_metric_history(good_id, "loss")] == [0, 1]  # the next spool too
+    assert c.get_run(bad_id).info.status == "FINISHED"
+    assert len((bad / spool.REJECTED).read_text().splitlines()) == 2
+
+
+def test_a_torn_last_line_does_not_leave_the_run_running(tmp_path, store):
+    from mlflow import MlflowClient
+
+    d, run_id = make_spool(tmp_path, store, [log(0), log(1), b'{"op": "end", "ts": 9, "sta'])
+    out = ddplab(["sync", str(tmp_path)], tmp_path, store)
+    assert out.returncode == 1 and "ended it FAILED" in out.stdout, out.stdout + out.stderr
+    run = MlflowClient(store).get_run(run_id)
+    assert run.info.status == "FAILED" and "without recording its end" in run.data.tags["ddplab.error"]
+    again = ddplab(["sync", str(tmp_path)], tmp_path, store)
+    assert "up to date" in again.stdout and MlflowClient(store).get_run(run_id).info.status == "FAILED"
+
+
+def test_sync_to_a_store_without_the_run_delivers_nothing_and_says_so(tmp_path, store):
+    d, _ = make_spool(tmp_path, store, [log(0)])
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    out = ddplab(["sync", str(tmp_path), "--tracking-uri", other], tmp_path, store)
+    assert out.returncode == 1 and "has no run" in out.stderr, out.stdout + out.stderr
+    assert "delivered" not in out.stdout and spool.left_in(d) == 1
+
+
+# ---- class 1: a proxy that refuses for a while ----
+
+class RefusingProxy:
+    """127.0.0.1 proxy to a real server; while ``refusing``, it answers every log-batch with
+    ``status`` (a proxy or an auth layer having a bad 15 s), and forwards everything else."""
+
+    def __init__(self, upstream_port: int, status: int = 403) -> None:
+        self.refusing, self.status, self.refused = False, status, 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if outer.refusing and "log-batch" in self.path:
+                    outer.refused += 1
+                    self.send_response(outer.status)
+                    payload = b'{"error_code": "PERMISSION_DENIED", "message": "refused"}'
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"127.0.0.1:{upstream_port}"
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _any  # noqa: N815
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.mark.parametrize("status", [403, 404])
+def test_a_refusal_window_mid_job_loses_no_metric_param_or_tag(tmp_path, status):
+    server = Server(tmp_path)
+    server.start()
+    proxy = RefusingProxy(server.port, status)
+    try:
+        args = [QUICKSTART, *QUICK, "--set", "train.epochs=4", "--set", "train.log_every=2",
+                "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "tracking.delivery_timeout_s=60"]
+        proxy.refusing = True  # from the first record on, for about 15 s
+        job = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
+                                "ddplab", "train", *args], cwd=tmp_path, env=job_env(proxy.uri),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(15)
+        proxy.refusing = False
+        out, _ = job.communicate(timeout=300)
+    finally:
+        proxy.close()
+    assert job.returncode == 0, out[-3000:]
+    assert proxy.refused > 0, "the window refused nothing: the test did not test"
+    client = server.client()
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    losses = sorted((m.step, round(m.value, 4)) for m in history)
+    assert losses == sorted((s, round(v, 4)) for s, v in printed_losses(out).items())
+    from ddplab.config import load
+
+    cfg = load(QUICKSTART, [a for a in args if "=" in a and not a.startswith("/")])
+    assert set(cfg.flat()) <= set(run.data.params)
+    assert run.data.tags["ddplab.world_size"] == "2" and run.info.status == "FINISHED"
+    assert not list((tmp_path / "ck").rglob(spool.REJECTED))
+    server.kill()
+
+
+# ---- class 3: a full disk ----
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_a_full_disk_ends_the_run_failed_with_its_reason_and_leaves_no_partial_file(tmp_path, store):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(small)], check=True)
+    try:
+        out = subprocess.run(
+            [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddplab", "train",
+             QUICKSTART, *QUICK, "--set", f"checkpoint.dir={small / 'ck'}",
+             "--set", "tracking.delivery_timeout_s=5"],
+            cwd=tmp_path, env=job_env(store), capture_output=True, text=True, timeout=300)
+        leftovers = list(small.rglob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    assert out.returncode != 0
+    assert "No space left on device" in out.stderr and "[rank0]: Traceback" not in out.stderr
+    (run,) = runs(store)
+    assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["ddplab.error"]
+    assert leftovers == []
+
+
+# ---- classes 2, 4, 6: studies ----
+
+TINY = {"data.train_samples": 256, "data.eval_samples": 128, "train.epochs": 1,
+        "tracking.system_metrics": False}
+
+
+def tiny_study(tmp_path: Path, **fields) -> Path:
+    study = {"name": "hostile", "experiment": QUICKSTART, "set": TINY, "repeats": 1,
+             "variants": [{"name": "one", "nproc": 1}, {"name": "two", "nproc": 2}], **fields}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def study_runs(store: str) -> list:
+    return [r for r in runs(store) if r.data.tags.get("ddplab.study_role") == "job"]
+
+
+def test_a_study_rerun_with_other_settings_refuses_and_fresh_starts_anew(tmp_path, store):
+    path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1}])
+    assert ddplab(["study", "run", str(path)], tmp_path, store).returncode == 0
+    changed = ddplab(["study", "run", str(path), "--set", "optim.lr=0.5"], tmp_path, store)
+    one_line(changed, 2, "the study's set changed since its parent run")
+    fresh = ddplab(["study", "run", str(path), "--set", "optim.lr=0.5", "--fresh"], tmp_path, store)
+    assert fresh.returncode == 0 and "already FINISHED" not in fresh.stdout, fresh.stderr[-2000:]
+    assert sorted(r.data.params["optim.lr"] for r in study_runs(store)) == ["0.01", "0.5"]
+
+
+def test_a_study_variant_that_cannot_run_here_stops_it_before_any_run(tmp_path, store):
+    path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1},
+                                          {"name": "half", "nproc": 1, "set": {"train.amp": "fp16"}}])
+    one_line(ddplab(["study", "run", str(path)], tmp_path, store), 2,
+             "variant half: train.amp: got 'fp16'; fp16 needs a CUDA device")
+    assert runs(store) == []
+
+
+def test_study_strings_stay_strings_and_ddplab_set_errors_name_it(tmp_path, store):
+    path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1}],
+                      set={**TINY, "description": "speed: fast", "train.max_steps": 2})
+    out = ddplab(["study", "run", str(path)], tmp_path, store)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (child,) = study_runs(store)
+    assert child.data.params["description"] == "speed: fast"  # not read back as a mapping
+    bad = ddplab(["study", "run", str(path), "--fresh"], tmp_path, store, DDPLAB_SET="train.epochs=x")
+    one_line(bad, 2, "DDPLAB_SET 'train.epochs=x': train.epochs: got 'x'")
+
+
+def test_report_of_a_run_that_is_no_study_is_bad_input(tmp_path, store):
+    assert ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=2"], tmp_path,
+                  store).returncode == 0
+    (run,) = runs(store)
+    one_line(ddplab(["report", run.info.run_id], tmp_path, store), 2, "is not a study's parent run")
+
+
+def test_a_study_whose_server_dies_stops_with_one_line_and_a_rerun_leaves_nothing_running(tmp_path):
+    server = Server(tmp_path)
+    server.start()
+    path = tiny_study(tmp_path, set={**TINY, "train.epochs": 30})
+    proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
+                            env=job_env(server.uri), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "checkpoints").rglob("records.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    server.kill()
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=600)
+    assert time.monotonic() - t0 < 300, "the study hung on the dead server"
+    assert proc.returncode == 1 and "stopped answering" in err and "Traceback" not in err, err[-3000:]
+    server.start()
+    again = subprocess.run([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
+                           env=job_env(server.uri), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    client = server.client()
+    every = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r for r in every if r.info.status == "RUNNING"] == []
+    finished = {r.data.tags.get("ddplab.variant") for r in every if r.info.status == "FINISHED"
+                and r.data.tags.get("ddplab.study_role") == "job"}
+    assert finished == {"one", "two"}
+    server.kill()
+
+
+def test_a_study_killed_while_a_job_starts_leaves_nothing_running_after_the_rerun(tmp_path, store):
+    import signal
+
+    path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1}])
+    runs(store)  # the store's tables first
+    proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
+                            env=job_env(store), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not study_runs(store):  # the child run exists; its job is only starting
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(5)
+    again = ddplab(["study", "run", str(path)], tmp_path, store, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    every = runs(store)
+    assert [r.info.status for r in every if r.info.status == "RUNNING"] == []
+    assert "FINISHED" in [r.info.status for r in study_runs(store)]

@@ -1,0 +1,99 @@
+"""Unit: one environment everywhere. The hashed locks agree with pyproject.toml and
+constraints.txt, and every image's torch is the lock's."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "docker"))
+sys.path.insert(0, str(REPO / "tools"))
+from lock import DIGEST_PREFIX, inputs_digest  # noqa: E402
+from lock_subset import entries  # noqa: E402
+
+LOCKS = ("requirements.lock", "requirements-dev.lock")
+
+
+def pins(name: str) -> dict[str, str]:
+    return {_norm(n): v for n, v, _ in entries((REPO / name).read_text())}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.parametrize("lock", LOCKS)
+def test_the_lock_was_made_from_todays_pyproject_and_constraints(lock):
+    first = (REPO / lock).read_text().splitlines()[0]
+    assert first == DIGEST_PREFIX + inputs_digest(), \
+        f"{lock} is older than pyproject.toml or constraints.txt: run make lock"
+
+
+@pytest.mark.parametrize("lock, extras", [("requirements.lock", ("gpu",)),
+                                          ("requirements-dev.lock", ("gpu", "dev"))])
+def test_every_declared_dependency_is_pinned_within_its_range(lock, extras):
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
+    pinned = pins(lock)
+    for text in wanted:
+        req = Requirement(text)
+        assert _norm(req.name) in pinned, f"{req.name} is not in {lock}: run make lock"
+        version = pinned[_norm(req.name)]
+        assert req.specifier.contains(version, prereleases=True), (text, version)
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            assert pinned[_norm(name)] == version.strip(), line
+
+
+def test_both_locks_agree_and_every_pin_has_a_hash():
+    runtime, dev = pins("requirements.lock"), pins("requirements-dev.lock")
+    assert {n: (v, dev.get(n)) for n, v in runtime.items() if dev.get(n) != v} == {}
+    for lock in LOCKS:
+        for name, _, lines in entries((REPO / lock).read_text()):
+            assert "--hash=sha256:" in lines, f"{name} in {lock} has no hash"
+
+
+@pytest.mark.parametrize("dockerfile", ["cpu-oneccl", "cuda-nccl"])
+def test_each_image_builds_the_locks_torch(dockerfile):
+    text = (REPO / "docker" / dockerfile / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S*)", text, re.M))
+    lock = pins("requirements.lock")
+    assert args["TORCH_VERSION"] == lock["torch"] and args["TORCHVISION_VERSION"] == lock["torchvision"]
+    assert args["MLFLOW_VERSION"] == lock["mlflow"]
+    assert "--require-hashes" in text and "requirements.lock" in text
+
+
+def test_the_subset_leaves_torchs_own_parts_to_torch():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(REPO / "docker" / "lock_subset.py"),
+                          str(REPO / "requirements.lock"), "--pins", "--skip",
+                          "torch|torchvision|triton|cuda-.*|nvidia-(?!ml-py).*"],
+                         capture_output=True, text=True, check=True).stdout
+    names = {_norm(line.split("==")[0]) for line in out.splitlines()}
+    assert "mlflow" in names and "nvidia-ml-py" in names and "sympy" in names
+    assert not names & {"torch", "torchvision", "triton", "nvidia-nccl-cu13"}
+
+
+def test_a_study_report_warns_when_variants_ran_different_environments():
+    from types import SimpleNamespace
+
+    from ddplab.study.report import environment_warnings
+
+    def child(variant, build, lock="abc"):
+        return SimpleNamespace(data=SimpleNamespace(tags={
+            "ddplab.variant": variant, "ddplab.torch_build": build, "ddplab.lock": lock,
+            "ddplab.image": "none", "ddplab.git_sha": "s"}))
+    same = [child("a", "2.14.1+cpu"), child("b", "2.14.1+cpu")]
+    assert environment_warnings(same) == []
+    mixed = [child("native", "2.14.1+cu130"), child("image", "2.7.1+cpu", lock="def")]
+    warned = environment_warnings(mixed)
+    assert len(warned) == 2 and "different torch (ddplab.torch_build): 2.14.1+cu130: native; " \
+        "2.7.1+cpu: image" in warned[0]
