@@ -119,8 +119,11 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, store):
 def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path, store):
     path = write_study(tmp_path, grid={"nproc": [1], "optim.lr": [-1]})  # not runnable: refused
     assert cli(["study", "run", str(path)], tmp_path, store).returncode == 2
+    # Passes every check before the study (the folder is there), fails inside its job (it is
+    # empty): a job that fails while running is recorded and the study goes on.
+    (tmp_path / "empty" / "cifar-10-batches-py").mkdir(parents=True)
     bad = {"name": "broken", "nproc": 1, "set": {"data.dataset": "cifar10",
-                                                    "data.root": str(tmp_path / "none")}}
+                                                    "data.root": str(tmp_path / "empty")}}
     path = write_study(tmp_path, variants=[
         {"name": "one", "nproc": 1, "set": {"dist.threads_per_rank": 1}},
         {"name": "two", "nproc": 2, "set": {"dist.threads_per_rank": 1}}, bad])
@@ -149,6 +152,14 @@ def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path
     assert {"report.md", "report.html", "results.csv", "throughput.png", "speedup.png",
             "loss_vs_step.png", "study.yaml"} <= names
     assert "two" in out.stdout and "speedup" in out.stdout  # the table in the terminal
+    # The answer is on the parent run itself: per-variant figures, the best, the verdict.
+    parent = client(store).get_run(parent.info.run_id)
+    assert parent.data.metrics["study/one/samples_per_s_median"] == pytest.approx(speed["one"], rel=1e-3)
+    assert parent.data.metrics["study/two/speedup"] == pytest.approx(speed["two"] / speed["one"], rel=1e-3)
+    assert parent.data.tags["ddplab.study.best"] in ("one", "two")
+    assert parent.data.tags["ddplab.study.verdict"].startswith("two is ")
+    assert "broken: 2 of 2 runs failed" in parent.data.tags["mlflow.note.content"]
+    assert "Verdict: two is " in out.stdout
 
     again = cli(["study", "run", str(path)], tmp_path, store)  # continues: nothing re-run
     assert again.stdout.count("already FINISHED in this study, skipped") == 4

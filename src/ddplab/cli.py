@@ -197,12 +197,11 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
     from .backend import BackendError, Rank0Error
+    from .checkpoint import CheckpointError
     from .data import DataError
     from .launch import LaunchError
     from .run import Terminated, train
     from .tracking import TrackingError
-
-    from .checkpoint import CheckpointError
 
     expected = (BackendError, DataError, TrackingError, Rank0Error, Terminated, CheckpointError,
                 FileNotFoundError, ValueError)

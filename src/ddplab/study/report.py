@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .verdict import Verdict, judge
+
 COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
            "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
            "wall_time_s", "resources", "backend", "launcher")
@@ -261,6 +263,9 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None) -
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
               if k.startswith("ddplab.skipped.")]
     notes += environment_warnings(children)
+    verdict = judge(rows, baseline, single_epoch=_single_epoch(children))
+    notes = [f"Verdict: {verdict.text}"] + [f"WARNING: {w}." for w in verdict.warnings] + notes
+    record_answer(client, parent_id, rows, verdict, study)
     md = markdown(rows, title, notes)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -271,7 +276,40 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None) -
         client.log_artifacts(parent_id, str(out))
     if console is not None:
         _print(rows, title, console)
+        console.print(f"Verdict: {verdict.text}")
+        for w in verdict.warnings:
+            console.print(f"WARNING: {w}")
     return rows
+
+
+def _single_epoch(children: list[Any]) -> bool:
+    return any(c.data.params.get("train.epochs") == "1" for c in children
+               if c.info.status == "FINISHED")
+
+
+def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict,
+                  study: Any) -> None:
+    """The answer on the parent run itself, so its row in the runs table shows it: per-variant
+    metrics, the best variant, the verdict (also its description), the fixed settings."""
+    metrics = {}
+    for r in rows:
+        for key, value in (("samples_per_s_median", r.throughput_median), ("speedup", r.speedup),
+                           ("efficiency", r.efficiency), ("eval_accuracy", r.eval_accuracy)):
+            if value is not None:
+                metrics[f"study/{r.variant}/{key}"] = round(float(value), 4)
+    for k, v in metrics.items():
+        client.log_metric(parent_id, k, v)
+    client.set_tag(parent_id, "ddplab.study.best", verdict.best or "none")
+    client.set_tag(parent_id, "ddplab.study.verdict", verdict.text[:4000])
+    client.set_tag(parent_id, "ddplab.study.warnings", str(len(verdict.warnings)))
+    warnings = "".join(f"\n- {w}" for w in verdict.warnings)
+    client.set_tag(parent_id, "mlflow.note.content", f"{verdict.text}{warnings}"[:5000])
+    if study is not None:
+        for k, v in {**study.set, "repeats": study.repeats, "baseline": study.baseline}.items():
+            try:
+                client.log_param(parent_id, f"study.{k}", str(v)[:6000])
+            except Exception:  # noqa: BLE001 - a rerun that raised repeats: the first value stays
+                continue
 
 
 def _print(rows: list[Row], title: str, console: Any) -> None:

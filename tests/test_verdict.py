@@ -1,0 +1,56 @@
+"""Unit: the study's verdict on made-up results (report rows), alarms included."""
+
+from __future__ import annotations
+
+from ddplab.study.report import Row
+from ddplab.study.verdict import judge
+
+
+def row(name: str, median: float, low: float, high: float, resources: int = 2,
+        accuracy: float = 0.95, backend: str = "gloo", runs: int = 3, failed: int = 0) -> Row:
+    return Row(name, runs, failed, median, low, high, None, None, accuracy, 0.1, None, 10.0,
+               resources, backend, "torchrun")
+
+
+def with_ratios(rows: list[Row], baseline: str) -> list[Row]:
+    base = next(r for r in rows if r.variant == baseline)
+    for r in rows:
+        r.speedup = r.throughput_median / base.throughput_median
+        r.efficiency = r.speedup / (r.resources / base.resources)
+    return rows
+
+
+def test_a_clear_gain_is_faster_and_names_the_best():
+    v = judge(with_ratios([row("1x2", 1000, 980, 1020), row("2x1", 1200, 1180, 1230)], "1x2"), "1x2")
+    assert v.best == "2x1"
+    assert v.lines == ["2x1 is 1.20x 1x2, faster (range 1.16-1.26) over 3 repeat(s); accuracy equal."]
+    assert v.warnings == []
+
+
+def test_overlapping_repeats_are_within_noise_and_a_small_ratio_too():
+    rows = with_ratios([row("a", 1000, 900, 1100), row("b", 1080, 950, 1150),
+                        row("c", 1030, 1025, 1035)], "a")
+    v = judge(rows, "a")
+    assert "b is 1.08x a, within noise" in v.lines[0] and "c is 1.03x a, within noise" in v.lines[1]
+
+
+def test_four_times_at_equal_resources_raises_the_alarm():
+    rows = with_ratios([row("base", 300, 250, 350), row("same", 1225, 1200, 1250)], "base")
+    v = judge(rows, "base")
+    assert any("efficiency 4.08 with the same resources" in w for w in v.warnings)
+    assert "faster" in v.lines[0]  # the numbers say so; the warning says not to believe them
+
+
+def test_wide_spread_fallback_failures_and_one_epoch_are_flagged():
+    rows = with_ratios([row("a", 1000, 700, 1100), row("b", 1000, 990, 1010, backend="gloo (asked ccl)",
+                                                       failed=1)], "a")
+    v = judge(rows, "a", single_epoch=True)
+    text = " | ".join(v.warnings)
+    assert "a: its repeats spread 40%" in text and "b: ran on gloo (asked ccl)" in text
+    assert "b: 1 of 3 runs failed" in text and "one epoch only" in text
+
+
+def test_slower_and_an_accuracy_change_are_said():
+    rows = with_ratios([row("a", 1000, 990, 1010), row("b", 700, 690, 710, accuracy=0.90)], "a")
+    assert judge(rows, "a").lines == ["b is 0.70x a, slower (range 0.68-0.72) over 3 repeat(s); "
+                                      "accuracy -0.050."]
