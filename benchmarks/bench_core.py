@@ -99,8 +99,8 @@ def ratio(name: str, a: list[float], b: list[float], target: str = "") -> None:
           f"{'  (target ' + target + ')' if target else ''}")
 
 
-ON, OFF, BARE = "ddplab tracking on, 2x1", "ddplab tracking off, 2x1", "bare DDP loop, 2x1"
-THREADS, CCL = "ddplab tracking off, 1x2", "ddplab tracking off, 2x1 ccl"
+ON, OFF, BARE = "ddplab tracking on, 2r x 1t", "ddplab tracking off, 2r x 1t", "bare DDP loop, 2r x 1t"
+THREADS, CCL = "ddplab tracking off, 1r x 2t", "ddplab tracking off, 2r x 1t ccl"
 ONLY = {"all": (BARE, ON, OFF, THREADS, CCL), "tracking": (ON, OFF), "layout": (OFF, THREADS, CCL)}
 
 

@@ -179,7 +179,7 @@ def test_reproduce_says_bitwise_for_a_deterministic_run_and_differs_after_an_edi
     assert first.returncode == 0, first.stderr[-2000:]
     c = client(store)
     (orig,) = c.search_runs([e.experiment_id for e in c.search_experiments()])
-    assert orig.info.run_name == "quickstart gloo 1x2 torchrun"  # a name a person can tell apart
+    assert orig.info.run_name == "quickstart gloo 1n x 2r x 1t torchrun"  # nodes x ranks x threads
     exp = c.get_experiment(orig.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     scratch = tmp_path / "tmp"

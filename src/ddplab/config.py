@@ -293,8 +293,8 @@ class TrackingConfig:
     experiment: str = ""
     """MLflow experiment name; empty = the experiment's ``name``."""
     run_name: str = ""
-    """MLflow run name; empty = "<name> <backend> <nnodes>x<nproc> <launcher>", e.g.
-    "quickstart gloo 1x2 torchrun"."""
+    """MLflow run name; empty = "<name> <backend> <nodes>n x <ranks per node>r x <threads per
+    rank>t <launcher>", e.g. "quickstart gloo 1n x 2r x 1t torchrun"."""
     system_metrics: bool = True
     """Local rank 0 of every node logs CPU/memory/network (and GPU) metrics into the run."""
     system_metrics_interval_s: float = 5.0

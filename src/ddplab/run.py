@@ -82,7 +82,7 @@ def train(path: str | None, overrides: list[config.Override], summary_out: str =
     layout = backend.plan_layout(cfg.dist, le)
     with backend.process_group(layout, cfg.dist.timeout_s), Signals() as signals:
         resume = checkpoint.find_and_share(cfg, le.is_rank0, le.world_size)
-        with tracking.job_run(cfg, le, layout.choice.name, resume.run_id, signals) as run:
+        with tracking.job_run(cfg, le, layout, resume.run_id, signals) as run:
             job = build(cfg, layout, resume, run, parts, summary_out, t_start)
             record_start(job)
             with profiling(job):  # torch.profiler on every rank, when profile.enabled

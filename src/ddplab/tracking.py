@@ -462,7 +462,7 @@ def start_delivery(cfg: TrackingConfig, le: LaunchEnv) -> Delivery | NoDelivery:
 
 
 @contextlib.contextmanager
-def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: Any
+def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: Any
             ) -> Iterator[NullTracker]:
     """The job's one run, open while training: node system metrics beside it, and ended once
     whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded. At the end
@@ -478,7 +478,7 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     spool_root = Path(cfg.checkpoint.dir) / cfg.name
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
-    default_name = f"{cfg.name} {backend} {le.nnodes}x{le.local_world_size} {le.launcher}"
+    default_name = f"{cfg.name} {layout_name(layout)} {le.launcher}"
     delivery = start_delivery(cfg.tracking, le)
     cpu0 = time.process_time()
     try:
@@ -517,6 +517,15 @@ def job_run(cfg: Any, le: LaunchEnv, backend: str, resume_run_id: str, signals: 
                 from . import orphan
 
                 orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], ORPHAN_GRACE_S)
+
+
+def layout_name(layout: Any) -> str:
+    """One vocabulary for layouts everywhere: nodes x ranks per node x threads per rank, and the
+    backend that ran (saying so when it is not the one asked for), e.g. "gloo 1n x 2r x 1t" or
+    "gloo (fell back from ccl) 2n x 1r x 2t"."""
+    choice, le = layout.choice, layout.le
+    backend = f"{choice.name} (fell back from {choice.requested})" if choice.fell_back else choice.name
+    return f"{backend} {le.nnodes}n x {le.local_world_size}r x {layout.threads}t"
 
 
 def _say_left(left: int, uri: str, directory: Path) -> None:

@@ -275,6 +275,19 @@ class Tracker:
         return self.client.create_run(self.exp_id, run_name=f"{v.name} r{repeat}",
                                       tags=tags).info.run_id
 
+    def name_child(self, run_id: str, v: Variant, repeat: int, tags: dict[str, str]) -> None:
+        """The child's name says what ran, in the one layout vocabulary (nodes x ranks x
+        threads), and a backend that fell back says so: "2r-1t-ccl r0: gloo (fell back from
+        ccl) 1n x 2r x 1t"."""
+        if "ddplab.backend" not in tags:
+            return  # the job never started: the name stays the variant's
+        backend, asked = tags["ddplab.backend"], tags.get("ddplab.backend_requested", "auto")
+        if asked not in ("auto", backend):
+            backend = f"{backend} (fell back from {asked})"
+        layout = (f"{tags.get('ddplab.nnodes', '?')}n x {tags.get('ddplab.nproc_per_node', '?')}r x "
+                  f"{tags.get('ddplab.threads_per_rank', '?')}t")
+        self.client.set_tag(run_id, "mlflow.runName", f"{v.name} r{repeat}: {backend} {layout}")
+
     def close_child(self, run_id: str, why: str, status: str = "FAILED") -> str:
         """A job that died before ending its run (bad input, a launcher failure): end it."""
         run = self.client.get_run(run_id)
@@ -380,13 +393,19 @@ def _stop_on_termination() -> None:
 
 def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, parent_id: str,
              done: set[tuple[str, str]], logs: Path, console: Any) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # The ETA comes from the jobs this study has run (rich's own estimate looks at its last 30 s,
+    # and every job is longer than that: it showed -:--:-- for a whole study).
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+               TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"))
+    durations: list[float] = []
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(study.name, total=len(plan))
-        for v, r in plan:
+        task = progress.add_task(study.name, total=len(plan), eta="after the first job")
+        for i, (v, r) in enumerate(plan):
+            if durations:
+                left = sum(durations) / len(durations) * (len(plan) - i)
+                progress.update(task, eta=time.strftime("%H:%M:%S", time.gmtime(left)))
             progress.update(task, description=f"{v.name} r{r}")
             reason = cannot_run_here(study, v)
             if reason:
@@ -398,7 +417,9 @@ def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, pa
                 console.print(f"{v.name} r{r}: already FINISHED in this study, skipped")
                 progress.advance(task)
                 continue
+            t0 = time.monotonic()
             console.print(_one_job(study, v, r, tracker, parent_id, logs))
+            durations.append(time.monotonic() - t0)
             progress.advance(task)
 
 
@@ -419,7 +440,9 @@ def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
         raise
     status = tracker.close_child(run_id, f"the job exited {code} before ending its run; "
                                          f"its output: {log}")
-    m = tracker.client.get_run(run_id).data.metrics
+    done = tracker.client.get_run(run_id)
+    tracker.name_child(run_id, v, r, done.data.tags)
+    m = done.data.metrics
     speed = m.get("perf/samples_per_s", m.get("train/samples_per_s", 0.0))
     line = (f"{v.name} r{r}: {status} in {time.monotonic() - t0:.0f} s, "
             f"{speed:,.0f} samples/s, eval accuracy {m.get('eval/accuracy', float('nan')):.4f}")
