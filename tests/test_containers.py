@@ -149,6 +149,26 @@ def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
     assert t["ddplab.ipex"].startswith("not used")  # IPEX lives in the Intel image only
 
 
+@pytest.mark.parametrize("experiment, extra, metric", [
+    ("experiments/examples/spirals.yaml", "--set train.epochs=4", "eval/accuracy"),
+    ("experiments/lm-tiny.yaml", "--set train.max_steps=40 --set train.eval_every_steps=20",
+     "eval/perplexity"),
+])
+def test_your_own_experiment_and_lm_tiny_run_in_the_cpu_image(tmp_path, experiment, extra, metric):
+    """The user's module beside its experiment (spirals.py) and the GPT on the README's bytes,
+    in the CPU image on ddplab's ccl, as `make run-cpu-oneccl` runs them."""
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    out = sh(["make", "run-cpu-oneccl", f"MLFLOW_TRACKING_URI={store}", f"EXPERIMENT={experiment}",
+              f"DOCKER_ARGS=-v {tmp_path}:{tmp_path}", f"ARGS={extra} --set checkpoint.dir={tmp_path}/ck"],
+             cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.backend"] == "ccl"
+    assert run.data.tags["ddplab.image"].startswith("ddplab/cpu-oneccl:") and metric in run.data.metrics
+    if "spirals" in experiment:
+        assert run.data.tags["ddplab.user.model"] == "spirals:mlp"
+
+
 class Compose:
     """One isolated `docker compose -f compose/multinode.yml` project on a free port."""
 
