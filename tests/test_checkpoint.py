@@ -31,10 +31,11 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch)
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(checkpoint.CheckpointError, match=r"step-00000020.pt \(disk full\)"):
         save(tmp_path, 20)
     monkeypatch.undo()
     assert not (good.parent / "step-00000020.pt").exists()  # never renamed into place
+    assert not (good.parent / "step-00000020.pt.tmp").exists()  # nor left half-written
     path, p = checkpoint.find_resume("auto", tmp_path)
     assert path == good and p["step"] == 10
 
