@@ -150,7 +150,7 @@ def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
 
 
 @pytest.mark.parametrize("experiment, extra, metric", [
-    ("experiments/examples/spirals.yaml", "--set train.epochs=4", "eval/accuracy"),
+    ("experiments/examples/spirals.yaml", "--set train.epochs=2", "eval/accuracy"),
     ("experiments/lm-tiny.yaml", "--set train.max_steps=40 --set train.eval_every_steps=20",
      "eval/perplexity"),
 ])
