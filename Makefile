@@ -11,6 +11,7 @@ NPROC      ?= 2
 ARGS       ?=
 PYTEST_ARGS ?=
 UI_PORT    ?= 5000
+UI_ADDRESS  = http://127.0.0.1:$(UI_PORT)/\#/experiments?workflowType=machine_learning
 # The embedded store at the repository root, unless the caller points elsewhere.
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
@@ -19,7 +20,7 @@ STAMP := $(VENV)/.ddplab-setup
 
 .PHONY: help setup lock run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
-	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi k8s-validate \
+	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser k8s-validate \
 	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
 	clean-images image-cpu-intel
 
@@ -48,20 +49,26 @@ setup-ccl: $(CCL_STAMP) ## Build ddplab's oneCCL backend `ccl` into .venv (oneCC
 run: $(STAMP) ## Run the main job: EXPERIMENT (quickstart) with NPROC (2) local ranks via torchrun
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddplab train $(EXPERIMENT) $(ARGS)
 
-ui: $(STAMP) ## Open the MLflow UI on http://127.0.0.1:5000 (UI_PORT) over the same store
-	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_TRACKING_URI)" --host 127.0.0.1 --port $(UI_PORT)
+# --app-name ddplab: MLflow's server app, opening on the runs (src/ddplab/mlflow_app.py).
+ui: $(STAMP) ## Open the MLflow UI over the same store; prints its address (UI_PORT, default 5000)
+	@echo "MLflow UI, runs view: $(UI_ADDRESS)"
+	$(BIN)/mlflow server --app-name ddplab --workers 1 --backend-store-uri "$(MLFLOW_TRACKING_URI)" \
+		--host 127.0.0.1 --port $(UI_PORT)
 
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
 test: $(STAMP) $(CCL_STAMP) ## Build ddplab's ccl (setup-ccl), then the tiers that need no Docker or Open MPI: unit, distributed, end-to-end
-	$(BIN)/pytest -m "not container and not mpi" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not container and not mpi and not browser" $(PYTEST_ARGS)
 
 test-mpi: $(STAMP) ## Native mpirun tests (needs Open MPI: apt-get install openmpi-bin)
 	$(BIN)/pytest -m mpi $(PYTEST_ARGS)
 
+test-browser: $(STAMP) ## The MLflow UI of `make ui` in a real browser (needs Debian's chromium: apt-get install chromium)
+	$(BIN)/pytest -m browser $(PYTEST_ARGS)
+
 test-unit: $(STAMP) ## Unit tests only (no process group, no Docker, no mpirun)
-	$(BIN)/pytest -m "not distributed and not e2e and not container and not mpi" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not distributed and not e2e and not container and not mpi and not browser" $(PYTEST_ARGS)
 
 test-distributed: $(STAMP) $(CCL_STAMP) ## Multi-process tests on CPU (gloo, and ddplab's ccl)
 	$(BIN)/pytest -m distributed $(PYTEST_ARGS)

@@ -124,6 +124,25 @@ def oneccl_in_image() -> bool:
     return json.loads(out.stdout)["oneccl_bind_pt"] != "absent"
 
 
+def test_the_mlflow_image_serves_the_ui_opening_on_the_runs():
+    """The compose and Kubernetes tracking server is ddplab's MLflow app (--app-name ddplab):
+    its page stores the model-training view on a browser's first visit, as `make ui`'s does."""
+    port = free_port()
+    cid = sh(["docker", "run", "-d", "--rm", "-p", f"127.0.0.1:{port}:5000", "-e",
+              f"MLFLOW_ALLOWED_HOSTS=127.0.0.1:{port}", MLFLOW_IMAGE]).stdout.strip()
+    try:
+        deadline, page = time.monotonic() + 120, b""
+        while time.monotonic() < deadline and not page:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
+                    page = r.read()
+            except OSError:
+                time.sleep(1)
+        assert b"mlflow.workflowType_v1" in page and b"static-files/static/js/main" in page
+    finally:
+        sh(["docker", "rm", "-f", cid])
+
+
 def test_dockerfiles_lint_clean():
     out = sh([str(Path(sys.executable).parent / "hadolint"), *map(str, REPO.glob("docker/*/Dockerfile"))])
     assert out.returncode == 0, out.stdout + out.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import statistics
 import subprocess
 import sys
@@ -160,6 +161,11 @@ def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path
     assert parent.data.tags["ddplab.study.verdict"].startswith("two is ")
     assert "broken: 2 of 2 runs failed" in parent.data.tags["mlflow.note.content"]
     assert "Verdict: two is " in out.stdout
+    # ...and the runs table opens on it: the study's saved view, its address printed.
+    views = client(store).get_experiment(parent.info.experiment_id).tags
+    study_view = json.loads(json.loads(views["mlflow.sharedViewState.ddplab-study"])["state"])
+    assert "metrics.`study/two/samples_per_s_median`" in study_view["selectedColumns"]
+    assert "viewStateShareKey=ddplab-study" in out.stdout
 
     again = cli(["study", "run", str(path)], tmp_path, store)  # continues: nothing re-run
     assert again.stdout.count("already FINISHED in this study, skipped") == 4

@@ -38,10 +38,12 @@ def resolve_uri(cfg: TrackingConfig, env: dict[str, str] | os._Environ = os.envi
     return cfg.uri or env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
-def ui_address(uri: str, experiment_id: str, run_id: str) -> str:
-    """Where a browser shows the run: ": <url>", or " in <store>; browse it with ..."."""
+def ui_address(uri: str, experiment_id: str, run_id: str = "", view: str = "") -> str:
+    """Where a browser shows the run (or, without one, the experiment's runs table in the saved
+    view ``view``, see ui_views.py): ": <url>", or " in <store>; browse it with ..."."""
     # workflowType: MLflow 3's UI opens in its GenAI view unless told (or the user toggled it).
-    route = f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    query = "workflowType=machine_learning" + (f"&viewStateShareKey={view}" if view else "")
+    route = f"#/experiments/{experiment_id}/runs{'/' + run_id if run_id else ''}?{query}"
     # Inside compose or a cluster the tracking URI is an in-network name (http://mlflow:5000)
     # that the user's browser cannot open: DDPLAB_UI_URL says where the browser finds the UI.
     ui = os.environ.get("DDPLAB_UI_URL", "")
@@ -297,14 +299,27 @@ def _delete_artifact(artifact_uri: str, path: str) -> None:
                       stacklevel=2)
 
 
+# Every run's description says which of its two throughputs to quote (README, "Metrics").
+THROUGHPUT_NOTE = (
+    "Throughput: quote `perf/samples_per_s`, the steady rate of the whole job (samples over "
+    "time in the epochs after the first, so start-up is not counted; with one epoch, its log "
+    "intervals after the first). `train/samples_per_s` is each log interval's rate, for the "
+    "curve over steps; `train/rank<r>_samples_per_s` is one rank's share.")
+
 # The MLflow UI opens such an experiment in its model-training view (not the GenAI one).
 TRAINING_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def experiment_id(client: Any, name: str) -> str:
-    """The experiment called ``name``, created (in the model-training view) when missing."""
+    """The experiment called ``name``, created (in the model-training view) when missing, with
+    ddplab's saved view of its runs."""
+    from . import ui_views
+
     exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name, tags=TRAINING_KIND)
+    if exp is None:
+        exp = client.get_experiment(client.create_experiment(name, tags=TRAINING_KIND))
+    ui_views.ensure_runs_view(client, exp)
+    return exp.experiment_id
 
 
 def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
@@ -333,7 +348,7 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
         return tracker
     exp_name = cfg.experiment or name
     exp_id = experiment_id(client, exp_name)
-    tags = {"mlflow.note.content": description} if description else {}
+    tags = {"mlflow.note.content": f"{description}\n\n{THROUGHPUT_NOTE}".strip()}
     return MlflowTracker(client, client.create_run(exp_id, run_name=cfg.run_name or run_name,
                                                    tags=tags), uri)
 

@@ -99,5 +99,5 @@ def show_report(parent_run_id: str) -> int:
 
         raise ConfigError(f"run {parent_run_id} is not a study's parent run (no tag "
                           f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
-    study_report.build(client, parent_run_id, None, make_console())
+    study_report.build(client, parent_run_id, None, make_console(), uri)
     return 0

@@ -145,21 +145,43 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+HEADS = ("variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency",
+         "eval acc", "eval loss", "time to target s", "wall s", "backend, launcher")
+NUMERIC = set(HEADS[1:9])
+
+
+def _cells(r: Row) -> list[str]:
+    spread = (f"{_fmt(r.throughput_median)} [{_fmt(r.throughput_min)}-{_fmt(r.throughput_max)}]"
+              if r.throughput_median is not None else "-")
+    wall = f"{r.wall_time_s:.0f}" if r.wall_time_s is not None else "-"
+    return [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, _fmt(r.speedup),
+            _fmt(r.efficiency), _fmt(r.eval_accuracy), _fmt(r.eval_loss),
+            _fmt(r.time_to_target_s), wall, f"{r.backend}, {r.launcher}"]
+
+
+def _grid(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """The table's heads and cells, without the columns no variant has a value in (no target
+    accuracy: no "time to target"), so it stays narrow enough for MLflow's artifact pane."""
+    cells = [_cells(r) for r in rows]
+    keep = [i for i in range(len(HEADS)) if i == 0 or any(c[i] != "-" for c in cells)]
+    return [HEADS[i] for i in keep], [[c[i] for i in keep] for c in cells]
+
+
 def markdown(rows: list[Row], title: str, notes: list[str]) -> str:
-    heads = ["variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency",
-             "eval acc", "eval loss", "time to target s", "wall s", "backend", "launcher"]
+    heads, cells = _grid(rows)
     lines = [f"# {title}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    for r in rows:
-        spread = (f"{_fmt(r.throughput_median)} [{_fmt(r.throughput_min)}-{_fmt(r.throughput_max)}]"
-                  if r.throughput_median is not None else "-")
-        cells = [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, _fmt(r.speedup),
-                 _fmt(r.efficiency), _fmt(r.eval_accuracy), _fmt(r.eval_loss),
-                 _fmt(r.time_to_target_s), _fmt(r.wall_time_s), r.backend, r.launcher]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
     return "\n".join(lines + [""] + notes) + "\n"
 
 
-def plots(client: Any, rows: list[Row], by_variant: dict[str, list[Any]], out: Path) -> list[Path]:
+STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def plots(client: Any, rows: list[Row], by_variant: dict[str, list[Any]], out: Path,
+          baseline: str = "") -> list[Path]:
+    """The report's PNGs: throughput; speedup vs resources when the variants' resources differ,
+    else each variant's throughput ratio to the baseline; curves over steps and time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,60 +197,164 @@ def plots(client: Any, rows: list[Row], by_variant: dict[str, list[Any]], out: P
 
     measured = [r for r in rows if r.throughput_median is not None]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([r.variant for r in measured], [r.throughput_median for r in measured],
-           yerr=[[r.throughput_median - r.throughput_min for r in measured],
-                 [r.throughput_max - r.throughput_median for r in measured]], capsize=4)
-    ax.set_ylabel("samples/s (median, min-max over repeats)")
-    ax.set_title("throughput per variant")
+    _throughput(ax, measured)
     save(fig, "throughput.png")
-
-    fig, ax = plt.subplots(figsize=(6, 4))
     scaled = [r for r in measured if r.speedup is not None]
-    ax.plot([r.resources for r in scaled], [r.speedup for r in scaled], "o")
-    for r in scaled:
-        ax.annotate(r.variant, (r.resources, r.speedup))
-    if scaled:
-        base = min(r.resources for r in scaled if r.speedup and abs(r.speedup - 1) < 1e-9) \
-            if any(abs(r.speedup - 1) < 1e-9 for r in scaled) else 1
-        xs = sorted({r.resources for r in scaled})
-        ax.plot(xs, [x / base for x in xs], "--", label="ideal")
-        ax.legend()
-    ax.set_xlabel("resources (ranks x threads, or GPUs)")
-    ax.set_ylabel("speedup vs baseline")
-    save(fig, "speedup.png")
-
+    if len({r.resources for r in scaled}) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        _speedup(ax, scaled, baseline)
+        save(fig, "speedup.png")
+    elif len(scaled) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        _ratio(ax, scaled, by_name(measured, baseline))
+        save(fig, "throughput_ratio.png")
     curves = {"loss_vs_step.png": ("train/loss", "step"), "loss_vs_time.png": ("train/loss", "time"),
               "accuracy_vs_time.png": ("eval/accuracy", "time")}
     for name, (key, axis) in curves.items():
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for variant, runs in by_variant.items():
-            ok = [r for r in runs if r.info.status == "FINISHED"]
-            if not ok:
-                continue
-            hist = sorted(client.get_metric_history(ok[0].info.run_id, key), key=lambda m: m.step)
-            xs = [m.step if axis == "step" else (m.timestamp - ok[0].info.start_time) / 1000
-                  for m in hist]
-            ax.plot(xs, [m.value for m in hist], marker="." if key.startswith("eval") else None,
-                    label=variant)
-        ax.set_xlabel("optimizer step" if axis == "step" else "wall time since start (s)")
-        ax.set_ylabel(key)
-        ax.legend()
-        save(fig, name)
+        series = _series(client, by_variant, key, axis)
+        if any(len(xs) > 1 for _, _, xs, _ in series):  # a chart of single points says nothing
+            fig, ax = plt.subplots(figsize=(7, 4))
+            _curves(ax, series, key, axis)
+            save(fig, name)
     return made
 
 
+def by_name(rows: list[Row], name: str) -> Row | None:
+    return next((r for r in rows if r.variant == name), None)
+
+
+def _throughput(ax: Any, measured: list[Row]) -> None:
+    ax.bar([r.variant for r in measured], [r.throughput_median for r in measured],
+           yerr=[[r.throughput_median - r.throughput_min for r in measured],
+                 [r.throughput_max - r.throughput_median for r in measured]], capsize=4,
+           color="#4c72b0")
+    for i, r in enumerate(measured):
+        ax.annotate(_fmt(r.throughput_median), (i, r.throughput_median), ha="center",
+                    va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
+    ax.set_ylabel("samples/s (perf/samples_per_s)")
+    ax.set_title(f"Throughput per variant: median of {_repeats(measured)}, bars min-max")
+
+
+def _repeats(rows: list[Row]) -> str:
+    counts = sorted({r.runs - r.failed for r in rows})
+    return f"{'/'.join(map(str, counts))} repeat(s)"
+
+
+def _speedup(ax: Any, scaled: list[Row], baseline: str) -> None:
+    for i, r in enumerate(scaled):
+        ax.plot(r.resources, r.speedup, MARKERS[i % len(MARKERS)], label=r.variant, markersize=8)
+    base = by_name(scaled, baseline)
+    unit = base.resources if base else 1
+    xs = sorted({r.resources for r in scaled})
+    ax.plot(xs, [x / unit for x in xs], "--", color="grey", label="ideal (linear)")
+    ax.set_xticks(xs)
+    ax.set_xlabel("resources (ranks x threads on CPU, GPUs on CUDA)")
+    ax.set_ylabel(f"speedup vs {baseline}")
+    ax.set_title(f"Speedup vs resources (baseline {baseline}, medians)")
+    ax.legend(fontsize=8)
+
+
+def _ratio(ax: Any, scaled: list[Row], base: Row | None) -> None:
+    from .verdict import NOISE
+
+    names = [r.variant for r in scaled]
+    def span(r: Row) -> tuple[float, float]:  # the ratio's range over the repeats
+        if base is None or not base.throughput_max or not base.throughput_min:
+            return 0.0, 0.0
+        return (max(0.0, r.speedup - r.throughput_min / base.throughput_max),
+                max(0.0, r.throughput_max / base.throughput_min - r.speedup))
+
+    ax.bar(names, [r.speedup for r in scaled], color="#4c72b0",
+           yerr=[[span(r)[0] for r in scaled], [span(r)[1] for r in scaled]], capsize=4)
+    ax.axhspan(1 - NOISE, 1 + NOISE, color="grey", alpha=0.2, label=f"within noise (±{NOISE:.0%})")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    for i, r in enumerate(scaled):
+        ax.annotate(f"{r.speedup:.2f}x", (i, r.speedup), ha="center", va="bottom",
+                    xytext=(0, 3), textcoords="offset points", fontsize=8)
+    base_name = base.variant if base else "the baseline"
+    ax.set_ylabel(f"throughput / {base_name}'s")
+    ax.set_title(f"Throughput vs {base_name} at equal resources ({scaled[0].resources}); "
+                 "bars: the repeats' range")
+    ax.legend(fontsize=8)
+
+
+def _series(client: Any, by_variant: dict[str, list[Any]], key: str,
+            axis: str) -> list[tuple[str, str, list[float], list[float]]]:
+    """(variant, repeat, xs, ys) from each variant's first finished repeat."""
+    out = []
+    for variant, runs in by_variant.items():
+        ok = sorted((r for r in runs if r.info.status == "FINISHED"),
+                    key=lambda r: int(r.data.tags.get("ddplab.repeat", "0") or 0))
+        if not ok:
+            continue
+        run = ok[0]
+        hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        xs = [float(m.step) if axis == "step" else (m.timestamp - run.info.start_time) / 1000
+              for m in hist]
+        out.append((variant, run.data.tags.get("ddplab.repeat", "0"), xs, [m.value for m in hist]))
+    return out
+
+
+def _curves(ax: Any, series: list[tuple[str, str, list[float], list[float]]], key: str,
+            axis: str) -> None:
+    seen: dict[tuple[float, ...], str] = {}
+    for i, (variant, repeat, xs, ys) in enumerate(series):
+        same = seen.get(tuple(ys)) if axis == "step" else None
+        seen.setdefault(tuple(ys), variant)
+        label = f"{variant} r{repeat}" + (f" (= {same}: same values)" if same else "")
+        ax.plot(xs, ys, linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
+                markevery=max(1, len(xs) // 12), markersize=5, label=label)
+    what = "loss (train/loss)" if key == "train/loss" else "eval accuracy (eval/accuracy)"
+    x_label = "optimizer step" if axis == "step" else "wall time since the run started (s)"
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(key)
+    repeats = sorted({r for _, r, _, _ in series})
+    ax.set_title(f"{what} vs {'step' if axis == 'step' else 'time'}: "
+                 f"repeat {'/'.join('r' + r for r in repeats)} of each variant")
+    ax.legend(fontsize=8)
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;color:#1f2328;margin:12px;
+  max-width:980px;line-height:1.4}
+h1{font-size:20px;margin:0 0 8px}h2{font-size:16px;margin:18px 0 6px}
+.verdict{background:#eef7ee;border-left:4px solid #2da44e;padding:8px 10px;margin:8px 0}
+.warning{background:#fff8e1;border-left:4px solid #d4a72c;padding:6px 10px;margin:4px 0}
+.scroll{overflow-x:auto}
+table{border-collapse:collapse;font-size:12px;width:100%}
+th{background:#f3f4f6;text-align:left;vertical-align:bottom}
+td,th{border:1px solid #d0d7de;padding:3px 6px}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+.note{color:#57606a;font-size:12px}
+figure{margin:12px 0}img{max-width:100%;height:auto;border:1px solid #eee}
+figcaption{font-size:12px;color:#57606a}
+"""
+
+
 def html(md_rows: list[Row], title: str, notes: list[str], pngs: list[Path]) -> str:
-    head = "".join(f"<th>{c}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(getattr(r, c))}</td>" for c in COLUMNS) + "</tr>"
-                   for r in md_rows)
+    """report.html: the verdict and warnings on top, the table, then the plots; sized to fit
+    MLflow's artifact pane (the table scrolls by itself rather than cut columns)."""
+    from html import escape
+
+    heads, cells = _grid(md_rows)
+    head = "".join(f"<th>{escape(h)}</th>" for h in heads)
+    body = "".join("<tr>" + "".join(
+        f"<td class='num'>{escape(c)}</td>" if h in NUMERIC else f"<td>{escape(c)}</td>"
+        for h, c in zip(heads, row, strict=True)) + "</tr>" for row in cells)
+    top = "".join(
+        f"<div class='verdict'>{escape(n)}</div>" if n.startswith("Verdict:") else
+        f"<div class='warning'>{escape(n)}</div>" if n.startswith("WARNING:") else ""
+        for n in notes)
+    rest = "".join(f"<p class='note'>{escape(n)}</p>" for n in notes
+                   if not n.startswith(("Verdict:", "WARNING:")))
     images = "".join(
-        f'<h3>{p.stem}</h3><img alt="{p.stem}" src="data:image/png;base64,'
-        f'{base64.b64encode(p.read_bytes()).decode()}">' for p in pngs)
-    note = "".join(f"<p>{n}</p>" for n in notes)
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
-            "<style>td,th{border:1px solid #ccc;padding:3px 8px}table{border-collapse:collapse}"
-            f"</style></head><body><h1>{title}</h1><table><tr>{head}</tr>{body}</table>{note}"
-            f"{images}</body></html>")
+        f"<figure><img alt='{p.stem}' src='data:image/png;base64,"
+        f"{base64.b64encode(p.read_bytes()).decode()}'><figcaption>{p.name}</figcaption></figure>"
+        for p in pngs)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+            f"<style>{CSS}</style></head><body><h1>{escape(title)}</h1>{top}"
+            f"<div class='scroll'><table><tr>{head}</tr>{body}</table></div>{rest}"
+            f"<h2>Plots</h2>{images}</body></html>")
 
 
 def results_csv(rows: list[Row]) -> str:
@@ -240,8 +366,10 @@ def results_csv(rows: list[Row]) -> str:
     return buf.getvalue()
 
 
-def build(client: Any, parent_id: str, study: Any = None, console: Any = None) -> list[Row]:
-    """The report of one study's parent run, logged to that run and printed."""
+def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
+          uri: str = "") -> list[Row]:
+    """The report of one study's parent run, logged to that run and printed (with the
+    addresses of the answer in the MLflow UI when ``uri`` is given)."""
     parent = client.get_run(parent_id)
     tags = parent.data.tags
     children = client.search_runs([parent.info.experiment_id],
@@ -255,31 +383,66 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None) -
     rows = table(client, children, order or sorted({c.data.tags.get("ddplab.variant", "?")
                                                     for c in children}), baseline, target)
     title = f"study {tags.get('ddplab.study', parent_id)}"
+    single = _single_epoch(children)
+    steady = ("its log intervals after the first (one epoch)" if single
+              else "the epochs after the first")
     notes = [f"Baseline: {baseline}. Throughput: perf/samples_per_s of each finished run "
-             "(epochs after the first); speedup = median / the baseline's median; efficiency = "
-             "speedup / (resources / the baseline's resources)."]
+             f"({steady}); speedup = median / the baseline's median; efficiency = "
+             "speedup / (resources / the baseline's resources: ranks x threads on CPU, GPUs "
+             "on CUDA)."]
     if target:
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
               if k.startswith("ddplab.skipped.")]
     notes += environment_warnings(children)
-    verdict = judge(rows, baseline, single_epoch=_single_epoch(children))
+    verdict = judge(rows, baseline, single_epoch=single)
     notes = [f"Verdict: {verdict.text}"] + [f"WARNING: {w}." for w in verdict.warnings] + notes
     record_answer(client, parent_id, rows, verdict, study)
     md = markdown(rows, title, notes)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        pngs = plots(client, rows, latest_per_job(children), out) if children else []
+        pngs = plots(client, rows, latest_per_job(children), out, baseline) if children else []
         (out / "report.md").write_text(md)
         (out / "report.html").write_text(html(rows, title, notes, pngs))
         (out / "results.csv").write_text(results_csv(rows))
+        _drop_stale_plots(client, parent, {p.name for p in pngs})
         client.log_artifacts(parent_id, str(out))
     if console is not None:
         _print(rows, title, console)
         console.print(f"Verdict: {verdict.text}")
         for w in verdict.warnings:
             console.print(f"WARNING: {w}")
+        if uri:
+            _print_addresses(uri, parent.info.experiment_id, parent_id, console)
     return rows
+
+
+def _print_addresses(uri: str, experiment_id: str, parent_id: str, console: Any) -> None:
+    from ..tracking import ui_address
+    from ..ui_views import STUDY_VIEW
+
+    console.print(f"The answer, one row per run (view \"ddplab: study answer\")"
+                  f"{ui_address(uri, experiment_id, view=STUDY_VIEW)}", soft_wrap=True)
+    console.print(f"report.html, report.md, results.csv and the plots: the parent run's "
+                  f"Artifacts tab{ui_address(uri, experiment_id, parent_id)}", soft_wrap=True)
+
+
+PLOTS = {"throughput.png", "speedup.png", "throughput_ratio.png", "loss_vs_step.png",
+         "loss_vs_time.png", "accuracy_vs_time.png"}
+
+
+def _drop_stale_plots(client: Any, parent: Any, made: set[str]) -> None:
+    """A rebuilt report replaces its files; a plot the new one does not draw (speedup.png once
+    the variants' resources are equal) must not stay behind next to it, telling the old story."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    stale = {a.path for a in client.list_artifacts(parent.info.run_id)} & (PLOTS - made)
+    repo = get_artifact_repository(parent.info.artifact_uri)
+    for path in sorted(stale):
+        try:
+            repo.delete_artifacts(path)
+        except Exception:  # noqa: BLE001 - a store that cannot delete keeps it; the report lists its own
+            continue
 
 
 def _single_epoch(children: list[Any]) -> bool:
@@ -299,6 +462,9 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
                 metrics[f"study/{r.variant}/{key}"] = round(float(value), 4)
     for k, v in metrics.items():
         client.log_metric(parent_id, k, v)
+    from ..ui_views import save_study_view
+
+    save_study_view(client, client.get_run(parent_id).info.experiment_id, [r.variant for r in rows])
     client.set_tag(parent_id, "ddplab.study.best", verdict.best or "none")
     client.set_tag(parent_id, "ddplab.study.verdict", verdict.text[:4000])
     client.set_tag(parent_id, "ddplab.study.warnings", str(len(verdict.warnings)))

@@ -363,9 +363,11 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     logs = Path("checkpoints") / "studies" / study.name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     from ..tracking import ui_address
+    from ..ui_views import STUDY_VIEW, save_study_view
 
-    console.print(f"study {study.name}: parent run {parent_id}"
-                  f"{ui_address(uri, tracker.exp_id, parent_id)}")
+    save_study_view(tracker.client, tracker.exp_id, [v.name for v in study.variants])
+    console.print(f"study {study.name}: parent run {parent_id}; its jobs, one row each, as "
+                  f"they finish{ui_address(uri, tracker.exp_id, view=STUDY_VIEW)}", soft_wrap=True)
     status = "FAILED"
     try:
         _stop_on_termination()
@@ -378,7 +380,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
         from . import report
 
         try:
-            report.build(tracker.client, parent_id, study, console)
+            report.build(tracker.client, parent_id, study, console, uri)
         finally:
             tracker.client.set_terminated(parent_id, status)
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1

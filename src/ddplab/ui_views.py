@@ -1,0 +1,80 @@
+"""What the MLflow UI shows of ddplab's runs without any column picking: saved views.
+
+MLflow 3's runs table shows Created, Dataset, Duration, Source and Models until a user picks
+columns, one at a time. Its "Views" menu saves a column layout on the experiment itself, as the
+experiment tag ``mlflow.sharedViewState.<key>`` (a JSON envelope: name, createdAt, updatedAt,
+and the page state as a JSON string), and opens it from a link with ``viewStateShareKey=<key>``.
+ddplab saves such a view on every experiment it creates (throughput, accuracy, backend, layout)
+and one per study (each variant's median throughput and speedup, the verdict, the best), and
+every address it prints opens the runs table in that view.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+TAG_PREFIX = "mlflow.sharedViewState."  # MLflow 3.17's UI: constants o6 / ex ("viewStateShareKey")
+RUNS_VIEW = "ddplab-runs"
+STUDY_VIEW = "ddplab-study"
+
+
+def metric(key: str) -> str:
+    return f"metrics.`{key}`"
+
+
+def tag(key: str) -> str:
+    return f"tags.`{key}`"
+
+
+def param(key: str) -> str:
+    return f"params.`{key}`"
+
+
+# Every job: the one throughput to quote, what it learned, and where and how it ran.
+RUN_COLUMNS = [metric("perf/samples_per_s"), metric("eval/accuracy"), metric("eval/loss"),
+               tag("ddplab.backend"), tag("ddplab.world_size"), tag("ddplab.threads_per_rank"),
+               tag("ddplab.nnodes"), tag("ddplab.launcher"), tag("ddplab.variant")]
+
+
+def study_columns(variants: list[str]) -> list[str]:
+    """The parent run's answer (each variant's median throughput, the verdict, the best), then
+    what its child runs fill. The UI puts metrics before tags whatever the order here, so the
+    view keeps few columns and the verdict (with the speedups in it) stays on screen; a child's
+    variant, backend and layout are in its run name."""
+    per_variant = [metric(f"study/{v}/samples_per_s_median") for v in variants]
+    return per_variant + [metric("perf/samples_per_s"), metric("eval/accuracy"),
+                          tag("ddplab.study.verdict"), tag("ddplab.study.best")]
+
+
+def study_widths(variants: list[str]) -> dict[str, int]:
+    narrow = {metric(f"study/{v}/samples_per_s_median"): 110 for v in variants}
+    return narrow | {metric("perf/samples_per_s"): 110, metric("eval/accuracy"): 100,
+                     tag("ddplab.study.verdict"): 480}
+
+
+def envelope(name: str, columns: list[str], widths: dict[str, int] | None = None) -> str:
+    """The tag value MLflow's UI reads a saved view from (its saved-view parser: a string
+    ``name``, a number ``createdAt``, the page state as a JSON string ``state``)."""
+    now = int(time.time() * 1000)
+    state = {"selectedColumns": columns, "columnWidths": widths or {}}
+    return json.dumps({"name": name, "createdAt": now, "updatedAt": now,
+                       "state": json.dumps(state)})
+
+
+def save(client: Any, experiment_id: str, key: str, name: str, columns: list[str],
+         widths: dict[str, int] | None = None) -> None:
+    client.set_experiment_tag(experiment_id, TAG_PREFIX + key, envelope(name, columns, widths))
+
+
+def ensure_runs_view(client: Any, experiment: Any) -> None:
+    """The experiment's "ddplab: runs" view, saved once (a user's edits to it stay)."""
+    if TAG_PREFIX + RUNS_VIEW not in (experiment.tags or {}):
+        save(client, experiment.experiment_id, RUNS_VIEW, "ddplab: runs", RUN_COLUMNS)
+
+
+def save_study_view(client: Any, experiment_id: str, variants: list[str]) -> None:
+    """The study's view, rewritten with each report (the variants may have changed)."""
+    save(client, experiment_id, STUDY_VIEW, "ddplab: study answer", study_columns(variants),
+         study_widths(variants))

@@ -1,0 +1,110 @@
+"""Unit: what the MLflow UI is given to open on the runs (the server app's first-visit choice,
+the saved views), and the report's plots and table choosing what to show."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddplab import mlflow_app, tracking, ui_views
+from ddplab.study import report
+from tests.test_verdict import row, with_ratios
+
+PAGE = b'<!doctype html><html lang="en"><head><meta charset="utf-8"/><script defer src="m.js">'
+
+
+def test_the_first_visit_choice_comes_before_mlflows_own_script_and_only_once():
+    page = mlflow_app.with_runs_view(PAGE)
+    assert page.index(b"mlflow.workflowType_v1") < page.index(b"m.js")
+    assert b"'\"machine_learning\"'" in page  # JSON, as MLflow's useLocalStorage reads it
+    assert b"===null" in page  # a user's own choice (GenAI) is kept
+    assert mlflow_app.with_runs_view(page) == page
+    assert mlflow_app.with_runs_view(b"no html head") == b"no html head"
+
+
+def test_the_server_app_serves_mlflows_page_with_the_choice_and_the_api_untouched():
+    app = mlflow_app.create_app()  # the Flask app outside uvicorn, as MLflow's basic-auth
+    web = app.test_client()
+    index = web.get("/")
+    assert index.status_code == 200 and mlflow_app.FIRST_VISIT.encode() in index.data
+    assert b"static-files/static/js/main" in index.data  # still MLflow's own page
+    health = web.get("/health")
+    assert health.status_code == 200 and mlflow_app.FIRST_VISIT.encode() not in health.data
+
+
+def test_the_entry_point_is_registered_for_mlflow_server_app_name():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="mlflow.app") if e.name == "ddplab"]
+    assert ep.load() is mlflow_app.create_app
+
+
+def _envelope(value: str) -> dict:
+    """What MLflow 3.17's saved-view parser demands, or it drops the view silently."""
+    env = json.loads(value)
+    assert isinstance(env["name"], str) and isinstance(env["createdAt"], int)
+    assert isinstance(env["state"], str)
+    return json.loads(env["state"])
+
+
+def test_every_experiment_ddplab_creates_has_the_runs_view_and_keeps_a_users_edit(tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = tracking.experiment_id(client, "quickstart")
+    tags = client.get_experiment(exp).tags
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+    state = _envelope(tags[ui_views.TAG_PREFIX + ui_views.RUNS_VIEW])
+    assert "metrics.`perf/samples_per_s`" in state["selectedColumns"]
+    assert "tags.`ddplab.backend`" in state["selectedColumns"]
+    client.set_experiment_tag(exp, ui_views.TAG_PREFIX + ui_views.RUNS_VIEW, "mine")
+    assert tracking.experiment_id(client, "quickstart") == exp
+    assert client.get_experiment(exp).tags[ui_views.TAG_PREFIX + ui_views.RUNS_VIEW] == "mine"
+    client.create_experiment("made-elsewhere")  # an experiment ddplab did not create gets one too
+    other = tracking.experiment_id(client, "made-elsewhere")
+    assert ui_views.TAG_PREFIX + ui_views.RUNS_VIEW in client.get_experiment(other).tags
+
+
+def test_the_study_view_leads_with_each_variants_throughput_and_the_verdict():
+    columns = ui_views.study_columns(["1r-2t", "2r-1t"])
+    assert columns[:2] == ["metrics.`study/1r-2t/samples_per_s_median`",
+                           "metrics.`study/2r-1t/samples_per_s_median`"]
+    assert "tags.`ddplab.study.verdict`" in columns
+    state = _envelope(ui_views.envelope("x", columns))
+    assert state["selectedColumns"] == columns
+
+
+@pytest.mark.parametrize("view, route", [
+    ("", "#/experiments/3/runs?workflowType=machine_learning"),
+    ("ddplab-study", "#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=ddplab-study"),
+])
+def test_an_experiment_address_is_its_runs_table_in_the_view(monkeypatch, view, route):
+    monkeypatch.delenv("DDPLAB_UI_URL", raising=False)
+    assert tracking.ui_address("http://mlflow:5000", "3", view=view) == f": http://mlflow:5000/{route}"
+
+
+def _plots(tmp_path, rows):
+    return {p.name for p in report.plots(None, rows, {}, tmp_path, rows[0].variant)}
+
+
+def test_speedup_is_drawn_only_when_resources_differ_else_the_ratio_to_the_baseline(tmp_path):
+    equal = with_ratios([row("1r-2t", 1000, 990, 1010, resources=2),
+                         row("2r-1t", 800, 790, 810, resources=2)], "1r-2t")
+    (tmp_path / "equal").mkdir()
+    assert _plots(tmp_path / "equal", equal) == {"throughput.png", "throughput_ratio.png"}
+    scaling = with_ratios([row("1r", 500, 490, 510, resources=1),
+                           row("2r", 900, 880, 910, resources=2)], "1r")
+    (tmp_path / "scaling").mkdir()
+    assert _plots(tmp_path / "scaling", scaling) == {"throughput.png", "speedup.png"}
+
+
+def test_the_table_drops_columns_no_variant_has_and_keeps_the_rest():
+    rows = with_ratios([row("a", 1000, 990, 1010), row("b", 900, 880, 910)], "a")
+    heads, cells = report._grid(rows)
+    assert "time to target s" not in heads  # no target accuracy in this study
+    assert heads[0] == "variant" and "speedup" in heads and "backend, launcher" in heads
+    assert cells[1][heads.index("speedup")] == "0.900"
+    assert "time to target s" not in report.markdown(rows, "t", [])
+    rows[0].time_to_target_s = 12.0
+    assert "time to target s" in report._grid(rows)[0]
