@@ -18,28 +18,37 @@ from typing import Any
 
 import torch
 
+from . import strategy
 from .backend import share_from_rank0
 from .loop import TrainState
-from .models import unwrap
 
 # What a resume may change: how long to train, how often to log and save, where to track.
 # Everything else (model, data, optimizer, batch, seed, backend) changes what the run computes.
 RESUMABLE_KEYS = ("description", "train.epochs", "train.max_steps", "train.log_every",
                   "train.eval_every_epochs", "dist.timeout_s")
 RESUMABLE_SECTIONS = ("tracking.", "checkpoint.")
+# How the work is split may change too (checkpoints hold the full state, see strategy.py), as
+# long as the global batch holds: another strategy, world size, per-rank batch or accumulation.
+LAYOUT_KEYS = ("dist.strategy", "data.batch_size", "train.grad_accum_steps",
+               "train.global_batch_size")
+LAYOUT_SECTIONS = ("dist.fsdp.",)
 
 REQUIRED = ("model", "optimizer", "scheduler", "scaler", "step", "epoch", "samples_in_epoch",
             "world_size", "rng", "config", "run_id", "final")
 
 
 def capture(state: TrainState, world_size: int, config: dict[str, Any], run_id: str,
-            final: bool) -> dict[str, Any]:
+            final: bool, global_batch: int = 0) -> dict[str, Any]:
+    """Collective (every rank calls it; the full state is gathered to global rank 0, the rank
+    that writes): the whole training state, whatever dist.strategy sharded."""
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if state.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(state.device)
+    model_sd, optim_sd = strategy.state_dicts(state.model, state.optimizer)
     return {
-        "model": unwrap(state.model).state_dict(),
-        "optimizer": state.optimizer.state_dict(),
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "global_batch": global_batch,
         "scheduler": state.scheduler.state_dict(),
         "scaler": state.scaler.state_dict(),
         "step": state.step,
@@ -54,8 +63,8 @@ def capture(state: TrainState, world_size: int, config: dict[str, Any], run_id: 
 
 
 def restore(state: TrainState, payload: dict[str, Any], world_size: int) -> None:
-    unwrap(state.model).load_state_dict(payload["model"])
-    state.optimizer.load_state_dict(payload["optimizer"])
+    """Every rank: the checkpoint into this job's state, under any strategy and world size."""
+    strategy.load_state_dicts(state.model, state.optimizer, payload["model"], payload["optimizer"])
     state.scheduler.load_state_dict(payload["scheduler"])
     state.scaler.load_state_dict(payload["scaler"])
     state.step, state.epoch = payload["step"], payload["epoch"]
@@ -81,13 +90,18 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str
             for k in sorted(set(old) | set(new)) if old.get(k, "(absent)") != new.get(k, "(absent)")]
 
 
-def check_resume(saved: dict[str, Any], cfg: Any, path: str) -> list[tuple[str, Any, Any]]:
-    """The changes since the checkpoint; ConfigError when one of them may not be resumed."""
+def check_resume(saved: dict[str, Any], cfg: Any, path: str, world_size: int = 0,
+                 payload: dict[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
+    """The changes since the checkpoint; ConfigError when one of them may not be resumed, or
+    when the global batch (what each optimizer step averages over) would change."""
     from .config import ConfigError
 
     changes = config_changes(saved, cfg.to_dict())
+    if payload is not None and world_size:
+        _same_global_batch(payload, cfg, world_size, path)
+    allowed = RESUMABLE_KEYS + LAYOUT_KEYS
     forbidden = [c for c in changes
-                 if c[0] not in RESUMABLE_KEYS and not c[0].startswith(RESUMABLE_SECTIONS)]
+                 if c[0] not in allowed and not c[0].startswith(RESUMABLE_SECTIONS + LAYOUT_SECTIONS)]
     if forbidden and cfg.checkpoint.resume_changes != "allow":
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in forbidden)
         raise ConfigError(
@@ -95,6 +109,25 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: str) -> list[tuple[str, 
             "the same config, start fresh (checkpoint.resume=never), or set "
             "checkpoint.resume_changes=allow to record the changes in the run")
     return changes
+
+
+def _same_global_batch(payload: dict[str, Any], cfg: Any, world_size: int, path: str) -> None:
+    from .config import ConfigError
+
+    saved = payload["config"]
+    was = payload.get("global_batch") or (saved["data"]["batch_size"] * payload["world_size"]
+                                          * saved["train"]["grad_accum_steps"])
+    now = cfg.global_batch(world_size)
+    if was != now:
+        per_rank, accum = cfg.data.batch_size, cfg.train.grad_accum_steps
+        fits = was // (world_size * accum) if was % (world_size * accum) == 0 else 0
+        hint = (f"set data.batch_size={fits} to keep it" if fits else
+                f"no per-rank batch gives {was} on {world_size} rank(s) x {accum} accumulation "
+                "step(s): change train.grad_accum_steps or the number of ranks")
+        raise ConfigError(
+            f"checkpoint.resume: {path} trained with a global batch of {was} (world size "
+            f"{payload['world_size']}); this job's is {per_rank} x {world_size} rank(s) x {accum} "
+            f"= {now}: {hint}, or start fresh (checkpoint.resume=never)")
 
 
 class CheckpointError(RuntimeError):
@@ -213,7 +246,7 @@ def find_and_share(cfg: Any, is_rank0: bool, world_size: int) -> Resume:
     path, payload = broadcast_resume(cfg.checkpoint.resume, root, is_rank0, world_size)
     if payload is None:
         return Resume()
-    return Resume(path, payload, check_resume(payload["config"], cfg, path))
+    return Resume(path, payload, check_resume(payload["config"], cfg, path, world_size, payload))
 
 
 def broadcast_resume(resume: str, root: Path, is_rank0: bool,
@@ -225,3 +258,34 @@ def broadcast_resume(resume: str, root: Path, is_rank0: bool,
         return (str(found[0]), found[1]) if found else ("", None)
 
     return share_from_rank0(find, is_rank0, world_size)
+
+
+def export(src: str, out: str) -> str:
+    """``ddplab checkpoint export SRC OUT.pt``: the model's plain ``state_dict`` (full tensors by
+    parameter name, whatever strategy and world size wrote it), for use outside ddplab:
+    ``model.load_state_dict(torch.load(OUT.pt))``. SRC is a checkpoint file, or a folder whose
+    newest valid checkpoint is taken. Returns what was written, in one line."""
+    from .config import ConfigError
+
+    path = Path(src)
+    if path.is_dir():
+        found = sorted([*path.glob("step-*.pt"), *path.glob("*/step-*.pt"), *path.glob("*/*/step-*.pt")],
+                       key=lambda p: p.stat().st_mtime, reverse=True)
+        if not found:
+            raise ConfigError(f"checkpoint export: got {src!r}; no step-*.pt checkpoint in it "
+                              "(nor in its run folders)")
+        path = found[0]
+    elif not path.is_file():
+        raise ConfigError(f"checkpoint export: got {src!r}; no such checkpoint file or folder")
+    try:
+        payload = read(path)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint export: {e}") from None
+    target = Path(out)
+    write_atomic(payload["model"], target)
+    model = payload["model"]
+    numbers = sum(t.numel() for t in model.values() if isinstance(t, torch.Tensor))
+    strategy_name = payload["config"].get("dist", {}).get("strategy", "ddp")
+    return (f"wrote {target}: the model's state_dict ({len(model)} tensors, {numbers:,} numbers) "
+            f"from {path} (step {payload['step']}, dist.strategy {strategy_name}, world size "
+            f"{payload['world_size']})")

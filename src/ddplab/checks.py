@@ -8,6 +8,7 @@ launcher then stops the other ranks, which are still before their first collecti
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
     goes on the import path)."""
     cfg.global_batch(le.world_size)
     _layout(cfg, cuda_available)
+    _strategy(cfg, cuda_available, le.world_size)
     _data(cfg)
     parts = _user_parts(cfg, experiment)
     if cfg.tracking.enabled:
@@ -46,6 +48,7 @@ def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
     cfg.global_batch(world_size)
     if on_this_host:
         _layout(cfg, cuda_available)
+        _strategy(cfg, cuda_available, world_size)
         _data(cfg)
         _user_parts(cfg, experiment)
 
@@ -71,6 +74,47 @@ def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:
             raise ConfigError(f"data.root: got {cfg.data.root!r}; CIFAR-10 is not in "
                               f"{folder.resolve()}: put the extracted cifar-10-python.tar.gz "
                               "there, or set data.download=true where the internet is reachable")
+
+
+# DDP's own knobs and their defaults: under fsdp they would silently do nothing.
+DDP_KNOBS = {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": False, "static_graph": False,
+             "find_unused_parameters": False, "comm_hook": "none"}
+
+
+def _strategy(cfg: ExperimentConfig, cuda_available: bool, world_size: int) -> None:
+    """dist.strategy against the device, the world and the knobs that belong to another one."""
+    from .config import FsdpConfig
+
+    d = cfg.dist
+    on_cuda = d.device == "cuda" or (d.device == "auto" and cuda_available)
+    if d.strategy == "dp" and not on_cuda:
+        raise ConfigError("dist.strategy: got 'dp'; DataParallel splits each batch over the "
+                          "GPUs of one process and needs CUDA: on CPU use ddp, zero or fsdp")
+    if d.strategy == "dp" and world_size > 1:
+        raise ConfigError(f"dist.strategy: got 'dp' with {world_size} processes; DataParallel "
+                          "is one process per node driving its GPUs: launch 1 (NPROC=1)")
+    if d.strategy == "fsdp":
+        for knob, default in DDP_KNOBS.items():
+            if getattr(d, knob) != default:
+                raise ConfigError(
+                    f"dist.{knob}: got {getattr(d, knob)!r}; a DDP knob, and dist.strategy is "
+                    "'fsdp' (FSDP2 reduce-scatters its own gradients; smaller messages: "
+                    "dist.fsdp.mixed_precision=bf16)")
+        if cfg.model.compile:
+            raise ConfigError("model.compile: got True; not combined with dist.strategy 'fsdp' "
+                              "here (ddplab compiles the wrapped model): use ddp or zero")
+        if d.fsdp.cpu_offload and not on_cuda:
+            raise ConfigError("dist.fsdp.cpu_offload: got True; it moves GPU memory to the host, "
+                              "and on CPU the state is in host memory already")
+        return
+    for f in dataclasses.fields(FsdpConfig):
+        value = getattr(d.fsdp, f.name)
+        if value != f.default:
+            raise ConfigError(f"dist.fsdp.{f.name}: got {value!r}; it applies to dist.strategy "
+                              f"'fsdp', and this job's is {d.strategy!r}")
+    if d.strategy == "dp" and d.comm_hook != "none":
+        raise ConfigError(f"dist.comm_hook: got {d.comm_hook!r}; a DDP gradient hook, and "
+                          "dist.strategy 'dp' has no all-reduce to hook")
 
 
 BUILT_IN_KINDS = {"synthetic": "image", "cifar10": "image", "imagefolder": "image",

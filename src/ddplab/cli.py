@@ -64,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
     rr.add_argument("run_id")
     rr.add_argument("--strict", action="store_true",
                     help="refuse when the code (git sha) or package versions differ")
+    ck = sub.add_parser("checkpoint", help="checkpoints: export one as a plain state_dict")
+    ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True)
+    ex = ck_sub.add_parser("export", help="write the model's plain state_dict (any strategy, "
+                                          "any world size) for use outside ddplab")
+    ex.add_argument("source", help="a checkpoint file, or a folder (its newest checkpoint), "
+                                   "e.g. checkpoints/quickstart")
+    ex.add_argument("out", help="where to write it, e.g. model.pt")
     from .bench import parser as bench_parser
     from .mpi import parser as mpi_parser
     from .rendezvous import parser as launch_parser
@@ -137,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
 
             uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
             return sync(args.paths, args.timeout, uri)
+        if args.command == "checkpoint":
+            from .checkpoint import CheckpointError, export
+
+            try:
+                print(export(args.source, args.out))
+            except CheckpointError as e:
+                print(f"ddplab checkpoint: error: {e}", file=sys.stderr)
+                return EXIT_ERROR
+            return 0
         if args.command == "doctor":
             from .doctor import doctor
 

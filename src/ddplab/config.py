@@ -250,7 +250,41 @@ class TrainConfig:
 
 
 @dataclass
+class FsdpConfig:
+    """FSDP2's knobs (torch.distributed.fsdp.fully_shard), used when dist.strategy is fsdp."""
+
+    wrap: str = ""
+    """Comma-separated class names of the blocks each sharded on its own (e.g. "Block"); empty =
+    the model's own choice (a built-in model's blocks, else the modules of its first
+    nn.ModuleList, else the model as one unit)."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (ZeRO-3's memory; one more
+    all-gather in the backward); false keeps them (ZeRO-2-like: faster, more memory)."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """bf16: parameters gathered and gradients reduced in bf16, the sharded master weights stay
+    fp32 (MixedPrecisionPolicy)."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in host memory (CUDA only: on
+    CPU they are there already)."""
+
+    def __post_init__(self) -> None:
+        names = [n.strip() for n in self.wrap.split(",") if n.strip()]
+        bad = [n for n in names if not n.isidentifier()]
+        if bad:
+            _fail("wrap", self.wrap, "comma-separated Python class names, e.g. 'Block,Layer'")
+
+
+STRATEGIES = ("ddp", "fsdp", "zero", "dp")
+
+
+@dataclass
 class DistConfig:
+    strategy: Literal["ddp", "fsdp", "zero", "dp"] = "ddp"
+    """How the model is spread over ranks: ddp (a full replica per rank, gradients
+    all-reduced), zero (DDP with the optimizer state sharded: ZeroRedundancyOptimizer, ZeRO-1),
+    fsdp (parameters, gradients and optimizer state sharded: FSDP2), dp (DataParallel: one
+    process over the node's GPUs; CUDA only)."""
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     backend: Literal["auto", "gloo", "ccl", "nccl", "mpi"] = "auto"
     """auto = nccl on CUDA, ccl on CPU when oneccl_bindings_for_pytorch imports, else gloo."""
     allow_backend_fallback: bool = False

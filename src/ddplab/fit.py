@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, loop, models
+from . import checkpoint, loop, models, strategy
 from .job import Job
 from .report import CpuUse
 
@@ -99,8 +99,9 @@ def _evaluate(job: Job) -> None:
 
 
 def _save(job: Job, final: bool) -> None:
-    job.ckpt.save(checkpoint.capture(job.state, job.layout.le.world_size, job.cfg.to_dict(),
-                                     job.run.run_id, final))
+    world = job.layout.le.world_size
+    job.ckpt.save(checkpoint.capture(job.state, world, job.cfg.to_dict(), job.run.run_id, final,
+                                     job.cfg.global_batch(world)))
 
 
 def _cpu(job: Job) -> CpuUse:
@@ -127,8 +128,10 @@ def finish(job: Job) -> dict[str, Any]:
         global_batch=job.cfg.global_batch(le.world_size), steps=job.state.step,
         checkpoint=str(job.ckpt.last) if job.ckpt.last else None, tracking_busy_s=job.run.busy_s,
         cpu=_cpu(job))
+    memory = strategy.memory(job.state.model, job.state.optimizer, job.layout.device)
+    summary["memory"] = memory
     job.run.log_metrics({"perf/samples_per_s": summary["samples_per_s_steady"],
-                         "perf/wall_time_s": summary["wall_time_s"]}, job.state.step)
+                         "perf/wall_time_s": summary["wall_time_s"], **memory}, job.state.step)
     text = json.dumps(summary, indent=2)
     job.run.log_text(text, "summary.json")
     job.console.save_summary(text)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import capsule, checkpoint, config, data, loop, losses, models, optim
+from . import capsule, checkpoint, config, data, loop, losses, models, optim, strategy
 from .backend import Layout
 from .profiling import NoProfile
 from .report import Console, RunStats
@@ -115,10 +115,9 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
            info: data.DataInfo, parts: Parts, payload: dict[str, Any] | None,
            world_size: int) -> tuple[loop.TrainState, models.IpexStatus]:
     model = models.prepare(models.build(cfg.model, info, parts.model), cfg.model, device)
-    opt = optim.optimizer(model, cfg.optim)
-    model, opt, ipex = models.maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
+    model, opt, ipex = strategy.spread(model, cfg, device)  # ddp | zero | fsdp | dp
     state = loop.TrainState(
-        model=models.wrap(model, cfg.model, device, cfg.dist), optimizer=opt,
+        model=model, optimizer=opt,
         scheduler=optim.scheduler(opt, cfg.optim, total_steps(cfg.train, loaders)),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.amp == "fp16"),
         device=device, amp=cfg.train.amp, grad_accum=cfg.train.grad_accum_steps,
@@ -151,6 +150,7 @@ def record_start(job: Job) -> None:
 def _tags(job: Job) -> dict[str, Any]:
     layout, le = job.layout, job.layout.le
     return {
+        "ddplab.strategy": job.cfg.dist.strategy,
         "ddplab.backend": layout.choice.name,
         "ddplab.backend_requested": layout.choice.requested,
         "ddplab.backend_reason": layout.choice.reason,

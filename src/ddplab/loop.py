@@ -75,10 +75,11 @@ def _sync(device: torch.device) -> None:
 
 def micro_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, group_size: int,
                sync_grads: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch; DDP all-reduces only when ``sync_grads``."""
-    ddp = getattr(state.model, "_orig_mod", state.model)
-    ctx = contextlib.nullcontext() if sync_grads else ddp.no_sync()
-    with ctx:
+    """Forward and backward of one micro-batch; gradients are communicated (DDP's all-reduce,
+    FSDP's reduce-scatter) only when ``sync_grads``."""
+    from .strategy import grad_sync
+
+    with grad_sync(state.model, sync_grads):
         with state.autocast():
             loss = state.loss(state.model(x), y)
         state.scaler.scale(loss / group_size).backward()
@@ -181,6 +182,21 @@ class EvalResult:
     """Predictions scored: samples, or tokens for token data."""
 
 
+def _lockstep_batches(model: nn.Module, loader: DataLoader, state: TrainState) -> list[torch.Tensor]:
+    """A sharded model (FSDP) all-gathers each block in every forward, so all ranks must run
+    as many forwards; the unpadded shards may differ by a batch. A rank with fewer batches
+    repeats a batch of its own that many times, uncounted. Empty for an unsharded model."""
+    if not hasattr(model, "set_requires_gradient_sync"):  # FSDP2's FSDPModule
+        return []
+    most = torch.tensor([len(loader)], device=state.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    missing = int(most.item()) - len(loader)
+    if not missing:
+        return []
+    x, _ = loader.collate_fn([loader.dataset[0]])
+    return [state.to_device(x, torch.zeros(1))[0]] * missing
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalResult:
     """Each rank evaluates its unpadded shard; the sums are all-reduced, so the totals are exact.
@@ -191,6 +207,7 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
     model.eval()
     # loss sum, correct, samples, scored predictions, batches that were not classification
     totals = torch.zeros(5, dtype=torch.float64, device=state.device)
+    spare = _lockstep_batches(model, loader, state)
     for x, y in loader:
         x, y = state.to_device(x, y)
         with state.autocast():
@@ -202,6 +219,9 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
             totals[3] += y.numel()
         else:
             totals[4] += 1
+    for x in spare:  # not counted: only so that every rank joins each all-gather
+        with state.autocast():
+            model(x)
     dist.all_reduce(totals)
     loss_sum, correct, count, scored, other = totals.tolist()
     accuracy = correct / max(scored, 1) if not other else None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,14 +12,20 @@ from torch import nn
 from .config import OptimConfig
 
 
-def optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    params = model.parameters()
+def spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """optim.name's class and its arguments (ZeroRedundancyOptimizer builds its own from these)."""
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum,
+                                 "weight_decay": cfg.weight_decay}
+    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+    return cls, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+
+
+def optimizer(params: Iterable[nn.Parameter] | nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    cls, kwargs = spec(cfg)
+    return cls(params, **kwargs)
 
 
 def lr_factor(cfg: OptimConfig, step: int, total_steps: int) -> float:

@@ -24,7 +24,7 @@ from .verdict import Verdict, judge
 
 COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
            "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
-           "wall_time_s", "resources", "backend", "launcher")
+           "wall_time_s", "resources", "backend", "launcher", "model_state_mb")
 
 
 @dataclass
@@ -44,6 +44,9 @@ class Row:
     resources: int
     backend: str
     launcher: str
+    model_state_mb: float | None = None
+    """The most model state (parameters, gradients, optimizer state) one rank held: what a
+    sharding strategy saves (memory/model_state_mb_max)."""
 
 
 def _median(values: list[float]) -> float | None:
@@ -128,7 +131,9 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
             _median(targets) if len(targets) == len(ok) else None,
             _median([(r.info.end_time - r.info.start_time) / 1000 for r in ok if r.info.end_time]),
             _resources(runs[0]), _what_ran(runs, "ddplab.backend", "ddplab.backend_requested"),
-            _what_ran(runs, "ddplab.launcher")))
+            _what_ran(runs, "ddplab.launcher"),
+            _median([r.data.metrics["memory/model_state_mb_max"] for r in ok
+                     if "memory/model_state_mb_max" in r.data.metrics])))
     base = next((r for r in rows if r.variant == baseline), None)
     for row in rows:
         if base and base.throughput_median and row.throughput_median:
@@ -146,8 +151,9 @@ def _fmt(v: Any) -> str:
 
 
 HEADS = ("variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency",
-         "eval acc", "eval loss", "time to target s", "wall s", "backend, launcher")
-NUMERIC = set(HEADS[1:9])
+         "eval acc", "eval loss", "time to target s", "wall s", "model state MB (max rank)",
+         "backend, launcher")
+NUMERIC = set(HEADS[1:10])
 
 
 def _cells(r: Row) -> list[str]:
@@ -156,7 +162,7 @@ def _cells(r: Row) -> list[str]:
     wall = f"{r.wall_time_s:.0f}" if r.wall_time_s is not None else "-"
     return [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, _fmt(r.speedup),
             _fmt(r.efficiency), _fmt(r.eval_accuracy), _fmt(r.eval_loss),
-            _fmt(r.time_to_target_s), wall, f"{r.backend}, {r.launcher}"]
+            _fmt(r.time_to_target_s), wall, _fmt(r.model_state_mb), f"{r.backend}, {r.launcher}"]
 
 
 def _grid(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
@@ -208,6 +214,10 @@ def plots(client: Any, rows: list[Row], by_variant: dict[str, list[Any]], out: P
         fig, ax = plt.subplots(figsize=(7, 4))
         _ratio(ax, scaled, by_name(measured, baseline))
         save(fig, "throughput_ratio.png")
+    if any(r.model_state_mb is not None for r in measured):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        _memory(ax, [r for r in measured if r.model_state_mb is not None])
+        save(fig, "memory_vs_throughput.png")
     curves = {"loss_vs_step.png": ("train/loss", "step"), "loss_vs_time.png": ("train/loss", "time"),
               "accuracy_vs_time.png": ("eval/accuracy", "time")}
     for name, (key, axis) in curves.items():
@@ -233,6 +243,16 @@ def _throughput(ax: Any, measured: list[Row]) -> None:
                     va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
     ax.set_ylabel("samples/s (perf/samples_per_s)")
     ax.set_title(f"Throughput per variant: median of {_repeats(measured)}, bars min-max")
+
+
+def _memory(ax: Any, rows: list[Row]) -> None:
+    for i, r in enumerate(rows):
+        ax.plot(r.model_state_mb, r.throughput_median, MARKERS[i % len(MARKERS)], markersize=9,
+                label=r.variant)
+    ax.set_xlabel("model state per rank, MB (parameters + gradients + optimizer; max over ranks)")
+    ax.set_ylabel("samples/s (median)")
+    ax.set_title("What each variant holds per rank vs its throughput")
+    ax.legend(fontsize=8)
 
 
 def _repeats(rows: list[Row]) -> str:
@@ -428,7 +448,7 @@ def _print_addresses(uri: str, experiment_id: str, parent_id: str, console: Any)
 
 
 PLOTS = {"throughput.png", "speedup.png", "throughput_ratio.png", "loss_vs_step.png",
-         "loss_vs_time.png", "accuracy_vs_time.png"}
+         "loss_vs_time.png", "accuracy_vs_time.png", "memory_vs_throughput.png"}
 
 
 def _drop_stale_plots(client: Any, parent: Any, made: set[str]) -> None:
@@ -457,7 +477,8 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
     metrics = {}
     for r in rows:
         for key, value in (("samples_per_s_median", r.throughput_median), ("speedup", r.speedup),
-                           ("efficiency", r.efficiency), ("eval_accuracy", r.eval_accuracy)):
+                           ("efficiency", r.efficiency), ("eval_accuracy", r.eval_accuracy),
+                           ("model_state_mb", r.model_state_mb)):
             if value is not None:
                 metrics[f"study/{r.variant}/{key}"] = round(float(value), 4)
     for k, v in metrics.items():
@@ -482,11 +503,13 @@ def _print(rows: list[Row], title: str, console: Any) -> None:
     from rich.table import Table
 
     t = Table(title=title)
+    memory = any(r.model_state_mb is not None for r in rows)
     for c in ("variant", "ok/all", "samples/s", "speedup", "efficiency", "eval acc", "wall s",
-              "backend", "launcher"):
+              *(["state MB"] if memory else []), "backend", "launcher"):
         t.add_column(c)
     for r in rows:
         t.add_row(r.variant, f"{r.runs - r.failed}/{r.runs}", _fmt(r.throughput_median),
                   _fmt(r.speedup), _fmt(r.efficiency), _fmt(r.eval_accuracy),
-                  _fmt(r.wall_time_s), r.backend, r.launcher)
+                  _fmt(r.wall_time_s), *([_fmt(r.model_state_mb)] if memory else []),
+                  r.backend, r.launcher)
     console.print(t)

@@ -1,0 +1,199 @@
+"""How the model is spread over the ranks (``dist.strategy``), and what each rank holds of it.
+
+- ``ddp``: a full replica per rank, gradients all-reduced (DistributedDataParallel).
+- ``zero``: DDP, with the optimizer state sharded over the ranks (ZeroRedundancyOptimizer,
+  ZeRO-1): each rank updates its share of the parameters and broadcasts them.
+- ``fsdp``: parameters, gradients and optimizer state sharded (FSDP2, ``fully_shard``): each
+  block is all-gathered for its forward and backward, gradients reduce-scattered.
+- ``dp``: DataParallel, one process driving every GPU of its node (CUDA only).
+
+Checkpoints hold the FULL state whatever the strategy (torch.distributed.checkpoint's
+state_dict API gathers it): parameters by name, optimizer state by parameter name. A checkpoint
+written by 2 fsdp ranks therefore resumes under ddp on 1 rank, and ``ddplab checkpoint export``
+gives a plain ``state_dict``. The full state goes through rank 0 into one atomic file, as
+before, so nodes still need no shared file system.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import models, optim
+from .config import ExperimentConfig
+
+# Each built-in model's blocks, the units FSDP shards and gathers one at a time.
+BLOCKS = {"gpt": ("Block",), "resnet18": ("BasicBlock",), "resnet50": ("Bottleneck",),
+          **{f"efficientnet_b{i}": ("MBConv", "FusedMBConv") for i in range(8)}}
+
+
+def spread(model: nn.Module, cfg: ExperimentConfig, device: torch.device
+           ) -> tuple[nn.Module, torch.optim.Optimizer, models.IpexStatus]:
+    """The model wrapped for ``dist.strategy`` and its optimizer (built after the wrapping
+    where the strategy replaces the parameters: FSDP's are sharded DTensors)."""
+    strategy = cfg.dist.strategy
+    if strategy in ("ddp", "dp"):
+        opt = optim.optimizer(model.parameters(), cfg.optim)
+        model, opt, ipex = models.maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
+        if strategy == "dp":
+            return nn.DataParallel(model), opt, ipex
+        return models.wrap(model, cfg.model, device, cfg.dist), opt, ipex
+    ipex = models.IpexStatus(False, "", f"not used with dist.strategy {strategy} (ipex.optimize "
+                                        "rewrites the model and optimizer a sharding wraps)")
+    if strategy == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        wrapped = models.wrap(model, cfg.model, device, cfg.dist)
+        cls, kwargs = optim.spec(cfg.optim)
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=cls,
+                                                **kwargs), ipex
+    shard(model, cfg)
+    return model, optim.optimizer(model.parameters(), cfg.optim), ipex
+
+
+def block_names(cfg: ExperimentConfig, model: nn.Module) -> set[str]:
+    """dist.fsdp.wrap, else the built-in model's blocks, else the classes in the model's first
+    nn.ModuleList (a user's transformer), else none (the model is one unit)."""
+    named = {n.strip() for n in cfg.dist.fsdp.wrap.split(",") if n.strip()}
+    if named:
+        return named
+    if cfg.model.name in BLOCKS:
+        return set(BLOCKS[cfg.model.name])
+    first = next((m for m in model.modules() if isinstance(m, nn.ModuleList)), None)
+    return {type(m).__name__ for m in first} if first is not None else set()
+
+
+def shard(model: nn.Module, cfg: ExperimentConfig) -> list[str]:
+    """FSDP2 over each block, then the root; returns the sharded blocks' names."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    f = cfg.dist.fsdp
+    kwargs: dict[str, Any] = {"reshard_after_forward": f.reshard_after_forward}
+    if f.mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.bfloat16)
+    if f.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    names = block_names(cfg, model)
+    blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ in names and m is not model]
+    for _, block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return [n for n, _ in blocks]
+
+
+def grad_sync(model: nn.Module, sync: bool) -> Any:
+    """A context in which the backward pass communicates gradients only when ``sync``
+    (gradient accumulation): DDP's no_sync, FSDP2's set_requires_gradient_sync."""
+    import contextlib
+
+    inner = getattr(model, "_orig_mod", model)
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(inner, "no_sync"):
+        return inner.no_sync()
+    if hasattr(inner, "set_requires_gradient_sync"):
+        @contextlib.contextmanager
+        def paused() -> Any:
+            inner.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                inner.set_requires_gradient_sync(True)
+        return paused()
+    return contextlib.nullcontext()  # DataParallel: gradients land on the one device anyway
+
+
+def _names(model: nn.Module) -> list[str]:
+    """Parameter names in the order the optimizer holds them (tied weights once)."""
+    return [n for n, _ in models.unwrap(model).named_parameters()]
+
+
+def _is_zero(opt: torch.optim.Optimizer) -> bool:
+    return type(opt).__name__ == "ZeroRedundancyOptimizer"
+
+
+def by_name(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter index -> keyed by parameter name."""
+    state = {names[i]: v for i, v in osd["state"].items()}
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def by_index(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The reverse of ``by_name``: what torch.optim.Optimizer.load_state_dict takes."""
+    index = {n: i for i, n in enumerate(names)}
+    state = {index[n]: v for n, v in osd["state"].items()}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Collective: the full model and optimizer state, on global rank 0 (empty elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
+
+    module = models.unwrap(model)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if _is_zero(opt):
+        opt.consolidate_state_dict(to=0)
+        msd = get_model_state_dict(module, options=full)
+        return msd, by_name(opt.state_dict(), _names(model)) if dist.get_rank() == 0 else {}
+    return get_state_dict(module, opt, options=full)
+
+
+def load_state_dicts(model: nn.Module, opt: torch.optim.Optimizer, msd: dict, osd: dict) -> None:
+    """Every rank: the full state (from any strategy and world size) into this job's model
+    and optimizer, each taking its own shard."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    module, names = models.unwrap(model), _names(model)
+    if osd["state"] and isinstance(next(iter(osd["state"])), int):  # written before names
+        osd = by_name(osd, names)
+    full = StateDictOptions(full_state_dict=True)
+    if _is_zero(opt):
+        set_model_state_dict(module, msd, options=full)
+        opt.load_state_dict(by_index(osd, names))
+        return
+    set_state_dict(module, opt, model_state_dict=msd, optim_state_dict=osd, options=full)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+
+def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """What this rank holds of the model state: its parameters, one gradient per parameter
+    (as during the backward pass; set to None between steps), and its optimizer state."""
+    params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    local = getattr(opt, "optim", opt) if _is_zero(opt) else opt  # ZeRO: this rank's share
+    state = sum(_local(v).numel() * v.element_size() for s in local.state.values()
+                for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return 2 * params + state
+
+
+def memory(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+    """Collective: memory/* metrics, this rank's model state and the maxima over ranks."""
+    mb = 1024 * 1024
+    mine = model_state_bytes(model, opt) / mb
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak_cuda = torch.cuda.max_memory_allocated(device) / mb if device.type == "cuda" else 0.0
+    t = torch.tensor([mine, peak_rss, peak_cuda], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out = {"memory/model_state_mb": mine, "memory/model_state_mb_max": t[0].item(),
+           "memory/peak_rss_mb": t[1].item()}
+    if device.type == "cuda":
+        out["memory/peak_allocated_mb"] = t[2].item()
+    return out
