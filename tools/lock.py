@@ -1,6 +1,6 @@
 """``make lock``: the hashed lock files, regenerated from pyproject.toml and constraints.txt.
 
-- ``requirements-dev.lock``: ddplab's dependencies with its ``gpu`` and ``dev`` extras; what
+- ``requirements-dev.lock``: ddplab's dependencies with its ``gpu``, ``server`` and ``dev`` extras; what
   ``make setup`` installs (pip --require-hashes), so lint and tests run the same tools everywhere.
 - ``requirements.lock``: the same pins without the dev tools; what every image installs.
 
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCKS = {"requirements-dev.lock": ["--extra", "gpu", "--extra", "dev"],
-         "requirements.lock": ["--extra", "gpu"]}
+LOCKS = {"requirements-dev.lock": ["--extra", "gpu", "--extra", "server", "--extra", "dev"],
+         "requirements.lock": ["--extra", "gpu", "--extra", "server"]}
 TARGET = ["--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_28",
           "--index-url", "https://pypi.org/simple", "--generate-hashes",
           "--custom-compile-command", "make lock"]

@@ -33,6 +33,7 @@ def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
         _tracking_uri(cfg.tracking.uri)
     if le.is_rank0:
         if cfg.tracking.enabled:
+            _credentials(resolve_uri(cfg.tracking))
             _run_to_attach(resolve_uri(cfg.tracking))
         _writable_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
         _really_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
@@ -218,6 +219,17 @@ def _tracking_uri(uri: str) -> None:
     problem = uri_problem(value)
     if problem:
         raise ConfigError(f"{source}: got {value!r}; {problem}")
+
+
+def _credentials(uri: str) -> None:
+    """A server that refuses this job's credentials (HTTP 401) or its user or host name (403)
+    stops the job here, before any process group, naming what to set. A server that does not
+    answer is left to the tracker's own wait (tracking.wait_s): it may still be starting."""
+    from .tracking import auth_refusal
+
+    why = auth_refusal(uri)
+    if why:
+        raise ConfigError(why)
 
 
 def _run_to_attach(uri: str) -> None:

@@ -167,6 +167,44 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
                 os.environ[k] = v
 
 
+CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def auth_refusal(uri: str) -> str | None:
+    """One line naming what to set when the server refuses this client (401, 403), else None."""
+    problem = check_reachable(uri)
+    if not problem or " answered HTTP 40" not in problem:
+        return None
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "")
+    if " answered HTTP 401" in problem:
+        if not user and not os.environ.get("MLFLOW_TRACKING_TOKEN"):
+            return (f"MLFLOW_TRACKING_USERNAME: not set; the tracking server {uri} asks for "
+                    "credentials (HTTP 401): set MLFLOW_TRACKING_USERNAME and "
+                    "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for it")
+        who = f"user {user!r}" if user else "MLFLOW_TRACKING_TOKEN"
+        return (f"MLFLOW_TRACKING_PASSWORD: the tracking server {uri} refused the credentials of "
+                f"{who} (HTTP 401): check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                "(or MLFLOW_TRACKING_TOKEN)")
+    if " answered HTTP 403" in problem:
+        return (f"MLFLOW_TRACKING_URI: the tracking server {uri} answered HTTP 403: its "
+                "--allowed-hosts does not list the host:port this job calls it by, or user "
+                f"{user or '(none)'} may not read experiments there ({problem.split('(', 1)[-1][:160]}")
+    return None
+
+
+def _permission_denied(e: Exception) -> bool:
+    return getattr(e, "get_http_status_code", lambda: 0)() == 403 or "PERMISSION_DENIED" in str(e)
+
+
+def _experiment_refused(exp_name: str, e: Exception) -> TrackingError:
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "(no user)")
+    return TrackingError(
+        f"tracking: user {user} may not create runs in the experiment {exp_name!r} on this server "
+        "(HTTP 403: its creator has MANAGE on it, others READ unless granted EDIT): choose another "
+        "experiment name (the experiment file's `name:`, or --set tracking.experiment=NAME), or "
+        "ask its owner or an admin to grant you EDIT (README, \"A team tracking server\")")
+
+
 class NullTracker:
     """What every rank but 0 holds: same interface, does nothing."""
 
@@ -347,10 +385,15 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
         tracker.take_over(run)
         return tracker
     exp_name = cfg.experiment or name
-    exp_id = experiment_id(client, exp_name)
     tags = {"mlflow.note.content": f"{description}\n\n{THROUGHPUT_NOTE}".strip()}
-    return MlflowTracker(client, client.create_run(exp_id, run_name=cfg.run_name or run_name,
-                                                   tags=tags), uri)
+    try:
+        exp_id = experiment_id(client, exp_name)
+        run = client.create_run(exp_id, run_name=cfg.run_name or run_name, tags=tags)
+    except Exception as e:
+        if _permission_denied(e):
+            raise _experiment_refused(exp_name, e) from None
+        raise
+    return MlflowTracker(client, run, uri)
 
 
 @dataclass(frozen=True)

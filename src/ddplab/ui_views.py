@@ -65,7 +65,15 @@ def envelope(name: str, columns: list[str], widths: dict[str, int] | None = None
 
 def save(client: Any, experiment_id: str, key: str, name: str, columns: list[str],
          widths: dict[str, int] | None = None) -> None:
-    client.set_experiment_tag(experiment_id, TAG_PREFIX + key, envelope(name, columns, widths))
+    """A convenience: a server that refuses it (a user without EDIT on a team server's
+    experiment, HTTP 403) leaves the experiment without the view, and the job goes on."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_experiment_tag(experiment_id, TAG_PREFIX + key, envelope(name, columns, widths))
+    except MlflowException as e:
+        if e.get_http_status_code() != 403:
+            raise
 
 
 def ensure_runs_view(client: Any, experiment: Any) -> None:

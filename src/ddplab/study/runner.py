@@ -72,8 +72,11 @@ def local_launch(launcher: str, ranks: int, train: list[str]) -> list[str]:
     """``ranks`` processes of ``python <train>`` on this host, by mpirun or torchrun; they get
     the run and the rendezvous from job_env()."""
     if launcher == "mpirun":
+        from ..tracking import CREDENTIALS
+
+        creds = [a for k in CREDENTIALS if k in os.environ for a in ("-x", k)]
         return ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none",
-                "-x", "MLFLOW_RUN_ID", "-x", "MLFLOW_TRACKING_URI", "-x", "MASTER_ADDR",
+                "-x", "MLFLOW_RUN_ID", "-x", "MLFLOW_TRACKING_URI", *creds, "-x", "MASTER_ADDR",
                 "-x", "MASTER_PORT", sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={ranks}", *train]

@@ -1,0 +1,140 @@
+"""End to end: ddplab against a real `mlflow server --app-name basic-auth` (MLflow's own
+authentication, its users in SQLite here): no credentials, wrong ones and a shared experiment
+owned by someone else are each one line before or at the run's creation; the right ones train.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUICK, REPO, ddplab, job_env
+from tests.test_containers import free_port
+
+pytestmark = pytest.mark.e2e
+BIN = Path(sys.executable).parent
+QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
+ADMIN_PASSWORD = secrets.token_urlsafe(18)
+
+
+def call(uri: str, path: str, body: dict | None = None, user: tuple[str, str] | None = None,
+         method: str | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(uri + path, data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json"}, method=method)
+    if user:
+        req.add_header("Authorization",
+                       "Basic " + base64.b64encode(f"{user[0]}:{user[1]}".encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read()
+            return r.status, (json.loads(text) if text.strip().startswith(b"{") else {})
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:  # not listening yet
+        return 0, {}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auth")
+    port = free_port()
+    ini = root / "basic_auth.ini"
+    ini.write_text("[mlflow]\ndefault_permission = READ\n"
+                   f"database_uri = sqlite:///{root / 'basic_auth.db'}\n"
+                   f"admin_username = admin\nadmin_password = {ADMIN_PASSWORD}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts")],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while call(uri, "/health")[0] != 200:
+        assert time.monotonic() < deadline and proc.poll() is None, "basic-auth server did not start"
+        time.sleep(0.5)
+    status, _ = call(uri, "/api/2.0/mlflow/users/create", {"username": "bob", "password":
+                     "bob-" + ADMIN_PASSWORD}, user=("admin", ADMIN_PASSWORD))
+    assert status == 200
+    yield uri
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def train(tmp_path: Path, uri: str, *extra: str, **creds: str) -> subprocess.CompletedProcess:
+    env = job_env(uri, **creds)
+    return ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=4",
+                   "--set", f"checkpoint.dir={tmp_path / 'ck'}", *extra], tmp_path, env)
+
+
+def runs(uri: str, experiment: str) -> list[dict]:
+    _, exp = call(uri, f"/api/2.0/mlflow/experiments/get-by-name?experiment_name={experiment}",
+                  user=("admin", ADMIN_PASSWORD))
+    if not exp:
+        return []
+    _, found = call(uri, "/api/2.0/mlflow/runs/search",
+                    {"experiment_ids": [exp["experiment"]["experiment_id"]]},
+                    user=("admin", ADMIN_PASSWORD))
+    return found.get("runs", [])
+
+
+def test_an_anonymous_client_gets_401_and_health_stays_open(server):
+    assert call(server, "/api/2.0/mlflow/experiments/search", {"max_results": 1})[0] == 401
+    assert call(server, "/health")[0] == 200
+
+
+def test_no_or_wrong_credentials_stop_the_job_before_any_run_with_one_line(tmp_path, server):
+    none = train(tmp_path, server)
+    assert none.returncode == 2, none.stderr[-2000:]
+    (line,) = [x for x in none.stderr.splitlines() if "ddplab: error" in x]
+    assert "MLFLOW_TRACKING_USERNAME: not set" in line and "HTTP 401" in line
+    assert "Traceback" not in none.stderr
+    wrong = train(tmp_path, server, MLFLOW_TRACKING_USERNAME="admin",
+                  MLFLOW_TRACKING_PASSWORD="not-it")
+    assert wrong.returncode == 2
+    assert "refused the credentials of user 'admin'" in wrong.stderr
+    assert runs(server, "quickstart") == []
+
+
+def test_the_right_credentials_train_and_another_users_experiment_is_one_clear_line(tmp_path, server):
+    ok = train(tmp_path, server, MLFLOW_TRACKING_USERNAME="admin",
+               MLFLOW_TRACKING_PASSWORD=ADMIN_PASSWORD)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    (run,) = runs(server, "quickstart")
+    assert run["info"]["status"] == "FINISHED"
+    bob = {"MLFLOW_TRACKING_USERNAME": "bob", "MLFLOW_TRACKING_PASSWORD": "bob-" + ADMIN_PASSWORD}
+    refused = train(tmp_path, server, **bob)  # "quickstart" is admin's; bob may only read it
+    assert refused.returncode != 0
+    assert "user bob may not create runs in the experiment 'quickstart'" in refused.stderr
+    assert "tracking.experiment" in refused.stderr and "Traceback" not in refused.stderr
+    own = train(tmp_path, server, "--set", "tracking.experiment=bob-quickstart", **bob)
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert [r["info"]["status"] for r in runs(server, "bob-quickstart")] == ["FINISHED"]
+    # The README's way for an admin to let bob in: MLflow's AuthServiceClient.
+    from mlflow.server.auth.client import AuthServiceClient
+
+    os.environ.update(MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=ADMIN_PASSWORD)
+    try:
+        AuthServiceClient(server).grant_user_permission(
+            "bob", "experiment", run["info"]["experiment_id"], "EDIT")
+    finally:
+        for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            os.environ.pop(k)
+    granted = train(tmp_path, server, **bob)
+    assert granted.returncode == 0, granted.stderr[-3000:]
+    assert len(runs(server, "quickstart")) == 2
