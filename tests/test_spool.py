@@ -88,10 +88,14 @@ def test_a_delivery_started_before_its_run_delivers_once_attached(store):
     assert [m.value for m in client.get_metric_history(run_id, "loss")] == [0.5]
 
 
-def test_a_delivery_whose_run_never_opened_exits_at_once(tmp_path):
+def test_a_delivery_whose_run_never_opened_exits_at_once(tmp_path, monkeypatch):
     """Rank 0 could not open the run (a dead server, say): the process it started for the run
-    exits within seconds, writing nothing, instead of outliving the failed job."""
+    exits within seconds, writing nothing, instead of outliving the failed job. It runs in
+    tmp_path, with the default store there, so anything it wrote would be seen."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     delivery = _early_delivery()
+    assert delivery.proc.poll() is None  # alive, waiting for a run to deliver
     delivery.cancel()
     assert delivery.proc.returncode == 0
     assert not list(tmp_path.iterdir())

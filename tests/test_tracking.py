@@ -110,3 +110,22 @@ def test_the_printed_address_opens_the_run_in_the_model_training_view(monkeypatc
     monkeypatch.delenv("DDPLAB_UI_URL")
     local = ui_address("sqlite:////x/mlflow.db", "3", "abc")
     assert "make ui" in local and local.endswith("/#/experiments/3/runs/abc?workflowType=machine_learning")
+
+
+def test_every_rank_can_call_what_rank_0_calls():
+    """Callers never ask `if rank == 0`: every public method of the real tracker exists on the
+    null one with the same parameters (a method added to one only breaks the other ranks)."""
+    import inspect
+
+    from ddplab.tracking import MlflowTracker
+
+    def public(cls):
+        return {n: inspect.signature(f) for n, f in inspect.getmembers(cls, inspect.isfunction)
+                if not n.startswith("_")}
+
+    real, null = public(MlflowTracker), public(NullTracker)
+    setup = {"take_over", "open_spool"}  # called only where the run is made (rank 0 itself)
+    assert real and set(real) - setup <= set(null)
+    real = {n: s for n, s in real.items() if n not in setup}
+    assert {n: (real[n], null[n]) for n in real
+            if list(real[n].parameters) != list(null[n].parameters)} == {}
