@@ -253,3 +253,9 @@ def test_doctor_exits_nonzero_with_one_line_per_problem(tmp_path, store):
                         env=job_env(store), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "doctor: ok" in ok.stdout
     assert "backend      gloo  yes" in ok.stdout and "/dev/shm" in ok.stdout
+    # What `ddplab train` would refuse, doctor reports: the same checks, the same line.
+    fp16 = subprocess.run([str(bindir / "ddplab"), "doctor", QUICKSTART, "--set", "train.amp=fp16"],
+                          cwd=tmp_path, env=job_env(store), capture_output=True, text=True,
+                          timeout=120)
+    assert fp16.returncode == 1
+    assert "problem: train.amp: got 'fp16'; fp16 needs a CUDA device" in fp16.stdout

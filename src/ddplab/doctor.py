@@ -194,7 +194,26 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
         if reason:
             problems.append(reason)
 
+    _train_checks(cfg, le, experiment, problems)
     for p in problems:
         print(f"problem: {p}")
     print("doctor: ok" if not problems else f"doctor: {len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def _train_checks(cfg: ExperimentConfig, le: LaunchEnv, experiment: str | None,
+                  problems: list[str]) -> None:
+    """The checks `ddplab train` runs before its process group (config x this machine, the
+    data, the user's parts, paths, the tracking server's credentials): what train would refuse,
+    doctor reports."""
+    import torch
+
+    from . import checks
+    from .config import ConfigError
+
+    try:
+        checks.before_start(cfg, le, "", torch.cuda.is_available(), experiment)
+        print("train checks ok (the config against this machine, data, parts, paths)")
+    except ConfigError as e:
+        print(f"train checks {e}")
+        problems.append(str(e))
