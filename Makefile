@@ -1,6 +1,6 @@
 # ddplab: `make help` lists every goal.
 # Variables: EXPERIMENT, NPROC, NNODES, ARGS, VENV, PYTHON; images: REGISTRY, IMAGE_TAG,
-# WITH_ONECCL, TORCH_INDEX_URL, INTEL_INDEX_URL (see README, "Containers").
+# WITH_ONECCL, TORCH_INDEX_URL, INTEL_INDEX_URL (see docs/containers.md).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -18,7 +18,7 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ddplab-setup
 
-.PHONY: help setup lock run ui test test-unit test-distributed test-e2e test-container lint bench doctor \
+.PHONY: help setup lock run ui docs test test-unit test-distributed test-e2e test-container lint bench doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser k8s-validate \
 	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
@@ -73,17 +73,20 @@ test-unit: $(STAMP) ## Unit tests only (no process group, no Docker, no mpirun)
 test-distributed: $(STAMP) $(CCL_STAMP) ## Multi-process tests on CPU (gloo, and ddplab's ccl)
 	$(BIN)/pytest -m distributed $(PYTEST_ARGS)
 
-test-e2e: $(STAMP) $(CCL_STAMP) ## End-to-end tests with the README's own commands
+test-e2e: $(STAMP) $(CCL_STAMP) ## End-to-end tests with the README's own commands (make run, torchrun, ddplab)
 	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
 
 test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make images`)
 	$(BIN)/pytest -m container $(PYTEST_ARGS)
 
+docs: $(STAMP) ## Regenerate docs/config-reference.md from the experiment schema (src/ddplab/config.py)
+	$(BIN)/python tools/config_doc.py
+
 lint: $(STAMP) ## Lint the Python code
 	$(BIN)/ruff check src tests benchmarks tools docker
 
 STUDY ?= experiments/studies/ch09-threads-vs-processes.yaml
-study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the report (README, Studies)
+study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the report (docs/studies.md)
 	$(BIN)/ddplab study run $(STUDY) $(ARGS)
 
 bench: $(STAMP) ## Benchmarks (prints ratios measured side by side)
@@ -95,7 +98,7 @@ bench-collectives: $(STAMP) ## Time and check every collective on NPROC ranks; t
 clean-runs: ## Delete the local MLflow store, artifacts and checkpoints (asks first)
 	@read -p "Delete mlflow.db, mlruns/ and checkpoints/? [y/N] " a && [ "$$a" = y ] && rm -rf mlflow.db mlruns checkpoints || echo kept
 
-# ---- containers (README, "Containers") ----
+# ---- containers (docs/containers.md) ----
 REGISTRY        ?= ddplab
 IMAGE_TAG       ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
 GIT_SHA         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
@@ -180,7 +183,7 @@ run-cpu-oneccl: ## Run EXPERIMENT with NPROC ranks via torchrun in the CPU image
 
 run-cuda-nccl: ## Run EXPERIMENT with NPROC GPUs via torchrun in the CUDA image, backend nccl
 	@docker info --format '{{json .Runtimes}}' | grep -q nvidia || command -v nvidia-container-cli >/dev/null \
-	  || { echo "error: no NVIDIA container runtime here: install the NVIDIA Container Toolkit (README, Containers)" >&2; exit 1; }
+	  || { echo "error: no NVIDIA container runtime here: install the NVIDIA Container Toolkit (docs/containers.md)" >&2; exit 1; }
 	@docker image inspect $(CUDA_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cuda
 	$(DOCKER_RUN) --gpus all $(CUDA_IMAGE):latest torchrun --standalone --nproc-per-node $(NPROC) \
 	  -m ddplab train $(EXPERIMENT) --set dist.backend=nccl --set dist.device=cuda $(ARGS)
@@ -212,7 +215,7 @@ lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose files
 	$(COMPOSE_MPI) config --quiet
 	docker compose -f compose/slurm.yml config --quiet
 
-# ---- Kubernetes (README, "Kubernetes") ----
+# ---- Kubernetes (docs/kubernetes.md) ----
 k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' schema (no cluster)
 	$(BIN)/pytest tests/test_k8s.py $(PYTEST_ARGS)
 

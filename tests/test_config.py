@@ -1,5 +1,7 @@
 """Unit: experiment loading, the precedence rule, and errors that name file, key and value."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,13 @@ def test_env_overrides_sit_between_file_and_command_line(tmp_path):
     cfg = load(p, env_overrides(env) + ["optim.lr=0.3"])
     assert (cfg.train.epochs, cfg.optim.lr) == (5, 0.3)
     assert env_overrides({}) == []
+
+
+def test_the_configuration_reference_page_is_the_schemas_own():
+    """docs/config-reference.md is generated from config.py (make docs); a key added, removed
+    or re-documented without regenerating it fails here."""
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "config_doc.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    page = (REPO / "docs" / "config-reference.md").read_text()
+    assert "| `dist.fsdp.mixed_precision` |" in page and "| `train.epochs` |" in page

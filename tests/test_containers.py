@@ -107,7 +107,7 @@ CUDA_IMAGE = "ddplab/cuda-nccl:latest"
 
 def test_the_cuda_image_is_the_locks_torch_with_nccl_and_says_no_gpu_cleanly():
     """Built in CI without a GPU: torch's CUDA build with NCCL, the lock's version; ddplab doctor
-    reports zero devices instead of failing. (Its quickstart on a real GPU: see README, GPU.)"""
+    reports zero devices instead of failing. (Its quickstart on a real GPU: see docs/containers.md.)"""
     probe = ("import torch, torch.distributed as d; "
              "print(torch.__version__.split('+')[0], torch.version.cuda is not None, d.is_nccl_available())")
     out = sh(["docker", "run", "--rm", "--entrypoint", "python", CUDA_IMAGE, "-c", probe])
@@ -174,7 +174,7 @@ def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
      "eval/perplexity"),
 ])
 def test_your_own_experiment_and_lm_tiny_run_in_the_cpu_image(tmp_path, experiment, extra, metric):
-    """The user's module beside its experiment (spirals.py) and the GPT on the README's bytes,
+    """The user's module beside its experiment (spirals.py) and the GPT on the documentation's bytes,
     in the CPU image on ddplab's ccl, as `make run-cpu-oneccl` runs them."""
     store = f"sqlite:///{tmp_path}/mlflow.db"
     out = sh(["make", "run-cpu-oneccl", f"MLFLOW_TRACKING_URI={store}", f"EXPERIMENT={experiment}",

@@ -212,7 +212,7 @@ def test_own_model_and_imagefolder_outside_the_repository_train_under_torchrun(
 @pytest.mark.e2e
 def test_lm_tiny_eval_loss_falls_by_a_third(tmp_path, store):
     out = _torchrun(["train", str(REPO / "experiments" / "lm-tiny.yaml"),
-                     "--set", f"data.root={REPO / 'README.md'}",
+                     "--set", f"data.root={REPO / 'docs'}",
                      "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, store)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = runs(store)
@@ -238,7 +238,7 @@ def _reproduce(run_id: str, cwd: Path, store: str, *extra: str) -> subprocess.Co
 @pytest.mark.e2e
 def test_deterministic_lm_run_reproduces_bitwise(tmp_path, store):
     out = _torchrun(["train", str(REPO / "experiments" / "lm-tiny.yaml"),
-                     "--set", f"data.root={REPO / 'README.md'}", "--set", "train.max_steps=12",
+                     "--set", f"data.root={REPO / 'docs'}", "--set", "train.max_steps=12",
                      "--set", "train.eval_every_steps=4", "--set", "train.deterministic=true",
                      "--set", "train.log_every=2", "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
                     tmp_path, store, **PINNED)

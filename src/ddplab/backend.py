@@ -141,7 +141,7 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
     if allow_fallback:
         return BackendChoice("gloo", requested, f"fallback to gloo: {requested} unavailable ({why})",
                              fell_back=True)
-    hint = (" Run 'make setup-ccl' (README, 'Backends') or set dist.allow_backend_fallback=true"
+    hint = (" Run 'make setup-ccl' (docs/launchers-and-backends.md) or set dist.allow_backend_fallback=true"
             if requested == "ccl" else " Set dist.allow_backend_fallback=true to use gloo instead")
     raise BackendError(f"dist.backend: {requested!r} is not available: {why}.{hint}")
 

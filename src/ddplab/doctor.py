@@ -121,7 +121,7 @@ def _check_shm(cfg: ExperimentConfig, le: LaunchEnv, problems: list[str]) -> Non
     stale, used = ccl.stale_shm()
     if stale:
         print(f"warning      /dev/shm holds {stale} oneCCL shm region(s) of ranks that are gone "
-              f"({used / 2**20:.0f} MiB of RAM): remove them (README, Troubleshooting)")
+              f"({used / 2**20:.0f} MiB of RAM): remove them (docs/troubleshooting.md)")
 
 
 def doctor(experiment: str | None, overrides: list[str]) -> int:

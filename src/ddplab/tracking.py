@@ -202,7 +202,8 @@ def _experiment_refused(exp_name: str, e: Exception) -> TrackingError:
         f"tracking: user {user} may not create runs in the experiment {exp_name!r} on this server "
         "(HTTP 403: its creator has MANAGE on it, others READ unless granted EDIT): choose another "
         "experiment name (the experiment file's `name:`, or --set tracking.experiment=NAME), or "
-        "ask its owner or an admin to grant you EDIT (README, \"A team tracking server\")")
+        "ask its owner or an admin to grant you EDIT (docs/tracking.md, \"A tracking server "
+        "with authentication\")")
 
 
 class NullTracker:
@@ -337,7 +338,7 @@ def _delete_artifact(artifact_uri: str, path: str) -> None:
                       stacklevel=2)
 
 
-# Every run's description says which of its two throughputs to quote (README, "Metrics").
+# Every run's description says which of its two throughputs to quote (docs/tracking.md, "Metrics").
 THROUGHPUT_NOTE = (
     "Throughput: quote `perf/samples_per_s`, the steady rate of the whole job (samples over "
     "time in the epochs after the first, so start-up is not counted; with one epoch, its log "
