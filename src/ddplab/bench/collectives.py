@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..loop import percentile
 from . import BACKENDS
 from .ops import Ctx, Op, wait
 
@@ -144,7 +145,7 @@ class Bench:
         estimate = max(self._slowest([statistics.median(per_call)])[0], 1e-7)
         iters = int(min(p.iters, max(3, p.point_s // estimate)))
         times = self._slowest(self._timed(run, device, iters))
-        p50, p95 = _quantile(times, 0.5), _quantile(times, 0.95)
+        p50, p95 = percentile(times, 50), percentile(times, 95)  # as summary.json's step times
         nbytes = _numel(size, p.dtype, self.n) * _itemsize(p.dtype) if op.sized else 0
         algbw = nbytes / p50 if p50 > 0 else 0.0
         return Result(backend, device.type, op.name, nbytes, iters, p50, p95, algbw,
@@ -168,11 +169,6 @@ def _numel(size: int, dtype: torch.dtype, n: int) -> int:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _quantile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def _first_line(e: BaseException) -> str:
