@@ -210,6 +210,16 @@ def test_failure_after_the_run_started_is_recorded(tmp_path, store):
     assert "Traceback" not in out.stderr and "data.download" in out.stderr
 
 
+def test_torchruns_failure_summary_names_the_rank_and_the_error(tmp_path, store):
+    """torchrun's "Root Cause" reads each rank's error file: ddplab writes it (was <N/A>)."""
+    out = ddplab(["train", QUICKSTART, "--set", "data.dataset=cifar10", "--set", "data.root=nodata",
+                  "--set", "data.download=true"], tmp_path, job_env(store), nproc=2)
+    assert out.returncode != 0
+    summary = out.stderr[out.stderr.index("Root Cause"):]
+    assert "error_file: <N/A>" not in summary and "rank      :" in summary
+    assert "DataError" in summary and "CIFAR-10 could not be downloaded" in summary
+
+
 def test_stand_in_ccl_bindings_are_used_and_recorded(tmp_path, store):
     """STAND-IN bindings (tests/stand_ins, gloo underneath): proves the wiring, not oneCCL."""
     env = job_env(store, PYTHONPATH=str(STAND_INS))

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 from . import __version__
 
@@ -100,7 +101,9 @@ def entry() -> None:
     2 bad input, 130 interrupted).
     """
     try:
-        code = main()
+        # Under torchrun, an unexpected exception lands in the rank's error file as well
+        # (torch.distributed.elastic's @record), so the launcher's summary names it.
+        code = (_recorded(main) if os.environ.get("TORCHELASTIC_ERROR_FILE") else main)()
     finally:
         from . import ccl
 
@@ -116,6 +119,12 @@ def entry() -> None:
 
 
 _COMMAND = [""]
+
+
+def _recorded(fn: Any) -> Any:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,4 +243,19 @@ def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
     except expected as e:
         # Known failures get one line, not a traceback (the run, if any, records the traceback).
         print(f"{_rank_prefix()}ddplab: error: {e}", file=sys.stderr)
+        _tell_torchrun(e)
         return EXIT_ERROR
+
+
+def _tell_torchrun(e: BaseException) -> None:
+    """Under torchrun, each rank's error goes into its error file too, so torchrun's failure
+    summary ("Root Cause (first observed failure)") shows which rank failed first and why,
+    instead of "error_file: <N/A>" (torch.distributed.elastic's ErrorHandler, what @record uses)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        ErrorHandler().record_exception(e)
+    except OSError:  # the summary then says <N/A>, as before; the job's own line stands
+        pass
