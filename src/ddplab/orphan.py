@@ -6,7 +6,8 @@ not end the run within the grace time (it was SIGKILLed, or OOM-killed), end it 
 Detached (its own session, deaf to SIGTERM/SIGINT/SIGHUP) so that the rank itself exits at
 once: a rank that stays to watch keeps its sockets open, and a rank 0 blocked in a collective
 with it never learns the job is over (under Slurm's scancel both were SIGKILLed before the run
-ended). See tracking.end_orphan.
+ended). Started by tracking.job_run's ending on the surviving ranks; this module imports
+nothing of tracking's (one direction only).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import argparse
 import signal
 import subprocess
 import sys
+import time
+
+GRACE_S = 20.0
+"""How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
+stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
 
 
 def start(uri: str, run_id: str, why: str, grace_s: float) -> None:
@@ -30,14 +36,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("uri")
     p.add_argument("run_id")
     p.add_argument("why")
-    p.add_argument("--grace", type=float, default=20.0)
+    p.add_argument("--grace", type=float, default=GRACE_S)
     a = p.parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    from .tracking import end_orphan
-
     end_orphan(a.uri, a.run_id, a.why, a.grace)
     return 0
+
+
+
+def end_orphan(uri: str, run_id: str, why: str, grace_s: float = GRACE_S) -> bool:
+    """Run by survivors of a failed job: if the run is still RUNNING after ``grace_s``, global
+    rank 0 is gone (SIGKILL, OOM) and can no longer end it: end it FAILED. True if it did."""
+    if not run_id:
+        return False
+    from mlflow import MlflowClient
+
+    try:
+        client = MlflowClient(uri)
+        deadline = time.monotonic() + grace_s
+        while client.get_run(run_id).info.status == "RUNNING":
+            if time.monotonic() >= deadline:
+                client.set_tag(run_id, "ddplab.error", f"global rank 0 lost; this rank saw: {why}")
+                client.set_terminated(run_id, "FAILED")
+                return True
+            time.sleep(1.0)
+    except Exception as e:  # noqa: BLE001 - best effort on the way out; never mask the failure
+        import warnings
+
+        warnings.warn(f"could not check run {run_id} after the failure: {e}", stacklevel=2)
+    return False
 
 
 if __name__ == "__main__":

@@ -575,7 +575,7 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
             if run.run_id:
                 from . import orphan
 
-                orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], ORPHAN_GRACE_S)
+                orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
 
 
 def layout_name(layout: Any) -> str:
@@ -604,31 +604,3 @@ def _say_left(left: int, uri: str, directory: Path) -> None:
         print(f"ddplab: warning: the tracking server refused {refused} records as invalid; they "
               f"are kept with its reasons in {directory / spool.REJECTED} (`ddplab sync "
               f"{run_dir}` lists them)", file=sys.stderr, flush=True)
-
-
-ORPHAN_GRACE_S = 20.0
-"""How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
-stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
-
-
-def end_orphan(uri: str, run_id: str, why: str, grace_s: float = ORPHAN_GRACE_S) -> bool:
-    """Run by survivors of a failed job: if the run is still RUNNING after ``grace_s``, global
-    rank 0 is gone (SIGKILL, OOM) and can no longer end it: end it FAILED. True if it did."""
-    if not run_id:
-        return False
-    from mlflow import MlflowClient
-
-    try:
-        client = MlflowClient(uri)
-        deadline = time.monotonic() + grace_s
-        while client.get_run(run_id).info.status == "RUNNING":
-            if time.monotonic() >= deadline:
-                client.set_tag(run_id, "ddplab.error", f"global rank 0 lost; this rank saw: {why}")
-                client.set_terminated(run_id, "FAILED")
-                return True
-            time.sleep(1.0)
-    except Exception as e:  # noqa: BLE001 - best effort on the way out; never mask the failure
-        import warnings
-
-        warnings.warn(f"could not check run {run_id} after the failure: {e}", stacklevel=2)
-    return False
