@@ -33,9 +33,14 @@ class TrackingError(RuntimeError):
     """The tracking store cannot be used."""
 
 
+def embedded_store() -> str:
+    """The default store of every command: SQLite in the working directory (make: the repo)."""
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
 def resolve_uri(cfg: TrackingConfig, env: dict[str, str] | os._Environ = os.environ) -> str:
-    """tracking.uri, else $MLFLOW_TRACKING_URI, else an embedded SQLite store in the working dir."""
-    return cfg.uri or env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """tracking.uri, else $MLFLOW_TRACKING_URI, else the embedded store."""
+    return cfg.uri or env.get("MLFLOW_TRACKING_URI") or embedded_store()
 
 
 def ui_address(uri: str, experiment_id: str, run_id: str = "", view: str = "") -> str:
@@ -94,11 +99,20 @@ def validated_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
     value, where = (explicit, source) if explicit else (
         os.environ.get("MLFLOW_TRACKING_URI", ""), "MLFLOW_TRACKING_URI")
     if not value:
-        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+        return embedded_store()
     problem = uri_problem(value)
     if problem:
         raise ConfigError(f"{where}: got {value!r}; {problem}")
     return value
+
+
+def reachable_client(uri: str) -> Any:
+    """An MlflowClient for ``uri``, or one TrackingError line at once when the server does not
+    answer (MLflow's own client would retry for minutes)."""
+    problem = check_reachable(uri)
+    if problem:
+        raise TrackingError(f"{problem}: start it, or set MLFLOW_TRACKING_URI")
+    return open_client(uri)
 
 
 @contextlib.contextmanager

@@ -94,9 +94,9 @@ def collectives(a: argparse.Namespace) -> int:
 
     plan = plan_from(a)
     if not a.no_tracking:  # a bad URI is one line before any process group, as for train
-        from ..study import tracking_uri
+        from ..tracking import validated_uri
 
-        a.tracking_uri = tracking_uri(a.tracking_uri)
+        a.tracking_uri = validated_uri(a.tracking_uri)
     le = LaunchEnv.from_environ(os.environ)
     backends = usable_backends(plan, a.backend.strip() != "all")
     if "ccl" in backends:  # as a training job does: oneCCL reads them when its group starts
@@ -126,7 +126,7 @@ def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]
     def create() -> Report:
         client = None
         if not a.no_tracking:
-            from ..study import reachable_client
+            from ..tracking import reachable_client
 
             client = reachable_client(a.tracking_uri)
         params = {"world_size": le.world_size, "nnodes": le.nnodes, "launcher": le.launcher,

@@ -6,25 +6,6 @@ from __future__ import annotations
 import os
 
 
-def tracking_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
-    """$MLFLOW_TRACKING_URI (or ``explicit``), checked as `ddplab train` checks it, else the
-    same embedded store `ddplab train` uses; a bad one is one ConfigError line (exit 2)."""
-    from ..tracking import validated_uri
-
-    return validated_uri(explicit, source)
-
-
-def reachable_client(uri: str):
-    """An MlflowClient for ``uri``, or one TrackingError line at once when the server does not
-    answer (MLflow's own client would retry for minutes)."""
-    from ..tracking import TrackingError, check_reachable, open_client
-
-    problem = check_reachable(uri)
-    if problem:
-        raise TrackingError(f"{problem}: start it, or set MLFLOW_TRACKING_URI")
-    return open_client(uri)
-
-
 def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0) -> int:
     # MLflow prints "View run at <tracking URI>" when a run ends: on a cluster an in-network
     # name the browser cannot open. The study prints each address itself (DDPLAB_UI_URL).
@@ -34,6 +15,7 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
     import yaml
 
     from ..config import ConfigError
+    from ..tracking import validated_uri
     from . import runner, spec
 
     # The study's own client calls fail fast: MLflow's default retries a dead server for
@@ -54,7 +36,7 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
         "variants": [{"name": v.name, "nproc": v.nproc, "nnodes": v.nnodes,
                       "launcher": v.launcher, "set": v.set} for v in study.variants]},
         sort_keys=False)
-    uri = tracking_uri()
+    uri = validated_uri()
     try:
         return runner.run(study, uri, fresh, dry_run, resolved)
     except ConfigError:
@@ -84,11 +66,11 @@ def _tracking_failure(e: BaseException) -> bool:
 def show_report(parent_run_id: str) -> int:
     from mlflow.exceptions import MlflowException
 
-    from ..tracking import TrackingError
+    from ..tracking import TrackingError, reachable_client, validated_uri
     from . import report as study_report
     from .runner import PARENT, make_console
 
-    uri = tracking_uri()
+    uri = validated_uri()
     client = reachable_client(uri)
     try:
         role = client.get_run(parent_run_id).data.tags.get("ddplab.study_role")

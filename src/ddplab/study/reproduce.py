@@ -122,10 +122,10 @@ def reproduce(run_id: str, strict: bool) -> int:
 def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     from mlflow.exceptions import MlflowException
 
-    from . import reachable_client, tracking_uri
+    from ..tracking import reachable_client, validated_uri
     from .runner import job_env
 
-    uri = tracking_uri()
+    uri = validated_uri()
     client = reachable_client(uri)
     try:
         run = client.get_run(run_id)

@@ -219,8 +219,7 @@ class Tracker:
     """The study's parent run and its children, through MLflow's client."""
 
     def __init__(self, uri: str, study: Study) -> None:
-        from ..tracking import experiment_id
-        from . import reachable_client
+        from ..tracking import experiment_id, reachable_client
 
         self.client, self.uri, self.study = reachable_client(uri), uri, study
         self.exp_id = experiment_id(self.client, study.name)
