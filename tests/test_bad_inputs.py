@@ -356,3 +356,10 @@ def test_a_bad_node_count_in_the_environment_is_one_line(monkeypatch, capsys):
     assert e.value.code == 2 and "NNODES" in err and "'abc'" in err and "Traceback" not in err
     monkeypatch.setenv("NNODES", "2")
     assert cli.main(["config", QUICKSTART]) == 0  # other commands never read it
+
+
+def test_every_subcommand_has_a_handler():
+    import argparse
+
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(cli.HANDLERS)

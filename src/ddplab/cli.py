@@ -100,15 +100,16 @@ def entry() -> None:
     shared memory released, and the process exits with its real code (0 finished, 1 failed,
     2 bad input, 130 interrupted).
     """
+    args = _parser().parse_args()
     try:
         # Under torchrun, an unexpected exception lands in the rank's error file as well
         # (torch.distributed.elastic's @record), so the launcher's summary names it.
-        code = (_recorded(main) if os.environ.get("TORCHELASTIC_ERROR_FILE") else main)()
+        code = (_recorded(run) if os.environ.get("TORCHELASTIC_ERROR_FILE") else run)(args)
     finally:
         from . import ccl
 
         ccl.release_shm()  # libfabric's destructor, which would, does not run after os._exit
-    if _COMMAND[0] in ("train", "bench"):
+    if args.command in ("train", "bench"):
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -118,9 +119,6 @@ def entry() -> None:
     raise SystemExit(code)
 
 
-_COMMAND = [""]
-
-
 def _recorded(fn: Any) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -128,51 +126,56 @@ def _recorded(fn: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    _COMMAND[0] = args.command
+    """The command line ``argv`` (tests call this in-process); returns the exit code."""
+    return run(_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """One parsed command, by its handler; bad input is exit 2 with one line."""
     from .config import ConfigError, env_overrides
 
     if hasattr(args, "overrides"):
         args.overrides = env_overrides() + args.overrides
-
     try:
-        if args.command == "config":
-            from .config import load
-
-            print(load(args.experiment, args.overrides).to_yaml(), end="")
-            return 0
-        if args.command in ("launch", "mpi"):
-            return _launch(args)
-        if args.command in ("study", "report", "reproduce"):
-            return _study(args)
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "sync":
-            from .delivery import sync
-            from .tracking import validated_uri
-
-            uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
-            return sync(args.paths, args.timeout, uri)
-        if args.command == "checkpoint":
-            from .checkpoint import CheckpointError, export
-
-            try:
-                print(export(args.source, args.out))
-            except CheckpointError as e:
-                print(f"ddplab checkpoint: error: {e}", file=sys.stderr)
-                return EXIT_ERROR
-            return 0
-        if args.command == "doctor":
-            from .doctor import doctor
-
-            return doctor(args.experiment, args.overrides)
-        return _train(args.experiment, args.overrides, args.summary_out)
+        return HANDLERS[args.command](args)
     except ConfigError as e:
         print(f"ddplab: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{_rank_prefix()}ddplab: interrupted", file=sys.stderr)
         return 130
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .config import load
+
+    print(load(args.experiment, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def _sync(args: argparse.Namespace) -> int:
+    from .delivery import sync
+    from .tracking import validated_uri
+
+    uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
+    return sync(args.paths, args.timeout, uri)
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, export
+
+    try:
+        print(export(args.source, args.out))
+    except CheckpointError as e:
+        print(f"ddplab checkpoint: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor
+
+    return doctor(args.experiment, args.overrides)
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -259,3 +262,12 @@ def _tell_torchrun(e: BaseException) -> None:
         ErrorHandler().record_exception(e)
     except OSError:  # the summary then says <N/A>, as before; the job's own line stands
         pass
+
+
+HANDLERS = {
+    "train": lambda a: _train(a.experiment, a.overrides, a.summary_out),
+    "doctor": _doctor, "config": _config, "sync": _sync, "checkpoint": _checkpoint,
+    "study": _study, "report": _study, "reproduce": _study, "bench": _bench,
+    "launch": _launch, "mpi": _launch,
+}
+"""Each command's handler (argparse's subcommand names, _parser)."""
