@@ -274,9 +274,6 @@ class FsdpConfig:
             _fail("wrap", self.wrap, "comma-separated Python class names, e.g. 'Block,Layer'")
 
 
-STRATEGIES = ("ddp", "fsdp", "zero", "dp")
-
-
 @dataclass
 class DistConfig:
     strategy: Literal["ddp", "fsdp", "zero", "dp"] = "ddp"

@@ -67,8 +67,8 @@ def block_names(cfg: ExperimentConfig, model: nn.Module) -> set[str]:
     return {type(m).__name__ for m in first} if first is not None else set()
 
 
-def shard(model: nn.Module, cfg: ExperimentConfig) -> list[str]:
-    """FSDP2 over each block, then the root; returns the sharded blocks' names."""
+def shard(model: nn.Module, cfg: ExperimentConfig) -> None:
+    """FSDP2 over each block, then the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     f = cfg.dist.fsdp
@@ -79,11 +79,10 @@ def shard(model: nn.Module, cfg: ExperimentConfig) -> list[str]:
     if f.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     names = block_names(cfg, model)
-    blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ in names and m is not model]
-    for _, block in blocks:
+    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    return [n for n, _ in blocks]
 
 
 def grad_sync(model: nn.Module, sync: bool) -> Any:
