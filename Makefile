@@ -22,7 +22,7 @@ STAMP := $(VENV)/.ddplab-setup
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser k8s-validate \
 	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
-	clean-images image-cpu-intel
+	clean-images image-cpu-intel image-postgres k8s-secrets
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -110,6 +110,7 @@ INTEL_INDEX_URL ?= https://pytorch-extension.intel.com/release-whl/stable/cpu/us
 CPU_IMAGE    := $(REGISTRY)/cpu-oneccl
 CUDA_IMAGE   := $(REGISTRY)/cuda-nccl
 MLFLOW_IMAGE := $(REGISTRY)/mlflow
+POSTGRES_IMAGE := $(REGISTRY)/postgres
 MPI_IMAGE    := $(REGISTRY)/openmpi
 SLURM_IMAGE  := $(REGISTRY)/slurm
 MPI_RUNTIME  ?= cpu
@@ -132,7 +133,7 @@ compose_build = WITH_ONECCL=$(WITH_ONECCL) ONECCL_VERSION=$(ONECCL_VERSION) \
 	&& docker tag $(2):$(IMAGE_TAG) $(2):latest
 RUNTIME_IMAGE = $(REGISTRY)/$(if $(filter cuda,$(MPI_RUNTIME)),cuda-nccl,cpu-oneccl):latest
 
-images: image-cpu image-cuda image-mlflow image-mpi image-slurm ## Build every image (tags: git revision and latest)
+images: image-cpu image-cuda image-mlflow image-postgres image-mpi image-slurm ## Build every image (tags: git revision and latest)
 
 image-cpu: ## Build the CPU image: the native torch, ddplab's ccl (TORCH_INDEX_URL=https://pypi.org/simple offline)
 	$(call compose_build,CPU,$(CPU_IMAGE),multinode.yml,,node)
@@ -148,7 +149,10 @@ image-cuda: ## Build the CUDA image (torch's CUDA build brings the CUDA runtime 
 	$(call build,cuda-nccl,$(CUDA_IMAGE),--build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX_URL))
 
 image-mlflow: ## Build the MLflow tracking server image
-	$(call compose_build,MLFLOW,$(MLFLOW_IMAGE),multinode.yml,,mlflow)
+	$(call compose_build,MLFLOW,$(MLFLOW_IMAGE),tracking.yml,,tracking-secrets)
+
+image-postgres: ## Build the PostgreSQL image of the team tracking server (compose/tracking.yml)
+	$(call compose_build,POSTGRES,$(POSTGRES_IMAGE),tracking.yml,,postgres)
 
 image-mpi: ## Build the Open MPI image on the CPU image (MPI_RUNTIME=cuda: on the CUDA image)
 	@docker image inspect $(RUNTIME_IMAGE) >/dev/null 2>&1 || $(MAKE) image-$(MPI_RUNTIME)
@@ -163,7 +167,7 @@ image-slurm: ## Build the Slurm image (slurmctld, slurmd, MUNGE) on the CPU imag
 BUILD_CACHE_KEEP ?= 20GB
 clean-images: ## Remove ddplab images of other revisions (keeps :latest and :IMAGE_TAG), dangling layers, build cache past BUILD_CACHE_KEEP
 	@old=$$(docker images --format '{{.Repository}}:{{.Tag}}' \
-	  | grep -E '^$(REGISTRY)/(cpu-oneccl|cpu-intel|cuda-nccl|mlflow|openmpi|slurm):' \
+	  | grep -E '^$(REGISTRY)/(cpu-oneccl|cpu-intel|cuda-nccl|mlflow|postgres|openmpi|slurm):' \
 	  | grep -vE ':(latest|$(IMAGE_TAG))$$' || true); \
 	if [ -n "$$old" ]; then docker rmi $$old || echo "make clean-images: kept the images above: containers still use them (docker ps -a)"; \
 	else echo "make clean-images: no images of other revisions"; fi
@@ -190,7 +194,6 @@ run-cuda-nccl: ## Run EXPERIMENT with NPROC GPUs via torchrun in the CUDA image,
 
 run-multinode: ## Simulate NNODES nodes with compose; the MLflow UI stays up on localhost:5000
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
-	@docker image inspect $(MLFLOW_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mlflow
 	NNODES=$(NNODES) $(COMPOSE) up
 	@# compose's `up` exits 0 whatever the containers did: the nodes' exit codes decide.
 	@$(COMPOSE) ps -a --format '{{.Service}} {{.ExitCode}}' node | \
@@ -201,7 +204,6 @@ multinode-down: ## Stop the compose simulation and delete its volumes
 
 run-mpi-multinode: ## mpirun across NNODES worker containers x SLOTS ranks (compose/mpi.yml)
 	@docker image inspect $(MPI_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mpi
-	@docker image inspect $(MLFLOW_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mlflow
 	NNODES=$(NNODES) SLOTS=$(SLOTS) $(COMPOSE_MPI) up
 	@$(COMPOSE_MPI) ps -a --format '{{.Service}} {{.ExitCode}}' launcher | \
 	  awk '$$2 != 0 {bad = 1; print "launcher exited with " $$2} END {exit bad}'
@@ -233,6 +235,9 @@ $(TOOLS)/checkov/bin/checkov:
 scan: $(TOOLS)/checkov/bin/checkov ## Security scan of k8s/ and docker/ (checkov; skips justified in place)
 	$(TOOLS)/checkov/bin/checkov -d k8s --framework kubernetes --compact --quiet
 	$(TOOLS)/checkov/bin/checkov -d docker --framework dockerfile --compact --quiet
+
+k8s-secrets: ## Create the tracking server's generated Secrets in the cluster once (kubectl create: kept if present)
+	python3 docker/mlflow/make_secrets.py --k8s ddplab | kubectl create -f -
 
 k8s-render: ## Copy k8s/ to build/k8s/ with images from REGISTRY and IMAGE_TAG
 	@rm -rf build/k8s && mkdir -p build && cp -r k8s build/k8s

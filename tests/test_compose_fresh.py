@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from tests import test_containers
-from tests.test_containers import all_runs, finished, sh, tags, wait_exits
+from tests.test_containers import finished, sh, tags, wait_exits
 
 pytestmark = pytest.mark.container
 compose_factory = test_containers.compose_factory  # the fixture, without that module's image check
@@ -30,6 +30,7 @@ def fresh_images():
     prefix = f"ddplabfresh{uuid.uuid4().hex[:8]}"
     names = {"DDPLAB_CPU_IMAGE": f"{prefix}/cpu-oneccl:latest",
              "DDPLAB_MLFLOW_IMAGE": f"{prefix}/mlflow:latest",
+             "DDPLAB_POSTGRES_IMAGE": f"{prefix}/postgres:latest",
              "DDPLAB_MPI_IMAGE": f"{prefix}/openmpi:latest",
              "DDPLAB_SLURM_IMAGE": f"{prefix}/slurm:latest"}
     yield names
@@ -62,7 +63,7 @@ def test_compose_up_as_typed_builds_its_images_and_runs_the_job(compose_factory,
     assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
     t = tags(run)
     assert (t["ddplab.launcher"], t["ddplab.world_size"]) == (launcher, "2")
-    assert len(t["ddplab.hosts"].split(",")) == 2 and len(all_runs(c.base)) == 1
+    assert len(t["ddplab.hosts"].split(",")) == 2 and len(c.runs()) == 1
     built = [n for n in fresh_images.values() if _image_exists(n)]
     expected = ["DDPLAB_CPU_IMAGE", "DDPLAB_MLFLOW_IMAGE"] + ([on_cpu] if on_cpu else [])
     assert built == [fresh_images[k] for k in expected]

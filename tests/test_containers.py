@@ -6,6 +6,7 @@ Needs a running engine and the images (`make images`; CI builds them, see .ci/ru
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -23,7 +25,7 @@ from tests.conftest import REPO, runs
 
 pytestmark = pytest.mark.container
 CPU_IMAGE, MLFLOW_IMAGE = "ddplab/cpu-oneccl:latest", "ddplab/mlflow:latest"
-MPI_IMAGE = "ddplab/openmpi:latest"
+MPI_IMAGE, POSTGRES_IMAGE = "ddplab/openmpi:latest", "ddplab/postgres:latest"
 SMALL = "--set data.train_samples=1536 --set data.eval_samples=512 --set train.epochs=2"
 
 
@@ -35,7 +37,7 @@ def sh(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
 def images() -> None:
     if sh(["docker", "info"], timeout=30).returncode:
         pytest.fail("no Docker engine: start dockerd (`docker info` must answer)")
-    for image in (CPU_IMAGE, MLFLOW_IMAGE, MPI_IMAGE):
+    for image in (CPU_IMAGE, MLFLOW_IMAGE, MPI_IMAGE, POSTGRES_IMAGE):
         if sh(["docker", "image", "inspect", image], timeout=30).returncode:
             pytest.fail(f"{image} is missing: build it with `make images` (CI: see .ci/run)")
 
@@ -46,17 +48,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rest(base: str, path: str, body: dict | None = None) -> dict:
+def rest(base: str, path: str, body: dict | None = None, login: str = "") -> dict:
+    """MLflow's REST API; ``login`` ("user:password") for a server that asks for one."""
+    headers = {"Content-Type": "application/json"}
+    if login:
+        headers["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
     req = urllib.request.Request(base + path, data=json.dumps(body).encode() if body else None,
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
 
-def all_runs(base: str) -> list[dict]:
-    exps = rest(base, "/api/2.0/mlflow/experiments/search", {"max_results": 100})["experiments"]
+def all_runs(base: str, login: str = "") -> list[dict]:
+    exps = rest(base, "/api/2.0/mlflow/experiments/search", {"max_results": 100}, login)["experiments"]
     ids = [e["experiment_id"] for e in exps]
-    return rest(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": ids}).get("runs", [])
+    return rest(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": ids}, login).get("runs", [])
 
 
 def tags(run: dict) -> dict[str, str]:
@@ -204,6 +210,20 @@ class Compose:
         self.cmd = ["docker", "compose", "-f", str(REPO / "compose" / file)]
         self.proc: subprocess.Popen | None = None
         self.up_log: Path | None = None
+        self._login = ""
+
+    def login(self) -> str:
+        """"admin:<password>" of tracking.yml's generated login, read the way docs/tracking.md
+        tells a user to (empty until the server's container runs)."""
+        if not self._login:
+            out = sh([*self.cmd, "exec", "-T", "mlflow", "cat", "/run/ddplab-tracking/admin-password"],
+                     env=self.env, cwd=REPO)
+            if out.returncode == 0 and out.stdout.strip():
+                self._login = "admin:" + out.stdout.strip()
+        return self._login
+
+    def runs(self) -> list[dict]:
+        return all_runs(self.base, self.login())
 
     def up(self) -> None:
         self.started = time.monotonic()
@@ -218,11 +238,11 @@ class Compose:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                found = all_runs(self.base)
+                found = self.runs()
                 if found and predicate(found[0]):
                     return found[0]
             except OSError:
-                pass  # server still starting
+                pass  # server still starting (or not yet asked for its login)
             time.sleep(2)
         raise AssertionError(f"timed out after {timeout:.0f} s; `up` printed:\n"
                              f"{self.up_output()[-3000:]}\nlogs:\n{self.logs()[-3000:]}")
@@ -301,8 +321,43 @@ def test_compose_multinode_gives_one_run_across_nodes(compose_factory, nnodes, n
     for node in range(nnodes):
         assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in m), sorted(m)
     assert m["eval/accuracy"] > 0.3  # chance is 0.1
-    assert len(all_runs(c.base)) == 1  # one job, one run
+    assert len(c.runs()) == 1  # one job, one run
     assert wait_exits(c, c.service, nnodes, time.monotonic() + 120) == [0] * nnodes
+
+
+def metric_steps(c: Compose, run_id: str, key: str) -> list[int]:
+    h = rest(c.base, f"/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key={key}",
+             login=c.login())["metrics"]
+    return sorted(m["step"] for m in h)
+
+
+def test_the_team_server_asks_for_a_login_and_a_restart_mid_job_loses_nothing(compose_factory):
+    """compose/tracking.yml: MLflow on PostgreSQL behind its login. An anonymous client gets 401;
+    restarting the server mid-job loses no metric (the job's spool delivers what it missed);
+    the job with a wrong password refuses at start, in one line, before any process group."""
+    c = compose_factory(2, 1, DDPLAB_SET="train.epochs=8")
+    c.up()
+    run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
+    with pytest.raises(urllib.error.HTTPError) as anonymous:
+        all_runs(c.base)
+    assert anonymous.value.code == 401
+    restart = sh([*c.cmd, "restart", "mlflow"], env=c.env, cwd=REPO)
+    assert restart.returncode == 0, restart.stderr
+    run = c.wait_run(finished, timeout=600)
+    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
+    steps = metric_steps(c, run["info"]["run_id"], "train/loss")
+    every = steps[1] - steps[0]
+    assert steps == list(range(every, steps[-1] + 1, every)), steps  # no hole from the restart
+    last = {m["key"]: m["step"] for m in run["data"]["metrics"]}
+    assert metrics(run)["epoch/epoch"] == 8 and steps[-1] == last["epoch/epoch"]  # to the end
+    assert metric_steps(c, run["info"]["run_id"], "epoch/time_s") == [last["epoch/epoch"] // 8 * e
+                                                                       for e in range(1, 9)]
+    wrong = sh([*c.cmd, "run", "--rm", "--no-deps", "-e", "MLFLOW_TRACKING_USERNAME=admin",
+                "-e", "MLFLOW_TRACKING_PASSWORD=not-the-password", "node", "ddplab", "train",
+                "experiments/quickstart.yaml"], env=c.env, cwd=REPO)
+    assert wrong.returncode == 2, wrong.stdout + wrong.stderr
+    assert "MLFLOW_TRACKING_PASSWORD: the tracking server" in wrong.stderr
+    assert "Traceback" not in wrong.stderr and len(c.runs()) == 1  # no second run was made
 
 
 def test_compose_multinode_on_ddplabs_ccl_across_containers(compose_factory):

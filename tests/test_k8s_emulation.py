@@ -24,9 +24,11 @@ container's image and args exactly as written in the manifest.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -39,6 +41,18 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.container
 K8S = REPO / "k8s"
+sys.path.insert(0, str(REPO / "docker" / "mlflow"))
+from make_secrets import k8s_manifests  # noqa: E402 - what `make k8s-secrets` creates
+
+
+def generated_secrets() -> dict[str, dict[str, str]]:
+    """`make k8s-secrets`'s Secrets, decoded as the kubelet hands them to pods."""
+    return {s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in s["data"].items()}
+            for s in json.loads(k8s_manifests("ddplab"))["items"]}
+
+
+SECRETS = generated_secrets()
+LOGIN = f"{SECRETS['mlflow-credentials']['username']}:{SECRETS['mlflow-credentials']['password']}"
 
 
 def sh(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -50,7 +64,18 @@ def load(name: str) -> list[dict]:
 
 
 def env_of(container: dict) -> dict[str, str]:
-    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    """The container's env as the kubelet sets it: values, and secretKeyRefs from SECRETS (an
+    optional one that is missing is left out; a required one would keep the pod from starting)."""
+    env = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref is None:
+            env[e["name"]] = e.get("value", "")
+        elif ref["key"] in SECRETS.get(ref["name"], {}):
+            env[e["name"]] = SECRETS[ref["name"]][ref["key"]]
+        else:
+            assert ref.get("optional"), f"{e['name']}: Secret {ref} is not made by make k8s-secrets"
+    return env
 
 
 def write_volume(v: dict, sources: dict[str, dict[str, str]], d: Path) -> None:
@@ -144,16 +169,28 @@ def run(net: str, started: list[str], name: str, aliases: list[str], flags: list
 
 
 def start_mlflow(net: str, started: list[str], tmp: Path) -> str:
-    """The MLflow Deployment's container; the Service's DNS names point at it. Returns its URL."""
-    dep = next(d for d in load("10-mlflow.yaml") if d["kind"] == "Deployment")
+    """The tracking stack of 10-mlflow.yaml: the PostgreSQL StatefulSet's pod (its claim a
+    directory), then, once it is ready, the MLflow Deployment's, both with the Secrets of
+    `make k8s-secrets` as files; the Services' DNS names point at them. Returns MLflow's URL."""
+    docs = load("10-mlflow.yaml")
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    pod = copy.deepcopy(sts["spec"]["template"]["spec"])
+    pod["volumes"] += [{"name": t["metadata"]["name"], "persistentVolumeClaim": {
+        "claimName": f"{t['metadata']['name']}-postgres-0"}} for t in sts["spec"]["volumeClaimTemplates"]]
+    pc = pod["containers"][0]
+    db = f"{net}-postgres-0"
+    run(net, started, db, ["postgres", "postgres.ddplab", "postgres.ddplab.svc"],
+        docker_flags(pod, pc, SECRETS, tmp), pc["image"], pc.get("args", []), env_of(pc))
+    ready = pc["readinessProbe"]["exec"]["command"]
+    deadline = time.monotonic() + 120
+    while sh(["docker", "exec", db, *ready]).returncode and time.monotonic() < deadline:
+        time.sleep(1)
+    dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     mc = pod["containers"][0]
     name = f"{net}-mlflow"
     run(net, started, name, ["mlflow", "mlflow.ddplab", "mlflow.ddplab.svc"],
-        [*docker_flags({**pod, "volumes": []}, {**mc, "volumeMounts": []}, {}, tmp),
-         "--tmpfs", "/mlflow:rw,mode=1777", "--tmpfs", "/tmp:rw,mode=1777",
-         "--tmpfs", "/home/mlflow:rw,mode=1777", "-p", "127.0.0.1::5000"],
-        mc["image"], [], env_of(mc))
+        [*docker_flags(pod, mc, SECRETS, tmp), "-p", "127.0.0.1::5000"], mc["image"], [], env_of(mc))
     port = sh(["docker", "port", name, "5000"]).stdout.split(":")[-1].strip()
     return f"http://127.0.0.1:{port}"
 
@@ -162,7 +199,9 @@ def search_runs(base: str) -> list[dict] | None:
     req = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search",
                                  data=json.dumps({"experiment_ids": ["1"]}).encode(),
                                  headers={"Content-Type": "application/json",
-                                          "Host": "mlflow.ddplab.svc:5000"})
+                                          "Host": "mlflow.ddplab.svc:5000",
+                                          "Authorization": "Basic " + base64.b64encode(
+                                              LOGIN.encode()).decode()})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read()).get("runs", [])
@@ -201,7 +240,8 @@ def tags_of(run_: dict) -> dict[str, str]:
 
 
 def experiment_sources() -> dict[str, dict[str, str]]:
-    return {d["metadata"]["name"]: d["data"] for d in load("20-experiment.yaml")}
+    """The ConfigMaps of 20-experiment.yaml and the cluster's Secrets, by name."""
+    return {**SECRETS, **{d["metadata"]["name"]: d["data"] for d in load("20-experiment.yaml")}}
 
 
 def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
@@ -219,7 +259,7 @@ def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
             run(net, started, pod_name, [pod_name],
                 docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"], env)
 
-    pods = started[1:]
+    pods = started[2:]  # after the tracking stack (postgres, mlflow)
     found = wait_for_run(base, pods)
     assert found and len(found) == 1, logs(pods)
     tags = tags_of(found[0])
@@ -260,7 +300,7 @@ def test_elastic_pytorchjob_recovers_from_a_lost_worker_into_the_same_run(cluste
         run(net, started, pod_name, [pod_name],
             docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"],
             {**env_of(c), **elastic_env(job, port)})
-    pods = started[1:]
+    pods = started[2:]  # after the tracking stack (postgres, mlflow)
 
     (claim,) = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
                 if "persistentVolumeClaim" in v]
@@ -346,14 +386,14 @@ def test_mpijob_pods_run_as_the_mpi_operator_runs_them(cluster, tmp_path):
         run(net, started, pod_name, [fqdn, f"{pod_name}.{name}-worker", f"{fqdn}.cluster.local"],
             docker_flags(pod, c, sources, tmp_path), c["image"], c["args"], env)
 
-    launcher, workers = started[1], started[2:]
+    launcher, workers = started[2], started[3:]
     found = wait_for_run(base, [launcher])
     code = exit_codes([launcher], timeout=180)
     for w in workers:  # cleanPodPolicy Running: the operator deletes the running workers
         assert state(w)["Running"], f"worker {w} ended before the launcher: {logs([w])}"
-    assert found and len(found) == 1, logs(started[1:])
+    assert found and len(found) == 1, logs(started[2:])
     tags = tags_of(found[0])
-    assert found[0]["info"]["status"] == "FINISHED", logs(started[1:])
+    assert found[0]["info"]["status"] == "FINISHED", logs(started[2:])
     assert tags["ddplab.world_size"] == str(nworkers * slots)
     assert (tags["ddplab.launcher"], tags["ddplab.nnodes"]) == ("openmpi", str(nworkers))
     assert sorted(tags["ddplab.hosts"].split(",")) == [f"{name}-worker-{i}" for i in range(nworkers)]

@@ -111,9 +111,7 @@ def test_a_study_submits_its_slurm_variants_with_sbatch(compose_factory):  # noq
     out = sh([*c.cmd, "exec", "-T", "-u", "ddplab", "slurmctld", "bash", "-c", script],
              env=c.env, cwd=REPO, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    from tests.test_containers import all_runs
-
-    runs = all_runs(c.base)
+    runs = c.runs()
     children = [r for r in runs if tags(r).get("ddplab.variant")]
     assert sorted(tags(r)["ddplab.variant"] for r in children) == ["1x2", "2x1"]
     for r in children:

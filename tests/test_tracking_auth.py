@@ -1,6 +1,8 @@
-"""End to end: ddplab against a real `mlflow server --app-name basic-auth` (MLflow's own
-authentication, its users in SQLite here): no credentials, wrong ones and a shared experiment
-owned by someone else are each one line before or at the run's creation; the right ones train.
+"""End to end: ddplab against a real MLflow server with MLflow's own authentication, started
+the way the ddplab/mlflow image starts it (docker/mlflow/serve.py: `--app-name ddplab-auth`,
+its secrets read from files, its users in SQLite here): no credentials, wrong ones and a shared
+experiment owned by someone else are each one line before or at the run's creation; the right
+ones train, given in the environment or as files.
 """
 
 from __future__ import annotations
@@ -49,20 +51,19 @@ def call(uri: str, path: str, body: dict | None = None, user: tuple[str, str] | 
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("auth")
     port = free_port()
-    ini = root / "basic_auth.ini"
-    ini.write_text("[mlflow]\ndefault_permission = READ\n"
-                   f"database_uri = sqlite:///{root / 'basic_auth.db'}\n"
-                   f"admin_username = admin\nadmin_password = {ADMIN_PASSWORD}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(ini),
-           "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
-    proc = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts")],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
+    (root / "admin-password").write_text(ADMIN_PASSWORD + "\n")
+    (root / "flask-secret-key").write_text(secrets.token_hex(16) + "\n")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}",
+           "MLFLOW_AUTH_ADMIN_PASSWORD_FILE": str(root / "admin-password"),
+           "MLFLOW_FLASK_SERVER_SECRET_KEY_FILE": str(root / "flask-secret-key"),
+           "MLFLOW_AUTH_DATABASE_URI": f"sqlite:///{root / 'basic_auth.db'}",
+           "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{root / 'mlflow.db'}",
+           "MLFLOW_ARTIFACTS_DESTINATION": str(root / "artifacts"), "MLFLOW_HOST": "127.0.0.1",
+           "MLFLOW_PORT": str(port), "MLFLOW_WORKERS": "1",
+           "MLFLOW_ALLOWED_HOSTS": f"127.0.0.1:{port},localhost:{port}"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "docker" / "mlflow" / "serve.py")],
+                            cwd=root, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while call(uri, "/health")[0] != 200:
@@ -96,6 +97,31 @@ def runs(uri: str, experiment: str) -> list[dict]:
 def test_an_anonymous_client_gets_401_and_health_stays_open(server):
     assert call(server, "/api/2.0/mlflow/experiments/search", {"max_results": 1})[0] == 401
     assert call(server, "/health")[0] == 200
+    assert call(server, "/")[0] == 401  # the browser's login dialog
+
+
+def test_the_ui_behind_the_login_still_opens_on_the_runs(server):
+    from ddplab.mlflow_app import FIRST_VISIT
+
+    req = urllib.request.Request(server + "/", headers={"Authorization": "Basic " + base64.b64encode(
+        f"admin:{ADMIN_PASSWORD}".encode()).decode()})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert FIRST_VISIT in r.read().decode()
+
+
+def test_credentials_from_files_train_and_an_unreadable_file_is_one_line(tmp_path, server):
+    (tmp_path / "user").write_text("admin\n")
+    (tmp_path / "password").write_text(ADMIN_PASSWORD + "\n")
+    ok = train(tmp_path, server, "--set", "tracking.experiment=from-files",
+               MLFLOW_TRACKING_USERNAME_FILE=str(tmp_path / "user"),
+               MLFLOW_TRACKING_PASSWORD_FILE=str(tmp_path / "password"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert [r["info"]["status"] for r in runs(server, "from-files")] == ["FINISHED"]
+    missing = train(tmp_path, server, MLFLOW_TRACKING_USERNAME_FILE=str(tmp_path / "user"),
+                    MLFLOW_TRACKING_PASSWORD_FILE=str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    (line,) = [x for x in missing.stderr.splitlines() if "error" in x]
+    assert f"MLFLOW_TRACKING_PASSWORD_FILE={tmp_path / 'nope'}: cannot read it" in line
 
 
 def test_no_or_wrong_credentials_stop_the_job_before_any_run_with_one_line(tmp_path, server):

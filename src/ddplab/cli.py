@@ -133,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """One parsed command, by its handler; bad input is exit 2 with one line."""
     from .config import ConfigError, env_overrides
+    from .credentials import from_files
 
     if hasattr(args, "overrides"):
         args.overrides = env_overrides() + args.overrides
     try:
+        from_files()  # before any launcher copies the environment to the ranks
         return HANDLERS[args.command](args)
     except ConfigError as e:
         print(f"ddplab: error: {e}", file=sys.stderr)

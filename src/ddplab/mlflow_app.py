@@ -13,7 +13,9 @@ panel, which would open by itself and cover a quarter of the runs table, starts 
 
 Registered as the ``mlflow.app`` entry point ``ddplab`` (pyproject.toml), the plugin hook
 MLflow documents for server apps (its own ``basic-auth`` is one):
-``mlflow server --app-name ddplab ...``. Imports MLflow only, no torch: the server image has none.
+``mlflow server --app-name ddplab ...``. ``ddplab-auth`` is the same with MLflow's basic-auth
+app on top (a team server: compose/tracking.yml, k8s/10-mlflow.yaml). Imports MLflow only, no
+torch: the server image has none.
 """
 
 from __future__ import annotations
@@ -62,3 +64,15 @@ def create_app() -> Any:
 
         return create_fastapi_app(app)
     return app
+
+
+def create_app_with_login() -> Any:
+    """The same app behind MLflow's basic-auth (``--app-name ddplab-auth``): every request but
+    /health asks for a login (the browser shows its login dialog), users and per-experiment
+    permissions as MLflow documents them. Its settings are basic-auth's own: the ini file at
+    MLFLOW_AUTH_CONFIG_PATH, MLFLOW_AUTH_ADMIN_PASSWORD, MLFLOW_FLASK_SERVER_SECRET_KEY."""
+    from mlflow.server import app
+    from mlflow.server.auth import create_app as with_basic_auth
+
+    app.after_request(_on_index)
+    return with_basic_auth(app)

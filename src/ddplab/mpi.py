@@ -49,13 +49,14 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from .credentials import CREDENTIALS
 from .launch import LaunchError
 from .rendezvous import from_env, local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
 
 # What ranks on the workers need from the launcher's environment (ssh sessions start clean).
 FORWARD = ("PATH", "LD_PRELOAD", "HOME", "PYTHONUNBUFFERED", "DDPLAB_IMAGE", "DDPLAB_GIT_SHA",
            "DDPLAB_SET", "DDPLAB_UI_URL", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
-           "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+           *CREDENTIALS,
            "CCL_ATL_TRANSPORT", "CCL_WORKER_COUNT", "CCL_ATL_SHM", "GLOO_SOCKET_IFNAME",
            "NCCL_SOCKET_IFNAME", "FI_TCP_IFACE", "CCL_KVS_IFACE", "FI_PROVIDER")
 

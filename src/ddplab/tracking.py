@@ -181,7 +181,6 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
                 os.environ[k] = v
 
 
-CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 def auth_refusal(uri: str) -> str | None:

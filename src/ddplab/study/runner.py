@@ -72,7 +72,7 @@ def local_launch(launcher: str, ranks: int, train: list[str]) -> list[str]:
     """``ranks`` processes of ``python <train>`` on this host, by mpirun or torchrun; they get
     the run and the rendezvous from job_env()."""
     if launcher == "mpirun":
-        from ..tracking import CREDENTIALS
+        from ..credentials import CREDENTIALS
 
         creds = [a for k in CREDENTIALS if k in os.environ for a in ("-x", k)]
         return ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none",
