@@ -144,6 +144,10 @@ CASES = [
      [], "MASTER_PORT 70000 is not a TCP port"),
     ("tracking uri from env", None, [], {"MLFLOW_TRACKING_URI": "garbage://x"}, [],
      "MLFLOW_TRACKING_URI: got 'garbage://x'"),
+    ("password file missing", None, [], {"MLFLOW_TRACKING_PASSWORD_FILE": "/nonexistent/pw"}, [],
+     "environment: MLFLOW_TRACKING_PASSWORD_FILE=/nonexistent/pw: cannot read it"),
+    ("token file is a folder", None, [], {"MLFLOW_TRACKING_TOKEN_FILE": "/"}, [],
+     "environment: MLFLOW_TRACKING_TOKEN_FILE=/: cannot read it"),
     # ---- paths ----
     ("summary out is a directory", None, [], {}, ["--summary-out", "."], "--summary-out: got '.'"),
     ("summary out under a file", None, [], {}, ["--summary-out", "afile/summary.json"],

@@ -9,6 +9,8 @@ operators' own rules.
 from __future__ import annotations
 
 import copy
+import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -180,3 +182,13 @@ def test_experiment_configmap_is_the_quickstart_verbatim():
     (cm,) = [d for _, d in objects() if d["kind"] == "ConfigMap"
              and d["metadata"]["name"] == "ddplab-experiment"]
     assert cm["data"]["experiment.yaml"] == (REPO / "experiments" / "quickstart.yaml").read_text()
+
+
+def test_the_generated_secrets_validate_against_kubernetes():
+    """`make k8s-secrets` pipes these into `kubectl create -f -`."""
+    sys.path.insert(0, str(REPO / "docker" / "mlflow"))
+    from make_secrets import k8s_manifests
+
+    for secret in json.loads(k8s_manifests("ddplab"))["items"]:
+        kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+        assert secret["metadata"]["namespace"] == "ddplab"
