@@ -22,6 +22,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.test_tracking_auth import ADMIN_PASSWORD
+from tests.test_tracking_auth import server as login_server  # noqa: F401 - the fixture
+
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -177,3 +180,24 @@ def test_report_html_renders_in_the_artifact_pane(ui, page):
     page.screenshot(path=ui.shots / "5-report.png")
     assert fits, "report.html's table is wider than the artifact pane"
     assert frame.locator("img").count() >= 3  # throughput, the ratio plot, the loss curves
+
+
+def test_the_team_servers_ui_asks_for_a_login_then_opens_on_the_runs(login_server, tmp_path):  # noqa: F811
+    """The team server's app (serve.py, --app-name ddplab-auth): a browser without the login
+    gets the server's Basic challenge (headless chromium cannot show the dialog and fails the
+    navigation with it); with the login, the runs table and the user's name."""
+    from playwright.sync_api import Error, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        with pytest.raises(Error, match="ERR_INVALID_AUTH_CREDENTIALS"):
+            browser.new_page().goto(login_server + "/")
+        context = browser.new_context(viewport={"width": 1500, "height": 950},
+                                      http_credentials={"username": "admin", "password": ADMIN_PASSWORD})
+        page = context.new_page()
+        page.goto(login_server + "/#/experiments")
+        page.get_by_text("Default", exact=True).first.click(timeout=30_000)
+        _runs_table(page)
+        page.get_by_text("admin", exact=True).first.wait_for(timeout=10_000)
+        page.screenshot(path=str(Path(os.environ.get("DDPLAB_SCREENSHOTS", tmp_path)) / "login.png"))
+        browser.close()
