@@ -98,6 +98,9 @@ def compose_env(study: Study, v: Variant, repeat: int, uri: str) -> dict[str, st
             "EXPERIMENT": str(study.experiment.relative_to(REPO)), "BACKEND": backend,
             "DDPLAB_SET": " ".join(s for s in sets if not s.startswith("dist.backend=")),
             "DDPLAB_TRACKING_URI": in_containers(uri), "DDPLAB_UI_URL": uri,
+            # The study's server, not compose's own (--no-deps: its login is never made); this
+            # process's credentials, if any, reach the jobs through MLFLOW_TRACKING_*.
+            "MLFLOW_TRACKING_USERNAME_FILE": "", "MLFLOW_TRACKING_PASSWORD_FILE": "",
             "COMPOSE_PROJECT_NAME": re.sub(r"[^a-z0-9_-]", "",
                                            f"ddplabstudy{os.getpid()}-{v.name.lower()}-{repeat}")}
 
