@@ -248,20 +248,14 @@ def test_bench_collectives_on_ccl_checks_every_op_and_names_what_it_lacks(tmp_pa
     assert all(r["correct"] == "True" for r in rows)
 
 
-@pytest.mark.parametrize("world, local, outcome", [
-    (4, 2, "refused"), (2, 1, "ccl"), (3, 3, "ccl")])
-def test_several_nodes_with_several_ranks_each_are_refused_not_hung(world, local, outcome):
-    """2 containers x 2 ranks hung in oneCCL's first collective (2 x 1 and 1 x N run): ddplab
-    says so at once, or falls back to gloo when allowed, instead of hanging for dist.timeout_s."""
-    le = LaunchEnv("torchrun", 0, world, 0, local, 0, "node0", 29500)
-    ccl_choice = backend.BackendChoice("ccl", "ccl", "requested")
-    mine = backend.CclImpl("ddplab", "ddplab's own")
-    if outcome == "ccl":
-        assert backend.check_ccl_layout(ccl_choice, mine, le, False) == ccl_choice
-        return
-    with pytest.raises(backend.BackendError, match="does not yet run 2 nodes x 2 ranks"):
-        backend.check_ccl_layout(ccl_choice, mine, le, False)
-    fell = backend.check_ccl_layout(ccl_choice, mine, le, True)
-    assert fell.name == "gloo" and fell.fell_back and "does not yet run" in fell.reason
-    intel = backend.CclImpl("intel-bindings", "Intel's")
-    assert backend.check_ccl_layout(ccl_choice, intel, le, False) == ccl_choice
+@pytest.mark.parametrize("world, local, expected", [
+    (4, 2, ("0", "1")), (2, 1, ("0", "1")), (3, 3, ("1", "3"))])
+def test_oneccl_is_told_each_rank_is_alone_on_its_host_only_across_nodes(world, local, expected):
+    """The cause of the 2 containers x 2 ranks hang: oneCCL given the true ranks-per-host
+    (CCL_LOCAL_SIZE=2) on several nodes. Across nodes ddplab gives it 1 (the container tier runs
+    that layout: test_compose_multinode_on_ddplabs_ccl_across_containers); one node keeps the
+    true count (its shared-memory path and worker pinning use it)."""
+    le = LaunchEnv("torchrun", 1, world, 1, local, 0, "node0", 29500)
+    out = backend.ccl_env_defaults(le, None, {})
+    assert (out["CCL_LOCAL_RANK"], out["CCL_LOCAL_SIZE"]) == expected
+    assert "CCL_LOCAL_SIZE" not in backend.ccl_env_defaults(le, None, {"CCL_LOCAL_SIZE": "2"})

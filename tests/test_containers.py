@@ -366,15 +366,18 @@ def test_the_team_server_asks_for_a_login_and_a_restart_mid_job_loses_nothing(co
 
 
 def test_compose_multinode_on_ddplabs_ccl_across_containers(compose_factory):
-    """BACKEND=ccl: two containers talk through oneCCL (ofi, libfabric's tcp provider, the
-    key-value store's address passed through the c10d Store), one FINISHED run that says so."""
-    c = compose_factory(2, 1, BACKEND="ccl", DDPLAB_SET="data.train_samples=2048")
+    """BACKEND=ccl on 2 containers x 2 ranks, the layout that hung in oneCCL's first broadcast
+    until ddplab stopped telling oneCCL the true ranks per host across nodes (backend.py,
+    ccl_env_defaults): ofi, libfabric's tcp provider between the containers, the key-value
+    store's address passed through the c10d Store; one FINISHED run of world size 4 on ccl."""
+    c = compose_factory(2, 2, DDPLAB_SET="dist.backend=ccl data.train_samples=2048")  # the user's wins
     c.up()
     run = c.wait_run(finished, timeout=600)
     assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
     t = tags(run)
     assert (t["ddplab.backend"], t["ddplab.ccl_impl"], t["ddplab.nnodes"]) == ("ccl", "ddplab", "2")
-    assert len(t["ddplab.hosts"].split(",")) == 2
+    assert t["ddplab.world_size"] == "4" and len(t["ddplab.hosts"].split(",")) == 2
+    assert metrics(run)["eval/accuracy"] > 0.3  # the collectives summed the right gradients
     assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
 
 

@@ -269,6 +269,8 @@ def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
     assert (tags["ddplab.launcher"], tags["ddplab.nnodes"]) == ("torchrun", str(nnodes))
     assert sorted(tags["ddplab.hosts"].split(",")) == sorted(
         f"{name}-{r.lower()}-0" for r in job["spec"]["pytorchReplicaSpecs"])
+    # 2 pods x 2 ranks on ddplab's ccl, not the gloo fallback the manifest allows
+    assert tags["ddplab.backend"] == "ccl", tags["ddplab.backend_reason"]
     assert exit_codes(pods) == [0] * len(pods)
 
 

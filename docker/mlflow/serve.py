@@ -91,7 +91,11 @@ def with_login(uri: str) -> bool:
                 f"default_permission = {os.environ.get('MLFLOW_AUTH_DEFAULT_PERMISSION', 'READ')}\n"
                 f"database_uri = {auth_db.replace('%', '%%')}\n"
                 f"admin_username = {os.environ.get('MLFLOW_AUTH_ADMIN_USERNAME', 'admin')}\n"
-                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                # Each request's password check is a scrypt hash (~0.1 s of a core): a job logs
+                # thousands. Cached per worker for a minute (MLflow's basic_auth.ini explains
+                # the staleness: a changed password reaches the other workers within that).
+                f"auth_cache_ttl_seconds = {os.environ.get('MLFLOW_AUTH_CACHE_TTL_S', '60')}\n")
     os.environ["MLFLOW_AUTH_CONFIG_PATH"] = ini
     # The admin made once here, before the workers start: each worker would otherwise try at
     # once, and all but one get a unique-key error in the database's log.

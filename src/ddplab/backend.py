@@ -62,7 +62,6 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback,
                      cores_per_rank=cores_per_rank(le, os.environ),
                      ccl_impl=impl.name if impl else None)
-    choice = check_ccl_layout(choice, impl, le, cfg.allow_backend_fallback)
     if choice.fell_back:
         import warnings
 
@@ -162,22 +161,6 @@ def _auto(device_type: str, table: Mapping[str, tuple[bool, str]], cores_per_ran
                              "core(s) and oneCCL's worker thread needs one of its own "
                              "(set dist.backend=ccl to use it anyway)")
     return BackendChoice("ccl", "auto", f"auto: CPU, oneCCL usable ({table['ccl'][1]})")
-
-
-def check_ccl_layout(choice: BackendChoice, impl: CclImpl | None, le: LaunchEnv,
-                     allow_fallback: bool) -> BackendChoice:
-    """ddplab's own ccl with several nodes AND several ranks per node hangs in its first
-    collective (seen with 2 containers x 2 ranks; 2 x 1 and one node x N work): refuse it."""
-    if not (choice.name == "ccl" and impl is not None and impl.name == "ddplab"
-            and le.nnodes > 1 and le.local_world_size > 1):
-        return choice
-    why = (f"ddplab's ccl does not yet run {le.nnodes} nodes x {le.local_world_size} ranks "
-           "(several nodes with several ranks each hang in oneCCL's first collective; one rank "
-           "per node, or one node, works)")
-    if allow_fallback:
-        return BackendChoice("gloo", choice.requested, f"fallback to gloo: {why}", fell_back=True)
-    raise BackendError(f"dist.backend: 'ccl': {why}. Use gloo, or set "
-                       "dist.allow_backend_fallback=true")
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
@@ -283,8 +266,14 @@ def ccl_env_defaults(le: LaunchEnv, pkg_dir: str | None, env: Mapping[str, str])
         "CCL_ATL_SHM": "1",
         # ddplab starts the ranks; oneCCL must not look for an MPI/PMI launcher of its own.
         "CCL_PROCESS_LAUNCHER": "none",
-        "CCL_LOCAL_RANK": str(le.local_rank),
-        "CCL_LOCAL_SIZE": str(le.local_world_size),
+        # oneCCL's count of the ranks on this host (with launcher none it cannot find out).
+        # On several nodes with several ranks each, the true count makes its collectives over
+        # tcp crawl, then hang (2 containers x 2 ranks: a 64 KB broadcast 350 ms, 1 MB never
+        # done; CCL_ATL_SHM=0 the same), while telling each rank it is alone on its host runs
+        # them (1 MB in 46 ms); libfabric still finds the ranks of a host by hostname.
+        # (docs/launchers-and-backends.md, "ccl on several nodes"; tests/test_ccl.py)
+        "CCL_LOCAL_RANK": str(le.local_rank) if le.nnodes == 1 else "0",
+        "CCL_LOCAL_SIZE": str(le.local_world_size) if le.nnodes == 1 else "1",
         # oneCCL warns about every variable set (and that OpenMP collectives need MPI): noise.
         "CCL_LOG_LEVEL": "error",
     }
