@@ -153,17 +153,22 @@ def test_sync_to_a_store_without_the_run_delivers_nothing_and_says_so(tmp_path, 
 # ---- class 1: a proxy that refuses for a while ----
 
 class RefusingProxy:
-    """127.0.0.1 proxy to a real server; while ``refusing``, it answers every log-batch with
-    ``status`` (a proxy or an auth layer having a bad 15 s), and forwards everything else."""
+    """127.0.0.1 proxy to a real server; for ``window_s`` from the first log-batch on, it answers
+    every log-batch with ``status`` (a proxy or an auth layer having a bad 15 s), and forwards
+    everything else. The window opens on the job's first record, not on a clock started at
+    launch: on a loaded machine the job may take longer than the window to send one."""
 
-    def __init__(self, upstream_port: int, status: int = 403) -> None:
-        self.refusing, self.status, self.refused = False, status, 0
+    def __init__(self, upstream_port: int, status: int = 403, window_s: float = 15.0) -> None:
+        self.status, self.refused, self.window_s = status, 0, window_s
+        self.opened: float | None = None
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if outer.refusing and "log-batch" in self.path:
+                if "log-batch" in self.path and outer.opened is None:
+                    outer.opened = time.monotonic()
+                if "log-batch" in self.path and time.monotonic() - outer.opened < outer.window_s:
                     outer.refused += 1
                     self.send_response(outer.status)
                     payload = b'{"error_code": "PERMISSION_DENIED", "message": "refused"}'
@@ -206,12 +211,9 @@ def test_a_refusal_window_mid_job_loses_no_metric_param_or_tag(tmp_path, status)
     try:
         args = [QUICKSTART, *QUICK, "--set", "train.epochs=4", "--set", "train.log_every=2",
                 "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "tracking.delivery_timeout_s=60"]
-        proxy.refusing = True  # from the first record on, for about 15 s
         job = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
                                 "ddplab", "train", *args], cwd=tmp_path, env=job_env(proxy.uri),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(15)
-        proxy.refusing = False
         out, _ = job.communicate(timeout=300)
     finally:
         proxy.close()
