@@ -336,7 +336,7 @@ def test_the_team_server_asks_for_a_login_and_a_restart_mid_job_loses_nothing(co
     """compose/tracking.yml: MLflow on PostgreSQL behind its login. An anonymous client gets 401;
     restarting the server mid-job loses no metric (the job's spool delivers what it missed);
     the job with a wrong password refuses at start, in one line, before any process group."""
-    c = compose_factory(2, 1, DDPLAB_SET="train.epochs=8")
+    c = compose_factory(2, 1, DDPLAB_SET="train.epochs=8 data.train_samples=3072")
     c.up()
     run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
     with pytest.raises(urllib.error.HTTPError) as anonymous:
