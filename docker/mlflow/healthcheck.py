@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Healthy only when a real API call succeeds with the Host header clients use, and with the
 admin's login when the server asks for one (mlflow-serve's MLFLOW_AUTH_ADMIN_PASSWORD_FILE).
 

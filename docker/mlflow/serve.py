@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Start ddplab's tracking server from the environment (the Dockerfile's ENV has the defaults).
 
     mlflow-serve              the server
