@@ -4,6 +4,7 @@ Real packages from Debian's mirror; the loading happens in a fresh process."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -22,10 +23,14 @@ def test_fetched_libfabric_and_its_libraries_load_from_the_bundle(tmp_path):
             "lib = fabric.preload(Path(sys.argv[1])); "
             "maps = open('/proc/self/maps').read(); "
             "print(lib, os.environ['CCL_OFI_LIBRARY_PATH'], lib in maps)")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    # A fresh process in every sense: an earlier test in this pytest process may have loaded
+    # ddplab's ccl, which set CCL_OFI_LIBRARY_PATH to the venv's bundle (preload keeps a set one).
+    env = {k: v for k, v in os.environ.items() if k not in ("CCL_OFI_LIBRARY_PATH", "LD_PRELOAD")}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                         env=env)
     assert out.returncode == 0, out.stderr
-    lib, env, mapped = out.stdout.split()
-    assert lib == env == str(bundle / "libfabric.so.1") and mapped == "True"
+    lib, env_path, mapped = out.stdout.split()
+    assert lib == env_path == str(bundle / "libfabric.so.1") and mapped == "True"
 
 
 def test_no_bundle_means_the_systems_libfabric():
