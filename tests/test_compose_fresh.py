@@ -65,8 +65,9 @@ def test_compose_up_as_typed_builds_its_images_and_runs_the_job(compose_factory,
     assert (t["ddplab.launcher"], t["ddplab.world_size"]) == (launcher, "2")
     assert len(t["ddplab.hosts"].split(",")) == 2 and len(c.runs()) == 1
     built = [n for n in fresh_images.values() if _image_exists(n)]
-    expected = ["DDPLAB_CPU_IMAGE", "DDPLAB_MLFLOW_IMAGE"] + ([on_cpu] if on_cpu else [])
-    assert built == [fresh_images[k] for k in expected]
+    # Every file includes tracking.yml: its PostgreSQL image is built too.
+    expected = ["DDPLAB_CPU_IMAGE", "DDPLAB_MLFLOW_IMAGE", "DDPLAB_POSTGRES_IMAGE"]
+    assert sorted(built) == sorted(fresh_images[k] for k in expected + ([on_cpu] if on_cpu else []))
     assert t["ddplab.image"] == fresh_images[on_cpu or "DDPLAB_CPU_IMAGE"]
     # The address printed is the browser's (the published port), never the in-network name.
     route = f"http://localhost:{c.port}/#/experiments/{run['info']['experiment_id']}/runs/"
