@@ -92,8 +92,9 @@ study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the repor
 bench: $(STAMP) ## Benchmarks (prints ratios measured side by side)
 	$(BIN)/python benchmarks/bench_core.py $(ARGS)
 
-bench-collectives: $(STAMP) ## Time and check every collective on NPROC ranks; the support matrix (ARGS: --sizes 1M,64M ...)
-	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddplab bench collectives $(ARGS)
+BENCH_NODES ?= 1
+bench-collectives: $(STAMP) ## Time and check every collective on NPROC ranks (x BENCH_NODES torchrun nodes on this host); the support matrix (ARGS: --sizes 1M,64M ...)
+	$(BIN)/python benchmarks/local_nodes.py --nnodes $(BENCH_NODES) --nproc $(NPROC) -- -m ddplab bench collectives $(ARGS)
 
 clean-runs: ## Delete the local MLflow store, artifacts and checkpoints (asks first)
 	@read -p "Delete mlflow.db, mlruns/ and checkpoints/? [y/N] " a && [ "$$a" = y ] && rm -rf mlflow.db mlruns checkpoints || echo kept

@@ -7,9 +7,12 @@ Compares, on the same model (book CNN), data (synthetic 32x32), global batch (64
   1. ddplab (tracking on) vs a minimal hand-written DDP loop (benchmarks/bare_ddp.py), 2 ranks;
   2. ddplab tracking on vs off, 2 ranks;
   3. 2 ranks x 1 thread vs 1 rank x 2 threads (ddplab, tracking off), on gloo and, once
-     `make setup-ccl` has built it, on ddplab's own ccl.
+     `make setup-ccl` has built it, on ddplab's own ccl;
+  4. 2 nodes x 2 ranks (two torchrun "nodes" on this host, benchmarks/local_nodes.py) on both
+     backends, against one node's 2 ranks.
 ``--only tracking`` spends every rep on the on/off pair (the small effect that needs the most
-reps); ``--only layout`` on the threads-vs-processes question.
+reps); ``--only layout`` on the threads-vs-processes question; ``--only nodes`` on one node
+vs two, gloo vs ccl.
 Throughput = samples of the last epoch / its wall-clock time (logging, metric reductions and
 checkpointing included), so nothing that slows a real run is hidden. Variants run interleaved,
 in a rotated order each rep (A B C D, B C D A, ...), and medians are compared, because these
@@ -28,21 +31,21 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from local_nodes import run_nodes  # noqa: E402 - benchmarks/ is this script's directory
+
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
-def torchrun(nproc: int, args: list[str], env: dict[str, str]) -> None:
-    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *args]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=env["BENCH_DIR"])
-    if out.returncode:
-        sys.exit(f"benchmark job failed: {' '.join(cmd)}\n{out.stderr[-3000:]}")
+def torchrun(nproc: int, args: list[str], env: dict[str, str], nnodes: int = 1) -> None:
+    """nproc ranks on each of nnodes torchrun "nodes" on this host (benchmarks/local_nodes.py)."""
+    for out in run_nodes(nnodes, nproc, args, env, cwd=env["BENCH_DIR"], capture=True):
+        if out.returncode:
+            sys.exit(f"benchmark job failed: {' '.join(out.args)}\n{out.stderr[-3000:]}")
 
 
 CPU: dict[str, list[float]] = {"tracking_cpu_share": [], "tracking_cpu_share_steady": [],
@@ -50,14 +53,14 @@ CPU: dict[str, list[float]] = {"tracking_cpu_share": [], "tracking_cpu_share_ste
 
 
 def ddplab(nproc: int, tracking: bool, a: argparse.Namespace, env: dict[str, str],
-           extra: tuple[str, ...] = ()) -> float:
+           extra: tuple[str, ...] = (), nnodes: int = 1) -> float:
     out = Path(env["BENCH_DIR"]) / "summary.json"
     torchrun(nproc, ["-m", "ddplab", "train", str(REPO / "experiments" / "quickstart.yaml"),
                      "--summary-out", str(out),
                      "--set", f"data.train_samples={a.samples}", "--set", f"train.epochs={a.epochs}",
-                     "--set", f"data.batch_size={64 // nproc}", "--set", "optim.scheduler=none",
+                     "--set", f"data.batch_size={64 // (nproc * nnodes)}", "--set", "optim.scheduler=none",
                      "--set", "optim.warmup_steps=0", "--set", f"tracking.enabled={str(tracking).lower()}",
-                     "--set", "checkpoint.resume=never", *extra], env)
+                     "--set", "checkpoint.resume=never", *extra], env, nnodes)
     summary = json.loads(out.read_text())
     if tracking:
         for key, values in CPU.items():
@@ -101,7 +104,11 @@ def ratio(name: str, a: list[float], b: list[float], target: str = "") -> None:
 
 ON, OFF, BARE = "ddplab tracking on, 2r x 1t", "ddplab tracking off, 2r x 1t", "bare DDP loop, 2r x 1t"
 THREADS, CCL = "ddplab tracking off, 1r x 2t", "ddplab tracking off, 2r x 1t ccl"
-ONLY = {"all": (BARE, ON, OFF, THREADS, CCL), "tracking": (ON, OFF), "layout": (OFF, THREADS, CCL)}
+# Two torchrun "nodes" of 2 ranks each on this host: the multi-node path (for ccl, libfabric's
+# tcp provider between the nodes), on cores the 4 ranks share.
+NODES_GLOO, NODES_CCL = "2 nodes x 2r x 1t, gloo", "2 nodes x 2r x 1t, ccl"
+ONLY = {"all": (BARE, ON, OFF, THREADS, CCL, NODES_GLOO, NODES_CCL), "tracking": (ON, OFF),
+        "layout": (OFF, THREADS, CCL), "nodes": (OFF, CCL, NODES_GLOO, NODES_CCL)}
 
 
 def ccl_missing() -> str | None:
@@ -119,12 +126,14 @@ def make_variants(a: argparse.Namespace, env: dict[str, str]) -> dict[str, Calla
         OFF: lambda: ddplab(2, False, a, env),
         THREADS: lambda: ddplab(1, False, a, env),
         CCL: lambda: ddplab(2, False, a, env, ("--set", "dist.backend=ccl")),
+        NODES_GLOO: lambda: ddplab(2, False, a, env, ("--set", "dist.backend=gloo"), nnodes=2),
+        NODES_CCL: lambda: ddplab(2, False, a, env, ("--set", "dist.backend=ccl"), nnodes=2),
     }
     wanted = list(ONLY[a.only])
-    why = ccl_missing() if CCL in wanted else None
+    why = ccl_missing() if CCL in wanted or NODES_CCL in wanted else None
     if why:
-        wanted.remove(CCL)
-        print(f"(no ccl variant: {why})")
+        wanted = [w for w in wanted if w not in (CCL, NODES_CCL)]
+        print(f"(no ccl variants: {why})")
     return {k: every[k] for k in wanted}
 
 
@@ -150,7 +159,10 @@ def report(results: dict[str, list[float]]) -> None:
              ("tracking on / off", ON, OFF, ">= 0.99"),
              ("2 ranks x 1 thread / 1 rank x 2", OFF, THREADS, ">= 0.95"),
              ("2 ranks x 1 thread on ccl / 1 rank x 2", CCL, THREADS, ">= 0.95"),
-             ("ccl / gloo, 2 ranks x 1 thread", CCL, OFF, "")]
+             ("ccl / gloo, 2 ranks x 1 thread", CCL, OFF, ""),
+             ("ccl / gloo, 2 nodes x 2 ranks", NODES_CCL, NODES_GLOO, ""),
+             ("2 nodes x 2 ranks / 1 node x 2, gloo", NODES_GLOO, OFF, ""),
+             ("2 nodes x 2 ranks / 1 node x 2, ccl", NODES_CCL, CCL, "")]
     for name, a, b, target in pairs:
         if a in results and b in results:
             ratio(name, results[a], results[b], target)

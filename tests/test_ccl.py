@@ -9,11 +9,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddplab import backend, ccl
 from ddplab.bench import OP_NAMES
@@ -91,17 +93,49 @@ def test_the_build_is_recorded_and_picked_over_nothing(monkeypatch):
     assert backend.available("cpu")["ccl"][0]
 
 
-@pytest.mark.parametrize("impl, cores, name, why", [
-    ("intel-bindings", 1, "gloo", "worker thread needs one of its own"),
-    ("intel-bindings", 2, "ccl", "oneCCL usable"),
-    ("intel-bindings", None, "ccl", "oneCCL usable"),
-    ("ddplab", 16, "gloo", "opt-in (set dist.backend=ccl)"),
+@pytest.mark.parametrize("impl, cores, world, name, why", [
+    ("intel-bindings", 1, 2, "gloo", "worker thread needs one of its own"),
+    ("intel-bindings", 2, 2, "ccl", "each rank has 2 cores"),
+    ("intel-bindings", None, 2, "ccl", "enough cores"),
+    ("ddplab", 16, 4, "ccl", "ddplab's own oneCCL backend"),
+    ("ddplab", 1, 4, "gloo", "worker thread needs one of its own"),
+    ("ddplab", 16, 1, "gloo", "one rank exchanges nothing"),
 ])
-def test_auto_picks_ccl_only_where_it_should_win(impl, cores, name, why):
+def test_auto_picks_ccl_only_where_it_should_win(impl, cores, world, name, why):
     table = {"gloo": (True, ""), "nccl": (False, ""), "ccl": (True, impl), "mpi": (False, "")}
-    choice = backend.resolve("auto", "cpu", False, table, cores_per_rank=cores, ccl_impl=impl)
+    choice = backend.resolve("auto", "cpu", False, table, cores_per_rank=cores, ccl_impl=impl,
+                             world_size=world)
     assert choice.name == name and why in choice.reason
     assert backend.resolve("ccl", "cpu", False, table, cores_per_rank=1, ccl_impl=impl).name == "ccl"
+
+
+def _vote(choices: list[backend.BackendChoice]) -> list[backend.BackendChoice]:
+    """Each rank's agree() in its own thread, on one real store."""
+    store = dist.HashStore()
+    out: list[backend.BackendChoice | None] = [None] * len(choices)
+
+    def rank(r: int) -> None:
+        le = LaunchEnv("torchrun", r, len(choices), 0, 1, r, "127.0.0.1", 29500)
+        out[r] = backend.agree(choices[r], le, store)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(choices))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(out), "a rank did not finish voting"
+    return out
+
+
+def test_on_several_nodes_auto_runs_ccl_only_if_every_rank_chose_it():
+    ccl_ = backend.BackendChoice("ccl", "auto", "auto: ccl on CPU (x), each rank has 8 cores")
+    gloo = backend.BackendChoice("gloo", "auto", "auto: gloo, because each rank has 1 core(s)")
+    agreed = _vote([ccl_, ccl_, ccl_])
+    assert {c.name for c in agreed} == {"ccl"} and "all 3 ranks agree" in agreed[0].reason
+    mixed = _vote([ccl_, gloo, ccl_])
+    assert {c.name for c in mixed} == {"gloo"}
+    assert "because rank 1 (host " in mixed[0].reason and "1 core(s)" in mixed[2].reason
+    assert mixed[1] == gloo  # the rank that chose gloo keeps its own reason
 
 
 def test_unbuilt_stale_or_transportless_builds_say_what_to_run(tmp_path, monkeypatch):
@@ -259,3 +293,34 @@ def test_oneccl_is_told_each_rank_is_alone_on_its_host_only_across_nodes(world, 
     out = backend.ccl_env_defaults(le, None, {})
     assert (out["CCL_LOCAL_RANK"], out["CCL_LOCAL_SIZE"]) == expected
     assert "CCL_LOCAL_SIZE" not in backend.ccl_env_defaults(le, None, {"CCL_LOCAL_SIZE": "2"})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("node1_cores, backend_run, why", [
+    ("0,1", "ccl", "all 2 ranks agree"),
+    ("0", "gloo", "because rank 1 (host "),
+])
+def test_auto_on_two_nodes_agrees_on_one_backend(tmp_path, node1_cores, backend_run, why):
+    """Two torchrun nodes of one rank each; node 1 may use one core (`taskset`), so it alone
+    would choose gloo. Every rank runs what all chose: one FINISHED run, no wait for a peer
+    on another backend."""
+    built()
+    from tests.test_containers import free_port
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    port = free_port()
+    bindir = Path(sys.executable).parent
+    procs = []
+    for node, cores in ((0, "0,1"), (1, node1_cores)):
+        cmd = ["taskset", "-c", cores, str(bindir / "torchrun"), "--nnodes=2", "--nproc-per-node=1",
+               f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+               "-m", "ddplab", "train", str(REPO / "experiments" / "quickstart.yaml"), *QUICK]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=job_env(store), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    (run,) = runs(store)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and tags["ddplab.nnodes"] == "2"
+    assert (tags["ddplab.backend"], tags["ddplab.backend_requested"]) == (backend_run, "auto")
+    assert why in tags["ddplab.backend_reason"], tags["ddplab.backend_reason"]

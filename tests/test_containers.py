@@ -395,14 +395,18 @@ def exec_in(c: Compose, service: str, script: str) -> subprocess.CompletedProces
     return sh([*c.cmd, "exec", "-T", service, "sh", "-c", script], env=c.env, cwd=REPO)
 
 
-@pytest.mark.parametrize("nnodes, slots", [(2, 1), (2, 2)])
-def test_compose_mpi_gives_one_openmpi_run(compose_factory, nnodes, slots):
-    c = compose_factory(nnodes, slots, file="mpi.yml", service="worker")
+# 2 x 2 on ddplab's ccl (mpirun forwards what ccl needs); 2 x 1 on auto (gloo on this machine's
+# 2 shared cores).
+@pytest.mark.parametrize("nnodes, slots, backend", [(2, 1, "gloo"), (2, 2, "ccl")])
+def test_compose_mpi_gives_one_openmpi_run(compose_factory, nnodes, slots, backend):
+    asked = {"DDPLAB_SET": "dist.backend=ccl data.train_samples=2048"} if backend == "ccl" else {}
+    c = compose_factory(nnodes, slots, file="mpi.yml", service="worker", **asked)
     c.up()
     run = c.wait_run(finished, timeout=600)
     assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
     t = tags(run)
     assert (t["ddplab.launcher"], t["ddplab.world_size"]) == ("openmpi", str(nnodes * slots))
+    assert (t["ddplab.backend"], t["ddplab.backend_requested"]) == (backend, "ccl" if asked else "auto")
     assert t["ddplab.nnodes"] == str(nnodes) and len(t["ddplab.hosts"].split(",")) == nnodes
     assert t["ddplab.image"].startswith("ddplab/openmpi:")
     deadline = time.monotonic() + 120

@@ -103,6 +103,9 @@ def docker_flags(pod: dict, container: dict, sources: dict[str, dict[str, str]],
         flags += ["--cap-drop", "ALL"]
     if sc.get("allowPrivilegeEscalation") is False:
         flags += ["--security-opt", "no-new-privileges"]
+    cpu = str(container.get("resources", {}).get("limits", {}).get("cpu", ""))
+    if cpu:  # the kubelet's limit is a CFS quota, as --cpus makes it (ddplab reads it)
+        flags += ["--cpus", str(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))]
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     for m in container.get("volumeMounts", []):
         v = volumes[m["name"]]
@@ -398,6 +401,9 @@ def test_mpijob_pods_run_as_the_mpi_operator_runs_them(cluster, tmp_path):
     assert found[0]["info"]["status"] == "FINISHED", logs(started[2:])
     assert tags["ddplab.world_size"] == str(nworkers * slots)
     assert (tags["ddplab.launcher"], tags["ddplab.nnodes"]) == ("openmpi", str(nworkers))
+    # The workers' CPU limit (2) over their 2 slots: auto leaves oneCCL's worker no core.
+    assert (tags["ddplab.backend"], tags["ddplab.backend_requested"]) == ("gloo", "auto")
+    assert "each rank has 1 core(s)" in tags["ddplab.backend_reason"], tags["ddplab.backend_reason"]
     assert sorted(tags["ddplab.hosts"].split(",")) == [f"{name}-worker-{i}" for i in range(nworkers)]
     assert code == [0], logs([launcher])
 

@@ -74,6 +74,20 @@ def test_slurm_cpus_per_task_sets_the_threads():
     assert node_cpus(le, {"SLURM_CPUS_PER_TASK": "1"}) == node_cpus(le, {})
 
 
+def test_nodes_sharing_one_host_share_its_cores(monkeypatch):
+    """The compose files run NNODES "machines" on one host; each container sees every core."""
+    from ddplab import backend
+
+    monkeypatch.setattr(backend, "usable_cpu_count", lambda: 8)
+    le = LaunchEnv.from_environ(TORCHRUN_CHILD)
+    assert backend.node_cpus(le, {}) == 8
+    assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "2"}) == 4
+    assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "16"}) == 1  # never below one
+    assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "x"}) == 8
+    slurm = LaunchEnv.from_environ(SLURM)
+    assert backend.node_cpus(slurm, {"DDPLAB_NODES_ON_HOST": "2", "SLURM_CPUS_PER_TASK": "1"}) == 3
+
+
 def test_layout_properties():
     le = LaunchEnv.from_environ(TORCHRUN_CHILD)
     assert (le.nnodes, le.is_rank0, le.is_node_leader) == (2, False, False)

@@ -39,18 +39,22 @@ def cluster(compose_factory, **env: str):  # noqa: F811 - the fixture, passed on
     return c
 
 
-def test_sbatch_on_two_nodes_gives_one_slurm_run(compose_factory):  # noqa: F811
-    c = cluster(compose_factory, DDPLAB_SET=SMALL.replace("--set ", ""))
+def test_sbatch_on_two_nodes_gives_one_slurm_run_on_ddplabs_ccl(compose_factory):  # noqa: F811
+    """srun with 2 tasks on each of 2 nodes, on ddplab's ccl (the layout that hung in oneCCL's
+    first broadcast before ddplab told it each rank is alone on its host)."""
+    c = cluster(compose_factory, BACKEND="ccl", SBATCH_ARGS="--ntasks-per-node=2 --cpus-per-task=1",
+                DDPLAB_SET=SMALL.replace("--set ", "").replace("1536", "2048"))
     codes = wait_exits(c, "submit", 1, time.monotonic() + 600)
     assert codes == [0], c.up_output()[-4000:]
     run = c.wait_run(finished, timeout=60)
     t = tags(run)
     assert run["info"]["status"] == "FINISHED"
-    assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nnodes"]) == ("slurm", "2", "2")
+    assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nnodes"]) == ("slurm", "4", "2")
+    assert (t["ddplab.backend"], t["ddplab.ccl_impl"]) == ("ccl", "ddplab")
     assert sorted(t["ddplab.hosts"].split(",")) == ["node1", "node2"]  # two hosts
     assert t["ddplab.slurm_job_id"] == "1" and t["ddplab.slurm_nodelist"] == "node[1-2]"
     name = t["mlflow.runName"]
-    assert name.startswith("quickstart gloo 2n x 1r x ") and name.endswith("t slurm"), name
+    assert name.startswith("quickstart ccl 2n x 2r x ") and name.endswith("t slurm"), name
     assert metrics(run)["eval/accuracy"] > 0.3
     out = c.up_output()
     assert "submitting as ddplab" in out and "job 1 ended with exit code 0" in out

@@ -14,7 +14,9 @@ import contextlib
 import datetime
 import gc
 import importlib
+import json
 import os
+import socket
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,7 @@ class Layout:
     pinned: list[int]
     ccl_env: dict[str, str]
     ccl_impl: str | None = None
+    store: dist.Store | None = None  # the rendezvous store, when the backend was agreed on it
 
 
 def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
@@ -61,7 +64,14 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     impl = import_ccl() if device.type == "cpu" else None
     choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback,
                      cores_per_rank=cores_per_rank(le, os.environ),
-                     ccl_impl=impl.name if impl else None)
+                     ccl_impl=impl.name if impl else None, world_size=le.world_size)
+    store = None
+    if cfg.backend == "auto" and device.type == "cpu" and le.nnodes > 1:
+        store = rendezvous_store(le, cfg.timeout_s)  # the process group's own, made early
+        try:
+            choice = agree(choice, le, store)
+        except RuntimeError as e:  # DistStoreError: a rank never voted within dist.timeout_s
+            raise BackendError(_init_failure(e, le, cfg.timeout_s)) from None
     if choice.fell_back:
         import warnings
 
@@ -73,7 +83,8 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
         threads, pinned = apply_cpu_layout(cfg, le, choice.name)
     else:
         torch.cuda.set_device(device)
-    return Layout(le, device, choice, threads, pinned, ccl_env, impl.name if impl else None)
+    return Layout(le, device, choice, threads, pinned, ccl_env, impl.name if impl else None,
+                  store)
 
 
 @dataclass(frozen=True)
@@ -124,14 +135,16 @@ def _version(module: ModuleType) -> str:
 
 def resolve(requested: str, device_type: str, allow_fallback: bool,
             table: Mapping[str, tuple[bool, str]] | None = None,
-            cores_per_rank: int | None = None, ccl_impl: str | None = None) -> BackendChoice:
-    """``auto`` on CPU takes ccl only where it is known to win: Intel's bindings with a core
-    per rank for oneCCL's worker thread (``cores_per_rank``, None: enough; with one core per
-    rank they trained at 0.79x gloo). ddplab's own backend is opt-in (``dist.backend=ccl``):
-    1.22x gloo on one machine, not yet tested across machines."""
+            cores_per_rank: int | None = None, ccl_impl: str | None = None,
+            world_size: int = 2) -> BackendChoice:
+    """``auto`` on CPU takes ccl (Intel's bindings, else ddplab's own build) only where it is
+    known to win: several ranks, each with a core for oneCCL's worker thread besides its compute
+    (``cores_per_rank``, None: enough). With one core per rank Intel's trained at 0.79x gloo
+    and ddplab's at 0.38x (2 nodes x 2 ranks on 2 cores); with a core to spare ddplab's trained
+    at 1.22x gloo. On several nodes every rank must run the same backend: see :func:`agree`."""
     table = table if table is not None else available(device_type)
     if requested == "auto":
-        return _auto(device_type, table, cores_per_rank, ccl_impl)
+        return _auto(device_type, table, cores_per_rank, ccl_impl, world_size)
     ok, why = table[requested]
     if requested == "nccl" and device_type != "cuda":
         ok, why = False, "nccl needs dist.device cuda"
@@ -146,21 +159,42 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
 
 
 def _auto(device_type: str, table: Mapping[str, tuple[bool, str]], cores_per_rank: int | None,
-          ccl_impl: str | None) -> BackendChoice:
+          ccl_impl: str | None, world_size: int) -> BackendChoice:
     if device_type == "cuda" and table["nccl"][0]:
         return BackendChoice("nccl", "auto", "auto: CUDA device, NCCL available")
     if device_type == "cuda":
         return BackendChoice("gloo", "auto", f"auto: gloo, because {table['nccl'][1]}")
     if not table["ccl"][0]:
         return BackendChoice("gloo", "auto", f"auto: gloo, because {table['ccl'][1]}")
-    if ccl_impl == "ddplab":
-        return BackendChoice("gloo", "auto", "auto: gloo; ddplab's own ccl is built but opt-in "
-                             "(set dist.backend=ccl) until it is proven across machines")
+    if world_size < 2:
+        return BackendChoice("gloo", "auto", "auto: gloo, because one rank exchanges nothing and "
+                             "oneCCL's worker thread would take a core from the compute")
     if cores_per_rank is not None and cores_per_rank < 2:
         return BackendChoice("gloo", "auto", f"auto: gloo, because each rank has {cores_per_rank} "
                              "core(s) and oneCCL's worker thread needs one of its own "
                              "(set dist.backend=ccl to use it anyway)")
-    return BackendChoice("ccl", "auto", f"auto: CPU, oneCCL usable ({table['ccl'][1]})")
+    which = "ddplab's own oneCCL backend" if ccl_impl == "ddplab" else table["ccl"][1]
+    cores = f"{cores_per_rank} cores" if cores_per_rank is not None else "enough cores"
+    return BackendChoice("ccl", "auto", f"auto: ccl on CPU ({which}), each rank has {cores}: "
+                         "one for oneCCL's worker thread")
+
+
+def agree(choice: BackendChoice, le: LaunchEnv, store: dist.Store) -> BackendChoice:
+    """On several nodes each rank chose ``auto``'s backend from its own node (its cores, its
+    build); ranks on different backends would wait for each other until dist.timeout_s. So ccl
+    runs only if every rank chose it; otherwise every rank runs gloo and says which rank did."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job votes anew
+    keys = [f"ddplab/auto-backend/{attempt}/{r}" for r in range(le.world_size)]
+    store.set(keys[le.rank], json.dumps([choice.name, choice.reason, socket.gethostname()]))
+    store.wait(keys)
+    if choice.name != "ccl":
+        return choice
+    for rank, key in enumerate(keys):
+        name, reason, host = json.loads(store.get(key))
+        if name != "ccl":
+            return BackendChoice("gloo", "auto", f"auto: gloo on every rank, because rank {rank} "
+                                 f"(host {host}) chose it: {reason.removeprefix('auto: ')}")
+    return BackendChoice("ccl", "auto", f"{choice.reason}; all {le.world_size} ranks agree")
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
@@ -202,11 +236,14 @@ def usable_cpu_count() -> int:
 def node_cpus(le: LaunchEnv, env: Mapping[str, str]) -> int:
     """CPUs the local ranks share: Slurm's allocation when srun started each rank (a site
     without Slurm's task affinity leaves every core in the mask), else what this process may
-    use."""
+    use, split between the nodes that share this machine (``DDPLAB_NODES_ON_HOST``: the
+    compose files simulate NNODES nodes on one host, and each container sees all its cores)."""
+    shared = env.get("DDPLAB_NODES_ON_HOST", "")
+    cpus = max(1, usable_cpu_count() // (int(shared) if shared.isdigit() and int(shared) else 1))
     per_task = env.get("SLURM_CPUS_PER_TASK", "")
     if le.launcher == "slurm" and per_task.isdigit() and int(per_task) > 0:
-        return min(usable_cpu_count(), int(per_task) * le.local_world_size)
-    return usable_cpu_count()
+        return min(cpus, int(per_task) * le.local_world_size)
+    return cpus
 
 
 def cores_per_rank(le: LaunchEnv, env: Mapping[str, str]) -> int:
@@ -298,7 +335,7 @@ def apply_ccl_env(le: LaunchEnv, env: MutableMapping[str, str], impl: CclImpl) -
 # ---- the process group ----
 
 def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.device,
-                       timeout_s: int) -> None:
+                       timeout_s: int, store: dist.Store | None = None) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if choice.name == "mpi":
         dist.init_process_group("mpi", timeout=timeout)  # MPI knows rank and size itself
@@ -308,18 +345,30 @@ def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.devic
         dist.init_process_group(choice.name, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
-    # env:// reuses torchrun's agent store when there is one; other launchers get the same
-    # variables from LaunchEnv so every launcher takes the one path.
+    store = store or rendezvous_store(le, timeout_s)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    try:
+        dist.init_process_group(choice.name, store=store, rank=le.rank, world_size=le.world_size,
+                                timeout=timeout, **kwargs)
+    except RuntimeError as e:  # oneCCL's transport, a peer gone during the backend's set-up
+        raise BackendError(_init_failure(e, le, timeout_s)) from None
+
+
+def rendezvous_store(le: LaunchEnv, timeout_s: int) -> dist.Store:
+    """The store of ``env://``, as init_process_group would make it: torchrun's agent store
+    when there is one; other launchers get the same variables from LaunchEnv, so every launcher
+    takes the one path."""
     for key, value in (("MASTER_ADDR", le.master_addr), ("MASTER_PORT", str(le.master_port)),
                        ("RANK", str(le.rank)), ("WORLD_SIZE", str(le.world_size)),
                        ("LOCAL_RANK", str(le.local_rank))):
         os.environ.setdefault(key, value)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(choice.name, init_method="env://", rank=le.rank,
-                                world_size=le.world_size, timeout=timeout, **kwargs)
+        store, _, _ = next(dist.rendezvous("env://", le.rank, le.world_size, timeout=timeout))
     except RuntimeError as e:  # DistStoreError, DistNetworkError: a peer or the master is missing
         raise BackendError(_init_failure(e, le, timeout_s)) from None
+    store.set_timeout(timeout)
+    return store
 
 
 def _init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int) -> str:
@@ -340,7 +389,7 @@ def _init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int) -> str:
 
 @contextlib.contextmanager
 def process_group(layout: Layout, timeout_s: int) -> Iterator[None]:
-    init_process_group(layout.choice, layout.le, layout.device, timeout_s)
+    init_process_group(layout.choice, layout.le, layout.device, timeout_s, layout.store)
     try:
         yield
     finally:

@@ -283,7 +283,9 @@ class DistConfig:
     process over the node's GPUs; CUDA only)."""
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     backend: Literal["auto", "gloo", "ccl", "nccl", "mpi"] = "auto"
-    """auto = nccl on CUDA, ccl on CPU when oneccl_bindings_for_pytorch imports, else gloo."""
+    """auto = nccl on CUDA; ccl on CPU when oneCCL is there (Intel's bindings or ddplab's own
+    build), with 2+ ranks of 2+ cores each (on several nodes: only if every rank agrees); else
+    gloo. The run records why (ddplab.backend_reason)."""
     allow_backend_fallback: bool = False
     """If the requested backend is unavailable, use gloo (CPU) with a warning instead of failing."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -142,8 +142,10 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
     try:
         choice = backend.resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, table,
                                  backend.cores_per_rank(le, os.environ),
-                                 backend.import_ccl().name)
-        print(f"backend      -> {choice.name} ({choice.reason})")
+                                 backend.import_ccl().name, le.world_size)
+        agreed = (" (on several nodes: ccl only if every node chooses it)"
+                  if cfg.dist.backend == "auto" and le.nnodes > 1 and device == "cpu" else "")
+        print(f"backend      -> {choice.name} ({choice.reason}){agreed}")
     except backend.BackendError as e:
         choice = None
         problems.append(str(e))

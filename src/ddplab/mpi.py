@@ -55,7 +55,7 @@ from .rendezvous import from_env, local_addresses, plan, port_answers, train_arg
 
 # What ranks on the workers need from the launcher's environment (ssh sessions start clean).
 FORWARD = ("PATH", "LD_PRELOAD", "HOME", "PYTHONUNBUFFERED", "DDPLAB_IMAGE", "DDPLAB_GIT_SHA",
-           "DDPLAB_SET", "DDPLAB_UI_URL", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
+           "DDPLAB_SET", "DDPLAB_UI_URL", "DDPLAB_NODES_ON_HOST", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
            *CREDENTIALS,
            "CCL_ATL_TRANSPORT", "CCL_WORKER_COUNT", "CCL_ATL_SHM", "GLOO_SOCKET_IFNAME",
            "NCCL_SOCKET_IFNAME", "FI_TCP_IFACE", "CCL_KVS_IFACE", "FI_PROVIDER")
