@@ -84,3 +84,35 @@ def test_keeps_only_the_newest(tmp_path):
 def test_inactive_rank_writes_nothing(tmp_path):
     checkpoint.Checkpointer(tmp_path, 3, active=False).save(payload(1))
     assert not os.listdir(tmp_path)
+
+
+def _cfg(*sets: str):
+    from ddplab import config
+
+    return config.load(None, list(sets))
+
+
+def test_a_resume_may_change_where_it_tracks_and_saves_but_not_what_it_computes():
+    from ddplab.config import ConfigError
+
+    saved = _cfg().to_dict()
+    now = _cfg("tracking.experiment=elsewhere", "checkpoint.keep=5", "train.epochs=9")
+    changed = {k for k, _, _ in checkpoint.check_resume(saved, now, "ck.pt")}
+    assert changed == {"tracking.experiment", "checkpoint.keep", "train.epochs"}
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.check_resume(saved, _cfg("optim.lr=0.5", "tracking.experiment=x"), "ck.pt")
+    assert "optim.lr: 0.01 -> 0.5" in str(refused.value) and "tracking" not in str(refused.value)
+    allowed = _cfg("optim.lr=0.5", "checkpoint.resume_changes=allow")
+    assert ("optim.lr", 0.01, 0.5) in checkpoint.check_resume(saved, allowed, "ck.pt")
+
+
+def test_a_resume_on_another_world_size_keeps_the_global_batch_or_says_which_batch_does():
+    from ddplab.config import ConfigError
+
+    saved = _cfg("data.batch_size=32").to_dict()
+    ck = {"config": saved, "world_size": 2, "global_batch": 64}
+    # 4 ranks x 16 = 64: the same optimizer steps, only split otherwise.
+    checkpoint.check_resume(saved, _cfg("data.batch_size=16"), "ck.pt", 4, ck)
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.check_resume(saved, _cfg("data.batch_size=32"), "ck.pt", 4, ck)
+    assert "global batch of 64" in str(refused.value) and "data.batch_size=16" in str(refused.value)

@@ -321,3 +321,25 @@ def test_a_study_killed_outright_takes_its_running_job_with_it(tmp_path, store):
     assert not any(Path(f"/proc/{pid}").exists() for pid in job), "the job outlived its study"
     _, children = study_runs(store)
     assert [c.info.status for c in children] == ["KILLED"]
+
+
+def test_compose_and_slurm_files_come_from_the_studys_checkout_not_the_package(tmp_path,
+                                                                                monkeypatch):
+    """An installed package has no compose/ beside it: the checkout is found from the study
+    file (or the working directory), so a pip-installed ddplab runs a clone's study."""
+    from types import SimpleNamespace
+
+    from ddplab.study.runner import checkout
+
+    clone = tmp_path / "clone"
+    (clone / "compose").mkdir(parents=True)
+    (clone / "compose" / "multinode.yml").write_text("services: {}\n")
+    (clone / "experiments" / "studies").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert checkout(SimpleNamespace(path=clone / "experiments" / "studies" / "s.yaml")) == clone
+    loose = SimpleNamespace(path=elsewhere / "s.yaml")
+    assert checkout(loose) == elsewhere  # nothing above: the working directory
+    monkeypatch.chdir(clone / "experiments")
+    assert checkout(loose) == clone  # a study file outside, run from inside a clone

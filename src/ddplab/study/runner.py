@@ -28,8 +28,18 @@ from .spec import Study, Variant, as_text
 PARENT, CHILD = "parent", "job"
 
 
-REPO = Path(__file__).resolve().parents[3]
 COMPOSE = {"compose": ("multinode.yml", "node"), "compose-mpi": ("mpi.yml", "launcher")}
+
+
+def checkout(study: Study) -> Path:
+    """The ddplab checkout the study belongs to (its compose/ and slurm/ folders): the nearest
+    folder above the study file, else above the working directory, that holds them. An
+    installed package carries neither, so its own location says nothing."""
+    for start in (study.path.resolve().parent, Path.cwd()):
+        for folder in (start, *start.parents):
+            if (folder / "compose" / "multinode.yml").is_file():
+                return folder
+    return Path.cwd()
 
 
 def _sets(study: Study, v: Variant, repeat: int) -> list[str]:
@@ -38,13 +48,13 @@ def _sets(study: Study, v: Variant, repeat: int) -> list[str]:
         f"checkpoint.dir={ck}", "checkpoint.resume=never"]  # a job never resumes another's
 
 
-def sbatch_script() -> Path:
+def sbatch_script(study: Study) -> Path:
     """The batch script slurm variants submit: $DDPLAB_SBATCH_SCRIPT, else the checkout's
     slurm/cpu.sbatch, else ./slurm/cpu.sbatch (where the images keep it)."""
     chosen = os.environ.get("DDPLAB_SBATCH_SCRIPT", "")
     if chosen:
         return Path(chosen)
-    here = REPO / "slurm" / "cpu.sbatch"
+    here = checkout(study) / "slurm" / "cpu.sbatch"
     return here if here.is_file() else Path("slurm", "cpu.sbatch").resolve()
 
 
@@ -54,11 +64,11 @@ def command(study: Study, v: Variant, repeat: int) -> list[str]:
         # Submitted to the cluster this host is a login node of; --wait returns the job's code.
         sets = [a for s in _sets(study, v, repeat) for a in ("--set", s)]
         return ["sbatch", "--wait", f"--nodes={v.nnodes}", f"--ntasks-per-node={v.nproc}",
-                f"--job-name=ddplab-{study.name}-{v.name}", str(sbatch_script()),
+                f"--job-name=ddplab-{study.name}-{v.name}", str(sbatch_script(study)),
                 str(study.experiment), *sets]
     if v.launcher in COMPOSE:
         file, service = COMPOSE[v.launcher]
-        up = ["docker", "compose", "-f", str(REPO / "compose" / file), "up", "--no-deps"]
+        up = ["docker", "compose", "-f", str(checkout(study) / "compose" / file), "up", "--no-deps"]
         # mpi.yml's workers serve ssh until stopped: the launcher's exit ends the job.
         return up + (["--exit-code-from", "launcher", "worker", "launcher"]
                      if v.launcher == "compose-mpi" else [service])
@@ -95,7 +105,8 @@ def compose_env(study: Study, v: Variant, repeat: int, uri: str) -> dict[str, st
     backend = next((s.split("=", 1)[1] for s in reversed(sets) if s.startswith("dist.backend=")),
                    "auto")
     return {"NNODES": str(v.nnodes), "NPROC_PER_NODE": str(v.nproc), "SLOTS": str(v.nproc),
-            "EXPERIMENT": str(study.experiment.relative_to(REPO)), "BACKEND": backend,
+            "EXPERIMENT": str(study.experiment.resolve().relative_to(checkout(study))),
+            "BACKEND": backend,
             "DDPLAB_SET": " ".join(s for s in sets if not s.startswith("dist.backend=")),
             "DDPLAB_TRACKING_URI": in_containers(uri), "DDPLAB_UI_URL": uri,
             # The study's server, not compose's own (--no-deps: its login is never made); this
@@ -118,19 +129,20 @@ def in_containers(uri: str) -> str:
 
 def _check_compose(study: Study, v: Variant, uri: str) -> None:
     where = f"{study.path}: variant {v.name}: launcher {v.launcher}"
-    if not (REPO / "compose" / COMPOSE[v.launcher][0]).is_file():
+    repo = checkout(study)
+    if not (repo / "compose" / COMPOSE[v.launcher][0]).is_file():
         raise ConfigError(f"{where}: compose variants run from a ddplab checkout (its compose/ "
-                          "folder), not from an installed package")
+                          "folder above the study file or the working directory); none found")
     if not uri.startswith(("http://", "https://")):
         raise ConfigError(f"{where}: the jobs run in containers and need a tracking SERVER "
                           f"(MLFLOW_TRACKING_URI={uri} is a local store): start `mlflow server "
                           "--host 0.0.0.0 --allowed-hosts host.docker.internal:PORT,localhost:PORT` "
                           "and set MLFLOW_TRACKING_URI=http://localhost:PORT")
     try:
-        study.experiment.relative_to(REPO / "experiments")
+        study.experiment.resolve().relative_to(repo / "experiments")
     except ValueError:
         raise ConfigError(f"{where}: the experiment {study.experiment} is not under "
-                          f"{REPO / 'experiments'}, so the image does not hold it") from None
+                          f"{repo / 'experiments'}, so the image does not hold it") from None
     if not shutil.which("docker") or subprocess.run(
             ["docker", "info"], capture_output=True, check=False).returncode:
         raise ConfigError(f"{where}: needs a running Docker engine (`docker info` must answer)")

@@ -1,0 +1,94 @@
+"""Unit (lint tier): the package's modules import each other without a cycle.
+
+Every ``import`` counts, the ones inside functions too: a lazy import only hides a cycle
+until the day its function runs first in another order."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddplab"
+
+
+def modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports (relative and absolute)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                target = f"{base}.{a.name}"
+                found |= {target} if target in known else ({base} if base in known else set())
+    return found - {name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def graph_of(root: Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def test_the_package_has_no_import_cycle():
+    graph = graph_of(PACKAGE)
+    assert len(graph) > 30 and graph["ddplab.run"] >= {"ddplab.backend", "ddplab.tracking"}
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_cycle_is_found_even_through_an_import_inside_a_function(tmp_path, lazy):
+    pkg = tmp_path / "ddplab"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    back = "def f():\n    from .. import a\n" if lazy else "from ..a import x\n"
+    (pkg / "sub" / "b.py").write_text(back)
+    assert cycles(graph_of(pkg)) == [["ddplab.a", "ddplab.sub.b"]]
