@@ -237,8 +237,11 @@ scan: $(TOOLS)/checkov/bin/checkov ## Security scan of k8s/ and docker/ (checkov
 	$(TOOLS)/checkov/bin/checkov -d k8s --framework kubernetes --compact --quiet
 	$(TOOLS)/checkov/bin/checkov -d docker --framework dockerfile --compact --quiet
 
-k8s-secrets: ## Create the tracking server's generated Secrets in the cluster once (kubectl create: kept if present)
-	python3 docker/mlflow/make_secrets.py --k8s ddplab | kubectl create -f -
+k8s-secrets: ## The namespace and the tracking server's generated Secrets, once (kept when present: the database keeps the admin's password)
+	kubectl apply -f k8s/00-namespace.yaml
+	@if kubectl -n ddplab get secret mlflow-server >/dev/null 2>&1; then \
+	  echo "k8s-secrets: Secret mlflow-server exists in namespace ddplab: kept"; \
+	else python3 docker/mlflow/make_secrets.py --k8s ddplab | kubectl create -f -; fi
 
 k8s-render: ## Copy k8s/ to build/k8s/ with images from REGISTRY and IMAGE_TAG
 	@rm -rf build/k8s && mkdir -p build && cp -r k8s build/k8s

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -192,3 +195,31 @@ def test_the_generated_secrets_validate_against_kubernetes():
     for secret in json.loads(k8s_manifests("ddplab"))["items"]:
         kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
         assert secret["metadata"]["namespace"] == "ddplab"
+
+
+def test_make_k8s_secrets_twice_with_a_fake_kubectl_creates_once_then_keeps(tmp_path):
+    """No Kubernetes API server runs here, so a fake `kubectl` (a script on PATH keeping the
+    Secrets it was given in a folder) stands in for one: the README's `make k8s-secrets &&
+    kubectl apply -f k8s/` must work on a fresh cluster and again on the same one."""
+    fake = tmp_path / "bin" / "kubectl"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {tmp_path}/calls
+case "$*" in
+  *"get secret mlflow-server"*) test -f {tmp_path}/created ;;
+  "create -f -") cat > {tmp_path}/created ;;
+  "apply -f k8s/00-namespace.yaml") exit 0 ;;
+  *) exit 9 ;;
+esac
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    for _ in range(2):
+        out = subprocess.run(["make", "-s", "k8s-secrets"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert "mlflow-server exists in namespace ddplab: kept" in out.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls.count("create -f -") == 1 and calls[0] == "apply -f k8s/00-namespace.yaml"
+    made = yaml.safe_load((tmp_path / "created").read_text())
+    assert {i["metadata"]["name"] for i in made["items"]} == {"mlflow-server", "mlflow-credentials"}
