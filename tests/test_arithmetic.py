@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddplab import spool
 from ddplab.report import RunStats
 from ddplab.study import report
+from ddplab.tracking import spool
 
 
 def test_steady_throughput_skips_the_first_epoch_and_weighs_epochs_by_their_time():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddplab import spool
+from ddplab.tracking import spool
 from tests.conftest import QUICK, REPO, job_env, runs
 from tests.test_tracking_faults import Server, printed_losses
 

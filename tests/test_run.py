@@ -39,7 +39,7 @@ def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkey
 
     import pytest
 
-    from ddplab import tracking
+    from ddplab.tracking import runs as tracking  # job_run's module
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
         monkeypatch.delenv(name, raising=False)

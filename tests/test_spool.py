@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddplab import spool
+from ddplab.tracking import spool
 
 
 def test_only_complete_lines_are_records_and_a_torn_one_is_skipped(tmp_path):

@@ -77,7 +77,7 @@ def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
     """tracking.wait_s: a server that starts 2 s after the job is waited for, not fatal."""
     import time
 
-    from ddplab import tracking
+    from ddplab.tracking import tracker as tracking  # where the run is created
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

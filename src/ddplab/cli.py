@@ -156,8 +156,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _sync(args: argparse.Namespace) -> int:
-    from .delivery import sync
     from .tracking import validated_uri
+    from .tracking.delivery import sync
 
     uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
     return sync(args.paths, args.timeout, uri)

@@ -158,8 +158,8 @@ class Report(Silent):
     def _record(self, results: list[Result], matrix: Matrix, folder: Path, status: str) -> None:
         from mlflow.entities import Metric, RunTag
 
-        from ..spool import now_ms
         from ..tracking import ui_address
+        from ..tracking.spool import now_ms
 
         t = now_ms()
         metrics = [Metric(f"{r.backend}/{r.device}/{r.op}/{key}", value, t, r.size)

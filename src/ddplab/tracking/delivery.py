@@ -4,8 +4,8 @@ Local rank 0 of every node starts it; it runs at the lowest CPU priority, sample
 system metrics into the spool, and delivers the spool (spool.py) to MLflow: rank 0's metrics,
 params, tags, texts and the run's end. Training processes only append lines to a local file.
 
-    python -m ddplab.delivery SPOOL_DIR --timeout 60 [--system-interval 5 --node node0 --t0-ms MS]
-    python -m ddplab.delivery --timeout 60 ...   (the spool comes on stdin: {"spool": ..., "t0_ms": ...})
+    python -m ddplab.tracking.delivery SPOOL_DIR --timeout 60 [--system-interval 5 --node node0 --t0-ms MS]
+    python -m ddplab.tracking.delivery --timeout 60 ...   (the spool on stdin: {"spool": ..., "t0_ms": ...})
 
 A job starts it the second way, before its run exists: the start-up (importing MLflow, about
 1.6 CPU-s) then runs while the ranks wait for rank 0 to open the run, not during the first
@@ -23,12 +23,18 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import spool
+
+if TYPE_CHECKING:  # annotations only: this process must not import torch (backend, tracker)
+    from ..config import TrackingConfig
+    from ..launch import LaunchEnv
+    from .tracker import RunRef
 
 # The client fails fast and this process retries on its own schedule: MLflow's defaults
 # retry one call for minutes, which is how a dead server used to hang a finished job.
@@ -106,7 +112,7 @@ class Producer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddplab.delivery")
+    p = argparse.ArgumentParser(prog="python -m ddplab.tracking.delivery")
     p.add_argument("spool", type=Path, nargs="?", help="default: read from stdin when ready")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--system-interval", type=float, default=0.0)
@@ -151,9 +157,6 @@ def main(argv: list[str] | None = None) -> int:
              "set_aside": out.set_aside, "error": out.error, "pid": os.getpid()}))
     return 0 if out.left == 0 else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
@@ -247,3 +250,100 @@ def _end_if_abandoned(client: Any, meta: spool.Meta, where: str) -> None:
         print(f"{where}: could not end the run ({spool.describe(e)})", file=sys.stderr)
         return
     print(f"{where}: the job had ended without recording the run's end: ended it FAILED")
+
+
+# ---- the training process's handle on it ----
+
+class Delivery:
+    """This node's delivery process (this module's main), started by its local rank 0: it samples the
+    node's system metrics and sends the node's spool to the server. Started before the run
+    exists, so its start-up (importing MLflow) overlaps the ranks' wait for rank 0 to open the
+    run instead of the first epoch; ``attach()`` then names the run's spool. ``close()`` lets
+    it finish within ``timeout_s`` and says how many records are still left."""
+
+    def __init__(self, node_rank: int, cfg: TrackingConfig) -> None:
+        self.directory, self.timeout_s = Path(), cfg.delivery_timeout_s
+        interval = cfg.system_metrics_interval_s if cfg.system_metrics else 0
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddplab.tracking.delivery", "--timeout", str(cfg.delivery_timeout_s),
+             "--system-interval", str(interval), "--node", f"node{node_rank}"],
+            # Its own session: the signals meant for the ranks (Ctrl-C, torchrun's killpg of a
+            # failed job) must not stop it before the run's ending is delivered. It ends on
+            # its own: closed, or its parent gone, then within its timeout.
+            stdin=subprocess.PIPE, text=True, close_fds=True, start_new_session=True)
+
+    def attach(self, directory: Path, ref: RunRef) -> None:
+        """Deliver this run's spool. (The pipe is closed here, before any DataLoader worker is
+        forked, so no other process holds it.)"""
+        self.directory = directory
+        spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
+        (directory / spool.CLOSED).unlink(missing_ok=True)  # an earlier attempt's
+        (directory / "delivery.json").unlink(missing_ok=True)  # (sync reads both: job over)
+        self._tell(json.dumps({"spool": str(directory), "t0_ms": ref.start_ms}) + "\n")
+
+    def cancel(self) -> None:
+        """No run was opened: the process exits on the empty stdin."""
+        self._tell("")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=15)
+
+    def _tell(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        if self.proc.stdin.closed:  # told already
+            return
+        with contextlib.suppress(OSError):  # it died: nothing to deliver through it
+            self.proc.stdin.write(line)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+
+    def cpu_s(self) -> tuple[float, float]:
+        """CPU seconds the delivery process has used so far (what tracking costs the node), and
+        how many of them its start-up took (importing MLflow, opening the store)."""
+        try:
+            import psutil
+
+            t = psutil.Process(self.proc.pid).cpu_times()
+            total = t.user + t.system
+        except Exception:  # noqa: BLE001 - gone already, or no psutil: unknown
+            return 0.0, 0.0
+        try:
+            startup = json.loads((self.directory / "delivery-startup.json").read_text())["cpu_s"]
+        except (OSError, ValueError, KeyError):
+            startup = total  # still starting
+        return total, min(startup, total)
+
+    def close(self) -> int:
+        """Records not delivered: still left, or set aside (refused as records)."""
+        with contextlib.suppress(OSError):  # a full disk: the delivery also ends when we do
+            (self.directory / spool.CLOSED).write_text(str(spool.now_ms()))
+        try:
+            self.proc.wait(timeout=self.timeout_s + 15)  # its own bound, plus its start-up
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return spool.left_in(self.directory) + spool.rejected_in(self.directory)
+
+
+class NoDelivery:
+    """Ranks that are not their node's leader, and untracked jobs."""
+
+    directory = Path()
+
+    def attach(self, directory: Path, ref: RunRef) -> None: ...
+    def cancel(self) -> None: ...
+
+    def cpu_s(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def close(self) -> int:
+        return 0
+
+
+def start_delivery(cfg: TrackingConfig, le: LaunchEnv) -> Delivery | NoDelivery:
+    if not (cfg.enabled and le.is_node_leader):
+        return NoDelivery()
+    return Delivery(le.node_rank, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """A detached watcher a surviving rank leaves behind when its job failed: if global rank 0 does
 not end the run within the grace time (it was SIGKILLed, or OOM-killed), end it FAILED.
 
-    python -m ddplab.orphan URI RUN_ID WHY [--grace S]
+    python -m ddplab.tracking.orphan URI RUN_ID WHY [--grace S]
 
 Detached (its own session, deaf to SIGTERM/SIGINT/SIGHUP) so that the rank itself exits at
 once: a rank that stays to watch keeps its sockets open, and a rank 0 blocked in a collective
@@ -25,14 +25,14 @@ stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
 
 def start(uri: str, run_id: str, why: str, grace_s: float) -> None:
     """Leave the watcher running and return at once."""
-    subprocess.Popen([sys.executable, "-m", "ddplab.orphan", uri, run_id, why[:500],
+    subprocess.Popen([sys.executable, "-m", "ddplab.tracking.orphan", uri, run_id, why[:500],
                       "--grace", str(grace_s)],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
                      start_new_session=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddplab.orphan")
+    p = argparse.ArgumentParser(prog="python -m ddplab.tracking.orphan")
     p.add_argument("uri")
     p.add_argument("run_id")
     p.add_argument("why")

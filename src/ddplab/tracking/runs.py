@@ -1,0 +1,104 @@
+"""The job's one run, open while it trains and ended once whatever happens, and its name."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..launch import LaunchEnv
+from . import spool
+from .delivery import start_delivery
+from .tracker import MlflowTracker, NullTracker, open_tracker
+
+
+@contextlib.contextmanager
+def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: Any
+            ) -> Iterator[NullTracker]:
+    """The job's one run, open while training: node system metrics beside it, and ended once
+    whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded. At the end
+    each node's delivery process gets ``tracking.delivery_timeout_s`` to send what is left;
+    what the server did not take stays in the spool for ``ddplab sync`` (``run.left``).
+
+    ``signals`` says how an interrupted job ends (``status()``) and, once the ending starts,
+    stops further signals from cutting it (``shield()``).
+    """
+    # MLflow prints its own "View run at <tracking URI>" when a run ends; inside compose or a
+    # cluster that is an in-network name the browser cannot open. ddplab prints the run's
+    # address itself, in the browser's terms (run._where, DDPLAB_UI_URL).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    spool_root = Path(cfg.checkpoint.dir) / cfg.name
+    # A name a person can tell apart in the runs table (unless tracking.run_name is set).
+    default_name = f"{cfg.name} {layout_name(layout)} {le.launcher}"
+    delivery = start_delivery(cfg.tracking, le)
+    cpu0 = time.process_time()
+    try:
+        run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
+                                spool_root, default_name)
+        run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
+        delivery.attach(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref)
+    except BaseException:
+        delivery.cancel()  # nothing to deliver: it must not outlive the failed job
+        raise
+    if isinstance(run, MlflowTracker):
+        run.open_spool(delivery.directory)
+    run.delivery = delivery
+    status, error = "FAILED", ""
+    try:
+        yield run
+        status = "FINISHED"
+    except BaseException as e:
+        # The ending begins here. A signal now (torchrun's SIGTERM once a peer died, just as
+        # this rank's own collective failed) would cut this block and leave the run FAILED
+        # with no error recorded (seen in CI).
+        signals.shield()
+        status = signals.status()
+        error = ("interrupted (SIGINT / Ctrl-C)" if status == "KILLED"
+                 else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        raise
+    finally:
+        signals.shield()
+        run.finish(status, error)
+        run.left = delivery.close()
+        if run.left:
+            _say_left(run.left, ref.uri, delivery.directory)
+        if status != "FINISHED" and not le.is_rank0 and (le.is_node_leader or le.rank == 1):
+            # Watched from a detached process: this rank must exit now (see orphan.py).
+            if run.run_id:
+                from . import orphan
+
+                orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
+
+
+def layout_name(layout: Any) -> str:
+    """One vocabulary for layouts everywhere: nodes x ranks per node x threads per rank, and the
+    backend that ran (saying so when it is not the one asked for), e.g. "gloo 1n x 2r x 1t" or
+    "gloo (fell back from ccl) 2n x 1r x 2t"."""
+    choice, le = layout.choice, layout.le
+    backend = f"{choice.name} (fell back from {choice.requested})" if choice.fell_back else choice.name
+    return f"{backend} {le.nnodes}n x {le.local_world_size}r x {layout.threads}t"
+
+
+def _say_left(left: int, uri: str, directory: Path) -> None:
+    """The job's last lines: what the server has not taken, why, and where it is kept."""
+    run_dir = directory.parent.parent
+    refused = spool.rejected_in(directory)
+    try:
+        last = json.loads((directory / "delivery.json").read_text()).get("error", "")
+    except (OSError, ValueError):
+        last = ""
+    if left > refused:
+        print(f"ddplab: warning: the tracking server {uri} did not take {left - refused} records "
+              f"within tracking.delivery_timeout_s{f' (last: {last})' if last else ''}; they are "
+              f"kept in {directory}: deliver them with `ddplab sync {run_dir}`",
+              file=sys.stderr, flush=True)
+    if refused:
+        print(f"ddplab: warning: the tracking server refused {refused} records as invalid; they "
+              f"are kept with its reasons in {directory / spool.REJECTED} (`ddplab sync "
+              f"{run_dir}` lists them)", file=sys.stderr, flush=True)

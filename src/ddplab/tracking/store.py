@@ -1,0 +1,202 @@
+"""Where runs are kept: the tracking URI (its default, its check), the client, whether the
+server answers and lets this client in, and where a browser shows a run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..config import TrackingConfig
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used."""
+
+
+def embedded_store() -> str:
+    """The default store of every command: SQLite in the working directory (make: the repo)."""
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def resolve_uri(cfg: TrackingConfig, env: dict[str, str] | os._Environ = os.environ) -> str:
+    """tracking.uri, else $MLFLOW_TRACKING_URI, else the embedded store."""
+    return cfg.uri or env.get("MLFLOW_TRACKING_URI") or embedded_store()
+
+
+def ui_address(uri: str, experiment_id: str, run_id: str = "", view: str = "") -> str:
+    """Where a browser shows the run (or, without one, the experiment's runs table in the saved
+    view ``view``, see ui_views.py): ": <url>", or " in <store>; browse it with ..."."""
+    # workflowType: MLflow 3's UI opens in its GenAI view unless told (or the user toggled it).
+    query = "workflowType=machine_learning" + (f"&viewStateShareKey={view}" if view else "")
+    route = f"#/experiments/{experiment_id}/runs{'/' + run_id if run_id else ''}?{query}"
+    # Inside compose or a cluster the tracking URI is an in-network name (http://mlflow:5000)
+    # that the user's browser cannot open: DDPLAB_UI_URL says where the browser finds the UI.
+    ui = os.environ.get("DDPLAB_UI_URL", "")
+    if ui or uri.startswith(("http://", "https://")):
+        return f": {(ui or uri).rstrip('/')}/{route}"
+    return f" in {uri}; browse it with `make ui`, then http://127.0.0.1:5000/{route}"
+
+
+# What MLflow's client can open (mlflow.tracking._tracking_service.utils, store registry).
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file",
+                    "databricks", "databricks-uc", "uc")
+# SQLAlchemy's default driver per database (SQLAlchemy 2.1: psycopg 3 for postgresql).
+DB_DRIVERS = {"postgresql": ("psycopg", "psycopg[binary]"), "mysql": ("MySQLdb", "mysqlclient"),
+              "mssql": ("pyodbc", "pyodbc")}
+DRIVER_MODULES = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]",
+                  "pymysql": "pymysql", "mysqldb": "mysqlclient", "pyodbc": "pyodbc",
+                  "pg8000": "pg8000", "asyncpg": "asyncpg", "pymssql": "pymssql"}
+
+
+def uri_problem(value: str) -> str | None:
+    """Why MLflow's client could not use this tracking URI, or None (no network involved)."""
+    import importlib.util
+
+    scheme, sep, rest = value.partition(":")
+    scheme = scheme.lower() if sep else ""
+    base, _, driver = scheme.partition("+")
+    if base not in TRACKING_SCHEMES:
+        return (f"use a tracking server (http://host:5000) or a store URI with one of the "
+                f"schemes {', '.join(TRACKING_SCHEMES)}")
+    if base == "sqlite" and rest.strip("/") in ("", ":memory:"):
+        return ("an in-memory SQLite store vanishes with the process that opened it, before the "
+                "run could be read: give a file, sqlite:///path/mlflow.db")
+    if base == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+        return ("MLflow 3 refuses the file store unless MLFLOW_ALLOW_FILE_STORE=true; use "
+                "sqlite:///path/mlflow.db (the default) or a server")
+    if base in DB_DRIVERS:
+        module, package = (driver, DRIVER_MODULES.get(driver, driver)) if driver else DB_DRIVERS[base]
+        if importlib.util.find_spec(module.lower() if module != "MySQLdb" else module) is None:
+            return f"{base} needs its driver: pip install {package} (or name one: {base}+driver://)"
+    return None
+
+
+def validated_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
+    """The tracking URI a command uses (``explicit``, else $MLFLOW_TRACKING_URI, else the
+    embedded store here), or one ConfigError line naming where the bad one came from."""
+    from ..config import ConfigError
+
+    value, where = (explicit, source) if explicit else (
+        os.environ.get("MLFLOW_TRACKING_URI", ""), "MLFLOW_TRACKING_URI")
+    if not value:
+        return embedded_store()
+    problem = uri_problem(value)
+    if problem:
+        raise ConfigError(f"{where}: got {value!r}; {problem}")
+    return value
+
+
+def reachable_client(uri: str) -> Any:
+    """An MlflowClient for ``uri``, or one TrackingError line at once when the server does not
+    answer (MLflow's own client would retry for minutes)."""
+    problem = check_reachable(uri)
+    if problem:
+        raise TrackingError(f"{problem}: start it, or set MLFLOW_TRACKING_URI")
+    return open_client(uri)
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Jobs started together on a new SQLite store would both run MLflow's schema migrations
+    ("duplicate column name"): the first to open it does, the others wait on a file lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])  # sqlite:////abs or sqlite:///rel
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{db}.ddplab-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield  # an unwritable folder: MLflow's own error will say so
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def open_client(uri: str) -> Any:
+    """An MlflowClient whose store is ready (created and migrated once, under store_lock)."""
+    from mlflow import MlflowClient
+
+    with store_lock(uri):
+        client = MlflowClient(uri)
+        if not uri.startswith(("http://", "https://")):
+            client.search_experiments(max_results=1)  # creates and migrates the store now
+    return client
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
+    """None when the store answers a real API call, else a one-line reason.
+
+    Through MLflow's own client, so every way it authenticates works here too (basic auth,
+    MLFLOW_TRACKING_TOKEN, a custom CA, auth plugins), but without its minutes of retries: a
+    job should say at once that the server is down. /health would not do: it answers even
+    when clients get 403 (allowed-hosts).
+    """
+    if not uri.startswith(("http://", "https://")):
+        return None
+    from mlflow import MlflowClient
+
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(timeout_s))}
+    saved = {k: os.environ.get(k) for k in quick}
+    os.environ.update(quick)
+    try:
+        MlflowClient(uri).search_experiments(max_results=1)
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure is the one line below
+        status = getattr(e, "get_http_status_code", lambda: 0)()
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if status and status != 500 and "Max retries" not in text:
+            return f"tracking server {uri} answered HTTP {status} ({text[:200]})"
+        return f"tracking server {uri} is unreachable ({text[:200]})"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+
+
+def auth_refusal(uri: str) -> str | None:
+    """One line naming what to set when the server refuses this client (401, 403), else None."""
+    problem = check_reachable(uri)
+    if not problem or " answered HTTP 40" not in problem:
+        return None
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "")
+    if " answered HTTP 401" in problem:
+        if not user and not os.environ.get("MLFLOW_TRACKING_TOKEN"):
+            return (f"MLFLOW_TRACKING_USERNAME: not set; the tracking server {uri} asks for "
+                    "credentials (HTTP 401): set MLFLOW_TRACKING_USERNAME and "
+                    "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for it")
+        who = f"user {user!r}" if user else "MLFLOW_TRACKING_TOKEN"
+        return (f"MLFLOW_TRACKING_PASSWORD: the tracking server {uri} refused the credentials of "
+                f"{who} (HTTP 401): check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                "(or MLFLOW_TRACKING_TOKEN)")
+    if " answered HTTP 403" in problem:
+        return (f"MLFLOW_TRACKING_URI: the tracking server {uri} answered HTTP 403: its "
+                "--allowed-hosts does not list the host:port this job calls it by, or user "
+                f"{user or '(none)'} may not read experiments there ({problem.split('(', 1)[-1][:160]}")
+    return None
+
+
+def _permission_denied(e: Exception) -> bool:
+    return getattr(e, "get_http_status_code", lambda: 0)() == 403 or "PERMISSION_DENIED" in str(e)
+
+
+def _experiment_refused(exp_name: str, e: Exception) -> TrackingError:
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "(no user)")
+    return TrackingError(
+        f"tracking: user {user} may not create runs in the experiment {exp_name!r} on this server "
+        "(HTTP 403: its creator has MANAGE on it, others READ unless granted EDIT): choose another "
+        "experiment name (the experiment file's `name:`, or --set tracking.experiment=NAME), or "
+        "ask its owner or an admin to grant you EDIT (docs/tracking.md, \"A tracking server "
+        "with authentication\")")
