@@ -24,7 +24,7 @@ def _group(rank: int, world: int, tmp: str, name: str = "gloo", timeout_s: int =
     if name == "ccl":  # as the product does it: register ddplab's build, set oneCCL's variables
         import os
 
-        from ddplab.launch import LaunchEnv
+        from ddplab.launchers.detect import LaunchEnv
 
         impl = backend.import_ccl()
         assert impl.name == "ddplab", impl.why

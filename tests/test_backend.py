@@ -6,7 +6,7 @@ import pytest
 
 from ddplab import backend
 from ddplab.config import DistConfig
-from ddplab.launch import LaunchEnv
+from ddplab.launchers.detect import LaunchEnv
 from tests.conftest import STAND_INS
 
 NONE = {"gloo": (True, "built in"), "nccl": (False, "no CUDA"), "ccl": (False, "no bindings"),

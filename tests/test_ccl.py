@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ddplab import backend, ccl
 from ddplab.bench import OP_NAMES
 from ddplab.ccl import build
-from ddplab.launch import LaunchEnv
+from ddplab.launchers.detect import LaunchEnv
 from tests import ccl_workers, dist_workers
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs
 from tests.test_distributed import reference, spawn

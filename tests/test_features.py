@@ -15,7 +15,7 @@ from torch import nn
 
 from ddplab import backend, data, loop, models, optim
 from ddplab.config import DataConfig, DistConfig, ModelConfig, OptimConfig
-from ddplab.launch import LaunchEnv
+from ddplab.launchers.detect import LaunchEnv
 
 CPU = torch.device("cpu")
 

@@ -4,7 +4,7 @@ and Kubeflow's env references)."""
 
 import pytest
 
-from ddplab.launch import LaunchEnv, LaunchError
+from ddplab.launchers.detect import LaunchEnv, LaunchError
 
 TORCHRUN_CHILD = {  # what torchrun 2.x sets for its 2nd worker of node 1 in a 2x2 job
     "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -59,7 +59,7 @@ def test_launcher_table(env, expected):
     ("node1", "node1"), ("node1,node2", "node1"), ("node[07-09,12],gpu1", "node07"),
     ("rack[1-2]-n[01-04]", "rack1-n01"), ("c[3,5-9]x,d1", "c3x")])
 def test_first_host_of_a_slurm_hostlist(nodelist, first):
-    from ddplab.launch import first_host
+    from ddplab.launchers.detect import first_host
 
     assert first_host(nodelist) == first
 

@@ -7,8 +7,8 @@ import socket
 import pytest
 
 from ddplab.doctor import ssh_options
-from ddplab.launch import LaunchError
-from ddplab.mpi import (
+from ddplab.launchers.detect import LaunchError
+from ddplab.launchers.mpi import (
     main,
     mpirun_argv,
     operator_keys,
@@ -16,7 +16,7 @@ from ddplab.mpi import (
     peer_network,
     read_hostfile,
 )
-from ddplab.rendezvous import local_addresses
+from ddplab.launchers.rendezvous import local_addresses
 
 OPERATOR_HOSTFILE = ("ddplab-mpi-worker-0.ddplab-mpi-worker.ddplab.svc slots=2\n"
                      "ddplab-mpi-worker-1.ddplab-mpi-worker.ddplab.svc slots=2\n")

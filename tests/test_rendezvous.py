@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from ddplab.launch import LaunchError
-from ddplab.rendezvous import (
+from ddplab.launchers.detect import LaunchError
+from ddplab.launchers.rendezvous import (
     Plan,
     interface_env,
     netem_command,
@@ -85,7 +85,7 @@ def test_torchrun_command_line():
 def test_link_shaping_failures_say_what_is_missing(monkeypatch):
     import subprocess
 
-    from ddplab import rendezvous
+    from ddplab.launchers import rendezvous
 
     def fake_tc(cmd, **kw):
         return subprocess.CompletedProcess(cmd, 2, "", "Error: Specified qdisc kind is unknown.")

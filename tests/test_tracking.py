@@ -64,7 +64,7 @@ def test_null_tracker_writes_nothing_anywhere(tmp_path, monkeypatch):
 
 
 def test_a_disabled_tracker_is_the_null_one_on_every_rank(tmp_path, monkeypatch):
-    from ddplab.launch import LaunchEnv
+    from ddplab.launchers.detect import LaunchEnv
     from ddplab.tracking import open_tracker
 
     monkeypatch.chdir(tmp_path)

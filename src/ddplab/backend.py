@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .config import DistConfig
-from .launch import LaunchEnv
+from .launchers import LaunchEnv
 
 T = TypeVar("T")
 

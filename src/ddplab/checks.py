@@ -15,7 +15,7 @@ from typing import Any
 
 from . import data, models, textdata, userparts
 from .config import ConfigError, ExperimentConfig, is_import_path
-from .launch import LaunchEnv
+from .launchers import LaunchEnv
 from .tracking import resolve_uri, uri_problem
 from .userparts import Parts
 

@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "e.g. checkpoints/quickstart")
     ex.add_argument("out", help="where to write it, e.g. model.pt")
     from .bench import parser as bench_parser
-    from .mpi import parser as mpi_parser
-    from .rendezvous import parser as launch_parser
+    from .launchers.mpi import parser as mpi_parser
+    from .launchers.rendezvous import parser as launch_parser
 
     bench_parser(sub)
     launch_parser(sub)
@@ -201,7 +201,7 @@ def _study(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .backend import BackendError, Rank0Error
     from .bench.run import BenchError, collectives
-    from .launch import LaunchError
+    from .launchers import LaunchError
     from .tracking import TrackingError
 
     try:
@@ -215,8 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from . import mpi, rendezvous
-    from .launch import LaunchError
+    from .launchers import LaunchError, mpi, rendezvous
 
     try:
         return mpi.main(args) if args.command == "mpi" else rendezvous.launch(args)
@@ -229,7 +228,7 @@ def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
     from .backend import BackendError, Rank0Error
     from .checkpoint import CheckpointError
     from .data import DataError
-    from .launch import LaunchError
+    from .launchers import LaunchError
     from .run import Terminated, train
     from .tracking import TrackingError
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .config import ExperimentConfig, load
-from .launch import LaunchEnv, LaunchError
+from .launchers import LaunchEnv, LaunchError
 
 SHM_MIN_BYTES = 256 * 2**20
 
@@ -48,7 +48,7 @@ def ssh_hosts(env: Mapping[str, str]) -> list[str]:
     hostfile = Path(env.get("OMPI_MCA_orte_default_hostfile") or "/etc/mpi/hostfile")
     if not hostfile.is_file():
         return []
-    from .mpi import read_hostfile
+    from .launchers.mpi import read_hostfile
 
     return [host for host, _ in read_hostfile(hostfile)]
 
@@ -59,7 +59,7 @@ def ssh_options(hosts: list[str], env: Mapping[str, str]) -> list[str]:
     import shlex
 
     if env.get("DDPLAB_SSH_AUTH"):
-        from .mpi import operator_ssh_options
+        from .launchers.mpi import operator_ssh_options
 
         return operator_ssh_options(Path(env["DDPLAB_SSH_AUTH"]), hosts,
                                     int(env.get("DDPLAB_SSH_PORT", "2222")), env)

@@ -25,7 +25,7 @@ import torch
 from . import backend, checkpoint, checks, config, tracking
 from .fit import finish, fit
 from .job import build, record_start
-from .launch import LaunchEnv
+from .launchers import LaunchEnv
 from .profiling import profiling
 from .report import Console
 

@@ -90,7 +90,7 @@ def usable_backends(plan: Plan, explicit: bool) -> list[str]:
 
 def collectives(a: argparse.Namespace) -> int:
     from .. import backend
-    from ..launch import LaunchEnv
+    from ..launchers import LaunchEnv
 
     plan = plan_from(a)
     if not a.no_tracking:  # a bad URI is one line before any process group, as for train

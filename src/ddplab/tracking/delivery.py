@@ -33,7 +33,7 @@ from . import spool
 
 if TYPE_CHECKING:  # annotations only: this process must not import torch (backend, tracker)
     from ..config import TrackingConfig
-    from ..launch import LaunchEnv
+    from ..launchers import LaunchEnv
     from .tracker import RunRef
 
 # The client fails fast and this process retries on its own schedule: MLflow's defaults

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..launch import LaunchEnv
+from ..launchers import LaunchEnv
 from . import spool
 from .delivery import start_delivery
 from .tracker import MlflowTracker, NullTracker, open_tracker

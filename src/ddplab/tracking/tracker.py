@@ -12,7 +12,7 @@ from typing import Any
 
 from ..backend import share_from_rank0
 from ..config import TrackingConfig
-from ..launch import LaunchEnv
+from ..launchers import LaunchEnv
 from . import spool
 from .store import (
     TrackingError,

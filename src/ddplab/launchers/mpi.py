@@ -49,8 +49,8 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from .credentials import CREDENTIALS
-from .launch import LaunchError
+from ..credentials import CREDENTIALS
+from .detect import LaunchError
 from .rendezvous import from_env, local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
 
 # What ranks on the workers need from the launcher's environment (ssh sessions start clean).

@@ -1,0 +1,12 @@
+"""How ranks start, on every target.
+
+    detect      LaunchEnv: this process's rank layout, read from whichever launcher started it
+                (torchrun, mpirun, srun, a PyTorchJob's operator, or none)
+    rendezvous  ``ddplab launch``: one node of a multi-node job (compose, bare machines) finds
+                its peers and runs torchrun
+    mpi         ``ddplab mpi worker/launch``: Open MPI over ssh between containers or pods
+"""
+
+from .detect import LaunchEnv, LaunchError
+
+__all__ = ["LaunchEnv", "LaunchError"]
