@@ -3,7 +3,7 @@ config -> launch environment -> checks -> process group -> resume -> tracked run
 (data, model, state) -> record -> fit (the epoch loop, profiled when asked) -> finish
 (checkpoint, summary).
 
-Launched as (any launcher; the rank layout comes from launch.py):
+Launched as (any launcher; the rank layout comes from launchers/detect.py):
     ddplab train experiments/quickstart.yaml                                  # one process
     torchrun --standalone --nproc-per-node 2 -m ddplab train experiments/quickstart.yaml
     torchrun --nnodes 2 --node-rank K --rdzv-backend c10d --rdzv-endpoint node0:29400 \\
