@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddplab.report import RunStats
 from ddplab.study import report
+from ddplab.summary import RunStats
 from ddplab.tracking import spool
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import checkpoint, loop, models, strategy
 from .job import Job
-from .report import CpuUse
+from .summary import CpuUse
 
 
 def fit(job: Job) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import capsule, checkpoint, config, data, loop, losses, models, optim, strategy
 from .backend import Layout
 from .profiling import NoProfile
-from .report import Console, RunStats
+from .summary import Console, RunStats
 from .tracking import NullTracker
 from .userparts import Parts
 

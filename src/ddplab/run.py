@@ -27,7 +27,7 @@ from .fit import finish, fit
 from .job import build, record_start
 from .launchers import LaunchEnv
 from .profiling import profiling
-from .report import Console
+from .summary import Console
 
 
 class Terminated(Exception):
