@@ -37,6 +37,7 @@ is what ``launch`` builds, with the addresses it found.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import shutil
@@ -44,12 +45,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..credentials import CREDENTIALS
+from ..poll import poll
 from .detect import LaunchError
 from .rendezvous import from_env, local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
 
@@ -224,8 +225,7 @@ def worker(a: argparse.Namespace) -> int:
     shutil.copyfile(host_key.with_suffix(".pub"), tmp)
     os.replace(tmp, job / "hosts" / f"{me}.pub")
     say(f"worker {me}: sshd on port {a.ssh_port} for job {nonce}; host key published")
-    while sshd.poll() is None and not (job / "done").exists():
-        time.sleep(1)
+    poll(lambda: sshd.poll() is not None or (job / "done").exists(), math.inf)
     if sshd.poll() is None:
         sshd.terminate()
         sshd.wait(timeout=30)

@@ -24,10 +24,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..poll import poll
 from .detect import LaunchError
 
 IFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "FI_TCP_IFACE", "CCL_KVS_IFACE")
@@ -106,14 +106,10 @@ def wait_for(check: Callable[[], object], timeout_s: float, what: Callable[[], s
              interval_s: float = 1.0) -> object:
     """Poll ``check`` until it returns something truthy; a clear error after ``timeout_s``
     (``what`` describes the state at that moment)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for {what()}")
-        time.sleep(interval_s)
+    result = poll(check, timeout_s, interval_s)
+    if not result:
+        raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for {what()}")
+    return result
 
 
 def wait_for_peers(name: str, nnodes: int, timeout_s: float) -> list[str]:

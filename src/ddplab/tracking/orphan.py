@@ -16,7 +16,8 @@ import argparse
 import signal
 import subprocess
 import sys
-import time
+
+from ..poll import poll
 
 GRACE_S = 20.0
 """How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
@@ -54,13 +55,10 @@ def end_orphan(uri: str, run_id: str, why: str, grace_s: float = GRACE_S) -> boo
 
     try:
         client = MlflowClient(uri)
-        deadline = time.monotonic() + grace_s
-        while client.get_run(run_id).info.status == "RUNNING":
-            if time.monotonic() >= deadline:
-                client.set_tag(run_id, "ddplab.error", f"global rank 0 lost; this rank saw: {why}")
-                client.set_terminated(run_id, "FAILED")
-                return True
-            time.sleep(1.0)
+        if not poll(lambda: client.get_run(run_id).info.status != "RUNNING", grace_s):
+            client.set_tag(run_id, "ddplab.error", f"global rank 0 lost; this rank saw: {why}")
+            client.set_terminated(run_id, "FAILED")
+            return True
     except Exception as e:  # noqa: BLE001 - best effort on the way out; never mask the failure
         import warnings
 

@@ -13,6 +13,7 @@ from typing import Any
 from ..backend import share_from_rank0
 from ..config import TrackingConfig
 from ..launchers import LaunchEnv
+from ..poll import poll
 from . import spool
 from .store import (
     TrackingError,
@@ -182,14 +183,15 @@ def experiment_id(client: Any, name: str) -> str:
 def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
                       resume_run_id: str, spool_root: Path, run_name: str = "") -> MlflowTracker:
     uri = resolve_uri(cfg)
-    problem = check_reachable(uri)
-    deadline = time.monotonic() + cfg.wait_s
-    while problem and time.monotonic() < deadline:
-        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-        problem = check_reachable(uri)
-    if problem:
+    problem: list[str | None] = [None]
+
+    def answers() -> bool:
+        problem[0] = check_reachable(uri)
+        return problem[0] is None
+
+    if not poll(answers, cfg.wait_s, 2.0):
         waited = f" after waiting {cfg.wait_s:.0f}s (tracking.wait_s)" if cfg.wait_s else ""
-        raise TrackingError(f"{problem}{waited}. Start it, fix MLFLOW_TRACKING_URI, or set "
+        raise TrackingError(f"{problem[0]}{waited}. Start it, fix MLFLOW_TRACKING_URI, or set "
                             "tracking.enabled=false")
     client = open_client(uri)
     run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID", "")
