@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 from . import __version__
+from .log import logger
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 
@@ -82,13 +83,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _rank_prefix() -> str:
-    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if name in os.environ and os.environ.get("WORLD_SIZE", "2") != "1":
-            return f"[rank {os.environ[name]}] "
-    return ""
-
-
 def entry() -> None:
     """The ``ddplab`` program and ``python -m ddplab`` (what torchrun runs).
 
@@ -141,10 +135,10 @@ def run(args: argparse.Namespace) -> int:
         from_files()  # before any launcher copies the environment to the ranks
         return HANDLERS[args.command](args)
     except ConfigError as e:
-        print(f"ddplab: error: {e}", file=sys.stderr)
+        logger().error(e)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"{_rank_prefix()}ddplab: interrupted", file=sys.stderr)
+        logger().warning("interrupted")
         return 130
 
 
@@ -169,7 +163,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     try:
         print(export(args.source, args.out))
     except CheckpointError as e:
-        print(f"ddplab checkpoint: error: {e}", file=sys.stderr)
+        logger("checkpoint").error(e)
         return EXIT_ERROR
     return 0
 
@@ -194,7 +188,7 @@ def _study(args: argparse.Namespace) -> int:
 
         return reproduce(args.run_id, args.strict)
     except TrackingError as e:
-        print(f"ddplab {args.command}: error: {e}", file=sys.stderr)
+        logger(args.command).error(e)
         return EXIT_ERROR
 
 
@@ -207,10 +201,10 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         return collectives(args)
     except (BenchError, LaunchError) as e:
-        print(f"{_rank_prefix()}ddplab bench: error: {e}", file=sys.stderr)
+        logger("bench").error(e)
         return EXIT_USAGE
     except (BackendError, TrackingError, Rank0Error) as e:
-        print(f"{_rank_prefix()}ddplab bench: error: {e}", file=sys.stderr)
+        logger("bench").error(e)
         return EXIT_ERROR
 
 
@@ -220,7 +214,7 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         return mpi.main(args) if args.command == "mpi" else rendezvous.launch(args)
     except (LaunchError, OSError, subprocess.CalledProcessError) as e:
-        print(f"ddplab {args.command}: error: {e}", file=sys.stderr)
+        logger(args.command).error(e)
         return EXIT_ERROR
 
 
@@ -242,11 +236,11 @@ def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
         return 0
     except (ConfigError, LaunchError) as e:
         # Bad input, found before any process group or run exists: exit 2, like argparse.
-        print(f"{_rank_prefix()}ddplab: error: {e}", file=sys.stderr)
+        logger().error(e)
         return EXIT_USAGE
     except expected as e:
         # Known failures get one line, not a traceback (the run, if any, records the traceback).
-        print(f"{_rank_prefix()}ddplab: error: {e}", file=sys.stderr)
+        logger().error(e)
         _tell_torchrun(e)
         return EXIT_ERROR
 

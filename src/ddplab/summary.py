@@ -5,11 +5,11 @@ Rank 0 prints; other ranks hold a silent Console, so no caller asks ``if rank ==
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .log import logger
 from .loop import percentile
 
 
@@ -21,7 +21,7 @@ class Console:
 
     def say(self, text: str) -> None:
         if self.active:
-            print(f"[ddplab] {text}", file=sys.stderr, flush=True)
+            logger().info(text)
 
     def save_summary(self, text: str) -> None:
         if self.active and self.summary_out:

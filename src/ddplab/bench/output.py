@@ -7,11 +7,11 @@ from __future__ import annotations
 import csv
 import io
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..log import logger
 from .collectives import Result
 
 Matrix = dict[tuple[str, str], dict[str, str]]
@@ -135,7 +135,7 @@ class Report(Silent):
             client.log_batch(self.run_id, params=_params(params))
 
     def say(self, text: str) -> None:
-        print(f"[ddplab bench] {text}", file=sys.stderr, flush=True)
+        logger("bench").info(text)
 
     def finish(self, results: list[Result], matrix: Matrix, ops: list[str], status: str) -> None:
         print("\n" + table(results), flush=True)

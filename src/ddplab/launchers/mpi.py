@@ -44,12 +44,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..credentials import CREDENTIALS
+from ..log import logger
 from ..poll import poll
 from .detect import LaunchError
 from .rendezvous import from_env, local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
@@ -80,7 +80,7 @@ LogLevel ERROR
 
 
 def say(text: str) -> None:
-    print(f"[ddplab mpi] {text}", file=sys.stderr, flush=True)
+    logger("mpi").info(text)
 
 
 def keygen(path: Path, comment: str) -> None:

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..log import logger
 from ..poll import poll
 from .detect import LaunchError
 
@@ -193,7 +194,7 @@ def launch(a: argparse.Namespace) -> int:
     a.train_args = train_args(a.train_args)
     if a.nnodes < 1 or a.nproc_per_node < 1:
         raise LaunchError(f"--nnodes {a.nnodes} / --nproc-per-node {a.nproc_per_node}: must be >= 1")
-    say = lambda text: print(f"[ddplab launch] {text}", file=sys.stderr, flush=True)  # noqa: E731
+    say = logger("launch").info
     say(f"waiting for {a.nnodes} node(s) named '{a.peers}' (at most {a.wait_timeout:.0f}s)")
     p = plan(wait_for_peers(a.peers, a.nnodes, a.wait_timeout), local_addresses())
     os.environ.update(interface_env(p.iface, os.environ))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..log import logger
 
 RTOL = 1e-4
 COMPARED = ("train/loss", "eval/loss", "eval/accuracy")
@@ -131,13 +132,12 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
         run = client.get_run(run_id)
         text = client.download_artifacts(run_id, "config.yaml", str(work))
     except MlflowException as e:
-        print(f"ddplab reproduce: error: run {run_id} in {uri}: {str(e).splitlines()[0]}",
-              file=sys.stderr)
+        logger("reproduce").error(f"run {run_id} in {uri}: {str(e).splitlines()[0]}")
         return 2
     tags = run.data.tags
     changed = _differences(tags)
     for line in changed:
-        print(f"ddplab reproduce: {'error' if strict else 'warning'}: {line}", file=sys.stderr)
+        (logger("reproduce").error if strict else logger("reproduce").warning)(line)
     if changed and strict:
         return 2
     sets = [f"tracking.uri={uri}", f"checkpoint.dir={work / 'checkpoints'}",
@@ -147,7 +147,7 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     try:
         cmd = _command(tags, Path(text), sets)
     except ConfigError as e:
-        print(f"ddplab reproduce: error: {e}", file=sys.stderr)
+        logger("reproduce").error(e)
         return 2
     new = client.create_run(run.info.experiment_id,
                             run_name=f"reproduce {run.info.run_name or run_id[:8]}",
@@ -158,7 +158,7 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     search = tags.get("ddplab.user.search_path", "none")
     if search != "none":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (search, env.get("PYTHONPATH", "")) if p)
-    print(f"reproducing {run_id} as {new}: {' '.join(cmd)}", file=sys.stderr)
+    logger("reproduce").info(f"reproducing {run_id} as {new}: {' '.join(cmd)}")
     code = subprocess.run(cmd, env=env, check=False).returncode
     if client.get_run(new).info.status == "RUNNING":
         client.set_terminated(new, "FAILED")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..launchers import LaunchEnv
+from ..log import logger
 from . import spool
 from .delivery import start_delivery
 from .tracker import MlflowTracker, NullTracker, open_tracker
@@ -94,11 +94,11 @@ def _say_left(left: int, uri: str, directory: Path) -> None:
     except (OSError, ValueError):
         last = ""
     if left > refused:
-        print(f"ddplab: warning: the tracking server {uri} did not take {left - refused} records "
-              f"within tracking.delivery_timeout_s{f' (last: {last})' if last else ''}; they are "
-              f"kept in {directory}: deliver them with `ddplab sync {run_dir}`",
-              file=sys.stderr, flush=True)
+        logger().warning(
+            f"the tracking server {uri} did not take {left - refused} records within "
+            f"tracking.delivery_timeout_s{f' (last: {last})' if last else ''}; they are kept in "
+            f"{directory}: deliver them with `ddplab sync {run_dir}`")
     if refused:
-        print(f"ddplab: warning: the tracking server refused {refused} records as invalid; they "
-              f"are kept with its reasons in {directory / spool.REJECTED} (`ddplab sync "
-              f"{run_dir}` lists them)", file=sys.stderr, flush=True)
+        logger().warning(
+            f"the tracking server refused {refused} records as invalid; they are kept with its "
+            f"reasons in {directory / spool.REJECTED} (`ddplab sync {run_dir}` lists them)")

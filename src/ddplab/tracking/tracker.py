@@ -4,7 +4,6 @@ NullTracker; creating the run, or attaching to a resumed or given one, and telli
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 from ..backend import share_from_rank0
 from ..config import TrackingConfig
 from ..launchers import LaunchEnv
+from ..log import logger
 from ..poll import poll
 from . import spool
 from .store import (
@@ -137,12 +137,11 @@ class MlflowTracker(NullTracker):
             self.client.set_tag(self.run_id, "ddplab.error", (f"{first}; " if first else "") + why)
             self.client.set_terminated(self.run_id, "FAILED" if status == "FINISHED" else status)
         except Exception as sent:  # noqa: BLE001 - nothing else can end it: say so, once
-            print(f"ddplab: error: run {self.run_id} could not be ended ({why}; the server: "
-                  f"{type(sent).__name__}: {str(sent)[:200]}); end it with `mlflow runs` or the "
-                  "UI", file=sys.stderr, flush=True)
+            logger().error(f"run {self.run_id} could not be ended ({why}; the server: "
+                           f"{type(sent).__name__}: {str(sent)[:200]}); end it with `mlflow runs` "
+                           "or the UI")
             return
-        print(f"ddplab: error: {why}; run {self.run_id} ended FAILED directly", file=sys.stderr,
-              flush=True)
+        logger().error(f"{why}; run {self.run_id} ended FAILED directly")
 
 
 def _delete_artifact(artifact_uri: str, path: str) -> None:

@@ -1,0 +1,34 @@
+"""Unit: ddplab's logger keeps the console format, names the rank, and lets only rank 0 print
+progress."""
+
+import pytest
+
+from ddplab.log import logger
+
+
+@pytest.mark.parametrize("env, progress, error", [
+    ({}, "[ddplab] epoch 1", "ddplab: error: bad"),
+    ({"RANK": "0", "WORLD_SIZE": "4"}, "[ddplab] epoch 1", "[rank 0] ddplab: error: bad"),
+    ({"RANK": "3", "WORLD_SIZE": "4"}, None, "[rank 3] ddplab: error: bad"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, None, "[rank 1] ddplab: error: bad"),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "[ddplab] epoch 1", "ddplab: error: bad"),
+])
+def test_progress_from_rank_0_only_and_errors_from_every_rank_named(monkeypatch, capsys, env,
+                                                                      progress, error):
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    logger().info("epoch 1")
+    logger().error("bad")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ([progress] if progress else []) + [error]
+
+
+def test_each_part_and_level_keeps_its_prefix(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    logger("mpi").info("workers up")
+    logger("bench").error("no backend")
+    logger().warning("records left")
+    assert capsys.readouterr().err.splitlines() == [
+        "[ddplab mpi] workers up", "ddplab bench: error: no backend", "ddplab: warning: records left"]
