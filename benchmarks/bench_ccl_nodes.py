@@ -24,6 +24,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import results as results_page  # benchmarks/ is this script's directory
+
 REPO = Path(__file__).resolve().parents[1]
 SET = "data.train_samples=2048 train.epochs=2 checkpoint.resume=never"
 
@@ -92,26 +94,40 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--deadline", type=float, default=600, help="seconds before a run counts as hung")
     p.add_argument("--no-gloo", action="store_true", help="ccl runs only (no ratio)")
+    p.add_argument("--no-page", action="store_true",
+                   help="print only; do not write docs/results/ccl-nodes.md")
     a = p.parse_args()
     done: list[dict] = []
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     for rep in range(a.reps):
         for backend in ("ccl",) if a.no_gloo else ("ccl", "gloo"):
             r = one_job(backend, a.nnodes, a.nproc, a.deadline)
             done.append(r)
-            print(f"rep {rep + 1}/{a.reps} {backend:4s}: {r['status']:8s} ran on {r.get('ran_on', '-')}, "
-                  f"world size {r.get('world_size', '-')}, {r['wall_s']:.0f} s, "
-                  f"{r.get('samples_per_s', float('nan')):.0f} samples/s", flush=True)
+            say(f"rep {rep + 1}/{a.reps} {backend:4s}: {r['status']:8s} ran on {r.get('ran_on', '-')}, "
+                f"world size {r.get('world_size', '-')}, {r['wall_s']:.0f} s, "
+                f"{r.get('samples_per_s', float('nan')):.0f} samples/s")
     ccl = [r for r in done if r["backend"] == "ccl"]
     ok = [r for r in ccl if r["status"] == "FINISHED" and r.get("ran_on") == "ccl"]
-    print(f"\n{a.nnodes} nodes x {a.nproc} ranks on ccl: {len(ok)}/{len(ccl)} FINISHED on ccl, "
-          f"{sum(r['status'] == 'HUNG' for r in ccl)} hung (deadline {a.deadline:.0f} s)")
+    say("")
+    say(f"{a.nnodes} nodes x {a.nproc} ranks on ccl: {len(ok)}/{len(ccl)} FINISHED on ccl, "
+        f"{sum(r['status'] == 'HUNG' for r in ccl)} hung (deadline {a.deadline:.0f} s)")
     gloo = [r["samples_per_s"] for r in done if r["backend"] == "gloo" and r["status"] == "FINISHED"]
     if ok and gloo:
         ratio = statistics.median(r["samples_per_s"] for r in ok) / statistics.median(gloo)
-        print(f"median steady throughput ccl/gloo: {ratio:.2f}x "
-              f"(ccl {statistics.median(r['samples_per_s'] for r in ok):.0f}, "
-              f"gloo {statistics.median(gloo):.0f} samples/s)")
-
+        say(f"median steady throughput ccl/gloo: {ratio:.2f}x "
+            f"(ccl {statistics.median(r['samples_per_s'] for r in ok):.0f}, "
+            f"gloo {statistics.median(gloo):.0f} samples/s)")
+    if not a.no_page:
+        results_page.write("ccl-nodes", f"ccl on {a.nnodes} nodes x {a.nproc} ranks (compose, as typed)",
+                           f"`docker compose -f compose/multinode.yml up` with NNODES={a.nnodes} "
+                           f"NPROC_PER_NODE={a.nproc} and DDPLAB_SET=\"dist.backend=<b> {SET}\", rep "
+                           "after rep; a run not ended within the deadline counts as hung. All "
+                           "nodes share this machine's cores.\n\n```\n" + "\n".join(lines) + "\n```")
 
 if __name__ == "__main__":
     main()

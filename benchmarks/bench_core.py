@@ -36,7 +36,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from local_nodes import run_nodes  # noqa: E402 - benchmarks/ is this script's directory
+import results as results_page  # benchmarks/ is this script's directory
+from local_nodes import run_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,12 +95,12 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return statistics.median(r), lo, hi
 
 
-def ratio(name: str, a: list[float], b: list[float], target: str = "") -> None:
+def ratio(name: str, a: list[float], b: list[float], target: str = "") -> str:
     lo, hi = interval(a, b)
     mid, plo, phi = paired(a, b)
-    print(f"  {name:38s} {statistics.median(a) / statistics.median(b):.3f} [{lo:.3f}-{hi:.3f}]"
-          f"  paired {mid:.3f} [{plo:.3f}-{phi:.3f}]"
-          f"{'  (target ' + target + ')' if target else ''}")
+    return (f"  {name:38s} {statistics.median(a) / statistics.median(b):.3f} [{lo:.3f}-{hi:.3f}]"
+            f"  paired {mid:.3f} [{plo:.3f}-{phi:.3f}]"
+            f"{'  (target ' + target + ')' if target else ''}")
 
 
 ON, OFF, BARE = "ddplab tracking on, 2r x 1t", "ddplab tracking off, 2r x 1t", "bare DDP loop, 2r x 1t"
@@ -149,11 +150,11 @@ def run_interleaved(variants: dict[str, Callable[[], float]], reps: int) -> dict
     return results
 
 
-def report(results: dict[str, list[float]]) -> None:
-    print("\nmedian samples/s (last epoch, wall clock):")
+def report(results: dict[str, list[float]]) -> list[str]:
+    lines = ["median samples/s (last epoch, wall clock):"]
     for k, v in results.items():
-        print(f"  {k:30s} {statistics.median(v):8.1f}   (runs: {', '.join(f'{x:.0f}' for x in v)})")
-    print("\nratios (of the medians [95% interval], and paired: the median per-rep ratio):")
+        lines.append(f"  {k:30s} {statistics.median(v):8.1f}   (runs: {', '.join(f'{x:.0f}' for x in v)})")
+    lines += ["", "ratios (of the medians [95% interval], and paired: the median per-rep ratio):"]
     pairs = [("ddplab / bare loop (tracking on)", ON, BARE, ">= 0.99"),
              ("ddplab / bare loop (tracking off)", OFF, BARE, ">= 0.99"),
              ("tracking on / off", ON, OFF, ">= 0.99"),
@@ -165,15 +166,16 @@ def report(results: dict[str, list[float]]) -> None:
              ("2 nodes x 2 ranks / 1 node x 2, ccl", NODES_CCL, CCL, "")]
     for name, a, b, target in pairs:
         if a in results and b in results:
-            ratio(name, results[a], results[b], target)
+            lines.append(ratio(name, results[a], results[b], target))
     if CPU["job_cpu_s"]:
         share = statistics.median(CPU["tracking_cpu_share"])
         steady = statistics.median(CPU["tracking_cpu_share_steady"])
-        print(f"\ntracking's CPU time / the job's (all ranks, the delivery process; noise-free): "
-              f"{100 * share:.2f}% in all, {100 * steady:.2f}% after start-up (target < 1%); "
-              f"start-up {statistics.median(CPU['tracking_startup_cpu_s']):.2f} CPU-s of a "
-              f"{statistics.median(CPU['job_cpu_s']):.1f} CPU-s job "
-              f"(medians of {len(CPU['job_cpu_s'])} runs)")
+        lines += ["", f"tracking's CPU time / the job's (all ranks, the delivery process; noise-free): "
+                  f"{100 * share:.2f}% in all, {100 * steady:.2f}% after start-up (target < 1%); "
+                  f"start-up {statistics.median(CPU['tracking_startup_cpu_s']):.2f} CPU-s of a "
+                  f"{statistics.median(CPU['job_cpu_s']):.1f} CPU-s job "
+                  f"(medians of {len(CPU['job_cpu_s'])} runs)"]
+    return lines
 
 
 def main() -> None:
@@ -183,11 +185,19 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--only", choices=sorted(ONLY), default="all",
                    help="which comparison to spend the reps on (default: all)")
+    p.add_argument("--no-page", action="store_true",
+                   help="print only; do not write docs/results/bench-core-<only>.md")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "BENCH_DIR": tmp, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db"}
         results = run_interleaved(make_variants(a, env), a.reps)
-    report(results)
+    lines = report(results)
+    print("\n" + "\n".join(lines))
+    if not a.no_page:
+        results_page.write(f"bench-core-{a.only}", f"make bench (--only {a.only})",
+                           "Throughput of the quickstart CNN on synthetic data, variants interleaved "
+                           f"({a.reps} reps, {a.samples} samples x {a.epochs} epochs each):\n\n"
+                           "```\n" + "\n".join(lines) + "\n```")
 
 
 if __name__ == "__main__":

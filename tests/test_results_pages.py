@@ -1,0 +1,30 @@
+"""Unit: measured figures live in docs/results/ pages stamped by the benchmark that wrote them
+(date, commit, machine, command), and the docs link to pages that exist."""
+
+import re
+import sys
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import results  # noqa: E402 - the benchmarks' own helper
+
+
+def test_a_page_says_when_where_on_what_and_how_it_was_measured(tmp_path):
+    page = results.write("demo", "A demo", "| a | b |\n|---|---|\n| 1 | 2 |",
+                         argv=[str(REPO / "benchmarks" / "bench_core.py"), "--reps", "3"],
+                         folder=tmp_path)
+    text = page.read_text()
+    stamp = dict(re.findall(r"^\| (measured|commit|machine|command) \| (.+) \|$", text, re.M))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", stamp["measured"])
+    assert re.match(r"[0-9a-f]{10}", stamp["commit"])
+    assert re.match(r"\d+ cores \(", stamp["machine"])
+    assert stamp["command"] == "`python benchmarks/bench_core.py --reps 3`"
+    assert text.rstrip().endswith("| 1 | 2 |")
+
+
+def test_every_results_page_the_docs_link_to_exists():
+    linked = {m for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+              for m in re.findall(r"\(((?:docs/)?results/[\w.-]+\.md)\)", doc.read_text())}
+    missing = [m for m in linked if not (REPO / "docs" / m.removeprefix("docs/")).is_file()]
+    assert not missing, missing
