@@ -38,12 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", **overrides)
     t.add_argument("--summary-out", default="", metavar="PATH",
                    help="also write summary.json here (rank 0), e.g. for scripts and benchmarks")
+    t.set_defaults(func=lambda a: _train(a.experiment, a.overrides, a.summary_out))
     d = sub.add_parser("doctor", help="preflight checks; exits non-zero on problems")
     d.add_argument("experiment", nargs="?", help="check against this experiment's settings")
     d.add_argument("--set", dest="overrides", **overrides)
+    d.set_defaults(func=_doctor)
     c = sub.add_parser("config", help="print the fully resolved experiment config")
     c.add_argument("experiment")
     c.add_argument("--set", dest="overrides", **overrides)
+    c.set_defaults(func=_config)
     y = sub.add_parser("sync", help="deliver tracking records a job could not send (an outage)")
     y.add_argument("paths", nargs="*", default=["checkpoints"], metavar="PATH",
                    help="spools under these folders (default: ./checkpoints)")
@@ -51,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="per spool, how long to keep trying while the server does not answer")
     y.add_argument("--tracking-uri", default="", metavar="URI",
                    help="deliver to this server instead of the one each spool recorded")
+    y.set_defaults(func=_sync)
     st = sub.add_parser("study", help="run a study: a grid of jobs compared in one report")
+    st.set_defaults(func=_study)
     st_sub = st.add_subparsers(dest="study_command", required=True)
     sr = st_sub.add_parser("run", help="run every job of a study file (skips finished ones)")
     sr.add_argument("study", help="study YAML file, e.g. experiments/studies/ch09-threads-vs-processes.yaml")
@@ -62,11 +67,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="run each variant N times instead of the file's repeats (a quick look)")
     rp = sub.add_parser("report", help="rebuild a study's report from its parent run")
     rp.add_argument("parent_run_id")
+    rp.set_defaults(func=_study)
     rr = sub.add_parser("reproduce", help="re-run a recorded run and compare the results")
     rr.add_argument("run_id")
     rr.add_argument("--strict", action="store_true",
                     help="refuse when the code (git sha) or package versions differ")
+    rr.set_defaults(func=_study)
     ck = sub.add_parser("checkpoint", help="checkpoints: export one as a plain state_dict")
+    ck.set_defaults(func=_checkpoint)
     ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True)
     ex = ck_sub.add_parser("export", help="write the model's plain state_dict (any strategy, "
                                           "any world size) for use outside ddplab")
@@ -80,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     bench_parser(sub)
     launch_parser(sub)
     mpi_parser(sub)
+    # Their parsers live with their code; what runs them is chosen here.
+    sub.choices["bench"].set_defaults(func=_bench)
+    for name in ("launch", "mpi"):
+        sub.choices[name].set_defaults(func=_launch)
     return p
 
 
@@ -133,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         args.overrides = env_overrides() + args.overrides
     try:
         from_files()  # before any launcher copies the environment to the ranks
-        return HANDLERS[args.command](args)
+        return args.func(args)
     except ConfigError as e:
         logger().error(e)
         return EXIT_USAGE
@@ -257,12 +269,3 @@ def _tell_torchrun(e: BaseException) -> None:
         ErrorHandler().record_exception(e)
     except OSError:  # the summary then says <N/A>, as before; the job's own line stands
         pass
-
-
-HANDLERS = {
-    "train": lambda a: _train(a.experiment, a.overrides, a.summary_out),
-    "doctor": _doctor, "config": _config, "sync": _sync, "checkpoint": _checkpoint,
-    "study": _study, "report": _study, "reproduce": _study, "bench": _bench,
-    "launch": _launch, "mpi": _launch,
-}
-"""Each command's handler (argparse's subcommand names, _parser)."""
