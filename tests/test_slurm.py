@@ -43,7 +43,9 @@ def test_sbatch_on_two_nodes_gives_one_slurm_run_on_ddplabs_ccl(compose_factory)
     """srun with 2 tasks on each of 2 nodes, on ddplab's ccl (the layout that hung in oneCCL's
     first broadcast before ddplab told it each rank is alone on its host)."""
     c = cluster(compose_factory, BACKEND="ccl", SBATCH_ARGS="--ntasks-per-node=2 --cpus-per-task=1",
-                DDPLAB_SET=SMALL.replace("--set ", "").replace("1536", "2048"))
+                # The 2x1 tests' global batch (64 = 4 ranks x 16) on a third more data: at the
+                # quickstart's 32 per rank, 4 ranks took 32 steps and reached 0.29, below the check.
+                DDPLAB_SET=SMALL.replace("--set ", "").replace("1536", "2048") + " data.batch_size=16")
     codes = wait_exits(c, "submit", 1, time.monotonic() + 600)
     assert codes == [0], c.up_output()[-4000:]
     run = c.wait_run(finished, timeout=60)
