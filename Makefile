@@ -1,5 +1,5 @@
 # ddplab: `make help` lists every goal.
-# Variables: EXPERIMENT, NPROC, NNODES, ARGS, VENV, PYTHON; images: REGISTRY, IMAGE_TAG,
+# Variables: EXPERIMENT, NPROC, NNODES, BENCH_NODES, ARGS, VENV, PYTHON; images: REGISTRY, IMAGE_TAG,
 # WITH_ONECCL, TORCH_INDEX_URL, INTEL_INDEX_URL (see docs/containers.md).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
