@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -340,6 +341,26 @@ def test_compose_and_slurm_files_come_from_the_studys_checkout_not_the_package(t
     monkeypatch.chdir(elsewhere)
     assert checkout(SimpleNamespace(path=clone / "experiments" / "studies" / "s.yaml")) == clone
     loose = SimpleNamespace(path=elsewhere / "s.yaml")
-    assert checkout(loose) == elsewhere  # nothing above: the working directory
+    assert checkout(loose) == REPO  # nothing above either: the checkout installed in place
     monkeypatch.chdir(clone / "experiments")
     assert checkout(loose) == clone  # a study file outside, run from inside a clone
+
+
+def test_a_slurm_study_on_a_login_node_finds_its_batch_script_or_says_where_it_looked(
+        tmp_path, store):
+    """Past `which sbatch` (a stand-in sbatch on PATH: no Slurm here), the batch script is
+    looked up the way the jobs will be submitted: the checkout's, else DDPLAB_SBATCH_SCRIPT."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    path = write_study(tmp_path, baseline="s",
+                       variants=[{"name": "s", "nnodes": 2, "nproc": 1, "launcher": "slurm"}])
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = cli(["study", "run", str(path)], tmp_path, "sqlite:///x.db", **env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "need a tracking SERVER" in out.stderr  # the repository's slurm/cpu.sbatch was found
+    gone = cli(["study", "run", str(path)], tmp_path, "sqlite:///x.db",
+               DDPLAB_SBATCH_SCRIPT=str(tmp_path / "none.sbatch"), **env)
+    assert gone.returncode == 2 and "Traceback" not in gone.stderr, gone.stderr
+    assert f"no batch script at {tmp_path / 'none.sbatch'}" in gone.stderr

@@ -33,9 +33,11 @@ COMPOSE = {"compose": ("multinode.yml", "node"), "compose-mpi": ("mpi.yml", "lau
 
 def checkout(study: Study) -> Path:
     """The ddplab checkout the study belongs to (its compose/ and slurm/ folders): the nearest
-    folder above the study file, else above the working directory, that holds them. An
-    installed package carries neither, so its own location says nothing."""
-    for start in (study.path.resolve().parent, Path.cwd()):
+    folder above the study file, else above the working directory, else the checkout this
+    package was installed from in place (pip install -e), that holds them; else the working
+    directory. An installed package's own location (site-packages) holds neither."""
+    source = Path(__file__).resolve().parents[3]
+    for start in (study.path.resolve().parent, Path.cwd(), source):
         for folder in (start, *start.parents):
             if (folder / "compose" / "multinode.yml").is_file():
                 return folder
@@ -152,8 +154,8 @@ def _check_slurm(study: Study, v: Variant, uri: str) -> None:
     where = f"{study.path}: variant {v.name}: launcher slurm"
     if not shutil.which("sbatch"):
         raise ConfigError(f"{where}: sbatch is not on PATH: run the study on a Slurm login node")
-    if not sbatch_script().is_file():
-        raise ConfigError(f"{where}: no batch script at {sbatch_script()} (set "
+    if not sbatch_script(study).is_file():
+        raise ConfigError(f"{where}: no batch script at {sbatch_script(study)} (set "
                           "DDPLAB_SBATCH_SCRIPT, or run from a ddplab checkout)")
     if not uri.startswith(("http://", "https://")):
         raise ConfigError(f"{where}: the jobs run on compute nodes and need a tracking SERVER "
