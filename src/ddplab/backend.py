@@ -141,8 +141,9 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
     known to win: several ranks, each with a core for oneCCL's worker thread besides its compute
     (``cores_per_rank``, None: enough). Without one, Intel's trained at 0.79x gloo, and
     ddplab's at 0.32x on 2 nodes x 2 ranks sharing 2 cores (docs/results/ccl-nodes.md); one
-    node's 2 ranks on 2 cores still ran 1.22x gloo, but the rule stays the one that holds across
-    nodes. On several nodes every rank must run the same backend: see :func:`agree`."""
+    node's 2 ranks on 2 cores still beat gloo (docs/results/ccl-one-node.md), but the rule stays
+    the one that holds across nodes. On several nodes every rank must run the same backend:
+    see :func:`agree`."""
     table = table if table is not None else available(device_type)
     if requested == "auto":
         return _auto(device_type, table, cores_per_rank, ccl_impl, world_size)
