@@ -16,7 +16,6 @@ import argparse
 import base64
 import json
 import os
-import socket
 import statistics
 import subprocess
 import time
@@ -25,15 +24,10 @@ import uuid
 from pathlib import Path
 
 import results as results_page  # benchmarks/ is this script's directory
+from local_nodes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SET = "data.train_samples=2048 train.epochs=2 checkpoint.resume=never"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rest(base: str, path: str, body: dict, login: str) -> dict:
