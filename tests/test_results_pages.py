@@ -28,3 +28,18 @@ def test_every_results_page_the_docs_link_to_exists():
               for m in re.findall(r"\(((?:docs/)?results/[\w.-]+\.md)\)", doc.read_text())}
     missing = [m for m in linked if not (REPO / "docs" / m.removeprefix("docs/")).is_file()]
     assert not missing, missing
+
+
+def test_a_page_name_goes_to_the_checkouts_docs_results_and_a_bad_one_is_refused(tmp_path):
+    import pytest
+
+    from ddplab import pages
+    from ddplab.config import ConfigError
+
+    (tmp_path / ".git").mkdir()
+    deep = tmp_path / "experiments" / "studies"
+    deep.mkdir(parents=True)
+    assert pages.path_for("ch09", deep) == tmp_path / "docs" / "results" / "ch09.md"
+    for bad in ("", "../x", "a/b", "Upper", "-x", "x" * 81):
+        with pytest.raises(ConfigError, match="--page: got"):
+            pages.path_for(bad, deep)

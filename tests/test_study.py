@@ -7,9 +7,11 @@ import csv
 import io
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,30 @@ def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path
 
     rebuilt = cli(["report", parent.info.run_id], tmp_path, store)
     assert rebuilt.returncode == 0 and "two" in rebuilt.stdout
+    assert_results_page(tmp_path, store, parent, ok, rows)
+
+
+def assert_results_page(tmp_path: Path, store: str, parent, ok: list, rows: dict) -> None:
+    """`ddplab report --page`: the report as docs/results/<name>.md, stamped from the runs."""
+    bad = cli(["report", parent.info.run_id, "--page", "../escape"], tmp_path, store)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--page: got '../escape'" in bad.stderr
+    out = cli(["report", parent.info.run_id, "--page", "tiny-study"], tmp_path, store)
+    assert out.returncode == 0, out.stderr[-2000:]
+    page = tmp_path / "docs" / "results" / "tiny-study.md"
+    text = page.read_text()
+    stamp = dict(re.findall(r"^\| (measured|commit|machine|command) \| (.+) \|$", text, re.M))
+    assert stamp["commit"].split(" + ")[0] == ok[0].data.tags["ddplab.git_sha"][:10]
+    assert stamp["machine"] == ok[0].data.tags["ddplab.machine"]
+    assert re.match(r"\d+ cores \(", stamp["machine"])
+    first = min(c.info.start_time for c in ok) // 1000
+    assert stamp["measured"].startswith(time.strftime("%Y-%m-%d %H:%M", time.gmtime(first)))
+    assert stamp["command"].startswith("`ddplab study run ") and "study.yaml" in stamp["command"]
+    assert stamp["command"].endswith(f"ddplab report {parent.info.run_id} --page tiny-study`")
+    row = next(line for line in text.splitlines() if line.startswith("| two |"))
+    assert f"| {float(rows['two']['speedup']):.3f} |" in row
+    linked = re.findall(r"!\[[^]]*\]\((tiny-study/[\w.]+\.png)\)", text)
+    assert "tiny-study/throughput.png" in linked
+    assert all((page.parent / p).stat().st_size > 1000 for p in linked)
 
 
 def test_reproduce_says_bitwise_for_a_deterministic_run_and_differs_after_an_edit(tmp_path, store):

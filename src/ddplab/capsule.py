@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .host import cpu_model  # also read as capsule.cpu_model (doctor)
+
 ENV_PREFIXES = ("CCL_", "NCCL_", "GLOO_", "OMP_", "KMP_", "MASTER_", "FI_", "I_MPI_", "PET_",
                 "TORCHELASTIC_", "OMPI_COMM_WORLD_", "SLURM_", "PMI_", "MLFLOW_TRACKING_URI",
                 "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -47,16 +49,6 @@ def _ddplab_ccl() -> str:
 
 def launcher_env(env: os._Environ | dict[str, str] = os.environ) -> dict[str, str]:
     return {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def scheduler_tags(env: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -5,7 +5,7 @@
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
     ddplab sync [PATH ...]                        # deliver what a tracking outage left behind
     ddplab study run STUDY.yaml [--dry-run] [--fresh] [--set ...]   # a grid of jobs, one report
-    ddplab report PARENT_RUN_ID                   # a study's report, rebuilt from the store
+    ddplab report PARENT_RUN_ID [--page NAME]     # a study's report, rebuilt from the store
     ddplab reproduce RUN_ID [--strict]            # re-run a recorded run and compare
     ddplab bench collectives [--backend gloo] [--ops all_reduce] [--sizes 1M,64M]  # any launcher
     ddplab launch --nnodes 2 --peers node -- EXPERIMENT.yaml [--set ...]   # one node of many
@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="run each variant N times instead of the file's repeats (a quick look)")
     rp = sub.add_parser("report", help="rebuild a study's report from its parent run")
     rp.add_argument("parent_run_id")
+    rp.add_argument("--page", default="", metavar="NAME",
+                    help="also write it as docs/results/NAME.md (stamped: when, commit, machine, "
+                         "command) with its plots in docs/results/NAME/, for the docs to link")
     rp.set_defaults(func=_study)
     rr = sub.add_parser("reproduce", help="re-run a recorded run and compare the results")
     rr.add_argument("run_id")
@@ -195,7 +198,7 @@ def _study(args: argparse.Namespace) -> int:
             return study.run_study(args.study, args.overrides, args.fresh, args.dry_run,
                                    args.repeats)
         if args.command == "report":
-            return study.show_report(args.parent_run_id)
+            return study.show_report(args.parent_run_id, args.page)
         from .study.reproduce import reproduce
 
         return reproduce(args.run_id, args.strict)

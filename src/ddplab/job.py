@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import capsule, checkpoint, config, data, loop, losses, models, optim, strategy
+from . import capsule, checkpoint, config, data, host, loop, losses, models, optim, strategy
 from .backend import Layout
 from .profiling import NoProfile
 from .summary import Console, RunStats
@@ -158,7 +158,7 @@ def _tags(job: Job) -> dict[str, Any]:
         "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
         "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
         "ddplab.device": layout.device.type, "ddplab.hosts": ",".join(job.hosts),
-        "ddplab.rank0_host": socket.gethostname(),
+        "ddplab.rank0_host": socket.gethostname(), "ddplab.machine": host.summary(),
         "ddplab.git_sha": capsule.git_sha(), "ddplab.git_dirty": job.git_dirty,
         "ddplab.lock": capsule.lock_digest(), "ddplab.torch_build": capsule.torch_build(),
         "ddplab.image": capsule.container_image() or "none",

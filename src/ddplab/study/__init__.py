@@ -63,13 +63,16 @@ def _tracking_failure(e: BaseException) -> bool:
     return isinstance(e, (MlflowException, RequestException, ConnectionError))
 
 
-def show_report(parent_run_id: str) -> int:
+def show_report(parent_run_id: str, page_name: str = "") -> int:
+    """Rebuild the report from the store; with ``page_name`` also write it as a results page."""
     from mlflow.exceptions import MlflowException
 
+    from .. import pages
     from ..tracking import TrackingError, reachable_client, validated_uri
     from . import report as study_report
     from .runner import PARENT, make_console
 
+    page = pages.path_for(page_name) if page_name else None
     uri = validated_uri()
     client = reachable_client(uri)
     try:
@@ -81,5 +84,7 @@ def show_report(parent_run_id: str) -> int:
 
         raise ConfigError(f"run {parent_run_id} is not a study's parent run (no tag "
                           f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
-    study_report.build(client, parent_run_id, None, make_console(), uri)
+    study_report.build(client, parent_run_id, None, make_console(), uri, page)
+    if page is not None:
+        print(f"wrote {os.path.relpath(page)} (and its plots in {os.path.relpath(page.with_suffix(''))}/)")
     return 0

@@ -387,9 +387,10 @@ def results_csv(rows: list[Row]) -> str:
 
 
 def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
-          uri: str = "") -> list[Row]:
+          uri: str = "", page: Path | None = None) -> list[Row]:
     """The report of one study's parent run, logged to that run and printed (with the
-    addresses of the answer in the MLflow UI when ``uri`` is given)."""
+    addresses of the answer in the MLflow UI when ``uri`` is given), and written as the
+    results page ``page`` when given."""
     parent = client.get_run(parent_id)
     tags = parent.data.tags
     children = client.search_runs([parent.info.experiment_id],
@@ -427,6 +428,10 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
         (out / "results.csv").write_text(results_csv(rows))
         _drop_stale_plots(client, parent, {p.name for p in pngs})
         client.log_artifacts(parent_id, str(out))
+        if page is not None:
+            from . import page as results_page
+
+            results_page.write(page, parent, children, md, pngs)
     if console is not None:
         _print(rows, title, console)
         console.print(f"Verdict: {verdict.text}")

@@ -200,6 +200,14 @@ def check_variants(study: Study) -> None:
             raise ConfigError(f"{study.path}: variant {v.name}: {e}") from None
 
 
+def typed_command() -> str:
+    """The command that ran the study, as typed (with the DDPLAB_SET it read): a results page
+    made from the study names it, so the figures can be measured again."""
+    ddplab_set = os.environ.get("DDPLAB_SET", "")
+    return (f"DDPLAB_SET={shlex.quote(ddplab_set)} " if ddplab_set else "") + \
+        shlex.join(["ddplab", *sys.argv[1:]])
+
+
 def settings_digest(study: Study) -> dict[str, str]:
     """What makes a study's jobs comparable with each other: the settings and the experiment
     file (not the number of repeats, which a rerun may raise)."""
@@ -250,7 +258,7 @@ class Tracker:
             run_id = found[0].info.run_id
             self._same_settings(found[0], digest)
             self.client.update_run(run_id, status="RUNNING")
-            for k, v in digest.items():
+            for k, v in {**digest, "ddplab.study_command": typed_command()}.items():
                 self.client.set_tag(run_id, k, v)
             self._end_stale_children(run_id)
             return run_id
@@ -258,7 +266,7 @@ class Tracker:
 
         tags = {**digest, "ddplab.study": self.study.name, "ddplab.study_role": PARENT,
                 "ddplab.study_file": str(self.study.path), "ddplab.git_sha": capsule.git_sha(),
-                "ddplab.host": socket.gethostname(),
+                "ddplab.host": socket.gethostname(), "ddplab.study_command": typed_command(),
                 "mlflow.note.content": self.study.description or f"study {self.study.name}"}
         run = self.client.create_run(self.exp_id, run_name=f"study {self.study.name}", tags=tags)
         self.client.log_text(run.info.run_id, resolved, "study.yaml")
