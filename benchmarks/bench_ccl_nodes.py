@@ -13,29 +13,20 @@ ccl/gloo throughput ratio.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import statistics
 import subprocess
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import results as results_page  # benchmarks/ is this script's directory
+from compose_tracking import admin_password, rest
 from local_nodes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SET = "data.train_samples=2048 train.epochs=2 checkpoint.resume=never"
-
-
-def rest(base: str, path: str, body: dict, login: str) -> dict:
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={
-        "Content-Type": "application/json",
-        "Authorization": "Basic " + base64.b64encode(login.encode()).decode()})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def one_job(backend: str, nnodes: int, nproc: int, deadline_s: float) -> dict:
@@ -66,11 +57,8 @@ def one_job(backend: str, nnodes: int, nproc: int, deadline_s: float) -> dict:
 
 
 def finished_run(compose: list[str], env: dict[str, str], port: int) -> dict:
-    password = subprocess.run([*compose, "exec", "-T", "mlflow", "cat",
-                               "/run/ddplab-tracking/admin-password"], env=env, cwd=REPO,
-                              capture_output=True, text=True).stdout.strip()
     runs = rest(f"http://127.0.0.1:{port}", "/api/2.0/mlflow/runs/search",
-                {"experiment_ids": ["1"]}, f"admin:{password}").get("runs", [])
+                {"experiment_ids": ["1"]}, admin_password(compose, env)).get("runs", [])
     if not runs:
         return {"status": "NO RUN"}
     run = runs[0]

@@ -4,6 +4,8 @@
 
     python benchmarks/bench_compose.py [--reps 2] [--no-mpi]     (needs `make images`)
 
+Writes docs/results/compose.md (``--no-page``: print only).
+
 Prints throughput ratios (last epoch, wall clock, from each run's summary.json) and the time
 from the launch command (`docker run` / `docker compose up`) to the first training step (the
 timestamp of the run's train/time_to_first_step_s metric).
@@ -22,6 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
+import results as results_page  # benchmarks/ is this script's directory
+from compose_tracking import client_env
 from mlflow import MlflowClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +63,7 @@ def compose(tmp: str, file: str = "multinode.yml", service: str = "node") -> tup
     try:
         t0 = time.time()
         subprocess.run([*cmd, "up", service], env=env, check=True, capture_output=True)
+        os.environ.update(client_env(cmd, env))  # MLflow's client reads the login there
         client = MlflowClient(f"http://127.0.0.1:{port}")
         run = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])[0]
         assert run.info.status == "FINISHED", run.info.status
@@ -75,6 +80,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--no-mpi", action="store_true", help="skip the mpirun variant")
+    p.add_argument("--no-page", action="store_true",
+                   help="print only; do not write docs/results/compose.md")
     a = p.parse_args()
     variants = {"one container, 2 ranks": one_container, "compose torchrun, 2 x 1": compose}
     if not a.no_mpi:
@@ -91,15 +98,19 @@ def main() -> None:
     med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
            for k, v in res.items()}
     single = med["one container, 2 ranks"]
-    print("\nmedians: launch -> first step, samples/s (last epoch)")
-    for k, (first, thr) in med.items():
-        print(f"  {k:26s} {first:5.1f}s {thr:8.1f}   x{thr / single[1]:.3f} of one container")
-    print(f"\ncompose torchrun / one container: {med['compose torchrun, 2 x 1'][1] / single[1]:.3f} "
-          "(target >= 0.90)")
+    lines = [f"medians of {a.reps} interleaved reps: launch -> first step, samples/s (last epoch)"]
+    lines += [f"  {k:26s} {first:5.1f}s {thr:8.1f}   x{thr / single[1]:.3f} of one container"
+              for k, (first, thr) in med.items()]
+    lines.append(f"compose torchrun / one container: "
+                 f"{med['compose torchrun, 2 x 1'][1] / single[1]:.3f} (target >= 0.90)")
     if "compose mpirun, 2 x 1" in med:
-        print(f"mpirun / torchrun (same 2-container layout): "
-              f"{med['compose mpirun, 2 x 1'][1] / med['compose torchrun, 2 x 1'][1]:.3f}")
-
+        lines.append(f"mpirun / torchrun (same 2-container layout): "
+                     f"{med['compose mpirun, 2 x 1'][1] / med['compose torchrun, 2 x 1'][1]:.3f}")
+    print("\n" + "\n".join(lines))
+    if not a.no_page:
+        results_page.write("compose", "compose: one container vs 2 node containers",
+                           "Same image and experiment, 2 ranks in all.\n\n```\n" +
+                           "\n".join(lines) + "\n```")
 
 if __name__ == "__main__":
     sys.exit(main())

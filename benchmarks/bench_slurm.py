@@ -6,6 +6,8 @@ throughput (perf/samples_per_s).
 
     python benchmarks/bench_slurm.py --reps 3        (needs `make image-slurm image-mlflow`)
 
+Writes docs/results/slurm-vs-compose.md (``--no-page``: print only).
+
 Slurm's time counts a running cluster (the scheduler's start-up is a site's, not a job's);
 compose's counts starting the node containers (its MLflow server is up first).
 """
@@ -13,14 +15,15 @@ compose's counts starting the node containers (its MLflow server is up first).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+import results as results_page  # benchmarks/ is this script's directory
+from compose_tracking import admin_password, rest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,22 +32,17 @@ def sh(cmd: list[str], env: dict[str, str], timeout: int = 900) -> subprocess.Co
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def rest(port: int, path: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+def newest_run(p: Project) -> dict:
+    base, password = f"http://127.0.0.1:{p.port}", admin_password(p.cmd, p.env)
+    ids = [e["experiment_id"] for e in rest(base, "/api/2.0/mlflow/experiments/search",
+                                            {"max_results": 100}, password)["experiments"]]
+    return rest(base, "/api/2.0/mlflow/runs/search",
+                {"experiment_ids": ids, "order_by": ["attributes.start_time DESC"]},
+                password)["runs"][0]
 
 
-def newest_run(port: int) -> dict:
-    ids = [e["experiment_id"] for e in rest(port, "/api/2.0/mlflow/experiments/search",
-                                            {"max_results": 100})["experiments"]]
-    return rest(port, "/api/2.0/mlflow/runs/search",
-                {"experiment_ids": ids, "order_by": ["attributes.start_time DESC"]})["runs"][0]
-
-
-def first_step_and_speed(port: int, t0: float) -> tuple[float, float]:
-    run = newest_run(port)
+def first_step_and_speed(p: Project, t0: float) -> tuple[float, float]:
+    run = newest_run(p)
     if run["info"]["status"] != "FINISHED":
         sys.exit(f"the job's run ended {run['info']['status']}")
     m = {x["key"]: x for x in run["data"]["metrics"]}
@@ -84,7 +82,7 @@ def slurm_job(p: Project) -> tuple[float, float]:
               "--output=/jobs/bench-%j.out", "slurm/cpu.sbatch"], p.env)
     if out.returncode:
         sys.exit(f"sbatch failed: {out.stdout}{out.stderr}")
-    return first_step_and_speed(p.port, t0)
+    return first_step_and_speed(p, t0)
 
 
 def compose_job(p: Project) -> tuple[float, float]:
@@ -92,12 +90,14 @@ def compose_job(p: Project) -> tuple[float, float]:
     out = sh([*p.cmd, "up", "--no-deps", "--exit-code-from", "node", "node"], p.env)
     if out.returncode:
         sys.exit(f"compose up failed: {out.stdout[-2000:]}")
-    return first_step_and_speed(p.port, t0)
+    return first_step_and_speed(p, t0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-page", action="store_true",
+                    help="print only; do not write docs/results/slurm-vs-compose.md")
     a = ap.parse_args()
     slurm = Project("slurm.yml", "ddplabbenchslurm", 5091)
     compose = Project("multinode.yml", "ddplabbenchcompose", 5092)
@@ -115,10 +115,15 @@ def main() -> None:
                 first, speed = results[name][-1]
                 print(f"rep {rep + 1}/{a.reps} {name:22s} first step after {first:5.1f} s, "
                       f"{speed:7.1f} samples/s", flush=True)
-        print("\nmedians (2 nodes x 1 rank, quickstart):")
-        for name, rs in results.items():
-            print(f"  {name:22s} command -> first step {statistics.median(r[0] for r in rs):5.1f} s"
-                  f"   steady {statistics.median(r[1] for r in rs):7.1f} samples/s")
+        lines = [f"medians of {a.reps} interleaved reps (2 nodes x 1 rank, quickstart):"]
+        lines += [f"  {name:22s} command -> first step {statistics.median(r[0] for r in rs):5.1f} s"
+                  f"   steady {statistics.median(r[1] for r in rs):7.1f} samples/s"
+                  for name, rs in results.items()]
+        print("\n" + "\n".join(lines))
+        if not a.no_page:
+            results_page.write("slurm-vs-compose", "Slurm vs compose, 2 nodes x 1 rank",
+                               "Slurm's time counts a running cluster; compose's counts starting "
+                               "the node containers.\n\n```\n" + "\n".join(lines) + "\n```")
     finally:
         slurm.down()
         compose.down()

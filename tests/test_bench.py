@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import datetime
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,8 @@ def test_a_wrong_result_is_caught_not_timed():
 @pytest.mark.distributed
 def test_two_ranks_every_op_checked_one_run(tmp_path, store):
     out = ddplab(["bench", "collectives", "--backend", "gloo", "--sizes", "1K,64K",
-                  "--iters", "5", "--out", "files"], tmp_path, job_env(store, **NO_CCL), nproc=2)
+                  "--iters", "5", "--out", "files", "--page", "two"], tmp_path,
+                 job_env(store, **NO_CCL), nproc=2)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _csv(tmp_path / "files" / "results.csv")
     sized = [op for op in ALL_OPS if op != "barrier"]
@@ -96,6 +98,17 @@ def test_two_ranks_every_op_checked_one_run(tmp_path, store):
     assert sorted(m.step for m in history) == [1024, 65536]
     names = {f.path for f in client.list_artifacts(run.info.run_id)}
     assert {"results.csv", "support.csv", "support.md", "busbw.png"} <= names
+
+    # --page: the same table and matrix as a stamped results page, the plot beside it.
+    page = (tmp_path / "docs" / "results" / "two.md").read_text()
+    stamp = dict(re.findall(r"^\| (measured|commit|machine|command) \| (.+) \|$", page, re.M))
+    assert re.match(r"\d+ cores \(", stamp["machine"]) and stamp["commit"] != "unknown"
+    assert stamp["command"].startswith("`torchrun x2: ddplab bench collectives --backend gloo")
+    p50 = {(r["op"], r["size_bytes"]): float(r["p50_ms"]) for r in rows}
+    line = next(x for x in page.splitlines() if re.match(r"\s*gloo\s+cpu\s+all_reduce\s+64K\b", x))
+    assert float(line.split()[5]) == pytest.approx(p50[("all_reduce", "65536")], abs=1e-3)
+    assert "gloo/cpu" in page and "(two/busbw.png)" in page
+    assert (tmp_path / "docs" / "results" / "two" / "busbw.png").stat().st_size > 1000
 
 
 @pytest.mark.distributed
@@ -126,6 +139,7 @@ def test_the_issue_command_as_typed(tmp_path, store):
     (["--ops", "allreduce,bogus"], "--ops: 'bogus' is not one of"),
     (["--sizes", "12Q"], "--sizes: '12Q' is not a size"),
     (["--iters", "0"], "--iters: got 0"),
+    (["--page", "My Page"], "--page: got 'My Page'"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, store, args, needle):
     if "nccl" in args and torch.cuda.is_available():

@@ -7,9 +7,10 @@ from ddplab.study.verdict import judge
 
 
 def row(name: str, median: float, low: float, high: float, resources: int = 2,
-        accuracy: float = 0.95, backend: str = "gloo", runs: int = 3, failed: int = 0) -> Row:
+        accuracy: float = 0.95, backend: str = "gloo", runs: int = 3, failed: int = 0,
+        precision: str = "fp32") -> Row:
     return Row(name, runs, failed, median, low, high, None, None, accuracy, 0.1, None, 10.0,
-               resources, backend, "torchrun")
+               resources, backend, "torchrun", precision=precision)
 
 
 def with_ratios(rows: list[Row], baseline: str) -> list[Row]:
@@ -39,6 +40,15 @@ def test_four_times_at_equal_resources_raises_the_alarm():
     v = judge(rows, "base")
     assert any("efficiency 4.08 with the same resources" in w for w in v.warnings)
     assert "faster" in v.lines[0]  # the numbers say so; the warning says not to believe them
+
+
+def test_bf16_outrunning_fp32_on_the_same_cores_is_no_alarm():
+    """Other arithmetic may be faster on the same cores (bf16 units); only the same arithmetic
+    on the same cores cannot be 1.5x faster."""
+    rows = with_ratios([row("fp32", 100, 99, 101), row("bf16", 150, 149, 151, precision="bf16"),
+                        row("again", 150, 149, 151)], "fp32")
+    v = judge(rows, "fp32")
+    assert [w.split(":")[0] for w in v.warnings] == ["again"]
 
 
 def test_wide_spread_fallback_failures_and_one_epoch_are_flagged():

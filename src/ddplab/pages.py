@@ -15,6 +15,7 @@ from pathlib import Path
 from .config import ConfigError
 
 RESULTS = Path("docs") / "results"
+CODE = Path(__file__).resolve().parent  # the checkout this code runs from (its commit)
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,79}")
 
 
@@ -63,8 +64,20 @@ def path_for(name: str, start: Path | None = None) -> Path:
     return root((start or Path.cwd()).resolve()) / RESULTS / f"{name}.md"
 
 
-def write(page: Path, title: str, stamp: Stamp, body: str, written_by: str) -> Path:
-    """``page``: the title, the stamp, then ``body`` (markdown)."""
+def write(page: Path, title: str, stamp: Stamp, body: str, written_by: str,
+          images: list[Path] | tuple[Path, ...] = ()) -> Path:
+    """``page``: the title, the stamp, ``body`` (markdown), then ``images``, copied into the
+    folder named like the page (whose older PNGs go: a page shows only what it measured)."""
+    import shutil
+
+    folder = page.with_suffix("")
+    if folder.is_dir():
+        for old in folder.glob("*.png"):
+            old.unlink()
+    for image in images:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(image, folder / image.name)
+        body = body.rstrip() + f"\n\n![{image.stem}]({folder.name}/{image.name})"
     text = (f"# {title}\n\n{written_by}\n\n| | |\n|---|---|\n"
             f"| measured | {stamp.measured} |\n| commit | {stamp.commit} |\n"
             f"| machine | {stamp.machine} |\n| command | `{stamp.command}` |\n\n")

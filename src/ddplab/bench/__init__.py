@@ -40,3 +40,6 @@ def parser(sub: Any) -> None:
     c.add_argument("--experiment", default="bench-collectives", help="MLflow experiment name")
     c.add_argument("--out", default="", metavar="DIR",
                    help="also keep results.csv, support.csv, support.md, busbw.png here")
+    c.add_argument("--page", default="", metavar="NAME",
+                   help="also write the table and the support matrix as docs/results/NAME.md "
+                        "(stamped: when, commit, machine, command), busbw.png beside it")

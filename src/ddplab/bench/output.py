@@ -122,8 +122,8 @@ class Report(Silent):
     ``out`` also keeps the files on disk."""
 
     def __init__(self, client: Any, experiment: str, run_name: str, params: dict[str, Any],
-                 out: str) -> None:
-        self.client, self.out = client, out
+                 out: str, page: Path | None = None) -> None:
+        self.client, self.out, self.page, self.params = client, out, page, params
         self.run_id, self.uri, self.experiment_id = "", "", ""
         if client is not None:
             from ..tracking import experiment_id
@@ -152,8 +152,32 @@ class Report(Silent):
             plot(results, folder / "busbw.png")
             if self.client is not None:
                 self._record(results, matrix, folder, status)
+            if self.page is not None:
+                self._write_page(results, matrix, ops, folder / "busbw.png")
         if self.out:
             print(f"\nfiles in {self.out}/: " + ", ".join(sorted(os.listdir(self.out))))
+
+    def _write_page(self, results: list[Result], matrix: Matrix, ops: list[str],
+                    png: Path) -> None:
+        import shlex
+        import sys
+
+        from .. import host, pages
+
+        p = self.params
+        body = (f"{p['world_size']} ranks ({p['nnodes']} node(s), {p['launcher']}), {p['dtype']}; "
+                "p50/p95 of the slowest rank's time per call, every result checked.\n\n"
+                f"```\n{table(results)}\n```\n")
+        if matrix:
+            body += ("\nSupport matrix (this machine, this world size):\n\n"
+                     f"```\n{support_text(matrix, ops)}\n```\n")
+        stamp = pages.Stamp(pages.now(), pages.commit(pages.CODE), host.summary(),
+                            f"{p['launcher']} x{p['world_size']}: " +
+                            shlex.join(["ddplab", *sys.argv[1:]]))
+        pages.write(self.page, "Collectives: `ddplab bench collectives`", stamp, body,
+                    "Written by `ddplab bench collectives --page`; run the command again to "
+                    "replace it.", [png] if png.exists() else [])
+        print(f"\nwrote {os.path.relpath(self.page)}", flush=True)
 
     def _record(self, results: list[Result], matrix: Matrix, folder: Path, status: str) -> None:
         from mlflow.entities import Metric, RunTag

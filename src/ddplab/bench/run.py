@@ -66,6 +66,19 @@ def plan_from(a: argparse.Namespace) -> Plan:
                 a.device, a.iters, a.warmup, a.point_time)
 
 
+def _page(name: str) -> Any:
+    """Where --page writes (checked before any process group), or None."""
+    if not name:
+        return None
+    from .. import pages
+    from ..config import ConfigError
+
+    try:
+        return pages.path_for(name)
+    except ConfigError as e:
+        raise BenchError(str(e)) from None
+
+
 def usable_backends(plan: Plan, explicit: bool) -> list[str]:
     """The plan's backends that can run here; an explicitly named one that cannot is an error."""
     import torch
@@ -93,6 +106,7 @@ def collectives(a: argparse.Namespace) -> int:
     from ..launchers import LaunchEnv
 
     plan = plan_from(a)
+    a.page_path = _page(a.page)
     if not a.no_tracking:  # a bad URI is one line before any process group, as for train
         from ..tracking import validated_uri
 
@@ -134,7 +148,7 @@ def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]
                   "sizes": ",".join(str(s) for s in plan.sizes), "dtype": str(plan.dtype)[6:],
                   "device": plan.device, "iters": plan.iters, "torch": torch.__version__}
         name = f"collectives {','.join(backends)} {le.nnodes}x{le.local_world_size} {le.launcher}"
-        return Report(client, a.experiment, name, params, a.out)
+        return Report(client, a.experiment, name, params, a.out, a.page_path)
 
     made: list[Report] = []
     backend.share_from_rank0(lambda: made.append(create()) or True, le.is_rank0, le.world_size)

@@ -6,7 +6,6 @@ the study, with the report's plots beside it in docs/results/NAME/.
 from __future__ import annotations
 
 import datetime
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +49,6 @@ def stamp(parent: Any, children: list[Any], name: str) -> pages.Stamp:
 def write(page: Path, parent: Any, children: list[Any], md: str, pngs: list[Path]) -> Path:
     """``page`` and its plots (``page``'s name without .md, as a folder)."""
     title, _, body = md.partition("\n")
-    plots = page.with_suffix("")
-    if plots.is_dir():
-        for old in plots.glob("*.png"):
-            old.unlink()
-    for png in pngs:
-        plots.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(png, plots / png.name)
-    body += "".join(f"\n![{p.stem}]({plots.name}/{p.name})\n" for p in pngs)
     return pages.write(page, title.removeprefix("# "), stamp(parent, children, page.stem), body,
-                       "Written by `ddplab report --page`; run the command again to replace it.")
+                       "Written by `ddplab report --page`; run the command again to replace it.",
+                       pngs)

@@ -24,7 +24,7 @@ from .verdict import Verdict, judge
 
 COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
            "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
-           "wall_time_s", "resources", "backend", "launcher", "model_state_mb")
+           "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision")
 
 
 @dataclass
@@ -47,6 +47,9 @@ class Row:
     model_state_mb: float | None = None
     """The most model state (parameters, gradients, optimizer state) one rank held: what a
     sharding strategy saves (memory/model_state_mb_max)."""
+    precision: str = "fp32"
+    """The arithmetic the variant trained in (train.amp, or FSDP's mixed precision): a bf16
+    variant may outrun fp32 on the same cores, which a layout cannot."""
 
 
 def _median(values: list[float]) -> float | None:
@@ -100,6 +103,14 @@ def environment_warnings(children: list[Any]) -> list[str]:
     return said
 
 
+def _precision(run: Any) -> str:
+    params = run.data.params
+    for key in ("train.amp", "dist.fsdp.mixed_precision"):
+        if params.get(key, "none") != "none":
+            return params[key]
+    return "fp32"
+
+
 def latest_per_job(children: list[Any]) -> dict[str, list[Any]]:
     """Per variant, one run per repeat: the FINISHED one, else the newest attempt."""
     best: dict[tuple[str, str], Any] = {}
@@ -133,7 +144,8 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
             _resources(runs[0]), _what_ran(runs, "ddplab.backend", "ddplab.backend_requested"),
             _what_ran(runs, "ddplab.launcher"),
             _median([r.data.metrics["memory/model_state_mb_max"] for r in ok
-                     if "memory/model_state_mb_max" in r.data.metrics])))
+                     if "memory/model_state_mb_max" in r.data.metrics]),
+            _precision(runs[0])))
     base = next((r for r in rows if r.variant == baseline), None)
     for row in rows:
         if base and base.throughput_median and row.throughput_median:
@@ -401,8 +413,8 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
     if study:
         client.set_tag(parent_id, "ddplab.study_baseline", baseline)
         client.set_tag(parent_id, "ddplab.study_target", str(target))
-    rows = table(client, children, order or sorted({c.data.tags.get("ddplab.variant", "?")
-                                                    for c in children}), baseline, target)
+    # Without the study file, the variants in the order they first ran (the study's order).
+    rows = table(client, children, order or list(latest_per_job(children)), baseline, target)
     title = f"study {tags.get('ddplab.study', parent_id)}"
     single = _single_epoch(children)
     steady = ("its log intervals after the first (one epoch)" if single

@@ -16,8 +16,8 @@ SPREAD_WARN = 0.15
 """A variant whose repeats spread more than this (max - min over the median) is flagged."""
 ACCURACY_EQUAL = 0.01
 EFFICIENCY_WARN = 1.25
-"""Efficiency above this with the SAME resources as the baseline is not a layout's doing (the
-book's threads-vs-processes gap is 0.8-1.03 here): the baseline was slowed by something else."""
+"""Efficiency above this with the SAME resources and arithmetic (precision) as the baseline is not
+a layout's doing: the baseline was slowed by something else. (bf16 against fp32 may be.)"""
 
 
 @dataclass
@@ -79,7 +79,8 @@ def _warn(v: Verdict, row: Any, base: Any) -> None:
         v.warnings.append(f"{row.variant}: its repeats spread {spread:.0%} (over "
                           f"{SPREAD_WARN:.0%}): the machine was busy, or the runs too short")
     if (base is not None and row is not base and row.efficiency is not None
-            and row.resources == base.resources and row.efficiency > EFFICIENCY_WARN):
+            and row.resources == base.resources and row.precision == base.precision
+            and row.efficiency > EFFICIENCY_WARN):
         v.warnings.append(f"{row.variant}: efficiency {row.efficiency:.2f} with the same resources "
                           f"as {base.variant} ({row.resources}): more than the cores can give; "
                           "the baseline was slowed by something else (a busy machine?)")
