@@ -56,7 +56,9 @@ def one_container(tmp: str) -> tuple[float, float]:
 
 def compose(tmp: str, file: str = "multinode.yml", service: str = "node") -> tuple[float, float]:
     project, port = f"ddplabbench{uuid.uuid4().hex[:6]}", "5077"
-    env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "MLFLOW_PORT": port, "NNODES": "2",
+    # Not this shell's MLFLOW_* (a compose file would hand its store to the jobs).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")},
+           "COMPOSE_PROJECT_NAME": project, "MLFLOW_PORT": port, "NNODES": "2",
            "NPROC_PER_NODE": "1", "SLOTS": "1", "DDPLAB_SET": SET}
     cmd = ["docker", "compose", "-f", str(REPO / "compose" / file)]
     subprocess.run([*cmd, "up", "-d", "--wait", "mlflow"], env=env, check=True, capture_output=True)

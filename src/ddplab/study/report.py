@@ -226,7 +226,8 @@ def plots(client: Any, rows: list[Row], by_variant: dict[str, list[Any]], out: P
         fig, ax = plt.subplots(figsize=(7, 4))
         _ratio(ax, scaled, by_name(measured, baseline))
         save(fig, "throughput_ratio.png")
-    if any(r.model_state_mb is not None for r in measured):
+    if len({r.model_state_mb for r in measured if r.model_state_mb is not None}) > 1:
+        # (all at one model state, the chart is a column of dots: the table says it)
         fig, ax = plt.subplots(figsize=(7, 4))
         _memory(ax, [r for r in measured if r.model_state_mb is not None])
         save(fig, "memory_vs_throughput.png")
@@ -250,11 +251,24 @@ def _throughput(ax: Any, measured: list[Row]) -> None:
            yerr=[[r.throughput_median - r.throughput_min for r in measured],
                  [r.throughput_max - r.throughput_median for r in measured]], capsize=4,
            color="#4c72b0")
-    for i, r in enumerate(measured):
-        ax.annotate(_fmt(r.throughput_median), (i, r.throughput_median), ha="center",
-                    va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
+    _label_bars(ax, [r.throughput_median for r in measured],
+                [_fmt(r.throughput_median) for r in measured])
     ax.set_ylabel("samples/s (perf/samples_per_s)")
     ax.set_title(f"Throughput per variant: median of {_repeats(measured)}, bars min-max")
+
+
+def _label_bars(ax: Any, heights: list[float], texts: list[str]) -> None:
+    """Each bar's value beside its error bar (not under it); the variant names slanted when
+    they would run into each other."""
+    for i, (h, text) in enumerate(zip(heights, texts, strict=True)):
+        ax.annotate(text, (i, h), ha="left", va="bottom", xytext=(5, 2),
+                    textcoords="offset points", fontsize=8,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
+    names = [t.get_text() for t in ax.get_xticklabels()]
+    if len(names) > 5 or sum(len(n) for n in names) > 48:
+        ax.tick_params(axis="x", labelrotation=30)
+        for t in ax.get_xticklabels():
+            t.set_horizontalalignment("right")
 
 
 def _memory(ax: Any, rows: list[Row]) -> None:
@@ -300,9 +314,7 @@ def _ratio(ax: Any, scaled: list[Row], base: Row | None) -> None:
            yerr=[[span(r)[0] for r in scaled], [span(r)[1] for r in scaled]], capsize=4)
     ax.axhspan(1 - NOISE, 1 + NOISE, color="grey", alpha=0.2, label=f"within noise (±{NOISE:.0%})")
     ax.axhline(1.0, color="grey", linewidth=1)
-    for i, r in enumerate(scaled):
-        ax.annotate(f"{r.speedup:.2f}x", (i, r.speedup), ha="center", va="bottom",
-                    xytext=(0, 3), textcoords="offset points", fontsize=8)
+    _label_bars(ax, [r.speedup for r in scaled], [f"{r.speedup:.2f}x" for r in scaled])
     base_name = base.variant if base else "the baseline"
     ax.set_ylabel(f"throughput / {base_name}'s")
     ax.set_title(f"Throughput vs {base_name} at equal resources ({scaled[0].resources}); "
