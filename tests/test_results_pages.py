@@ -43,3 +43,11 @@ def test_a_page_name_goes_to_the_checkouts_docs_results_and_a_bad_one_is_refused
     for bad in ("", "../x", "a/b", "Upper", "-x", "x" * 81):
         with pytest.raises(ConfigError, match="--page: got"):
             pages.path_for(bad, deep)
+
+
+def test_every_results_page_is_linked_from_the_docs():
+    """A page nobody links to is a figure nobody finds (or one left behind)."""
+    text = "".join(doc.read_text() for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
+    orphans = [p.name for p in (REPO / "docs" / "results").glob("*.md")
+               if f"results/{p.name})" not in text]
+    assert not orphans, orphans
