@@ -286,3 +286,19 @@ def _summary_path(path: Path) -> None:
         raise ConfigError(f"--summary-out: got {str(path)!r}; a directory, give a file path such "
                           "as summary.json")
     _writable_dir(path.parent, "--summary-out", str(path))
+
+
+def for_script(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str) -> None:
+    """Script mode's checks (the script itself was found and compiled by config.load): the
+    tracking store and the folders the run writes, before any run exists."""
+    if cfg.tracking.enabled:
+        _tracking_uri(cfg.tracking.uri)
+    if not le.is_rank0:
+        return
+    if cfg.tracking.enabled:
+        _credentials(resolve_uri(cfg.tracking))
+        _run_to_attach(resolve_uri(cfg.tracking))
+    _writable_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    _really_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    if summary_out:
+        _summary_path(Path(summary_out))

@@ -1,6 +1,7 @@
 """Command line: argv -> the right command. Imports nothing heavy until a command runs.
 
     ddplab train EXPERIMENT.yaml [--set key.sub=value ...] [--summary-out summary.json]
+    ddplab train MY_TRAIN.py [--set ...] [-- SCRIPT ARGS ...]   # your own script, as it is
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
     ddplab sync [PATH ...]                        # deliver what a tracking outage left behind
@@ -34,11 +35,13 @@ def _parser() -> argparse.ArgumentParser:
     overrides = {"action": "append", "default": [], "metavar": "KEY=VALUE",
                  "help": "override a config value, e.g. --set train.epochs=3 (repeatable)"}
     t = sub.add_parser("train", help="run an experiment under any launcher (or none)")
-    t.add_argument("experiment", help="experiment YAML file, e.g. experiments/quickstart.yaml")
+    t.add_argument("experiment", help="experiment YAML file (experiments/quickstart.yaml) or "
+                   "your own training script (my_train.py; its arguments go after --)")
     t.add_argument("--set", dest="overrides", **overrides)
     t.add_argument("--summary-out", default="", metavar="PATH",
                    help="also write summary.json here (rank 0), e.g. for scripts and benchmarks")
-    t.set_defaults(func=lambda a: _train(a.experiment, a.overrides, a.summary_out))
+    t.set_defaults(func=lambda a: _train(a.experiment, a.overrides, a.summary_out,
+                                         a.script_args), script_args=[])
     d = sub.add_parser("doctor", help="preflight checks; exits non-zero on problems")
     d.add_argument("experiment", nargs="?", help="check against this experiment's settings")
     d.add_argument("--set", dest="overrides", **overrides)
@@ -109,7 +112,7 @@ def entry() -> None:
     shared memory released, and the process exits with its real code (0 finished, 1 failed,
     2 bad input, 130 interrupted).
     """
-    args = _parser().parse_args()
+    args = parse(sys.argv[1:])
     try:
         # Under torchrun, an unexpected exception lands in the rank's error file as well
         # (torch.distributed.elastic's @record), so the launcher's summary names it.
@@ -136,7 +139,27 @@ def _recorded(fn: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line ``argv`` (tests call this in-process); returns the exit code."""
-    return run(_parser().parse_args(argv))
+    return run(parse(sys.argv[1:] if argv is None else argv))
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """argv -> the command; ``ddplab train SCRIPT.py ... -- ARGS``: everything after the first
+    ``--`` is the script's, untouched (its own flags may look like ddplab's)."""
+    script_args: list[str] | None = None
+    if argv[:1] == ["train"] and "--" in argv:
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if args.command == "train" and str(args.experiment).endswith(".py"):
+            hint = (f"; a script's own arguments go after --: ddplab train {args.experiment} "
+                    f"-- {' '.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if script_args is not None:
+        args.script_args = script_args
+    return args
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,21 +256,23 @@ def _launch(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-def _train(experiment: str, overrides: list[str], summary_out: str) -> int:
+def _train(experiment: str, overrides: list[str], summary_out: str,
+           script_args: list[str] | None = None) -> int:
     from .backend import BackendError, Rank0Error
     from .checkpoint import CheckpointError
     from .data import DataError
     from .launchers import LaunchError
     from .run import Terminated, train
+    from .scriptmode import ScriptFailed
     from .tracking import TrackingError
 
     expected = (BackendError, DataError, TrackingError, Rank0Error, Terminated, CheckpointError,
-                FileNotFoundError, ValueError)
+                ScriptFailed, FileNotFoundError, ValueError)
     warnings.filterwarnings("default")
     from .config import ConfigError
 
     try:
-        train(experiment, overrides, summary_out)
+        train(experiment, overrides, summary_out, script_args)
         return 0
     except (ConfigError, LaunchError) as e:
         # Bad input, found before any process group or run exists: exit 2, like argparse.

@@ -11,6 +11,7 @@ must be instant.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import types
@@ -391,6 +392,68 @@ class ProfileConfig:
 
 
 @dataclass
+class ScriptConfig:
+    """Script mode: the user's own training script, run as it is in every rank's process
+    (docs/your-own-script.md). The other sections of ddplab's loop (data, model, optim, train,
+    profile) do not apply to a script; ``dist.threads_per_rank`` sets its OMP_NUM_THREADS and
+    ``dist.timeout_s`` how long the ranks wait for each other around it."""
+
+    path: str = ""
+    """The script (``.py``), relative to the experiment file; empty = ddplab's own loop.
+    ``ddplab train my_train.py -- ARGS`` sets it (and ``args``) from the command line."""
+    args: list[str] = field(default_factory=list)
+    """The script's command-line arguments, as given (``-- ARGS`` on the command line come after)."""
+    flags: dict[str, Any] = field(default_factory=dict)
+    """Flags given by name, appended as ``--NAME VALUE`` (a flag already in ``args`` is
+    replaced; true = the bare ``--NAME``, false = left out): what a study varies,
+    e.g. ``script.flags.lr: [0.01, 0.1]``."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the script."""
+    log_tail_kb: int = 512
+    """Each rank's stdout and stderr become artifacts of the run (``logs/``); the last this
+    many KiB of each are kept."""
+
+    def __post_init__(self) -> None:
+        for name in self.flags:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                _fail(f"flags.{name}", self.flags[name], "a flag name is letters, digits, '_', "
+                      "'-' or '.', without the leading dashes")
+        for name, value in self.env.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                _fail(f"env.{name}", value, "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        _check_range(self, "log_tail_kb", 1, 1 << 20)
+
+    def argv(self) -> list[str]:
+        """The script's arguments: ``args``, then ``flags`` (replacing the same flag in args)."""
+        out = list(self.args)
+        for name, value in self.flags.items():
+            flag = f"--{name}"
+            out = _without_flag(out, flag)
+            if value is True:
+                out.append(flag)
+            elif value is not False and value is not None:
+                out += [flag, value if isinstance(value, str) else json.dumps(value)]
+        return out
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` less ``flag`` (``--lr 0.1``, ``--lr=0.1`` or a bare ``--lr``)."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     """Experiment name (also the default MLflow experiment)."""
@@ -404,6 +467,7 @@ class ExperimentConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    script: ScriptConfig = field(default_factory=ScriptConfig)
 
     def __post_init__(self) -> None:
         # The name is a directory under checkpoint.dir and the MLflow experiment: one safe
@@ -468,6 +532,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
         _fail(key, value, f"expected {_type_name(tp)}")
+    if origin is list:
+        # A script's arguments: YAML may read `3` or `0.1` as numbers; the script gets text.
+        if not isinstance(value, list) or not all(
+                isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in value):
+            _fail(key, value, "expected a list of strings, e.g. [--epochs, '3']")
+        return [str(a) for a in value]
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             _fail(key, value, "expected a mapping of names to values")
@@ -586,12 +656,12 @@ def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
     return loaded or {}
 
 
-def load(path: str | Path | None, overrides: list[Override] | tuple[Override, ...] = ()
-         ) -> ExperimentConfig:
+def load(path: str | Path | None, overrides: list[Override] | tuple[Override, ...] = (),
+         script_args: list[str] | None = None) -> ExperimentConfig:
     """defaults < file < overrides, validated; errors are ConfigError naming the source
     (the file, ``--set`` or ``DDPLAB_SET``) and the key. Callers put ``env_overrides()`` first
     in ``overrides`` to honour $DDPLAB_SET."""
-    raw = read_yaml_file(Path(path)) if path is not None else {}
+    raw = _read_experiment(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "defaults"
     overridden = {}
     for item in overrides:
@@ -600,10 +670,53 @@ def load(path: str | Path | None, overrides: list[Override] | tuple[Override, ..
         _apply(raw, keys, value, origin)
         overridden[".".join(keys)] = origin
     try:
-        return _build(ExperimentConfig, raw)
+        cfg = _build(ExperimentConfig, raw)
     except ConfigError as e:
         key = str(e).split(":", 1)[0]
         origin = next((v for k, v in overridden.items()
                        if key == k or f"{key}.".startswith(f"{k}.")
                        or f"{k}.".startswith(f"{key}.")), source)
         raise ConfigError(f"{origin}: {e}") from None
+    return _with_script(cfg, path, script_args)
+
+
+def is_script(path: str | Path | None) -> bool:
+    """A Python script (script mode) rather than an experiment YAML."""
+    return path is not None and str(path).endswith(".py")
+
+
+def _read_experiment(p: Path) -> dict[str, Any]:
+    """An experiment file, or a script as the experiment of script mode (named after it)."""
+    if not is_script(p):
+        return read_yaml_file(p)
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", p.stem).lstrip("._-")[:100] or "script"
+    return {"name": name, "script": {"path": str(p)}}
+
+
+def _with_script(cfg: ExperimentConfig, path: str | Path | None,
+                 script_args: list[str] | None) -> ExperimentConfig:
+    """The script's path made absolute (relative to the experiment file), the command line's
+    script arguments after the file's, and what a script cannot be refused here."""
+    s = cfg.script
+    if script_args and not s.path:
+        raise ConfigError(f"{path}: arguments after `--` are for a script, and this experiment "
+                          "has none (give a .py file, or a script: section)")
+    if not s.path:
+        return cfg
+    base = Path(path).parent if path is not None and not is_script(path) else Path.cwd()
+    script = Path(s.path) if Path(s.path).is_absolute() else (base / s.path)
+    source = str(path) if path is not None else "script.path"
+    if not script.name.endswith(".py"):
+        raise ConfigError(f"{source}: script.path: got {s.path!r}; a Python file (.py)")
+    if not script.is_file():
+        raise ConfigError(f"{source}: script.path: {str(script)!r} not found (relative paths "
+                          "are relative to the experiment file)")
+    try:
+        compile(script.read_bytes(), str(script), "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"{source}: script {script} does not compile: {e.msg} at line "
+                          f"{e.lineno}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{source}: script {script} cannot be read ({e})") from None
+    return dataclasses.replace(cfg, script=dataclasses.replace(
+        s, path=str(script.resolve()), args=[*s.args, *(script_args or [])]))

@@ -72,10 +72,17 @@ class Signals:
             signal.signal(sig, handler)
 
 
-def train(path: str | None, overrides: list[config.Override], summary_out: str = "") -> str:
-    """Run one job, in the order the data flows. Returns the MLflow run id ("" untracked)."""
+def train(path: str | None, overrides: list[config.Override], summary_out: str = "",
+          script_args: list[str] | None = None) -> str:
+    """Run one job, in the order the data flows. Returns the MLflow run id ("" untracked).
+    An experiment with a script (``my_train.py``, or a ``script:`` section) runs that script
+    on every rank instead of ddplab's loop (scriptmode/)."""
     t_start = time.perf_counter()
-    cfg = config.load(path, overrides)
+    cfg = config.load(path, overrides, script_args)
+    if cfg.script.path:
+        from . import scriptmode
+
+        return scriptmode.train(cfg, summary_out)
     le = LaunchEnv.from_environ(os.environ)
     parts = checks.before_start(cfg, le, summary_out, torch.cuda.is_available(), path)  # no run yet
     _seed(cfg.train)

@@ -19,15 +19,20 @@ from .tracker import MlflowTracker, NullTracker, open_tracker
 
 
 @contextlib.contextmanager
-def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: Any
-            ) -> Iterator[NullTracker]:
+def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: Any,
+            share: Any = None, run_name: str = "") -> Iterator[NullTracker]:
     """The job's one run, open while training: node system metrics beside it, and ended once
     whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded. At the end
     each node's delivery process gets ``tracking.delivery_timeout_s`` to send what is left;
     what the server did not take stays in the spool for ``ddplab sync`` (``run.left``).
 
     ``signals`` says how an interrupted job ends (``status()``) and, once the ending starts,
-    stops further signals from cutting it (``shield()``).
+    stops further signals from cutting it (``shield()``). An exception may carry its own
+    ``status`` (a stopped script: KILLED) and ``detail`` (the error to record instead of
+    ddplab's traceback).
+
+    ``share`` and ``run_name``: script mode, which has no process group (the store shares the
+    run) and no layout of ddplab's (the name says so).
     """
     # MLflow prints its own "View run at <tracking URI>" when a run ends; inside compose or a
     # cluster that is an in-network name the browser cannot open. ddplab prints the run's
@@ -35,12 +40,12 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     spool_root = Path(cfg.checkpoint.dir) / cfg.name
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
-    default_name = f"{cfg.name} {layout_name(layout)} {le.launcher}"
+    default_name = run_name or f"{cfg.name} {layout_name(layout)} {le.launcher}"
     delivery = start_delivery(cfg.tracking, le)
     cpu0 = time.process_time()
     try:
         run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
-                                spool_root, default_name)
+                                spool_root, default_name, **({"share": share} if share else {}))
         run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
         delivery.attach(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref)
     except BaseException:
@@ -49,6 +54,7 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)
     run.delivery = delivery
+    _user_code_logs_here(run)
     status, error = "FAILED", ""
     try:
         yield run
@@ -58,12 +64,16 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
         # this rank's own collective failed) would cut this block and leave the run FAILED
         # with no error recorded (seen in CI).
         signals.shield()
-        status = signals.status()
-        error = ("interrupted (SIGINT / Ctrl-C)" if status == "KILLED"
-                 else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        status = getattr(e, "status", None) or signals.status()
+        error = getattr(e, "detail", None) or (
+            "interrupted (SIGINT / Ctrl-C)" if status == "KILLED"
+            else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         raise
     finally:
         signals.shield()
+        from .. import track
+
+        track.use(None)
         run.finish(status, error)
         run.left = delivery.close()
         if run.left:
@@ -74,6 +84,18 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
                 from . import orphan
 
                 orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
+
+
+def _user_code_logs_here(run: NullTracker) -> None:
+    """User code in this job logs into its one run: ``ddplab.track`` through rank 0's tracker,
+    and plain ``mlflow.log_metric`` (MLflow's fluent API attaches to ``MLFLOW_RUN_ID``) instead
+    of creating a second run in experiment "Default"."""
+    from .. import track
+
+    track.use(run if isinstance(run, MlflowTracker) else None)
+    if run.run_id:
+        os.environ["MLFLOW_RUN_ID"] = run.run_id
+        os.environ["MLFLOW_TRACKING_URI"] = run.uri
 
 
 def layout_name(layout: Any) -> str:

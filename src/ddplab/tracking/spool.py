@@ -7,6 +7,8 @@ One spool per node and run, next to the run's checkpoints:
         meta.json        tracking URI, run id, experiment id (what `ddplab sync` needs)
         records.jsonl    rank 0's records (metrics, params, tags, texts, the run's end)
         system.jsonl     this node's system metrics
+        track.jsonl      what user code logged through ddplab.track, and script mode's
+                         records of every rank of the node (its logs, what it observed)
         *.delivered      how far (bytes) the server has acknowledged each stream
         closed           the job ended: deliver what is left, then stop
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STREAMS = ("records", "system")
+STREAMS = ("records", "system", "track")
 CLOSED = "closed"  # written by the training process when it will append nothing more
 BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100  # MLflow's log_batch limits
 

@@ -228,8 +228,9 @@ class RunRef:
 
 def open_tracker(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
                  resume_run_id: str = "", spool_root: Path = Path("checkpoints"),
-                 run_name: str = "") -> tuple[NullTracker, RunRef]:
-    """Collective: rank 0 creates or attaches to the run and every rank learns which."""
+                 run_name: str = "", share: Any = share_from_rank0) -> tuple[NullTracker, RunRef]:
+    """Collective: rank 0 creates or attaches to the run and every rank learns which
+    (``share``: over the process group, or script mode's store when there is none yet)."""
     if not cfg.enabled:
         return NullTracker(), RunRef("", "", "", 0)
     made: list[MlflowTracker] = []
@@ -240,7 +241,7 @@ def open_tracker(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str
         t = made[0]
         return RunRef(t.run_id, t.uri, t.experiment_id, t.start_ms)
 
-    ref = share_from_rank0(create, le.is_rank0, le.world_size)
+    ref = share(create, le.is_rank0, le.world_size)
     if made:
         return made[0], ref
     tracker = NullTracker()

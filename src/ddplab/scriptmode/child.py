@@ -1,0 +1,152 @@
+"""The script's own process: ``python -m ddplab.scriptmode.child SCRIPT [ARGS...]``.
+
+Started by the rank's supervisor (supervisor.py) with the launcher's environment, it runs the
+script as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set
+them) after three small preparations that need nothing from the script:
+
+- ``torch.distributed.init_process_group`` and the first collectives are observed, so the run
+  records the backend, world size, device and threads the SCRIPT chose, and when
+  (``perf/time_to_process_group_s``, ``perf/time_to_first_collective_s``);
+- where Intel's ``oneccl_bindings_for_pytorch`` is not installed, ddplab's own ``ccl`` stands in
+  for it (stand_in/), so the book's oneCCL script runs unedited;
+- an exception that ends the script is written to the report file (its last line names the
+  failure in the run) and shown once on stderr, as Python would.
+
+torch is imported before the script runs (a DDP script imports it anyway: the cost moves, it
+does not grow), so the observation is in place whatever way the script imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
+T0_ENV = "DDPLAB_T0"
+STAND_IN = Path(__file__).parent / "stand_in"
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "reduce",
+               "broadcast_object_list", "all_gather_object", "gather", "scatter")
+
+
+def _report(update: dict[str, Any]) -> None:
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    try:
+        known = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        known = {}
+    known.update(update)
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(known))
+    os.replace(tmp, path)
+
+
+def _since_start() -> float:
+    return round(time.time() - float(os.environ.get(T0_ENV) or time.time()), 3)
+
+
+def _observe(dist: Any) -> None:
+    """Wrap init_process_group and the collectives of the freshly imported torch.distributed."""
+    import functools
+
+    init = dist.init_process_group
+    first = {"seen": False}
+
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        out = init(*args, **kwargs)
+        import torch
+
+        device = kwargs.get("device_id")
+        backend = str(dist.get_backend())
+        _report({"backend": backend, "world_size": dist.get_world_size(), "rank": dist.get_rank(),
+                 "device": str(getattr(device, "type", device) or
+                               ("cuda" if "nccl" in backend else "cpu")),
+                 "threads": torch.get_num_threads(), "process_group_s": _since_start()})
+        return out
+
+    def timed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if not first["seen"] and dist.is_initialized():
+                first["seen"] = True
+                _report({"first_collective_s": _since_start(), "first_collective": fn.__name__})
+            return out
+        return call
+
+    dist.init_process_group = init_process_group
+    # DDP's constructor broadcasts rank 0's parameters (in C++, past the wrappers below): for
+    # most scripts that IS the first collective.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    DDP.__init__ = timed(DDP.__init__)
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, timed(getattr(dist, name)))
+
+
+def _ccl_stand_in() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("oneccl_bindings_for_pytorch") is None:
+        sys.path.append(str(STAND_IN))  # after everything: a real install always wins
+
+
+def main(argv: list[str]) -> int:
+    script = Path(argv[0])
+    sys.argv = [str(script), *argv[1:]]
+    sys.path[0] = str(script.parent)
+    _ccl_stand_in()
+    import torch.distributed as dist
+
+    _observe(dist)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code:
+            _report({"exception": f"SystemExit: {e.code}"})
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        return code
+    except BaseException as e:  # noqa: BLE001 - the script's failure: shown once, kept in the run
+        tb = e.__traceback__
+        # The frames above the script's own are ddplab's (this module, runpy): not the user's.
+        while tb is not None and tb.tb_frame.f_code.co_filename != str(script):
+            tb = tb.tb_next
+        text = "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
+        last = (traceback.format_exception_only(type(e), e)[-1]).strip()
+        _report({"exception": last[:500], "traceback": text[-8000:], "t": time.time()})
+        sys.stderr.write(text)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    return 0
+
+
+def _exit(code: int) -> None:
+    """The script's atexit handlers run, then the process ends without interpreter teardown:
+    a script that never destroyed its process group would otherwise risk gloo's abort at exit
+    (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""Where a script's ranks meet without a process group: the store of ``env://``.
+
+Under torchrun it is the agent's store; under every other launcher global rank 0's supervisor
+hosts it at MASTER_ADDR:MASTER_PORT and the script's own ``init_process_group`` joins it as a
+client (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun), so the port the script expects is
+the one it uses. Through it rank 0 tells every rank the run, each rank says how its script
+ended, and a failure on one rank stops the others' scripts (srun does not by itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..backend import Rank0Error, rendezvous_store
+from ..launchers import LaunchEnv
+
+T = TypeVar("T")
+PREFIX = "ddplab/script/"
+
+
+class Meeting:
+    def __init__(self, le: LaunchEnv, timeout_s: int) -> None:
+        import torch.distributed as dist
+
+        self.le = le
+        self.hosts_store = "TORCHELASTIC_USE_AGENT_STORE" not in os.environ and le.world_size > 1
+        self.store = dist.HashStore() if le.world_size == 1 else rendezvous_store(le, timeout_s)
+
+    def child_env(self) -> dict[str, str]:
+        """What the script's process needs to join this store from its own env:// rendezvous."""
+        if not self.hosts_store:
+            return {}
+        return {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+    def share_from_rank0(self, produce: Callable[[], T], is_rank0: bool, world_size: int) -> T:
+        """Like backend.share_from_rank0, through the store: rank 0's failure reaches all."""
+        key = PREFIX + "run"
+        if is_rank0:
+            try:
+                value = produce()
+            except Exception as e:
+                self.store.set(key, pickle.dumps((None, f"{type(e).__name__}: {e}")))
+                raise
+            self.store.set(key, pickle.dumps((value, None)))
+            return value
+        value, error = pickle.loads(self.store.get(key))  # noqa: S301 - rank 0 of this job
+        if error:
+            raise Rank0Error(f"rank 0 failed: {error}")
+        return value
+
+    def report(self, outcome: dict[str, Any]) -> None:
+        """This rank's script has ended (``outcome``: how); a failure stops the others."""
+        self.store.set(f"{PREFIX}out/{self.le.rank}", json.dumps(outcome))
+        if outcome.get("failed") and not outcome.get("stopped"):
+            self.store.add(PREFIX + "failures", 1)
+
+    def peer_failed(self) -> bool:
+        return self.le.world_size > 1 and self.store.add(PREFIX + "failures", 0) > 0
+
+    def outcomes(self) -> dict[int, dict[str, Any]]:
+        keys = {r: f"{PREFIX}out/{r}" for r in range(self.le.world_size)}
+        return {r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
+
+    def leave(self, wait_s: float = 15.0) -> None:
+        """Done with the store; the rank that hosts it waits for the others to be done too."""
+        if self.le.world_size == 1:
+            return
+        done = self.store.add(PREFIX + "left", 1)
+        deadline = time.monotonic() + wait_s
+        while self.hosts_store and self.le.is_rank0 and done < self.le.world_size \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+            done = self.store.add(PREFIX + "left", 0)
+
+    def wait_all(self, stop: Callable[[], bool] = lambda: False, grace_s: float = 3.0
+                 ) -> dict[int, dict[str, Any]]:
+        """Every rank's outcome; after a failure (or ``stop()``), whatever arrives within
+        ``grace_s`` (a rank killed outright never reports)."""
+        deadline = None
+        while True:
+            got = self.outcomes()
+            if len(got) == self.le.world_size:
+                return got
+            if deadline is None and (stop() or any(o.get("failed") for o in got.values())):
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() >= deadline:
+                return got
+            time.sleep(0.2)

@@ -1,0 +1,411 @@
+"""One rank of a script-mode job: the run, the script's process, how it ended.
+
+Every rank's ``ddplab train SCRIPT.py`` is a small supervisor: it meets the other ranks
+(meeting.py), rank 0 opens or attaches to the job's one run, and then the script runs in a child
+process with the launcher's environment plus the run's (``MLFLOW_RUN_ID``, the tracking URI,
+``DDPLAB_SPOOL`` for ``ddplab.track``, ``DDPLAB_CHECKPOINT_DIR``). Its stdout and stderr pass
+through to the console and their tails become the run's ``logs/``; its end (exit code, signal,
+exception) is reported to rank 0, which ends the run FINISHED only when every rank's script
+exited 0, else FAILED naming the first rank that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .. import capsule, config, host, tracking
+from ..launchers import LaunchEnv
+from ..tracking import spool
+from .meeting import Meeting
+
+FINISHED_MARK = ".ddplab-finished"
+OWN_ENTRIES = {"spool", FINISHED_MARK}
+
+
+class ScriptFailed(Exception):
+    """The script failed on some rank: one line here, the user's traceback in ``detail``."""
+
+    status = "FAILED"
+
+    def __init__(self, line: str, detail: str = "") -> None:
+        super().__init__(line)
+        self.detail = f"{line}\n\n{detail}".strip()
+
+
+class ScriptStopped(ScriptFailed):
+    """The job was stopped (Ctrl-C, SIGTERM, SIGHUP) and no rank had failed: KILLED."""
+
+    status = "KILLED"
+
+
+@dataclass
+class Tail:
+    """A stream of the script passed through, its last ``limit`` bytes kept."""
+
+    out: Any
+    limit: int
+    kept: bytearray = field(default_factory=bytearray)
+    total: int = 0
+
+    def pump(self, pipe: Any) -> None:
+        for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
+            self.total += len(chunk)
+            with contextlib.suppress(OSError, ValueError):
+                self.out.write(chunk)
+                self.out.flush()
+            self.kept += chunk
+            if len(self.kept) > 2 * self.limit:
+                del self.kept[:-self.limit]
+
+    def text(self) -> str:
+        body = bytes(self.kept[-self.limit:]).decode("utf-8", errors="replace")
+        dropped = self.total - min(self.total, self.limit)
+        return (f"[ddplab: the first {dropped} bytes are not kept; the last {self.limit} follow]\n"
+                if dropped else "") + body
+
+    def last_line(self) -> str:
+        lines = [ln.strip() for ln in self.text().splitlines() if ln.strip()]
+        return lines[-1][:300] if lines else ""
+
+
+def resumable_run(cfg: config.ExperimentConfig) -> str:
+    """The run of an earlier attempt of this job that left snapshots in its checkpoint folder
+    and did not finish (the script restarted, by hand or by torchrun --max-restarts): the job
+    goes on in that run, as ddplab's own loop does when it resumes."""
+    if cfg.checkpoint.resume == "never" or not cfg.tracking.enabled:
+        return ""
+    root = Path(cfg.checkpoint.dir) / cfg.name
+    candidates = []
+    for d in root.glob("*") if root.is_dir() else []:
+        if d.is_dir() and not (d / FINISHED_MARK).exists() and \
+                any(p.name not in OWN_ENTRIES for p in d.iterdir()):
+            candidates.append((d.stat().st_mtime, d.name))
+    return max(candidates)[1] if candidates else ""
+
+
+def git_state(script: Path) -> str:
+    """committed | modified | untracked | not in a git checkout: what the sha256 does not say."""
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", *args], cwd=script.parent, capture_output=True,
+                                  text=True, timeout=20, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    inside = git("rev-parse", "--is-inside-work-tree")
+    if inside is None or inside.returncode != 0:
+        return "not in a git checkout"
+    status = git("status", "--porcelain", "--", script.name)
+    text = status.stdout if status is not None else ""
+    if text.startswith("??"):
+        return "untracked"
+    if text.strip():
+        return "modified"
+    tracked = git("ls-files", "--error-unmatch", "--", script.name)
+    return "committed" if tracked is not None and tracked.returncode == 0 else "untracked"
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when this rank's supervisor dies (SIGKILL, OOM) - no orphan."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Script:
+    """The script's process on this rank."""
+
+    def __init__(self, cfg: config.ExperimentConfig, le: LaunchEnv, run: Any, meeting: Meeting,
+                 t0: float) -> None:
+        self.cfg, self.le, self.run, self.meeting, self.t0 = cfg, le, run, meeting, t0
+        s = cfg.script
+        self.path = Path(s.path)
+        root = Path(cfg.checkpoint.dir).resolve() / cfg.name
+        self.ckpt_dir = root / (run.run_id or "untracked")
+        self.spool = spool.spool_dir(root, run.run_id, le.node_rank) if run.run_id else None
+        self.report_file = Path(tempfile.mkstemp(prefix=f"ddplab-script-rank{le.rank}-",
+                                                 suffix=".json")[1])
+        self.tails = (Tail(sys.stdout.buffer, s.log_tail_kb * 1024),
+                      Tail(sys.stderr.buffer, s.log_tail_kb * 1024))
+
+    def env(self) -> dict[str, str]:
+        le, s = self.le, self.cfg.script
+        env = {**os.environ, **{k: str(v) for k, v in s.env.items()},
+               **self.meeting.child_env()}
+        # What torchrun gives a script, from whichever launcher started this rank.
+        for key, value in (("RANK", le.rank), ("WORLD_SIZE", le.world_size),
+                           ("LOCAL_RANK", le.local_rank), ("LOCAL_WORLD_SIZE", le.local_world_size),
+                           ("GROUP_RANK", le.node_rank), ("MASTER_ADDR", le.master_addr),
+                           ("MASTER_PORT", le.master_port)):
+            env.setdefault(key, str(value))
+        if le.launcher == "none" and "MASTER_PORT" not in os.environ:
+            env["MASTER_PORT"] = str(_free_port())  # one process: any port its env:// can use
+        if self.cfg.dist.threads_per_rank != "auto":
+            env["OMP_NUM_THREADS"] = str(self.cfg.dist.threads_per_rank)
+        env.update({"PYTHONUNBUFFERED": "1", "DDPLAB_CHECKPOINT_DIR": str(self.ckpt_dir),
+                    "DDPLAB_SCRIPT_REPORT": str(self.report_file), "DDPLAB_T0": str(self.t0)})
+        if self.run.run_id:
+            env.update({"MLFLOW_RUN_ID": self.run.run_id, "MLFLOW_TRACKING_URI": self.run.uri,
+                        "DDPLAB_SPOOL": str(self.spool)})
+        else:
+            env.pop("DDPLAB_SPOOL", None)
+        return env
+
+    def run_to_end(self) -> dict[str, Any]:
+        """Start the script, pass its output through, and wait for its end, a peer's failure
+        or a signal (raised here by run.Signals: the script is then stopped the same way)."""
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddplab.scriptmode.child", str(self.path),
+             *self.cfg.script.argv()], env=self.env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
+        pumps = [threading.Thread(target=t.pump, args=(p,), daemon=True)
+                 for t, p in zip(self.tails, (proc.stdout, proc.stderr), strict=True)]
+        for p in pumps:
+            p.start()
+        stopped = ""
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                if self.meeting.peer_failed() and not stopped:
+                    stopped = "another rank failed"
+                    proc.terminate()
+        except BaseException as e:
+            stopped = type(e).__name__
+            _stop(proc, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+            self._end(proc, pumps, stopped)
+            raise
+        return self._end(proc, pumps, stopped)
+
+    def _end(self, proc: subprocess.Popen, pumps: list[threading.Thread], stopped: str
+             ) -> dict[str, Any]:
+        for p in pumps:
+            p.join(timeout=10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        self.wall_s = time.time() - self.t0
+        outcome = self.outcome(proc.returncode, stopped)
+        self._keep_logs()
+        self.meeting.report(outcome)
+        return outcome
+
+    def observed(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.report_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def outcome(self, code: int, stopped: str) -> dict[str, Any]:
+        seen = self.observed()
+        out: dict[str, Any] = {"rank": self.le.rank, "host": socket.gethostname(), "code": code,
+                               "t": seen.get("t", time.time()), "failed": code != 0,
+                               "stopped": stopped,
+                               "observed": {k: v for k, v in seen.items() if k != "traceback"}}
+        if code < 0:
+            out["why"] = f"killed by {signal.Signals(-code).name}"
+        elif code:
+            out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
+        out["traceback"] = seen.get("traceback", "")[-6000:]
+        return out
+
+    def _keep_logs(self) -> None:
+        """Both tails into the run (logs/rank<r>.stdout.txt, ...) through the node's spool."""
+        self.report_file.unlink(missing_ok=True)
+        if self.spool is None:
+            return
+        files = self.spool / "files"
+        with contextlib.suppress(OSError):  # a full disk: the console had the output
+            files.mkdir(parents=True, exist_ok=True)
+            stream = spool.Stream(self.spool, "track")
+            for name, tail in zip(("stdout", "stderr"), self.tails, strict=True):
+                kept = files / f"rank{self.le.rank}.{name}.txt"
+                kept.write_text(tail.text())
+                stream.append({"op": "file", "ts": spool.now_ms(), "path": str(kept),
+                               "dir": "logs"})
+            stream.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
+    with contextlib.suppress(OSError):
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
+    """Script mode's pipeline: launch environment -> checks -> meeting -> run -> the script on
+    every rank -> how every rank ended -> the run's end. Returns the run id ("" untracked)."""
+    from .. import checks
+    from ..run import Signals
+    from ..summary import Console
+
+    t0 = time.time()
+    le = LaunchEnv.from_environ(os.environ)
+    checks.for_script(cfg, le, summary_out)
+    with Signals() as signals:
+        meeting = Meeting(le, cfg.dist.timeout_s)
+        resume = resumable_run(cfg) if le.is_rank0 else ""
+        name = cfg.tracking.run_name or f"{cfg.name} script {le.nnodes}n x " \
+                                        f"{le.local_world_size}r {le.launcher}"
+        with tracking.job_run(cfg, le, None, resume, signals, share=meeting.share_from_rank0,
+                              run_name=name) as run:
+            script = Script(cfg, le, run, meeting, t0)
+            if le.is_rank0:
+                _record_start(run, cfg, le, script, resume)
+            try:
+                own = script.run_to_end()
+            except BaseException as e:
+                if not le.is_rank0:
+                    raise
+                everyone = meeting.wait_all(lambda: True)
+                _record_end(run, script, everyone)
+                raise (_verdict(everyone, le.world_size, e)
+                       or ScriptStopped(f"stopped ({type(e).__name__})")) from None
+            # Every rank stays until all have reported: a node's delivery takes its ranks' logs,
+            # and the store rank 0 may host must outlive the others' last look at it.
+            everyone = meeting.wait_all() if le.is_rank0 or not own["failed"] else {}
+            meeting.leave()
+            if le.is_rank0:
+                _record_end(run, script, everyone)
+                _summary(summary_out, run, script, everyone)
+                failed = _verdict(everyone, le.world_size, None)
+                if failed is not None:
+                    raise failed
+            elif own["failed"]:
+                raise ScriptFailed(_line(own))
+        if le.is_rank0 and run.run_id:
+            (script.ckpt_dir / FINISHED_MARK).write_text(run.run_id)
+    Console(le.is_rank0).say(_where(run))
+    return run.run_id
+
+
+def _summary(path: str, run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -> None:
+    if not path:
+        return
+    Path(path).write_text(json.dumps({
+        "run_id": run.run_id, "mode": "script", "wall_s": round(script.wall_s, 3),
+        "ranks": [{k: v for k, v in o.items() if k != "traceback"}
+                  for _, o in sorted(outcomes.items())]}, indent=2))
+
+
+def _line(o: dict[str, Any]) -> str:
+    return f"rank {o['rank']} (host {o['host']}): {o.get('why') or 'exit code ' + str(o['code'])}"
+
+
+# What a rank's collectives raise when ANOTHER rank died or stopped: a consequence, not a cause.
+SECONDARY = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError",
+             "DistBackendError", "Broken pipe", "timed out", "Timed out", "SIGTERM")
+
+
+def _secondary(o: dict[str, Any]) -> bool:
+    return any(s in str(o.get("why", "")) for s in SECONDARY)
+
+
+def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseException | None
+             ) -> ScriptFailed | None:
+    """The first rank that failed by itself, or a stopped job, or a rank that never reported."""
+    own = sorted((o for o in outcomes.values() if o["failed"] and not o["stopped"]),
+                 key=lambda o: (_secondary(o), o["t"]))
+    if own:
+        first = own[0]
+        others = [r for r in sorted(outcomes) if r != first["rank"] and outcomes[r]["failed"]]
+        tail = (f"; then rank(s) {','.join(map(str, others))} failed or were stopped"
+                if others else "")
+        return ScriptFailed(f"the script failed on {_line(first)}{tail}", first["traceback"])
+    missing = sorted(set(range(world)) - set(outcomes))
+    if signal_e is None and not missing and all(not o["failed"] for o in outcomes.values()):
+        return None
+    if isinstance(signal_e, KeyboardInterrupt):
+        return ScriptStopped("interrupted (SIGINT / Ctrl-C)")
+    if missing:
+        return ScriptFailed(f"the job failed: rank(s) {','.join(map(str, missing))} ended without "
+                            "reporting (the rank's process killed outright: SIGKILL, the OOM "
+                            "killer?)")
+    why = "SIGTERM" if signal_e is not None else "a peer was stopped"
+    return ScriptStopped(f"stopped ({why}) while no rank had failed: the job was stopped")
+
+
+def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script: Script,
+                  resume: str) -> None:
+    path = script.path
+    s = cfg.script
+    run.set_tags({
+        "ddplab.mode": "script", "ddplab.script": str(path),
+        "ddplab.script_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "ddplab.script_git": git_state(path), "ddplab.script_args": json.dumps(s.argv()),
+        "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
+        "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
+        "ddplab.rank0_host": socket.gethostname(), "ddplab.machine": host.summary(),
+        "ddplab.git_sha": capsule.git_sha(), "ddplab.lock": capsule.lock_digest(),
+        "ddplab.torch_build": capsule.torch_build(),
+        "ddplab.image": capsule.container_image() or "none",
+        "ddplab.checkpoint_dir": str(script.ckpt_dir), "ddplab.resumed_from": resume or "none",
+        **{f"ddplab.version.{k}": v for k, v in capsule.versions().items()},
+        **capsule.scheduler_tags()})
+    kept = {"name": cfg.name, "description": cfg.description,
+            "script": {**cfg.to_dict()["script"], "path": str(path)},
+            "dist": {"threads_per_rank": cfg.dist.threads_per_rank,
+                     "timeout_s": cfg.dist.timeout_s},
+            "tracking": cfg.to_dict()["tracking"], "checkpoint": cfg.to_dict()["checkpoint"]}
+    run.log_params(config.flatten(kept))
+    run.log_text(yaml.safe_dump(kept, sort_keys=False), "config.yaml")
+    run.log_text(json.dumps(capsule.build({"launch": le.__dict__}), indent=2, default=str),
+                 "environment.json")
+
+
+def _record_end(run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -> None:
+    """What the script's own init_process_group chose (observed on rank 0), the hosts, times."""
+    seen = outcomes.get(0, {}).get("observed", {}) or script.observed()
+    hosts = sorted({o["host"] for o in outcomes.values()})
+    tags = {"ddplab.hosts": ",".join(hosts)}
+    if "backend" in seen:
+        backend = seen["backend"]
+        stand_in = backend == "ccl" and importlib.util.find_spec(
+            "oneccl_bindings_for_pytorch") is None
+        tags.update({"ddplab.backend": backend, "ddplab.backend_reason": "the script's own "
+                     "init_process_group", "ddplab.device": seen.get("device", "cpu"),
+                     "ddplab.threads_per_rank": seen.get("threads", ""),
+                     "ddplab.script_world_size": seen.get("world_size", "")})
+        if stand_in:
+            tags["ddplab.ccl_impl"] = "ddplab (standing in for oneccl_bindings_for_pytorch)"
+    else:
+        tags["ddplab.backend"] = "none (the script made no process group)"
+    run.set_tags(tags)
+    metrics = {"perf/wall_s": round(script.wall_s, 3)}
+    for key, name in (("process_group_s", "perf/time_to_process_group_s"),
+                      ("first_collective_s", "perf/time_to_first_collective_s")):
+        if key in seen:
+            metrics[name] = float(seen[key])
+    run.log_metrics(metrics, 0)
+
+
+def _where(run: Any) -> str:
+    from ..run import _where as where
+
+    return where(run)
