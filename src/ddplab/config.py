@@ -690,7 +690,7 @@ def _read_experiment(p: Path) -> dict[str, Any]:
     if not is_script(p):
         return read_yaml_file(p)
     name = re.sub(r"[^A-Za-z0-9._-]", "-", p.stem).lstrip("._-")[:100] or "script"
-    return {"name": name, "script": {"path": str(p)}}
+    return {"name": name, "script": {"path": str(p.resolve())}}
 
 
 def _with_script(cfg: ExperimentConfig, path: str | Path | None,
@@ -703,7 +703,7 @@ def _with_script(cfg: ExperimentConfig, path: str | Path | None,
                           "has none (give a .py file, or a script: section)")
     if not s.path:
         return cfg
-    base = Path(path).parent if path is not None and not is_script(path) else Path.cwd()
+    base = Path(path).parent if path is not None else Path.cwd()
     script = Path(s.path) if Path(s.path).is_absolute() else (base / s.path)
     source = str(path) if path is not None else "script.path"
     if not script.name.endswith(".py"):

@@ -125,14 +125,15 @@ def latest_per_job(children: list[Any]) -> dict[str, list[Any]]:
 
 
 def table(client: Any, children: list[Any], order: list[str], baseline: str,
-          target: float) -> list[Row]:
+          target: float, metric: str = "perf/samples_per_s", mode: str = "max") -> list[Row]:
+    """One row per variant; ``metric`` is the compared figure (the throughput columns),
+    ``mode`` whether higher (max) or lower (min) is better."""
     by_variant = latest_per_job(children)
     rows = []
     for name in [n for n in order if n in by_variant] + sorted(set(by_variant) - set(order)):
         runs = by_variant[name]
         ok = [r for r in runs if r.info.status == "FINISHED"]
-        speeds = [r.data.metrics["perf/samples_per_s"] for r in ok
-                  if "perf/samples_per_s" in r.data.metrics]
+        speeds = [r.data.metrics[metric] for r in ok if metric in r.data.metrics]
         targets = [t for r in ok if (t := time_to_target(client, r, target)) is not None]
         rows.append(Row(
             name, len(runs), len(runs) - len(ok), _median(speeds), min(speeds, default=None),
@@ -150,6 +151,8 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
     for row in rows:
         if base and base.throughput_median and row.throughput_median:
             row.speedup = row.throughput_median / base.throughput_median
+            if mode == "min":  # a time or a loss: the baseline's over this one's
+                row.speedup = 1 / row.speedup
             row.efficiency = row.speedup / (row.resources / base.resources)
     return rows
 
@@ -422,19 +425,28 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
     order = [v.name for v in study.variants] if study else []
     baseline = study.baseline if study else tags.get("ddplab.study_baseline", "")
     target = study.target_accuracy if study else float(tags.get("ddplab.study_target", 0) or 0)
+    metric = study.metric if study else tags.get("ddplab.study_metric", "perf/samples_per_s")
+    mode = study.metric_mode if study else tags.get("ddplab.study_metric_mode", "max")
     if study:
         client.set_tag(parent_id, "ddplab.study_baseline", baseline)
         client.set_tag(parent_id, "ddplab.study_target", str(target))
+        client.set_tag(parent_id, "ddplab.study_metric", metric)
+        client.set_tag(parent_id, "ddplab.study_metric_mode", mode)
     # Without the study file, the variants in the order they first ran (the study's order).
-    rows = table(client, children, order or list(latest_per_job(children)), baseline, target)
+    rows = table(client, children, order or list(latest_per_job(children)), baseline, target,
+                 metric, mode)
     title = f"study {tags.get('ddplab.study', parent_id)}"
     single = _single_epoch(children)
     steady = ("its log intervals after the first (one epoch)" if single
               else "the epochs after the first")
-    notes = [f"Baseline: {baseline}. Throughput: perf/samples_per_s of each finished run "
-             f"({steady}); speedup = median / the baseline's median; efficiency = "
-             "speedup / (resources / the baseline's resources: ranks x threads on CPU, GPUs "
-             "on CUDA)."]
+    figure = (f"Throughput: perf/samples_per_s of each finished run ({steady}); speedup = "
+              "median / the baseline's median" if metric == "perf/samples_per_s" else
+              f"Compared figure (the throughput columns): {metric} of each finished run, "
+              f"{'lower' if mode == 'min' else 'higher'} is better; speedup = "
+              + ("the baseline's median / this median" if mode == "min"
+                 else "median / the baseline's median"))
+    notes = [f"Baseline: {baseline}. {figure}; efficiency = speedup / (resources / the "
+             "baseline's resources: ranks x threads on CPU, GPUs on CUDA)."]
     if target:
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())

@@ -9,6 +9,12 @@
       - {name: 1x2, nproc: 1, set: {dist.threads_per_rank: 2}}
       - {name: 2x1, nproc: 2, set: {dist.threads_per_rank: 1}}
     grid: {nproc: [1, 2], dist.backend: [gloo, ccl]}   # a cross product, names generated
+    metric: train/loss                   # the figure compared (default below), min or max:
+    metric_mode: min                     #   "max" for a rate, "min" for a loss or a time
+
+The compared figure is ``perf/samples_per_s`` for ddplab's own loop; a study over a script
+(``experiment: ../scripts/my_train.py``) compares a metric the script logs (``metric``), or its
+wall time (``perf/wall_s``, lower is better) when none is named.
 
 Validated like experiments: every error is one line naming the file, the key, the value and
 what is allowed, and every variant's experiment config is resolved (so a bad ``set`` key stops
@@ -22,12 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import NAME_RE, ConfigError, ExperimentConfig, Override, load, read_yaml_file
+from ..config import (
+    NAME_RE,
+    ConfigError,
+    ExperimentConfig,
+    Override,
+    is_script,
+    load,
+    read_yaml_file,
+)
 
 LAUNCHERS = ("torchrun", "mpirun", "compose", "compose-mpi", "slurm")
 LAYOUT_KEYS = ("nproc", "nnodes", "launcher")
 STUDY_KEYS = ("name", "description", "experiment", "set", "repeats", "baseline",
-              "target_accuracy", "variants", "grid")
+              "target_accuracy", "variants", "grid", "metric", "metric_mode")
 VARIANT_KEYS = ("name", *LAYOUT_KEYS, "set")
 
 
@@ -60,6 +74,10 @@ class Study:
     description: str = ""
     extra: tuple[Override, ...] = ()
     """``$DDPLAB_SET`` and ``ddplab study run FILE --set k=v``: every variant, last."""
+    metric: str = "perf/samples_per_s"
+    """The figure the report compares (speedup, verdict)."""
+    metric_mode: str = "max"
+    """max: higher is better (a rate); min: lower is better (a loss, a time)."""
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -185,16 +203,32 @@ def parse(path: Path, raw: Any, extra: list[str] = ()) -> Study:
     target = raw.get("target_accuracy", 0.0)
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target <= 1:
         raise _fail(where, "target_accuracy", target, "must be a number in [0, 1]")
+    metric, mode = _metric(where, raw, is_script(path.parent / exp))
     study = Study(name, path, (path.parent / exp).resolve(), tuple(variants), baseline,
                   _positive_int(where, "repeats", raw.get("repeats", 1), MAX_REPEATS),
                   _mapping(where, "set", raw.get("set")), float(target),
-                  str(raw.get("description", "")), tuple(extra))
+                  str(raw.get("description", "")), tuple(extra), metric, mode)
     for v in variants:  # every job's config resolves, before any job starts
         try:
             study.config(v)
         except ConfigError as e:
             raise ConfigError(f"{where}: variant {v.name}: {e}") from None
     return study
+
+
+def _metric(where: str, raw: dict[str, Any], script: bool) -> tuple[str, str]:
+    """(the compared metric, max|min): the study's, else the loop's throughput or, for a
+    script, its wall time."""
+    default = ("perf/wall_s", "min") if script else ("perf/samples_per_s", "max")
+    metric = raw.get("metric", default[0])
+    if not isinstance(metric, str) or not metric.strip() or len(metric) > 250:
+        raise _fail(where, "metric", metric, "must be the name of a metric the jobs log, e.g. "
+                                             "train/loss or perf/samples_per_s")
+    known = {"perf/wall_s": "min", "perf/samples_per_s": "max"}
+    mode = raw.get("metric_mode", known.get(metric, "max") if "metric" in raw else default[1])
+    if mode not in ("max", "min"):
+        raise _fail(where, "metric_mode", mode, "must be max (higher is better) or min")
+    return metric, mode
 
 
 def load_study(path: str | Path, extra: list[Override] = ()) -> Study:
