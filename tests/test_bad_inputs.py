@@ -42,6 +42,16 @@ CASES = [
     ("epochs 0", _file("train:\n  epochs: 0\n"), [], {}, [], "train.epochs: got 0; must be >= 1"),
     ("epochs float", _file("train:\n  epochs: 1.5\n"), [], {}, [], "train.epochs: got 1.5; expected int"),
     ("unknown section", _file("trainer:\n  epochs: 1\n"), [], {}, [], "trainer: unknown key"),
+    # ---- script mode: the script: section ----
+    ("script missing", _file("script: {path: nothere.py}\n"), [], {}, [], "nothere.py' not found"),
+    ("script not python", _file("script: {path: exp.yaml}\n"), [], {}, [], "a Python file (.py)"),
+    ("script args not a list", _file("script: {path: x.py, args: 3}\n"), [], {}, [],
+     "script.args: got 3; expected a list"),
+    ("script flag with dashes", None, ["script.flags.--lr=1"], {}, [], "script.flags.--lr: got 1"),
+    ("script env bad name", None, ["script.env.1A=x"], {}, [], "script.env.1A: got 'x'"),
+    ("script log tail zero", None, ["script.log_tail_kb=0"], {}, [], "script.log_tail_kb: got 0"),
+    ("script args without a script", None, [], {}, ["--", "--epochs", "3"],
+     "arguments after `--` are for a script"),
     # ---- --set: every numeric field with a sane range ----
     ("lr nan", None, ["optim.lr=.nan"], {}, [], "--set 'optim.lr=.nan': optim.lr: got nan"),
     ("lr zero", None, ["optim.lr=0"], {}, [], "optim.lr: got 0.0; must be in (0, inf)"),

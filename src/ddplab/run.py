@@ -16,60 +16,19 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import time
-from typing import Any
 
 import torch
 
 from . import backend, checkpoint, checks, config, tracking
 from .fit import finish, fit
 from .job import build, record_start
+from .jobend import Signals, Terminated, where
 from .launchers import LaunchEnv
 from .profiling import profiling
 from .summary import Console
 
-
-class Terminated(Exception):
-    """SIGTERM: the launcher stops the survivors when a rank fails, or the job was stopped."""
-
-
-class Signals:
-    """SIGINT raises KeyboardInterrupt and SIGTERM raises Terminated, once each job.
-
-    The first signal is remembered: after Ctrl-C a rank may fail in a collective (its peer is
-    gone) before its own interrupt surfaces, and the run must still end KILLED, not FAILED.
-    Later signals are ignored, so torchrun's follow-up SIGTERM cannot cut the run's ending.
-    """
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> Signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
-            return
-        self.received = signum
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Terminated("terminated by SIGTERM (a peer rank failed, or the job was stopped)")
-
-    def status(self) -> str:
-        return "KILLED" if self.received == signal.SIGINT else "FAILED"
-
-    def shield(self) -> None:
-        """From here on nothing interrupts: the run's ending must reach the store."""
-        for sig in self.previous:
-            signal.signal(sig, signal.SIG_IGN)
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+__all__ = ["Signals", "Terminated", "train"]
 
 
 def train(path: str | None, overrides: list[config.Override], summary_out: str = "",
@@ -96,7 +55,7 @@ def train(path: str | None, overrides: list[config.Override], summary_out: str =
                 fit(job)
             finish(job)
         backend.finish_together()  # no rank leaves before rank 0 has ended the run
-    Console(le.is_rank0).say(_where(run))
+    Console(le.is_rank0).say(where(run))
     return run.run_id
 
 
@@ -107,12 +66,3 @@ def _seed(cfg: config.TrainConfig) -> None:
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-
-
-def _where(tracker: tracking.NullTracker) -> str:
-    if not tracker.run_id:
-        return "tracking was off: nothing recorded in MLflow"
-    if tracker.left:
-        return f"MLflow run {tracker.run_id}: not all delivered yet (see the warning above)"
-    return f"MLflow run {tracker.run_id} FINISHED" + tracking.ui_address(
-        tracker.uri, tracker.experiment_id, tracker.run_id)

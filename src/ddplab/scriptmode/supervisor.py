@@ -262,7 +262,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
     """Script mode's pipeline: launch environment -> checks -> meeting -> run -> the script on
     every rank -> how every rank ended -> the run's end. Returns the run id ("" untracked)."""
     from .. import checks
-    from ..run import Signals
+    from ..jobend import Signals, where
     from ..summary import Console
 
     t0 = time.time()
@@ -301,7 +301,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 raise ScriptFailed(_line(own))
         if le.is_rank0 and run.run_id:
             (script.ckpt_dir / FINISHED_MARK).write_text(run.run_id)
-    Console(le.is_rank0).say(_where(run))
+    Console(le.is_rank0).say(where(run))
     return run.run_id
 
 
@@ -403,9 +403,3 @@ def _record_end(run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -
         if key in seen:
             metrics[name] = float(seen[key])
     run.log_metrics(metrics, 0)
-
-
-def _where(run: Any) -> str:
-    from ..run import _where as where
-
-    return where(run)

@@ -36,7 +36,7 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     """
     # MLflow prints its own "View run at <tracking URI>" when a run ends; inside compose or a
     # cluster that is an in-network name the browser cannot open. ddplab prints the run's
-    # address itself, in the browser's terms (run._where, DDPLAB_UI_URL).
+    # address itself, in the browser's terms (jobend.where, DDPLAB_UI_URL).
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     spool_root = Path(cfg.checkpoint.dir) / cfg.name
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
@@ -54,7 +54,7 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)
     run.delivery = delivery
-    _user_code_logs_here(run)
+    before = _user_code_logs_here(run)
     status, error = "FAILED", ""
     try:
         yield run
@@ -71,9 +71,7 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
         raise
     finally:
         signals.shield()
-        from .. import track
-
-        track.use(None)
+        _restore(before)
         run.finish(status, error)
         run.left = delivery.close()
         if run.left:
@@ -86,16 +84,32 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
                 orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
 
 
-def _user_code_logs_here(run: NullTracker) -> None:
+RUN_ENV = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI")
+
+
+def _user_code_logs_here(run: NullTracker) -> dict[str, str | None]:
     """User code in this job logs into its one run: ``ddplab.track`` through rank 0's tracker,
     and plain ``mlflow.log_metric`` (MLflow's fluent API attaches to ``MLFLOW_RUN_ID``) instead
-    of creating a second run in experiment "Default"."""
+    of creating a second run in experiment "Default". Returns what to restore afterwards (a
+    process may run several jobs: tests, studies in-process)."""
     from .. import track
 
+    before = {k: os.environ.get(k) for k in RUN_ENV}
     track.use(run if isinstance(run, MlflowTracker) else None)
     if run.run_id:
-        os.environ["MLFLOW_RUN_ID"] = run.run_id
-        os.environ["MLFLOW_TRACKING_URI"] = run.uri
+        os.environ.update(dict(zip(RUN_ENV, (run.run_id, run.uri), strict=True)))
+    return before
+
+
+def _restore(before: dict[str, str | None]) -> None:
+    from .. import track
+
+    track.use(None)
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def layout_name(layout: Any) -> str:

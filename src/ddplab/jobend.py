@@ -1,0 +1,59 @@
+"""How a job ends: the signals that stop it (and how its run then ends), and its last line."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from . import tracking
+
+
+class Terminated(Exception):
+    """SIGTERM: the launcher stops the survivors when a rank fails, or the job was stopped."""
+
+
+class Signals:
+    """SIGINT raises KeyboardInterrupt and SIGTERM raises Terminated, once each job.
+
+    The first signal is remembered: after Ctrl-C a rank may fail in a collective (its peer is
+    gone) before its own interrupt surfaces, and the run must still end KILLED, not FAILED.
+    Later signals are ignored, so torchrun's follow-up SIGTERM cannot cut the run's ending.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            return
+        self.received = signum
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated("terminated by SIGTERM (a peer rank failed, or the job was stopped)")
+
+    def status(self) -> str:
+        return "KILLED" if self.received == signal.SIGINT else "FAILED"
+
+    def shield(self) -> None:
+        """From here on nothing interrupts: the run's ending must reach the store."""
+        for sig in self.previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def where(tracker: tracking.NullTracker) -> str:
+    if not tracker.run_id:
+        return "tracking was off: nothing recorded in MLflow"
+    if tracker.left:
+        return f"MLflow run {tracker.run_id}: not all delivered yet (see the warning above)"
+    return f"MLflow run {tracker.run_id} FINISHED" + tracking.ui_address(
+        tracker.uri, tracker.experiment_id, tracker.run_id)

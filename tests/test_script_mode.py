@@ -1,0 +1,245 @@
+"""Script mode: a user's own torchrun script, as it is, as one tracked ddplab job.
+
+Unit tests read configs and the command line in-process; the e2e tests run the book's chapter 9
+scripts and a plain script of ours under real torchrun (and mpirun, marked) into a real store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddplab import cli, config
+from ddplab.study.spec import load_study
+
+from .conftest import REPO, ddplab, job_env, runs
+
+SCRIPTS = REPO / "experiments" / "scripts"
+BOOK_GLOO = SCRIPTS / "gloo_distributed-cnn_cifar10.py"
+BOOK_ONECCL = SCRIPTS / "oneccl_distributed-cnn_cifar10.py"
+MY_TRAIN = SCRIPTS / "my_train.py"
+
+# A script that misbehaves on request, the way users' scripts do.
+FAULTY = '''
+import argparse, os, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddplab import track
+p = argparse.ArgumentParser()
+p.add_argument("--fault", default="none")
+a = p.parse_args()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(8):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if rank == 1 and step == 5:
+        if a.fault == "raise":
+            raise ValueError(f"bad batch at step {step}")
+        if a.fault == "sigkill":
+            os.kill(os.getpid(), 9)
+    track.log({"train/loss": loss.item()}, step=step)
+if rank == 0:
+    import mlflow
+    mlflow.log_metric("plain_mlflow", 1.0)
+    print("rank 0 says goodbye")
+dist.destroy_process_group()
+'''
+
+
+# ---- unit: configs and the command line ----
+
+def test_flags_replace_the_same_flag_in_args_and_bools_are_bare():
+    s = config.ScriptConfig(path="x.py", args=["--lr", "0.1", "--epochs=3", "pos"],
+                            flags={"lr": 0.5, "epochs": 2, "amp": True, "dry": False})
+    assert s.argv() == ["pos", "--lr", "0.5", "--epochs", "2", "--amp"]
+
+
+def test_a_py_file_is_an_experiment_named_after_it(tmp_path):
+    script = tmp_path / "My Train.py"
+    script.write_text("print('hi')\n")
+    cfg = config.load(script, ["script.flags.lr=0.1"], ["--epochs", "3"])
+    assert cfg.name == "My-Train" and cfg.script.path == str(script.resolve())
+    assert cfg.script.argv() == ["--epochs", "3", "--lr", "0.1"]
+
+
+def test_a_script_section_is_relative_to_the_experiment_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "t.py").write_text("x = 1\n")
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("name: e\nscript: {path: sub/t.py, args: [--n, 3], env: {A: b}}\n")
+    cfg = config.load(exp)
+    assert cfg.script.path == str((tmp_path / "sub" / "t.py").resolve())
+    assert cfg.script.args == ["--n", "3"] and cfg.script.env == {"A": "b"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "{d}/missing.py"], "missing.py' not found"),
+    (["train", "{d}/broken.py"], "does not compile: '(' was never closed at line 1"),
+    (["train", "{d}/exp.yaml", "--", "--epochs", "3"], "arguments after `--` are for a script"),
+    (["train", "{d}/ok.py", "--set", "script.flags.--lr=1"], "script.flags.--lr"),
+    (["train", "{d}/ok.py", "--set", "script.env.1A=x"], "script.env.1A"),
+    (["train", "{d}/ok.py", "--set", "script.path=ok.txt"], "a Python file (.py)"),
+])
+def test_bad_script_input_is_one_line_exit_2_before_any_run(tmp_path, capsys, argv, message):
+    (tmp_path / "broken.py").write_text("x = (\n")
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    (tmp_path / "ok.txt").write_text("x = 1\n")
+    (tmp_path / "exp.yaml").write_text("name: e\n")
+    assert cli.main([a.format(d=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_script_flags_without_dashes_dash_get_a_hint(tmp_path, capsys):
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", str(tmp_path / "ok.py"), "--epochs", "3"])
+    assert e.value.code == 2
+    assert "go after --: ddplab train" in capsys.readouterr().err
+
+
+def test_a_study_over_a_script_compares_wall_time_unless_told():
+    book = load_study(REPO / "experiments" / "studies" / "ch09-book-scripts.yaml")
+    assert (book.metric, book.metric_mode) == ("perf/wall_s", "min")
+    lr = load_study(REPO / "experiments" / "studies" / "script-lr-layouts.yaml")
+    assert (lr.metric, lr.metric_mode) == ("perf/samples_per_s", "max")
+    cfgs = {v.name: lr.config(v) for v in lr.variants}
+    assert cfgs["2r-1t-lr0.2"].script.argv() == ["--epochs", "2", "--lr", "0.2"]
+    assert cfgs["2r-1t-lr0.2"].dist.threads_per_rank == 1
+    oneccl = book.config(book.variant("oneccl-2r"))
+    assert oneccl.script.path == str(BOOK_ONECCL.resolve())
+
+
+# ---- end to end: real torchrun, real store ----
+
+def _logs(store: str, run_id: str) -> dict[str, str]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    out = {}
+    for a in client.list_artifacts(run_id, "logs"):
+        local = client.download_artifacts(run_id, a.path)
+        out[Path(a.path).name] = Path(local).read_text()
+    return out
+
+
+@pytest.mark.e2e
+def test_the_books_gloo_script_unchanged_is_one_finished_run(tmp_path, store):
+    res = ddplab(["train", str(BOOK_GLOO), "--", "--synthetic", "128"], tmp_path, job_env(store),
+                 nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = runs(store)
+    tags, metrics = run.data.tags, run.data.metrics
+    assert run.info.status == "FINISHED"
+    assert tags["ddplab.mode"] == "script" and tags["ddplab.backend"] == "gloo"
+    assert tags["ddplab.world_size"] == "2" and tags["ddplab.launcher"] == "torchrun"
+    assert tags["ddplab.script_args"] == '["--synthetic", "128"]'
+    assert tags["ddplab.script_git"] in ("committed", "modified")
+    assert len(tags["ddplab.script_sha256"]) == 64
+    assert any(k.startswith("system/node0/") for k in metrics)
+    assert 0 < metrics["perf/time_to_process_group_s"] <= metrics["perf/wall_s"]
+    assert metrics["perf/time_to_first_collective_s"] >= metrics["perf/time_to_process_group_s"]
+    logs = _logs(store, run.info.run_id)
+    assert set(logs) == {f"rank{r}.{s}.txt" for r in (0, 1) for s in ("stdout", "stderr")}
+    assert "Worker 1 - Epoch [5/5]" in logs["rank1.stdout.txt"]
+    assert "Accuracy of the network" in logs["rank0.stdout.txt"]  # the script's own eval
+    assert "Accuracy of the network" in res.stdout  # and still on the console
+
+
+@pytest.mark.e2e
+def test_mlflow_and_track_land_in_the_one_run_and_a_rank_failure_is_named(tmp_path, store):
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    ok = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    (run,) = runs(store)  # plain mlflow.log_metric made no second run
+    assert run.data.metrics["plain_mlflow"] == 1.0 and "train/loss" in run.data.metrics
+    for fault, why in (("raise", "ValueError: bad batch at step 5"), ("sigkill", "killed by SIGKILL")):
+        bad = ddplab(["train", str(script), "--set", "checkpoint.resume=never", "--",
+                      "--fault", fault], tmp_path, job_env(store), nproc=2)
+        assert bad.returncode != 0
+        failed = [r for r in runs(store) if r.info.status == "FAILED"]
+        assert len(failed) == (1 if fault == "raise" else 2)
+        error = max(failed, key=lambda r: r.info.start_time).data.tags["ddplab.error"]
+        first = error.splitlines()[0]
+        assert first.startswith("the script failed on rank 1 (host ") and why in first, error
+        if fault == "raise":  # the user's traceback, once, from their own file
+            assert 'faulty.py", line' in error and "ddplab/scriptmode" not in error
+    assert not [r for r in runs(store) if r.info.status == "RUNNING"]
+
+
+@pytest.mark.e2e
+def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp_path, store):
+    first = ddplab(["train", str(MY_TRAIN), "--", "--epochs", "3", "--samples", "256",
+                    "--fail-at-step", "10"], tmp_path, job_env(store), nproc=2)
+    assert first.returncode != 0
+    (failed,) = runs(store)
+    assert failed.info.status == "FAILED"
+    again = ddplab(["train", str(MY_TRAIN), "--", "--epochs", "3", "--samples", "256"],
+                   tmp_path, job_env(store), nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
+    assert "resuming from epoch 2" in again.stdout
+    assert run.data.tags["ddplab.resumed_from"] == run.info.run_id
+
+
+@pytest.mark.e2e
+def test_the_books_oneccl_script_runs_on_ddplabs_ccl_standing_in(tmp_path, store):
+    from ddplab import ccl
+
+    if ccl.missing():
+        pytest.skip(f"ddplab's ccl is not built here ({ccl.missing()}); make test builds it")
+    res = ddplab(["train", str(BOOK_ONECCL), "--", "--synthetic", "128"], tmp_path,
+                 job_env(store), nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.backend"] == "ccl"
+    assert "standing in for oneccl_bindings_for_pytorch" in run.data.tags["ddplab.ccl_impl"]
+
+
+@pytest.mark.mpi
+def test_the_books_gloo_script_under_mpirun(tmp_path, store):
+    env = job_env(store, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                  PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    res = subprocess.run(
+        [shutil.which("mpirun") or "mpirun", *root, "-np", "2", "--oversubscribe", "--bind-to",
+         "none", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "MLFLOW_TRACKING_URI", "-x",
+         "PATH", "ddplab", "train", str(BOOK_GLOO), "--", "--synthetic", "128"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "openmpi"
+    assert run.data.tags["ddplab.world_size"] == "2"
+    assert len(_logs(store, run.info.run_id)) == 4
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.e2e
+def test_summary_out_of_a_script_job(tmp_path, store):
+    script = tmp_path / "one.py"
+    script.write_text("import sys; print('one rank, no process group'); sys.exit(0)\n")
+    out = tmp_path / "summary.json"
+    res = ddplab(["train", str(script), "--summary-out", str(out)], tmp_path, job_env(store))
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    (run,) = runs(store)
+    assert summary["run_id"] == run.info.run_id and summary["ranks"][0]["code"] == 0
+    assert run.data.tags["ddplab.backend"].startswith("none")
