@@ -193,6 +193,41 @@ def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp
     assert run.data.tags["ddplab.resumed_from"] == run.info.run_id
 
 
+RESTARTED = '''
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+snap = os.path.join(os.environ["DDPLAB_CHECKPOINT_DIR"], "snap.pt")
+start = torch.load(snap)["step"] + 1 if os.path.exists(snap) else 0
+print(f"rank {rank} attempt {attempt} from step {start}")
+model = DDP(torch.nn.Linear(4, 1))
+for step in range(start, 6):
+    model(torch.randn(2, 4)).sum().backward()
+    if rank == 0:
+        torch.save({"step": step}, snap)
+    dist.barrier()
+    if step == 3 and rank == 1 and attempt == "0":
+        raise RuntimeError("the first attempt dies")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.e2e
+def test_torchrun_max_restarts_continues_the_same_run_from_the_snapshot(tmp_path, store):
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    bindir = Path(sys.executable).parent
+    res = subprocess.run([str(bindir / "torchrun"), "--standalone", "--max-restarts", "1",
+                          "--nproc-per-node", "2", "-m", "ddplab", "train", str(script)],
+                         cwd=tmp_path, env=job_env(store), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 1 attempt 1 from step 4" in res.stdout
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.resumed_from"] == run.info.run_id
+
+
 @pytest.mark.e2e
 def test_the_books_oneccl_script_runs_on_ddplabs_ccl_standing_in(tmp_path, store):
     from ddplab import ccl

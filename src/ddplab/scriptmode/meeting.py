@@ -29,17 +29,43 @@ class Meeting:
 
         self.le = le
         self.hosts_store = "TORCHELASTIC_USE_AGENT_STORE" not in os.environ and le.world_size > 1
-        self.store = dist.HashStore() if le.world_size == 1 else rendezvous_store(le, timeout_s)
+        store = dist.HashStore() if le.world_size == 1 else rendezvous_store(le, timeout_s)
+        # torchrun --max-restarts keeps its agent store across attempts: each attempt its keys.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = dist.PrefixStore(f"{PREFIX}attempt{attempt}/", store)
+        self.script_store: Any = None
+        self.script_port = 0
+        if attempt != "0" and not self.hosts_store and le.world_size > 1:
+            self._fresh_store_for_the_script(le, timeout_s)
+
+    def _fresh_store_for_the_script(self, le: LaunchEnv, timeout_s: int) -> None:
+        """torchrun --max-restarts keeps its agent store, and in it the last attempt's keys of
+        the script's own process group: a rank whose script starts first reads a peer's old
+        address and gloo cannot connect ("connectFullMesh failed ... Connection refused";
+        plain torchrun meets it too, when one rank starts later). A restarted attempt's scripts
+        get a store of their own, which rank 0's supervisor hosts while the job runs."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if le.is_rank0:
+            self.script_store = dist.TCPStore(
+                le.master_addr, 0, le.world_size, True, datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False)
+            self.store.set("script_port", str(self.script_store.port))
+        self.script_port = int(self.store.get("script_port"))
 
     def child_env(self) -> dict[str, str]:
         """What the script's process needs to join this store from its own env:// rendezvous."""
+        if self.script_port:
+            return {"MASTER_PORT": str(self.script_port)}
         if not self.hosts_store:
             return {}
         return {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
 
     def share_from_rank0(self, produce: Callable[[], T], is_rank0: bool, world_size: int) -> T:
         """Like backend.share_from_rank0, through the store: rank 0's failure reaches all."""
-        key = PREFIX + "run"
+        key = "run"
         if is_rank0:
             try:
                 value = produce()
@@ -55,27 +81,27 @@ class Meeting:
 
     def report(self, outcome: dict[str, Any]) -> None:
         """This rank's script has ended (``outcome``: how); a failure stops the others."""
-        self.store.set(f"{PREFIX}out/{self.le.rank}", json.dumps(outcome))
+        self.store.set(f"out/{self.le.rank}", json.dumps(outcome))
         if outcome.get("failed") and not outcome.get("stopped"):
-            self.store.add(PREFIX + "failures", 1)
+            self.store.add("failures", 1)
 
     def peer_failed(self) -> bool:
-        return self.le.world_size > 1 and self.store.add(PREFIX + "failures", 0) > 0
+        return self.le.world_size > 1 and self.store.add("failures", 0) > 0
 
     def outcomes(self) -> dict[int, dict[str, Any]]:
-        keys = {r: f"{PREFIX}out/{r}" for r in range(self.le.world_size)}
+        keys = {r: f"out/{r}" for r in range(self.le.world_size)}
         return {r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
 
     def leave(self, wait_s: float = 15.0) -> None:
         """Done with the store; the rank that hosts it waits for the others to be done too."""
         if self.le.world_size == 1:
             return
-        done = self.store.add(PREFIX + "left", 1)
+        done = self.store.add("left", 1)
         deadline = time.monotonic() + wait_s
         while self.hosts_store and self.le.is_rank0 and done < self.le.world_size \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
-            done = self.store.add(PREFIX + "left", 0)
+            done = self.store.add("left", 0)
 
     def wait_all(self, stop: Callable[[], bool] = lambda: False, grace_s: float = 3.0
                  ) -> dict[int, dict[str, Any]]:

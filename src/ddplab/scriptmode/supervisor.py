@@ -280,16 +280,16 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 _record_start(run, cfg, le, script, resume)
             try:
                 own = script.run_to_end()
-            except BaseException as e:
+                # Every rank stays until all have reported: a node's delivery takes its ranks'
+                # logs, and the store rank 0 may host must outlive the others' last look at it.
+                everyone = meeting.wait_all() if le.is_rank0 or not own["failed"] else {}
+            except BaseException as e:  # a signal (torchrun stopping us once a peer failed)
                 if not le.is_rank0:
                     raise
                 everyone = meeting.wait_all(lambda: True)
                 _record_end(run, script, everyone)
                 raise (_verdict(everyone, le.world_size, e)
                        or ScriptStopped(f"stopped ({type(e).__name__})")) from None
-            # Every rank stays until all have reported: a node's delivery takes its ranks' logs,
-            # and the store rank 0 may host must outlive the others' last look at it.
-            everyone = meeting.wait_all() if le.is_rank0 or not own["failed"] else {}
             meeting.leave()
             if le.is_rank0:
                 _record_end(run, script, everyone)
