@@ -326,6 +326,28 @@ def test_compose_multinode_gives_one_run_across_nodes(compose_factory, nnodes, n
     assert wait_exits(c, c.service, nnodes, time.monotonic() + 120) == [0] * nnodes
 
 
+def test_compose_multinode_runs_the_books_script_as_one_run(compose_factory):
+    """Script mode across containers: the book's chapter 9 gloo script, unchanged but for its
+    --synthetic flag, as EXPERIMENT; one FINISHED run with both nodes' system metrics and every
+    rank's logs."""
+    c = compose_factory(2, 1, EXPERIMENT="experiments/scripts/gloo_distributed-cnn_cifar10.py",
+                        DDPLAB_SET="script.flags.synthetic=128")
+    c.up()
+    run = c.wait_run(finished, timeout=600)
+    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
+    t, m = tags(run), metrics(run)
+    assert t["ddplab.mode"] == "script" and t["ddplab.backend"] == "gloo"
+    assert t["ddplab.world_size"] == "2" and len(t["ddplab.hosts"].split(",")) == 2
+    for node in range(2):
+        assert any(k.startswith(f"system/node{node}/") for k in m), sorted(m)
+    arts = rest(c.base, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}&path=logs",
+                login=c.login())
+    assert {f["path"] for f in arts.get("files", [])} >= {"logs/rank0.stdout.txt",
+                                                         "logs/rank1.stdout.txt"}
+    assert len(c.runs()) == 1
+    assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
+
+
 def metric_steps(c: Compose, run_id: str, key: str) -> list[int]:
     h = rest(c.base, f"/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key={key}",
              login=c.login())["metrics"]

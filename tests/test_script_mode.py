@@ -229,6 +229,29 @@ def test_torchrun_max_restarts_continues_the_same_run_from_the_snapshot(tmp_path
 
 
 @pytest.mark.e2e
+def test_reproduce_reruns_a_script_and_strict_refuses_a_changed_one(tmp_path, store):
+    script = tmp_path / "my_train.py"
+    shutil.copy(MY_TRAIN, script)
+    first = ddplab(["train", str(script), "--", "--samples", "128", "--epochs", "1"], tmp_path,
+                   job_env(store), nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run,) = runs(store)
+    again = subprocess.run([str(Path(sys.executable).parent / "ddplab"), "reproduce",
+                            run.info.run_id], cwd=tmp_path, env=job_env(store),
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and ": bitwise (" in again.stdout, again.stderr[-3000:]
+    new = next(r for r in runs(store) if r.info.run_id != run.info.run_id)
+    assert new.data.tags["ddplab.reproduce.verdict"] == "bitwise"
+    assert new.data.tags["ddplab.script_args"] == run.data.tags["ddplab.script_args"]
+    script.write_text(script.read_text() + "\n# changed\n")
+    strict = subprocess.run([str(Path(sys.executable).parent / "ddplab"), "reproduce", "--strict",
+                             run.info.run_id], cwd=tmp_path, env=job_env(store),
+                            capture_output=True, text=True, timeout=300)
+    assert strict.returncode == 2 and "changed since the run" in strict.stderr
+    assert len(runs(store)) == 2  # refused before any run
+
+
+@pytest.mark.e2e
 def test_the_books_oneccl_script_runs_on_ddplabs_ccl_standing_in(tmp_path, store):
     from ddplab import ccl
 

@@ -11,6 +11,10 @@ series step by step and the final eval metrics:
     within_tolerance   every value within a relative 1e-4 (the reduction order changed)
     differs            anything else
 
+A script-mode run (``ddplab train my_train.py``) is reproduced the same way: its script and
+arguments run again, and every metric the script logged is compared (not ``perf/`` times nor
+``system/`` samples); a script whose file changed since the run is named (``--strict``: refused).
+
 The new run carries ``ddplab.reproduces=<run id>``, ``ddplab.reproduce.verdict`` and the
 artifact ``reproduce/differences.csv``. Exit 0 unless the verdict is ``differs`` (1).
 """
@@ -36,10 +40,18 @@ def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
-def compare(client: Any, original: str, new: str) -> tuple[str, list[tuple[str, int, float, float]]]:
+def compared_keys(run: Any) -> tuple[str, ...]:
+    """ddplab's loop: its loss and eval metrics; a script: whatever the script logged."""
+    if run.data.tags.get("ddplab.mode") != "script":
+        return COMPARED
+    return tuple(sorted(k for k in run.data.metrics if not k.startswith(("system/", "perf/"))))
+
+
+def compare(client: Any, original: str, new: str, keys: tuple[str, ...] = COMPARED
+            ) -> tuple[str, list[tuple[str, int, float, float]]]:
     """The verdict and every (metric, step, original, new) compared."""
     rows: list[tuple[str, int, float, float]] = []
-    for key in COMPARED:
+    for key in keys:
         a, b = _series(client, original, key), _series(client, new, key)
         rows += [(key, s, a.get(s, math.nan), b.get(s, math.nan)) for s in sorted(set(a) | set(b))]
     if not rows or any(math.isnan(x) or math.isnan(y) for _, _, x, y in rows):
@@ -74,7 +86,23 @@ def _differences(original: dict[str, str]) -> list[str]:
         recorded = original.get(f"ddplab.version.{name}")
         if recorded and recorded != str(version):
             said.append(f"{name}: the run {recorded}, here {version}")
-    return said + _user_modules(original)
+    return said + _user_modules(original) + _script(original)
+
+
+def _script(original: dict[str, str]) -> list[str]:
+    """A script-mode run's script, changed or gone since the run."""
+    from ..userparts import sha256
+
+    file, recorded = original.get("ddplab.script"), original.get("ddplab.script_sha256")
+    if not file:
+        return []
+    now = sha256(Path(file))
+    if now == "missing":
+        return [f"script {file}: the run ran it, it is gone here"]
+    if now != recorded:
+        return [f"script {file}: changed since the run (sha256 {(recorded or '?')[:12]} then, "
+                f"{now[:12]} now)"]
+    return []
 
 
 def _user_modules(original: dict[str, str]) -> list[str]:
@@ -141,7 +169,9 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     if changed and strict:
         return 2
     sets = [f"tracking.uri={uri}", f"checkpoint.dir={work / 'checkpoints'}",
-            "checkpoint.resume=never", f"dist.backend={tags.get('ddplab.backend', 'auto')}"]
+            "checkpoint.resume=never"]
+    if tags.get("ddplab.mode") != "script":  # a script chooses its backend itself
+        sets.append(f"dist.backend={tags.get('ddplab.backend', 'auto')}")
     if tags.get("ddplab.threads_per_rank"):
         sets.append(f"dist.threads_per_rank={tags['ddplab.threads_per_rank']}")
     try:
@@ -162,12 +192,14 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     code = subprocess.run(cmd, env=env, check=False).returncode
     if client.get_run(new).info.status == "RUNNING":
         client.set_terminated(new, "FAILED")
-    return _judge(client, run_id, new, code)
+    return _judge(client, run, new, code)
 
 
-def _judge(client: Any, run_id: str, new: str, code: int) -> int:
+def _judge(client: Any, run: Any, new: str, code: int) -> int:
     """Record and print the verdict on the new run; exit 1 when it differs."""
-    verdict, rows = compare(client, run_id, new) if code == 0 else ("differs", [])
+    run_id = run.info.run_id
+    verdict, rows = compare(client, run_id, new, compared_keys(run)) if code == 0 \
+        else ("differs", [])
     client.set_tag(new, "ddplab.reproduce.verdict", verdict)
     lines = ["metric,step,original,new,abs_diff"] + [
         f"{k},{s},{a!r},{b!r},{abs(a - b)!r}" for k, s, a, b in rows]
