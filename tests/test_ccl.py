@@ -305,7 +305,7 @@ def test_auto_on_two_nodes_agrees_on_one_backend(tmp_path, node1_cores, backend_
     would choose gloo. Every rank runs what all chose: one FINISHED run, no wait for a peer
     on another backend."""
     built()
-    from tests.test_containers import free_port
+    from tests.helpers import free_port
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     port = free_port()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, runs
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.container
 CPU_IMAGE, MLFLOW_IMAGE = "ddplab/cpu-oneccl:latest", "ddplab/mlflow:latest"
@@ -40,12 +40,6 @@ def images() -> None:
     for image in (CPU_IMAGE, MLFLOW_IMAGE, MPI_IMAGE, POSTGRES_IMAGE):
         if sh(["docker", "image", "inspect", image], timeout=30).returncode:
             pytest.fail(f"{image} is missing: build it with `make images` (CI: see .ci/run)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rest(base: str, path: str, body: dict | None = None, login: str = "") -> dict:

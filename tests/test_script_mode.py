@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from ddplab import cli, config
 from ddplab.study.spec import load_study
 
 from .conftest import REPO, ddplab, job_env, runs
+from .helpers import BIN, Server, free_port
 
 SCRIPTS = REPO / "experiments" / "scripts"
 BOOK_GLOO = SCRIPTS / "gloo_distributed-cnn_cifar10.py"
@@ -251,6 +253,57 @@ def test_reproduce_reruns_a_script_and_strict_refuses_a_changed_one(tmp_path, st
     assert len(runs(store)) == 2  # refused before any run
 
 
+OUTAGE = '''
+import os, time, torch.distributed as dist
+from ddplab import track
+dist.init_process_group("gloo")
+while not os.path.exists(os.environ["SERVER_DOWN"]):  # the test kills the server first
+    time.sleep(0.1)
+for step in range(5):
+    track.log({"score": step * 1.5}, step=step)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.e2e
+def test_track_records_survive_a_server_down_for_the_whole_script_and_sync_delivers(tmp_path):
+    server = Server(tmp_path)
+    server.start()
+    try:
+        script, flag, ck = tmp_path / "outage.py", tmp_path / "down", tmp_path / "ck"
+        script.write_text(OUTAGE)
+        job = subprocess.Popen(
+            [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddplab", "train",
+             str(script), "--set", f"checkpoint.dir={ck}", "--set",
+             "tracking.delivery_timeout_s=4"], cwd=tmp_path,
+            env=job_env(server.uri, SERVER_DOWN=str(flag)), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while not list(ck.rglob("spool/node0/meta.json")):  # the run exists: now the outage
+            assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0][-3000:]
+            time.sleep(0.2)
+        run_id = json.loads(next(ck.rglob("spool/node0/meta.json")).read_text())["run_id"]
+        server.kill()
+        flag.touch()
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, out[-3000:]
+        assert "ddplab sync" in out, out[-2000:]  # the job says what is left and how to send it
+        server.start()
+        synced = subprocess.run([str(BIN / "ddplab"), "sync", str(ck)], cwd=tmp_path,
+                                env=job_env(""), capture_output=True, text=True, timeout=180)
+        assert synced.returncode == 0, synced.stdout + synced.stderr
+        client = server.client()
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert [(m.step, m.value) for m in client.get_metric_history(run_id, "score")] == \
+            [(s, s * 1.5) for s in range(5)]
+        assert {a.path for a in client.list_artifacts(run_id, "logs")} >= {"logs/rank1.stdout.txt"}
+        assert len(client.search_runs([run.info.experiment_id])) == 1
+    finally:
+        server.kill()
+
+
 @pytest.mark.e2e
 def test_the_books_oneccl_script_runs_on_ddplabs_ccl_standing_in(tmp_path, store):
     from ddplab import ccl
@@ -267,7 +320,7 @@ def test_the_books_oneccl_script_runs_on_ddplabs_ccl_standing_in(tmp_path, store
 
 @pytest.mark.mpi
 def test_the_books_gloo_script_under_mpirun(tmp_path, store):
-    env = job_env(store, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = job_env(store, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                   PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     res = subprocess.run(
@@ -280,14 +333,6 @@ def test_the_books_gloo_script_under_mpirun(tmp_path, store):
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "openmpi"
     assert run.data.tags["ddplab.world_size"] == "2"
     assert len(_logs(store, run.info.run_id)) == 4
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.e2e

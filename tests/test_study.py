@@ -295,7 +295,7 @@ def test_report_and_reproduce_of_an_unknown_run_are_one_line(tmp_path, store, ar
 
 
 def test_a_study_against_a_dead_server_stops_at_once_with_one_line(tmp_path):
-    from tests.test_containers import free_port
+    from tests.helpers import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     out = cli(["study", "run", str(write_study(tmp_path))], tmp_path, dead, timeout=60)

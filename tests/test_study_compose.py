@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers import Server
 from tests.test_containers import images  # noqa: F401 - the module fixture: images must exist
 from tests.test_study import cli
-from tests.test_tracking_faults import Server
 
 pytestmark = pytest.mark.container
 

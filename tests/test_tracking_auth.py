@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICK, REPO, ddplab, job_env
-from tests.test_containers import free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
