@@ -112,3 +112,35 @@ def test_the_configuration_reference_page_is_the_schemas_own():
     assert out.returncode == 0, out.stderr
     page = (REPO / "docs" / "config-reference.md").read_text()
     assert "| `dist.fsdp.mixed_precision` |" in page and "| `train.epochs` |" in page
+
+
+def test_a_study_passes_values_with_spaces_lists_and_maps_to_compose_intact(tmp_path):
+    """The compose variants' DDPLAB_SET reads back as the values the study set (it was split
+    at every space), and BACKEND is left empty unless the study sets a backend."""
+    from ddplab.config import env_overrides, parse_override
+    from ddplab.study.runner import compose_env
+    from ddplab.study.spec import load_study
+
+    (tmp_path / "compose").mkdir()  # a checkout: its compose files above the study
+    (tmp_path / "compose" / "multinode.yml").write_text("services: {}\n")
+    (tmp_path / "exp.yaml").write_text("name: e\ndist: {backend: gloo}\n")
+    (tmp_path / "s.yaml").write_text(
+        "name: s\nexperiment: exp.yaml\nvariants:\n"
+        "  - {name: a, launcher: compose, set: {description: 'two words', "
+        "script.env: {A: 'x y'}, script.args: [--n, '1 2'], tracking.run_name: \"it's\"}}\n"
+        "  - {name: b, launcher: compose, set: {dist.backend: ccl}}\n")
+    study = load_study(tmp_path / "s.yaml")
+    env = compose_env(study, study.variant("a"), 0, "http://127.0.0.1:5000")
+    read = map(parse_override, env_overrides({"DDPLAB_SET": env["DDPLAB_SET"]}))
+    got = {".".join(keys): value for keys, value in read}
+    assert got["description"] == "two words" and got["tracking.run_name"] == "it's"
+    assert got["script.env"] == {"A": "x y"} and got["script.args"] == ["--n", "1 2"]
+    assert env["BACKEND"] == ""  # the experiment's gloo stands
+    assert compose_env(study, study.variant("b"), 0, "http://x:1")["BACKEND"] == "ccl"
+
+
+def test_ddplab_set_with_an_unbalanced_quote_is_one_config_error():
+    from ddplab.config import ConfigError, env_overrides
+
+    with pytest.raises(ConfigError, match="DDPLAB_SET: got .*quote"):
+        env_overrides({"DDPLAB_SET": "description='open"})

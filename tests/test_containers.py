@@ -320,6 +320,25 @@ def test_compose_multinode_gives_one_run_across_nodes(compose_factory, nnodes, n
     assert wait_exits(c, c.service, nnodes, time.monotonic() + 120) == [0] * nnodes
 
 
+@pytest.mark.parametrize("file, service", [("multinode.yml", "node"), ("mpi.yml", "launcher")])
+def test_compose_keeps_the_experiments_backend_unless_backend_is_set(file, service):
+    """compose put dist.backend=auto into DDPLAB_SET, which outranks the experiment file: an
+    experiment's backend: ccl silently ran auto. Now only BACKEND=... sets one, without a
+    warning about an unset variable."""
+    def ddplab_set(backend: str | None) -> tuple[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "BACKEND"}
+        if backend is not None:
+            env["BACKEND"] = backend
+        out = sh(["docker", "compose", "-f", str(REPO / "compose" / file), "config", "--format",
+                  "json"], env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["services"][service]["environment"]["DDPLAB_SET"], out.stderr
+
+    unset, warned = ddplab_set(None)
+    assert "dist.backend" not in unset and "BACKEND" not in warned
+    assert "dist.backend=gloo" in ddplab_set("gloo")[0]
+
+
 def test_compose_multinode_runs_the_books_script_as_one_run(compose_factory):
     """Script mode across containers: the book's chapter 9 gloo script, unchanged but for its
     --synthetic flag, as EXPERIMENT; one FINISHED run with both nodes' system metrics and every

@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
     from .config import ConfigError, env_overrides
     from .credentials import from_files
 
-    if hasattr(args, "overrides"):
-        args.overrides = env_overrides() + args.overrides
     try:
+        if hasattr(args, "overrides"):
+            args.overrides = env_overrides() + args.overrides
         from_files()  # before any launcher copies the environment to the ranks
         return args.func(args)
     except ConfigError as e:

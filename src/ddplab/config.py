@@ -634,9 +634,16 @@ def _apply(raw: dict[str, Any], path: list[str], value: Any, origin: str) -> Non
 def env_overrides(env: dict[str, str] | None = None) -> list[Override]:
     """The ``DDPLAB_SET`` items, which come before (so lose to) command-line ``--set``."""
     import os
+    import shlex
 
     text = (env if env is not None else os.environ).get("DDPLAB_SET") or ""
-    return [("DDPLAB_SET", item) for item in text.split()]
+    # Shell words: a value with spaces, a list or a mapping travels quoted (study/runner.py).
+    try:
+        items = shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"DDPLAB_SET: got {text!r}; {e} (quote a value with spaces as "
+                          "'key=value with spaces')") from None
+    return [("DDPLAB_SET", item) for item in items]
 
 
 def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:

@@ -104,12 +104,14 @@ def compose_env(study: Study, v: Variant, repeat: int, uri: str) -> dict[str, st
     """What the compose files read: the layout, the experiment as the image holds it, the
     overrides, and the study's tracking server under the name containers reach the host by."""
     sets = _sets(study, v, repeat)
+    # Only a study's own dist.backend reaches BACKEND: unset, the experiment's stands.
     backend = next((s.split("=", 1)[1] for s in reversed(sets) if s.startswith("dist.backend=")),
-                   "auto")
+                   "")
     return {"NNODES": str(v.nnodes), "NPROC_PER_NODE": str(v.nproc), "SLOTS": str(v.nproc),
             "EXPERIMENT": str(study.experiment.resolve().relative_to(checkout(study))),
             "BACKEND": backend,
-            "DDPLAB_SET": " ".join(s for s in sets if not s.startswith("dist.backend=")),
+            "DDPLAB_SET": " ".join(shlex.quote(s) for s in sets
+                                   if not s.startswith("dist.backend=")),
             "DDPLAB_TRACKING_URI": in_containers(uri), "DDPLAB_UI_URL": uri,
             # The study's server, not compose's own (--no-deps: its login is never made); this
             # process's credentials, if any, reach the jobs through MLFLOW_TRACKING_*.
