@@ -33,6 +33,7 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
         "repeats": study.repeats, "baseline": study.baseline,
         "extra_set": [spec.as_text(o) for o in study.extra],
         "target_accuracy": study.target_accuracy,
+        "metric": study.metric, "metric_mode": study.metric_mode,
         "variants": [{"name": v.name, "nproc": v.nproc, "nnodes": v.nnodes,
                       "launcher": v.launcher, "set": v.set} for v in study.variants]},
         sort_keys=False)
