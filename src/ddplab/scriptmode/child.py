@@ -119,6 +119,9 @@ def main(argv: list[str]) -> int:
                 print(e.code, file=sys.stderr)
         return code
     except BaseException as e:  # noqa: BLE001 - the script's failure: shown once, kept in the run
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report
         tb = e.__traceback__
         # The frames above the script's own are ddplab's (this module, runpy): not the user's.
         while tb is not None and tb.tb_frame.f_code.co_filename != str(script):

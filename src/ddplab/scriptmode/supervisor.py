@@ -188,7 +188,10 @@ class Script:
                     proc.terminate()
         except BaseException as e:
             stopped = type(e).__name__
-            _stop(proc, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+            # Ctrl-C reached the script too (the terminal signals the whole process group):
+            # it gets time to stop by itself before SIGTERM. Anything else is passed on.
+            interrupted = isinstance(e, KeyboardInterrupt)
+            _stop(proc, None if interrupted else signal.SIGTERM)
             self._end(proc, pumps, stopped)
             raise
         return self._end(proc, pumps, stopped)
@@ -248,14 +251,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
-    with contextlib.suppress(OSError):
-        proc.send_signal(sig)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _stop(proc: subprocess.Popen, sig: int | None, grace_s: float = 10.0) -> None:
+    """``sig`` to the script (None: it has its own already), then SIGTERM, then SIGKILL."""
+    for send in (sig, signal.SIGTERM, signal.SIGKILL):
+        if send is not None:
+            with contextlib.suppress(OSError):
+                proc.send_signal(send)
+        try:
+            proc.wait(timeout=grace_s / 2)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
 
 
 def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
