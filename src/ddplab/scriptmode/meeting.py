@@ -1,10 +1,12 @@
 """Where a script's ranks meet without a process group: the store of ``env://``.
 
-Under torchrun it is the agent's store; under every other launcher global rank 0's supervisor
-hosts it at MASTER_ADDR:MASTER_PORT and the script's own ``init_process_group`` joins it as a
-client (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun), so the port the script expects is
-the one it uses. Through it rank 0 tells every rank the run, each rank says how its script
-ended, and a failure on one rank stops the others' scripts (srun does not by itself).
+Where torchrun's agent hosts one for its workers (``TORCHELASTIC_USE_AGENT_STORE=True``:
+--standalone, one node), it is the agent's; everywhere else (torchrun's multi-node c10d
+rendezvous, mpirun, srun) global rank 0's supervisor hosts it at MASTER_ADDR:MASTER_PORT and
+the script's own ``init_process_group`` joins it as a client (the same variable tells it so),
+so the port the script expects is the one it uses. Through it rank 0 tells every rank the
+run, each rank says how its script ended, and a failure on one rank stops the others' scripts
+(srun does not by itself).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ class Meeting:
         import torch.distributed as dist
 
         self.le = le
-        self.hosts_store = "TORCHELASTIC_USE_AGENT_STORE" not in os.environ and le.world_size > 1
+        # torchrun sets the variable to "False" where its agent hosts no store for the workers
+        # (a multi-node c10d rendezvous): then rank 0 hosts it, as under mpirun and srun.
+        self.hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
+            and le.world_size > 1
         store = dist.HashStore() if le.world_size == 1 else rendezvous_store(le, timeout_s)
         # torchrun --max-restarts keeps its agent store across attempts: each attempt its keys.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -61,7 +66,7 @@ class Meeting:
             return {"MASTER_PORT": str(self.script_port)}
         if not self.hosts_store:
             return {}
-        return {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+        return {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
     def share_from_rank0(self, produce: Callable[[], T], is_rank0: bool, world_size: int) -> T:
         """Like backend.share_from_rank0, through the store: rank 0's failure reaches all."""
