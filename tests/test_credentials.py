@@ -97,3 +97,25 @@ def test_make_k8s_secrets_makes_every_secret_and_key_the_manifests_read():
         assert name in made and (key == "*" or key in made[name]), (name, key)
     # The jobs' login is the admin's, so a fresh cluster's jobs can log in at once.
     assert made["mlflow-credentials"]["password"] == made["mlflow-server"]["admin-password"]
+
+
+def test_a_login_leaves_the_uri_for_mlflows_variables_unless_credentials_are_set():
+    from ddplab.logins import from_uri, take_login
+
+    env = {"MLFLOW_TRACKING_URI": "https://alice:p%40ss@mlflow.example:5000/base"}
+    from_uri(env)
+    assert env == {"MLFLOW_TRACKING_URI": "https://mlflow.example:5000/base",
+                   "MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "p@ss"}
+    given = {"MLFLOW_TRACKING_TOKEN": "tok"}  # the caller's own credentials win, as a set
+    assert take_login("http://bob:x@h:1", given) == "http://h:1" and given == {
+        "MLFLOW_TRACKING_TOKEN": "tok"}
+    assert take_login("sqlite:///mlflow.db", {}) == "sqlite:///mlflow.db"
+
+
+def test_mask_hides_every_urls_password_and_nothing_else():
+    from ddplab.logins import mask
+
+    text = ("postgresql+psycopg2://ddplab:s3cret@db:5432/mlflow and http://u:pw@h/x, "
+            "plain http://h:5000/#/experiments and user@example.org")
+    assert mask(text) == ("postgresql+psycopg2://ddplab:***@db:5432/mlflow and http://u:***@h/x, "
+                          "plain http://h:5000/#/experiments and user@example.org")

@@ -164,3 +164,60 @@ def test_the_right_credentials_train_and_another_users_experiment_is_one_clear_l
     granted = train(tmp_path, server, **bob)
     assert granted.returncode == 0, granted.stderr[-3000:]
     assert len(runs(server, "quickstart")) == 2
+
+
+def _everything_recorded(uri: str, experiment: str, tmp_path: Path) -> str:
+    """Every tag, param, metric name and artifact of the experiment's runs, as one text."""
+    from mlflow import MlflowClient
+
+    os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = \
+        "admin", ADMIN_PASSWORD
+    try:
+        client = MlflowClient(uri)
+        text = []
+        for run in runs(uri, experiment):
+            run_id = run["info"]["run_id"]
+            text.append(json.dumps(run))
+            out = Path(client.download_artifacts(run_id, "", str(tmp_path / "got" / run_id)))
+            text += [p.read_text(errors="replace") for p in out.rglob("*") if p.is_file()]
+        return "\n".join(text)
+    finally:
+        for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            os.environ.pop(k, None)
+
+
+@pytest.mark.parametrize("where", ["MLFLOW_TRACKING_URI", "--set"])
+def test_a_login_in_the_uri_trains_and_the_password_is_nowhere(tmp_path, server, where):
+    """http://admin:PASSWORD@host: the job logs in, and the password is in no console line,
+    tag, param, artifact (environment.json, config.yaml, logs) or spool file."""
+    with_login = server.replace("http://", f"http://admin:{ADMIN_PASSWORD}@")
+    experiment = f"login-{where.strip('-').lower().replace('_', '-')}"
+    if where == "--set":
+        env = job_env(server)
+        out = ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=4",
+                      "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set",
+                      f"tracking.uri={with_login}", "--set", f"tracking.experiment={experiment}",
+                      "--set", "dist.backend=gloo"], tmp_path, env, nproc=2)
+    else:
+        out = ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=4",
+                      "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+                      "--set", f"tracking.experiment={experiment}"], tmp_path,
+                     job_env(with_login), nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:].replace(ADMIN_PASSWORD, "***")
+    assert [r["info"]["status"] for r in runs(server, experiment)] == ["FINISHED"]
+    recorded = _everything_recorded(server, experiment, tmp_path)
+    assert "environment.json" in recorded or '"MLFLOW_TRACKING_URI"' in recorded
+    spooled = "\n".join(p.read_text(errors="replace")
+                        for p in (tmp_path / "ck").rglob("*") if p.is_file() and p.suffix != ".pt")
+    for name, text in (("console", out.stdout + out.stderr), ("the run", recorded),
+                       ("the spool", spooled)):
+        assert ADMIN_PASSWORD not in text, f"the password is in {name}"
+    said = out.stdout + out.stderr
+    assert "admin:***@" not in said and f"{server}/#/experiments/" in said  # the plain address
+
+
+def test_a_binary_password_file_is_one_line(tmp_path, server):
+    (tmp_path / "password").write_bytes(b"\x89\xff\xfe\x00binary")
+    out = train(tmp_path, server, MLFLOW_TRACKING_PASSWORD_FILE=str(tmp_path / "password"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "MLFLOW_TRACKING_PASSWORD_FILE" in out.stderr and "not a text file" in out.stderr

@@ -48,7 +48,9 @@ def _ddplab_ccl() -> str:
 
 
 def launcher_env(env: os._Environ | dict[str, str] = os.environ) -> dict[str, str]:
-    return {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
+    from .logins import mask
+
+    return {k: mask(v) for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
 
 
 def scheduler_tags(env: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -166,11 +166,13 @@ def run(args: argparse.Namespace) -> int:
     """One parsed command, by its handler; bad input is exit 2 with one line."""
     from .config import ConfigError, env_overrides
     from .credentials import from_files
+    from .logins import from_uri
 
     try:
         if hasattr(args, "overrides"):
             args.overrides = env_overrides() + args.overrides
         from_files()  # before any launcher copies the environment to the ranks
+        from_uri()  # a login in MLFLOW_TRACKING_URI: out of the URI, into the credentials
         return args.func(args)
     except ConfigError as e:
         logger().error(e)

@@ -342,6 +342,11 @@ class TrackingConfig:
     clusters that start the server together with the job); 0 = fail at once."""
 
     def __post_init__(self) -> None:
+        # A login in the URI leaves it here (credentials.py): the config is recorded as params
+        # and config.yaml, and the URI printed; the login travels as MLflow's own variables.
+        from .logins import take_login
+
+        self.uri = take_login(self.uri)
         _check_range(self, "wait_s", 0, MAX_TIMEOUT_S)
         _check_range(self, "delivery_timeout_s", 0, MAX_TIMEOUT_S)
         _check_range(self, "system_metrics_interval_s", 0, 3600, low_open=True)
@@ -477,7 +482,12 @@ class ExperimentConfig:
                   "letter or digit")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """As recorded and printed: a database URI's password masked (credentials.mask)."""
+        from .logins import mask
+
+        d = dataclasses.asdict(self)
+        d["tracking"]["uri"] = mask(d["tracking"]["uri"])
+        return d
 
     def flat(self) -> dict[str, Any]:
         """``{"data.batch_size": 32, ...}``: the resolved config as MLflow params."""

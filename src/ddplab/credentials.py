@@ -9,14 +9,15 @@ generated login reaches the jobs that way, never through an image or a command l
 One precedence rule: credentials the caller set in the environment win, as a set: if any of
 the three is set (non-empty), no file is read, so a token given by hand is never paired with a
 password from a file.
+
+A login written into the URI is taken out of it and sent the same way (logins.py).
 """
 
 from __future__ import annotations
 
 import os
 
-CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-"""What MLflow's client sends; every launcher forwards them to every rank."""
+from .logins import CREDENTIALS  # what MLflow's client sends; launchers forward them to every rank
 
 
 def from_files(env: dict[str, str] | None = None) -> list[str]:
@@ -36,6 +37,10 @@ def from_files(env: dict[str, str] | None = None) -> list[str]:
         try:
             with open(path, encoding="utf-8") as f:
                 value = f.read().strip()
+        except UnicodeDecodeError:
+            raise ConfigError(f"environment: {name}_FILE={path}: not a text file (UTF-8); "
+                              f"allowed: a file holding the value as text, or set {name} "
+                              "itself") from None
         except OSError as e:
             raise ConfigError(f"environment: {name}_FILE={path}: cannot read it ({e.strerror}); "
                               f"allowed: a readable file holding the value, or set {name} "
@@ -46,3 +51,4 @@ def from_files(env: dict[str, str] | None = None) -> list[str]:
         env[name] = value
         loaded.append(name)
     return loaded
+

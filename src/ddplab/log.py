@@ -46,8 +46,10 @@ class _Stderr(logging.StreamHandler):
 
 class _Console(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        from .logins import mask
+
         who = record.name.replace(".", " ")
-        text = record.getMessage()
+        text = mask(record.getMessage())  # no password of a URL reaches a console or a log
         if record.levelno < logging.WARNING:
             return f"[{who}] {text}"
         r = rank()

@@ -15,6 +15,7 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
     import yaml
 
     from ..config import ConfigError
+    from ..logins import mask
     from ..tracking import validated_uri
     from . import runner, spec
 
@@ -31,7 +32,7 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
     resolved = yaml.safe_dump({
         "name": study.name, "experiment": str(study.experiment), "set": study.set,
         "repeats": study.repeats, "baseline": study.baseline,
-        "extra_set": [spec.as_text(o) for o in study.extra],
+        "extra_set": [mask(spec.as_text(o)) for o in study.extra],
         "target_accuracy": study.target_accuracy,
         "metric": study.metric, "metric_mode": study.metric_mode,
         "variants": [{"name": v.name, "nproc": v.nproc, "nnodes": v.nnodes,

@@ -205,9 +205,11 @@ def check_variants(study: Study) -> None:
 def typed_command() -> str:
     """The command that ran the study, as typed (with the DDPLAB_SET it read): a results page
     made from the study names it, so the figures can be measured again."""
+    from ..logins import mask
+
     ddplab_set = os.environ.get("DDPLAB_SET", "")
-    return (f"DDPLAB_SET={shlex.quote(ddplab_set)} " if ddplab_set else "") + \
-        shlex.join(["ddplab", *sys.argv[1:]])
+    return mask((f"DDPLAB_SET={shlex.quote(ddplab_set)} " if ddplab_set else "") +
+                shlex.join(["ddplab", *sys.argv[1:]]))
 
 
 def settings_digest(study: Study) -> dict[str, str]:

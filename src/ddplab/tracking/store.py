@@ -34,7 +34,9 @@ def ui_address(uri: str, experiment_id: str, run_id: str = "", view: str = "") -
     route = f"#/experiments/{experiment_id}/runs{'/' + run_id if run_id else ''}?{query}"
     # Inside compose or a cluster the tracking URI is an in-network name (http://mlflow:5000)
     # that the user's browser cannot open: DDPLAB_UI_URL says where the browser finds the UI.
-    ui = os.environ.get("DDPLAB_UI_URL", "")
+    from ..logins import mask
+
+    ui, uri = mask(os.environ.get("DDPLAB_UI_URL", "")), mask(uri)
     if ui or uri.startswith(("http://", "https://")):
         return f": {(ui or uri).rstrip('/')}/{route}"
     return f" in {uri}; browse it with `make ui`, then http://127.0.0.1:5000/{route}"
@@ -78,6 +80,7 @@ def validated_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
     """The tracking URI a command uses (``explicit``, else $MLFLOW_TRACKING_URI, else the
     embedded store here), or one ConfigError line naming where the bad one came from."""
     from ..config import ConfigError
+    from ..logins import mask, take_login
 
     value, where = (explicit, source) if explicit else (
         os.environ.get("MLFLOW_TRACKING_URI", ""), "MLFLOW_TRACKING_URI")
@@ -85,8 +88,8 @@ def validated_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
         return embedded_store()
     problem = uri_problem(value)
     if problem:
-        raise ConfigError(f"{where}: got {value!r}; {problem}")
-    return value
+        raise ConfigError(f"{where}: got {mask(value)!r}; {problem}")
+    return take_login(value)
 
 
 def reachable_client(uri: str) -> Any:
@@ -153,9 +156,11 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure is the one line below
         status = getattr(e, "get_http_status_code", lambda: 0)()
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        from ..logins import mask
+
         if status and status != 500 and "Max retries" not in text:
-            return f"tracking server {uri} answered HTTP {status} ({text[:200]})"
-        return f"tracking server {uri} is unreachable ({text[:200]})"
+            return mask(f"tracking server {uri} answered HTTP {status} ({text[:200]})")
+        return mask(f"tracking server {uri} is unreachable ({text[:200]})")
     finally:
         for k, v in saved.items():
             if v is None:
