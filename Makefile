@@ -46,8 +46,9 @@ $(CCL_STAMP): $(STAMP) src/ddplab/ccl/csrc/ddplab_ccl.cpp src/ddplab/ccl/build.p
 
 setup-ccl: $(CCL_STAMP) ## Build ddplab's oneCCL backend `ccl` into .venv (oneCCL from PyPI; needs g++, libfabric1)
 
-run: $(STAMP) ## Run the main job: EXPERIMENT (quickstart) with NPROC (2) local ranks via torchrun
-	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddplab train $(EXPERIMENT) $(ARGS)
+# ddplab run checks everything it can in one process first (one line, exit 2), then execs torchrun.
+run: $(STAMP) ## Run the main job: EXPERIMENT (quickstart, or your script.py) with NPROC (2) local ranks via torchrun
+	$(BIN)/ddplab run --nproc-per-node $(NPROC) $(EXPERIMENT) $(ARGS)
 
 # --app-name ddplab: MLflow's server app, opening on the runs (src/ddplab/mlflow_app.py).
 ui: $(STAMP) ## Open the MLflow UI over the same store; prints its address (UI_PORT, default 5000)

@@ -346,3 +346,35 @@ def test_summary_out_of_a_script_job(tmp_path, store):
     (run,) = runs(store)
     assert summary["run_id"] == run.info.run_id and summary["ranks"][0]["code"] == 0
     assert run.data.tags["ddplab.backend"].startswith("none")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, message", [
+    (["{quickstart}", "--set", "dist.backend=nccl"], "nccl needs a CUDA device"),
+    (["{quickstart}", "--set", "dist.backend=mpi"], "'mpi' is not available"),
+    (["{quickstart}", "--set", "dist.strategy=fsdp", "--set", "dist.bucket_cap_mb=5"], "fsdp"),
+    (["{quickstart}", "--set", "train.epochs=[1"], "not valid YAML"),
+    (["{missing}"], "not found"),
+])
+def test_ddplab_run_refuses_in_one_line_before_torchrun_starts(tmp_path, store, args, message):
+    """What `make run` runs: the refusals knowable before the ranks start are one line, exit 2,
+    and no torchrun banner or traceback (each rank used to print its own, then torchrun's)."""
+    argv = [a.format(quickstart=REPO / "experiments" / "quickstart.yaml",
+                     missing=tmp_path / "missing.py") for a in args]
+    out = subprocess.run([str(BIN / "ddplab"), "run", "--nproc-per-node", "2", *argv],
+                         cwd=tmp_path, env=job_env(store), capture_output=True, text=True,
+                         timeout=120)
+    lines = [x for x in (out.stdout + out.stderr).splitlines() if x.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not Path(store.removeprefix("sqlite:///")).exists() or runs(store) == []
+
+
+@pytest.mark.e2e
+def test_ddplab_run_starts_torchrun_for_a_script_and_its_arguments(tmp_path, store):
+    out = subprocess.run([str(BIN / "ddplab"), "run", "--nproc-per-node", "2", str(MY_TRAIN),
+                          "--", "--epochs", "1", "--samples", "128"], cwd=tmp_path,
+                         env=job_env(store), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "torchrun"
+    assert json.loads(run.data.tags["ddplab.script_args"]) == ["--epochs", "1", "--samples", "128"]

@@ -42,6 +42,17 @@ def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
     return parts
 
 
+def preflight(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
+              cuda_available: bool) -> None:
+    """``ddplab run``'s checks in one process for the ranks it will start: before_start's,
+    except building the user's parts (each rank does, with its own imports and data)."""
+    cfg.global_batch(le.world_size)
+    _layout(cfg, cuda_available)
+    _strategy(cfg, cuda_available, le.world_size)
+    _data(cfg)
+    for_script(cfg, le, summary_out)  # the store, its login, the folders (the same checks)
+
+
 def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
                 cuda_available: bool, experiment: str | Path) -> None:
     """What a study checks of each variant before any run exists: the batch arithmetic, and,

@@ -2,6 +2,7 @@
 
     ddplab train EXPERIMENT.yaml [--set key.sub=value ...] [--summary-out summary.json]
     ddplab train MY_TRAIN.py [--set ...] [-- SCRIPT ARGS ...]   # your own script, as it is
+    ddplab run --nproc-per-node 2 EXPERIMENT|SCRIPT.py [--set ...] [-- ARGS]  # preflight, torchrun
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
     ddplab sync [PATH ...]                        # deliver what a tracking outage left behind
@@ -88,14 +89,17 @@ def _parser() -> argparse.ArgumentParser:
                                    "e.g. checkpoints/quickstart")
     ex.add_argument("out", help="where to write it, e.g. model.pt")
     from .bench import parser as bench_parser
+    from .launchers.local import parser as run_parser
     from .launchers.mpi import parser as mpi_parser
     from .launchers.rendezvous import parser as launch_parser
 
     bench_parser(sub)
+    run_parser(sub)
     launch_parser(sub)
     mpi_parser(sub)
     # Their parsers live with their code; what runs them is chosen here.
     sub.choices["bench"].set_defaults(func=_bench)
+    sub.choices["run"].set_defaults(func=_run, script_args=[])
     for name in ("launch", "mpi"):
         sub.choices[name].set_defaults(func=_launch)
     return p
@@ -146,15 +150,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     """argv -> the command; ``ddplab train SCRIPT.py ... -- ARGS``: everything after the first
     ``--`` is the script's, untouched (its own flags may look like ddplab's)."""
     script_args: list[str] | None = None
-    if argv[:1] == ["train"] and "--" in argv:
+    if argv[:1] in (["train"], ["run"]) and "--" in argv:
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1:]
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         hint = ""
-        if args.command == "train" and str(args.experiment).endswith(".py"):
-            hint = (f"; a script's own arguments go after --: ddplab train {args.experiment} "
+        if args.command in ("train", "run") and str(args.experiment).endswith(".py"):
+            hint = (f"; a script's own arguments go after --: ddplab {args.command} {args.experiment} "
                     f"-- {' '.join(unknown)}")
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if script_args is not None:
@@ -246,6 +250,18 @@ def _bench(args: argparse.Namespace) -> int:
     except (BackendError, TrackingError, Rank0Error) as e:
         logger("bench").error(e)
         return EXIT_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``ddplab run``: the preflight's refusals are bad input (exit 2), like train's."""
+    from .backend import BackendError
+    from .launchers import local
+
+    try:
+        return local.run(args)
+    except BackendError as e:
+        logger().error(e)
+        return EXIT_USAGE
 
 
 def _launch(args: argparse.Namespace) -> int:

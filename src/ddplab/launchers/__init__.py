@@ -5,6 +5,7 @@
     rendezvous  ``ddplab launch``: one node of a multi-node job (compose, bare machines) finds
                 its peers and runs torchrun
     mpi         ``ddplab mpi worker/launch``: Open MPI over ssh between containers or pods
+    local       ``ddplab run``: N ranks on this machine by torchrun, after a one-process preflight
 """
 
 from .detect import LaunchEnv, LaunchError
