@@ -116,3 +116,14 @@ def test_a_resume_on_another_world_size_keeps_the_global_batch_or_says_which_bat
     with pytest.raises(ConfigError) as refused:
         checkpoint.check_resume(saved, _cfg("data.batch_size=32"), "ck.pt", 4, ck)
     assert "global batch of 64" in str(refused.value) and "data.batch_size=16" in str(refused.value)
+
+
+def test_export_refuses_to_overwrite_its_own_source(tmp_path, capsys):
+    from ddplab import cli
+
+    ckpt = tmp_path / "step-00000004.pt"
+    ckpt.write_bytes(b"not replaced")
+    assert cli.main(["checkpoint", "export", str(ckpt), str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "it is the checkpoint itself" in err and "Traceback" not in err
+    assert ckpt.read_bytes() == b"not replaced"

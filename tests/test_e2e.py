@@ -176,6 +176,16 @@ def test_ctrl_c_ends_the_run_killed(tmp_path, store):
     assert proc.returncode != 0 and run.info.status == "KILLED"
 
 
+def test_a_closed_terminal_sighup_ends_the_run_killed_not_running(tmp_path, store):
+    proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
+    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    os.kill(proc.pid, signal.SIGHUP)  # torchrun passes it to the ranks (an ssh session closing)
+    proc.wait(timeout=90)
+    (run,) = runs(store)
+    assert proc.returncode != 0 and run.info.status == "KILLED"
+    assert "SIGHUP" in run.data.tags["ddplab.error"]
+
+
 @pytest.mark.parametrize("name, args, env_extra, code, message", [
     ("unknown key", ["--set", "train.epoch=2"], {}, 2, "train.epoch: unknown key"),
     ("wrong type", ["--set", "train.epochs=many"], {}, 2, "train.epochs: got 'many'; expected int"),

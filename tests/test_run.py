@@ -64,3 +64,13 @@ def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkey
     (r,) = runs(store)
     assert r.info.status == "FAILED"
     assert "RuntimeError: Connection closed by peer" in r.data.tags["ddplab.error"]
+
+
+def test_summary_json_stays_json_with_nan_and_inf():
+    import json
+
+    from ddplab.fit import _finite
+
+    text = json.dumps(_finite({"loss": float("nan"), "x": [1.0, float("inf")], "n": 3}),
+                      allow_nan=False)
+    assert json.loads(text) == {"loss": None, "x": [1.0, None], "n": 3}

@@ -99,3 +99,18 @@ def test_a_delivery_whose_run_never_opened_exits_at_once(tmp_path, monkeypatch):
     delivery.cancel()
     assert delivery.proc.returncode == 0
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("meta", ["null", "[1, 2]", '{"uri": "sqlite:///x.db"}',
+                                  '{"uri": 1, "run_id": "r", "experiment_id": "0"}'])
+def test_sync_of_a_spool_whose_meta_is_not_one_says_so_in_one_line(tmp_path, capsys, meta):
+    from ddplab import cli
+
+    spool_dir = tmp_path / "ck" / "exp" / "run1" / "spool" / "node0"
+    spool_dir.mkdir(parents=True)
+    (spool_dir / "meta.json").write_text(meta)
+    (spool_dir / "records.jsonl").write_text('{"op": "end", "status": "FINISHED", "ts": 1}\n')
+    assert cli.main(["sync", str(tmp_path / "ck"), "--timeout", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "is not a spool's meta" in err and "Traceback" not in err
+    assert len([x for x in err.splitlines() if x.strip()]) == 1

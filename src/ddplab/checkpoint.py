@@ -277,11 +277,14 @@ def export(src: str, out: str) -> str:
         path = found[0]
     elif not path.is_file():
         raise ConfigError(f"checkpoint export: got {src!r}; no such checkpoint file or folder")
+    target = Path(out)
+    if target.exists() and target.resolve() == path.resolve():
+        raise ConfigError(f"checkpoint export: got {out!r} as the output; it is the checkpoint "
+                          "itself, which the export would replace: give another file")
     try:
         payload = read(path)
     except ValueError as e:
         raise ConfigError(f"checkpoint export: {e}") from None
-    target = Path(out)
     write_atomic(payload["model"], target)
     model = payload["model"]
     numbers = sum(t.numel() for t in model.values() if isinstance(t, torch.Tensor))

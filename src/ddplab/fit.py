@@ -132,9 +132,20 @@ def finish(job: Job) -> dict[str, Any]:
     summary["memory"] = memory
     job.run.log_metrics({"perf/samples_per_s": summary["samples_per_s_steady"],
                          "perf/wall_time_s": summary["wall_time_s"], **memory}, job.state.step)
-    text = json.dumps(summary, indent=2)
+    text = json.dumps(_finite(summary), indent=2, allow_nan=False)
     job.run.log_text(text, "summary.json")
     job.console.save_summary(text)
     final = ", ".join(f"{k} {v:.4f}" for k, v in job.stats.last.items() if k.startswith("eval/"))
     job.console.say(f"done in {summary['wall_time_s']:.1f}s: {job.state.step} steps, {final}")
     return summary
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities as null: summary.json stays JSON (json.dumps wrote bare NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -13,7 +13,7 @@ class Terminated(Exception):
 
 
 class Signals:
-    """SIGINT raises KeyboardInterrupt and SIGTERM raises Terminated, once each job.
+    """SIGINT raises KeyboardInterrupt, SIGTERM and SIGHUP raise Terminated, once each job.
 
     The first signal is remembered: after Ctrl-C a rank may fail in a collective (its peer is
     gone) before its own interrupt surfaces, and the run must still end KILLED, not FAILED.
@@ -25,7 +25,7 @@ class Signals:
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -35,10 +35,14 @@ class Signals:
         self.received = signum
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == signal.SIGHUP:
+            raise Terminated("terminated by SIGHUP (the terminal or ssh session closed)")
         raise Terminated("terminated by SIGTERM (a peer rank failed, or the job was stopped)")
 
     def status(self) -> str:
-        return "KILLED" if self.received == signal.SIGINT else "FAILED"
+        """Ctrl-C and a closed terminal stop the job (KILLED); SIGTERM is also how launchers end
+        the survivors of a failed rank (FAILED)."""
+        return "KILLED" if self.received in (signal.SIGINT, signal.SIGHUP) else "FAILED"
 
     def shield(self) -> None:
         """From here on nothing interrupts: the run's ending must reach the store."""

@@ -354,7 +354,7 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
         return ScriptFailed(f"the job failed: rank(s) {','.join(map(str, missing))} ended without "
                             "reporting (the rank's process killed outright: SIGKILL, the OOM "
                             "killer?)")
-    why = "SIGTERM" if signal_e is not None else "a peer was stopped"
+    why = str(signal_e).split(" (")[0] if signal_e is not None else "a peer was stopped"
     return ScriptStopped(f"stopped ({why}) while no rank had failed: the job was stopped")
 
 

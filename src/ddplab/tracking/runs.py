@@ -66,8 +66,8 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
         signals.shield()
         status = getattr(e, "status", None) or signals.status()
         error = getattr(e, "detail", None) or (
-            "interrupted (SIGINT / Ctrl-C)" if status == "KILLED"
-            else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+            ("interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e))
+            if status == "KILLED" else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         raise
     finally:
         signals.shield()

@@ -136,7 +136,14 @@ class Meta:
 
     @staticmethod
     def read(directory: Path) -> Meta:
-        return Meta(**json.loads((directory / "meta.json").read_text()))
+        """The spool's meta, or ValueError naming what is wrong with it (null, a list, a
+        missing or mistyped field): ``ddplab sync`` then says so in one line and goes on."""
+        raw = json.loads((directory / "meta.json").read_text())
+        fields = ("uri", "run_id", "experiment_id")
+        if not isinstance(raw, dict) or not all(isinstance(raw.get(f), str) for f in fields):
+            raise ValueError(f"{directory / 'meta.json'} is not a spool's meta (a mapping of "
+                             f"{', '.join(fields)} as text): {str(raw)[:100]}")
+        return Meta(**{f: raw[f] for f in fields})
 
     def write(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
