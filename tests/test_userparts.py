@@ -328,3 +328,39 @@ def test_a_run_from_a_dirty_tree_says_so_and_strict_reproduce_refuses_it(tmp_pat
     refused = _reproduce(run.info.run_id, tmp_path, store, "--strict")
     assert refused.returncode == 2 and "uncommitted changes" in refused.stderr, refused.stderr
     assert len(runs(store)) == 1  # refused before any new run
+
+
+LOGGING_LOSS = '''
+import os
+import mlflow
+import torch.nn.functional as F
+from ddplab import track
+from spirals import *  # noqa: F401,F403 - the example's model and data
+
+calls = {"n": 0}
+
+
+def loss(outputs, targets):
+    value = F.cross_entropy(outputs, targets)
+    calls["n"] += 1
+    if int(os.environ.get("RANK", "0")) == 0 and calls["n"] % 4 == 0:
+        mlflow.log_metric("user/plain_mlflow", value.item(), step=calls["n"])
+        track.log({"user/tracked": value.item()}, step=calls["n"])
+    return value
+'''
+
+
+@pytest.mark.e2e
+def test_a_user_loss_logging_to_mlflow_and_track_lands_in_the_one_run(tmp_path, store):
+    """A user's loss calling mlflow.log_metric made a SECOND run (experiment Default, left
+    RUNNING); now the job's run is active for user code, and ddplab.track goes through it."""
+    exp = tmp_path / "examples"
+    shutil.copytree(SPIRALS.parent, exp)
+    (exp / "logging_loss.py").write_text(LOGGING_LOSS)
+    out = _torchrun(["train", str(exp / "spirals.yaml"), "--set", "train.max_steps=12",
+                     "--set", "train.loss=logging_loss:loss",
+                     "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, store)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)  # no second run anywhere in the store
+    assert run.info.status == "FINISHED"
+    assert "user/plain_mlflow" in run.data.metrics and "user/tracked" in run.data.metrics
