@@ -364,3 +364,20 @@ def test_a_user_loss_logging_to_mlflow_and_track_lands_in_the_one_run(tmp_path, 
     (run,) = runs(store)  # no second run anywhere in the store
     assert run.info.status == "FINISHED"
     assert "user/plain_mlflow" in run.data.metrics and "user/tracked" in run.data.metrics
+
+
+@pytest.mark.parametrize("shadow", ["mlflow.py", "sqlite3.py", "secrets.py", "torch/__init__.py"])
+def test_a_module_beside_the_experiment_that_shadows_a_library_is_one_line(tmp_path, capsys,
+                                                                            shadow):
+    from ddplab import cli
+
+    exp = tmp_path / "examples"
+    shutil.copytree(SPIRALS.parent, exp)
+    (exp / shadow).parent.mkdir(parents=True, exist_ok=True)
+    (exp / shadow).write_text("raise ImportError('the user module, not the library')\n")
+    code = cli.main(["train", str(exp / "spirals.yaml"), "--set", "train.max_steps=2",
+                     "--set", "tracking.enabled=false", "--set", f"checkpoint.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert f"{exp / shadow.split('/')[0]}" in line and "shadows the module" in line

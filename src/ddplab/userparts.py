@@ -29,14 +29,42 @@ DATA_NAMES = ("root", "seed", "image_size", "channels", "num_classes", "seq_len"
 """data.* values a dataset callable receives when its signature names them."""
 
 
+# Imported later by ddplab or MLflow (at the run's start, by the delivery process), so not yet
+# in sys.modules when the checks run; a file of the same name first on the path breaks them.
+LATER_IMPORTS = ("mlflow", "sqlalchemy", "alembic", "sqlite3", "secrets", "psutil", "requests",
+                 "flask", "jinja2", "matplotlib", "pandas", "numpy", "rich", "yaml",
+                 "torchvision", "urllib3", "packaging", "ddplab")
+
+
 def add_search_path(experiment: str | Path | None) -> str:
-    """Put the experiment file's folder first on sys.path; returns it ('' without a file)."""
+    """Put the experiment file's folder first on sys.path; returns it ('' without a file). A
+    module there that would shadow one ddplab or MLflow imports (``mlflow.py``,
+    ``sqlite3.py``, ``secrets.py``, ...) is refused first, in one line naming the file."""
     if experiment is None:
         return ""
-    folder = str(Path(experiment).resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return folder
+    folder = Path(experiment).resolve().parent
+    _refuse_shadows(folder)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return str(folder)
+
+
+def _refuse_shadows(folder: Path) -> None:
+    # Only what is or will be imported: a file named like an unused stdlib module
+    # (test.py, code.py) shadows nothing that runs.
+    taken = {m.split(".")[0] for m in sys.modules} | set(LATER_IMPORTS)
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for entry in sorted(entries):
+        name = entry.stem if entry.suffix == ".py" else entry.name
+        is_module = entry.suffix == ".py" or (entry / "__init__.py").is_file()
+        if is_module and name in taken:
+            raise ConfigError(
+                f"{entry}: this file beside the experiment shadows the module {name!r} that "
+                "ddplab, MLflow or torch import (the experiment's folder goes first on the "
+                "import path, for your own parts): rename it")
 
 
 def load_callable(key: str, path: str) -> Callable[..., Any]:
