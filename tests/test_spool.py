@@ -114,3 +114,21 @@ def test_sync_of_a_spool_whose_meta_is_not_one_says_so_in_one_line(tmp_path, cap
     err = capsys.readouterr().err
     assert "is not a spool's meta" in err and "Traceback" not in err
     assert len([x for x in err.splitlines() if x.strip()]) == 1
+
+
+def test_one_odd_param_name_is_set_aside_alone_not_with_the_other_80(store):
+    """Every param of a job travels as one record; a name the store refuses ("Names may be
+    treated as files") took all 81 with it and the run had 0 params."""
+    client, run_id, d = store
+    s = spool.Stream(d, "records")
+    params = {f"model.args.k{i}": str(i) for i in range(80)} | {"model.args.a/../b": "1"}
+    s.append({"op": "log", "ts": 1000, "params": params})
+    s.append({"op": "log", "ts": 1001, "step": 0, "metrics": {"loss": 2.0, "bad/../m": 1.0}})
+    s.append({"op": "end", "ts": 3000, "status": "FINISHED"})
+    out = spool.deliver(d, client, lambda: False, timeout_s=5)
+    assert (out.left, out.set_aside) == (0, 2)
+    run = client.get_run(run_id)
+    assert len(run.data.params) == 80 and "model.args.a/../b" not in run.data.params
+    assert run.data.metrics["loss"] == 2.0 and run.info.status == "FINISHED"
+    rejected = (d / "rejected.jsonl").read_text()
+    assert "a/../b" in rejected and "model.args.k1" not in rejected

@@ -253,23 +253,36 @@ class Sender:
 
     def _one_by_one(self, batch: list[dict[str, Any]], e: Exception) -> None:
         """A refused batch: send its records alone, so one bad record (a param whose value
-        changed) does not take its neighbours with it; set aside only what is refused."""
-        if len(batch) == 1:
-            self._reject(batch, e)
+        changed) does not take its neighbours with it, and a refused record of many values
+        (every param of a job travels as one) value by value, so one odd name (``a/../b``) is
+        set aside ALONE; set aside only what is refused."""
+        pieces = batch if len(batch) > 1 else _single_values(batch[0])
+        if len(pieces) == 1:
+            self._reject(pieces, e)
             return
-        for record in batch:
+        for record in pieces:
             try:
                 self._send([record])
             except Exception as one:
                 if not _is_permanent(one):
                     raise
-                self._reject([record], one)
+                self._one_by_one([record], one)
 
     def _reject(self, batch: list[dict[str, Any]], e: Exception) -> None:
         with self.rejected.open("a") as f:
             for r in batch:
                 f.write(json.dumps({"error": str(e)[:500], "record": r}) + "\n")
         self.set_aside += len(batch)
+
+
+def _single_values(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A log record as one record per metric, param and tag (any other record: itself)."""
+    if record.get("op") != "log":
+        return [record]
+    base = {k: v for k, v in record.items() if k not in ("metrics", "params", "tags")}
+    out = [{**base, kind: {k: v}} for kind in ("metrics", "params", "tags")
+           for k, v in record.get(kind, {}).items()]
+    return out or [record]
 
 
 def _batches(pending: Iterator[tuple[int, dict[str, Any]]]
