@@ -381,3 +381,45 @@ def test_a_module_beside_the_experiment_that_shadows_a_library_is_one_line(tmp_p
     assert code == 2 and "Traceback" not in err, err
     (line,) = [x for x in err.splitlines() if x.strip()]
     assert f"{exp / shadow.split('/')[0]}" in line and "shadows the module" in line
+
+
+EXITING = '''
+import sys
+import torch.nn.functional as F
+from spirals import *  # noqa: F401,F403
+
+if "{when}" == "import":
+    sys.exit({code})
+calls = {{"n": 0}}
+
+
+def loss(outputs, targets):
+    calls["n"] += 1
+    if calls["n"] == 3:
+        sys.exit({code})
+    return F.cross_entropy(outputs, targets)
+'''
+
+
+@pytest.mark.parametrize("when, code, exit_code, said", [
+    ("import", 0, 2, "importing exiting_import_0 called sys.exit(0)"),
+    ("training", 0, 1, "user code called sys.exit(0) during the job"),
+    ("training", 3, 1, "user code called sys.exit(3) during the job"),
+])
+def test_sys_exit_in_user_code_is_a_failure_in_one_line(tmp_path, capsys, monkeypatch, store,
+                                                         when, code, exit_code, said):
+    """sys.exit(0) at a user module's import exited 0 with no run and no word; in a loss it
+    ended the process 0 or 3 with no line. Exit 0 from user code is no success."""
+    from ddplab import cli
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    exp = tmp_path / "examples"
+    shutil.copytree(SPIRALS.parent, exp)
+    name = f"exiting_{when}_{code}"  # one module per case: this process imports each once
+    (exp / f"{name}.py").write_text(EXITING.format(when=when, code=code))
+    got = cli.main(["train", str(exp / "spirals.yaml"), "--set", "train.max_steps=6",
+                    "--set", f"train.loss={name}:loss", "--set", f"checkpoint.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert got == exit_code and said in err and "Traceback" not in err, err
+    found = runs(store) if Path(store.removeprefix("sqlite:///")).exists() else []
+    assert [r.info.status for r in found] == ([] if when == "import" else ["FAILED"])

@@ -301,6 +301,13 @@ def _train(experiment: str, overrides: list[str], summary_out: str,
         logger().error(e)
         _tell_torchrun(e)
         return EXIT_ERROR
+    except SystemExit as e:
+        # User code (a model, loss, dataset, metric) called sys.exit while training: exit 0
+        # from a part is no success; the run recorded it FAILED (tracking/runs.py).
+        line = f"user code called sys.exit({e.code!r}) during the job; it ended FAILED"
+        logger().error(line)
+        _tell_torchrun(RuntimeError(line))
+        return EXIT_ERROR
 
 
 def _tell_torchrun(e: BaseException) -> None:

@@ -49,10 +49,21 @@ def add_search_path(experiment: str | Path | None) -> str:
     return str(folder)
 
 
+def _installed_imports() -> set[str]:
+    """Top-level modules imported so far from the standard library or site-packages: only what
+    is or will be imported can be shadowed (test.py or code.py shadow nothing that runs), and
+    a user's own module imported earlier in this process (spirals) is not a library."""
+    homes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    out = set(sys.builtin_module_names)
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None) or ""
+        if "." not in name and file.startswith(homes):
+            out.add(name)
+    return out
+
+
 def _refuse_shadows(folder: Path) -> None:
-    # Only what is or will be imported: a file named like an unused stdlib module
-    # (test.py, code.py) shadows nothing that runs.
-    taken = {m.split(".")[0] for m in sys.modules} | set(LATER_IMPORTS)
+    taken = _installed_imports() | set(LATER_IMPORTS)
     try:
         entries = list(folder.iterdir())
     except OSError:
@@ -76,6 +87,9 @@ def load_callable(key: str, path: str) -> Callable[..., Any]:
         missing = f"module {e.name!r} not found" if e.name else str(e)
         raise ConfigError(f"{key}: got {path!r}; {missing} (modules beside the experiment file "
                           "import as they are; others must be installed or on PYTHONPATH)") from None
+    except SystemExit as e:  # sys.exit() at import: not a success, and not ddplab's to exit
+        raise ConfigError(f"{key}: got {path!r}; importing {module_name} called "
+                          f"sys.exit({e.code!r})") from None
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything at import
         raise ConfigError(f"{key}: got {path!r}; importing {module_name} raised "
                           f"{why(e)}") from None
@@ -97,6 +111,9 @@ def call(key: str, path: str, fn: Callable[..., Any], kwargs: dict[str, Any]) ->
     """Call a user's callable; any exception becomes one line."""
     try:
         return fn(**kwargs)
+    except SystemExit as e:
+        raise ConfigError(f"{key}: got {path!r}; calling it called sys.exit({e.code!r})") \
+            from None
     except Exception as e:  # noqa: BLE001 - the user's code may raise anything
         raise ConfigError(f"{key}: got {path!r}; calling it raised {why(e)}") from None
 
