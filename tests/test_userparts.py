@@ -174,6 +174,22 @@ def test_imagefolder_tree_gives_classes_and_sizes_from_the_tree(tmp_path):
     assert data.datasets(gray.data, 0)[0][0][0].shape == (1, 32, 32)
 
 
+def test_imagefolder_refuses_a_symlink_loop_and_an_empty_class_up_front(tmp_path):
+    """A link back up the tree (train/red/loop -> ..) made torchvision read 12 images as 492
+    samples, the other classes' under red; an empty class folder trained silently."""
+    root = imagefolder_tree(tmp_path / "imgs", {"train": 2, "val": 1}, size=8)
+    (root / "train" / "red" / "loop").symlink_to("..")
+    problem = data.imagefolder_problem(str(root))
+    assert "links back to" in problem and "symlink loop" in problem, problem
+    (root / "train" / "red" / "loop").unlink()
+    assert data.imagefolder_problem(str(root)) == ""
+    (root / "val" / "green").mkdir(exist_ok=True)
+    for f in (root / "val" / "green").iterdir():
+        f.unlink()
+    problem = data.imagefolder_problem(str(root))
+    assert problem.startswith(str((root / "val" / "green").resolve())) and "no images" in problem
+
+
 def test_a_users_dataset_describes_itself_by_attributes_then_shapes():
     cfg = config.load(None, ["data.dataset=mine:sets"])
     ds = torch.utils.data.TensorDataset(torch.zeros(4, 1, 6, 6), torch.zeros(4, dtype=torch.long))

@@ -109,16 +109,38 @@ def imagefolder_problem(root: str) -> str:
         if not folder.is_dir():
             return f"{folder.resolve()} is missing (an ImageFolder tree has {root}/train/<class>/* " \
                    f"and {root}/val/<class>/*)"
+        loop = _symlink_loop(folder)
+        if loop:
+            return loop
         classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
-        images = [p for c in classes[split] for p in (folder / c).rglob("*")
-                  if p.suffix.lower() in IMG_EXTENSIONS]
-        if not images:
+        empty = [c for c in classes[split] if not any(
+            p.suffix.lower() in IMG_EXTENSIONS for p in (folder / c).rglob("*"))]
+        if empty and len(empty) == len(classes[split]):
             return f"{folder.resolve()} holds no images in class folders"
+        if empty:
+            return (f"{(folder / empty[0]).resolve()}: the class folder holds no images (a class "
+                    "with no samples cannot be learned; remove the folder or add its images)")
     if len(classes["train"]) < 2:
         return f"{Path(root, 'train').resolve()} has {len(classes['train'])} class folder(s); need >= 2"
     if classes["train"] != classes["val"]:
         return (f"the class folders of train ({', '.join(classes['train'])}) and val "
                 f"({', '.join(classes['val'])}) differ")
+    return ""
+
+
+def _symlink_loop(folder: Path) -> str:
+    """A folder under ``folder`` that links back to one already walked: torchvision's
+    ImageFolder follows links, so a loop (``train/a/loop -> ..``) reads the same images again
+    and again, under the wrong classes (12 images became 492 samples)."""
+    import os
+
+    seen: set[str] = set()
+    for here, _, _ in os.walk(folder, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:
+            return (f"{here} links back to {real}, a folder already in the tree (a symlink "
+                    "loop: its images would be read again, under other classes); remove the link")
+        seen.add(real)
     return ""
 
 
