@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, job_env
+from tests.conftest import REPO, job_env, runs
 
 pytestmark = pytest.mark.e2e
 
@@ -93,7 +93,7 @@ def test_a_bad_study_file_is_one_clear_line_and_no_run(tmp_path, store, change, 
     assert out.returncode == 2, out.stdout + out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert "study.yaml" in line and says in line and "Traceback" not in out.stderr
-    assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("checkpoints"))
+    assert runs(store) == [] and not list(tmp_path.glob("checkpoints"))
 
 
 def test_slurm_variants_are_sbatch_jobs_and_need_a_login_node(tmp_path, store):
@@ -117,7 +117,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, store):
     # Repeats interleaved and rotated: repeat 1 starts with the second variant.
     assert [x.split(":")[0].strip() for x in lines] == ["one r0", "two r0", "two r1", "one r1"]
     assert "--nproc-per-node=2" in lines[1]
-    assert not (tmp_path / "mlflow.db").exists()
+    assert runs(store) == []
 
 
 def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path, store):
@@ -298,7 +298,7 @@ def test_each_shipped_study_runs_reduced(tmp_path, store, shipped):
         # Containers cannot reach a local SQLite store: one clear line before anything runs.
         # (tests/test_study_compose.py runs it against a server, in the container tier.)
         assert out.returncode == 2 and "need a tracking SERVER" in out.stderr, out.stderr
-        assert not (tmp_path / "mlflow.db").exists()
+        assert runs(store) == []
         return
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (parent,), children = study_runs(store)
