@@ -29,16 +29,7 @@ def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
     _strategy(cfg, cuda_available, le.world_size)
     _data(cfg)
     parts = _user_parts(cfg, experiment)
-    if cfg.tracking.enabled:
-        _tracking_uri(cfg.tracking.uri)
-    if le.is_rank0:
-        if cfg.tracking.enabled:
-            _credentials(resolve_uri(cfg.tracking))
-            _run_to_attach(resolve_uri(cfg.tracking))
-        _writable_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
-        _really_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
-        if summary_out:
-            _summary_path(Path(summary_out))
+    _store_and_folders(cfg, le, summary_out)
     return parts
 
 
@@ -50,7 +41,7 @@ def preflight(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
     _layout(cfg, cuda_available)
     _strategy(cfg, cuda_available, le.world_size)
     _data(cfg)
-    for_script(cfg, le, summary_out)  # the store, its login, the folders (the same checks)
+    _store_and_folders(cfg, le, summary_out)
 
 
 def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
@@ -302,6 +293,12 @@ def _summary_path(path: Path) -> None:
 def for_script(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str) -> None:
     """Script mode's checks (the script itself was found and compiled by config.load): the
     tracking store and the folders the run writes, before any run exists."""
+    _store_and_folders(cfg, le, summary_out)
+
+
+def _store_and_folders(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str) -> None:
+    """The tracking URI; on rank 0 (where the writes happen) the store's login, the run to
+    attach to, and the folders the job writes."""
     if cfg.tracking.enabled:
         _tracking_uri(cfg.tracking.uri)
     if not le.is_rank0:

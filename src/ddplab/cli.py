@@ -24,7 +24,7 @@ import warnings
 from typing import Any
 
 from . import __version__
-from .log import logger
+from .log import flush_std, logger
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 
@@ -126,11 +126,7 @@ def entry() -> None:
 
         ccl.release_shm()  # libfabric's destructor, which would, does not run after os._exit
     if args.command in ("train", "bench"):
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_std()
         os._exit(code)
     raise SystemExit(code)
 

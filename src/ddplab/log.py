@@ -44,6 +44,17 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
+def flush_std() -> None:
+    """stdout and stderr flushed before a process ends by os._exit (nothing else would)."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 class _Console(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         from .logins import mask

@@ -140,14 +140,12 @@ def _exit(code: int) -> None:
     (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop)."""
     import atexit
 
+    from ..log import flush_std
+
     try:
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_std()
         os._exit(code)
 
 
