@@ -115,7 +115,7 @@ def imagefolder_problem(root: str) -> str:
         classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
         empty = [c for c in classes[split] if not any(
             p.suffix.lower() in IMG_EXTENSIONS for p in (folder / c).rglob("*"))]
-        if empty and len(empty) == len(classes[split]):
+        if len(empty) == len(classes[split]):  # no class folders, or none with images
             return f"{folder.resolve()} holds no images in class folders"
         if empty:
             return (f"{(folder / empty[0]).resolve()}: the class folder holds no images (a class "
