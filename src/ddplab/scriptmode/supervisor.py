@@ -36,6 +36,7 @@ from ..tracking import spool
 from .meeting import Meeting
 
 FINISHED_MARK = ".ddplab-finished"
+PEER_FAILED = "another rank failed"
 OWN_ENTRIES = {"spool", FINISHED_MARK}
 
 
@@ -183,8 +184,10 @@ class Script:
         try:
             while proc.poll() is None:
                 time.sleep(0.2)
-                if self.meeting.peer_failed() and not stopped:
-                    stopped = "another rank failed"
+                # Only a script still running was stopped by us: one that died meanwhile (its
+                # own failure, which its peer's error may have been reported before) is not.
+                if not stopped and self.meeting.peer_failed() and proc.poll() is None:
+                    stopped = PEER_FAILED
                     proc.terminate()
         except BaseException as e:
             stopped = type(e).__name__
@@ -217,6 +220,8 @@ class Script:
 
     def outcome(self, code: int, stopped: str) -> dict[str, Any]:
         seen = self.observed()
+        if stopped == PEER_FAILED and code != -signal.SIGTERM and "exception" in seen:
+            stopped = ""  # it failed by itself just before our SIGTERM reached it
         out: dict[str, Any] = {"rank": self.le.rank, "host": socket.gethostname(), "code": code,
                                "t": seen.get("t", time.time()), "failed": code != 0,
                                "stopped": stopped,
@@ -337,6 +342,8 @@ def _secondary(o: dict[str, Any]) -> bool:
 def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseException | None
              ) -> ScriptFailed | None:
     """The first rank that failed by itself, or a stopped job, or a rank that never reported."""
+    # The cause: a rank that failed by itself, its own error before a consequence of another's
+    # (a connection its dead peer closed), then the earliest.
     own = sorted((o for o in outcomes.values() if o["failed"] and not o["stopped"]),
                  key=lambda o: (_secondary(o), o["t"]))
     if own:
