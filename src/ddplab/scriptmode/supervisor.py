@@ -220,7 +220,7 @@ class Script:
 
     def outcome(self, code: int, stopped: str) -> dict[str, Any]:
         seen = self.observed()
-        if stopped == PEER_FAILED and code != -signal.SIGTERM and "exception" in seen:
+        if stopped == PEER_FAILED and code != -signal.SIGTERM and (code < 0 or "exception" in seen):
             stopped = ""  # it failed by itself just before our SIGTERM reached it
         out: dict[str, Any] = {"rank": self.le.rank, "host": socket.gethostname(), "code": code,
                                "t": seen.get("t", time.time()), "failed": code != 0,
