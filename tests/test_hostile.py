@@ -56,8 +56,12 @@ STUDY = REPO / "experiments" / "studies" / "ch09-bf16.yaml"
                                      ["reproduce", "abc"], ["bench", "collectives"],
                                      ["train", QUICKSTART]])
 def test_a_bad_tracking_uri_is_one_line_for_every_command(tmp_path, uri, says, command):
+    from ddplab.logins import mask
+
     out = ddplab(command, tmp_path, uri, timeout=120)
-    one_line(out, 2, f"MLFLOW_TRACKING_URI: got {uri!r}; {says}")
+    # A password in the URI is shown masked (postgresql://u:***@...), never as given.
+    one_line(out, 2, f"MLFLOW_TRACKING_URI: got {mask(uri)!r}; {says}")
+    assert ":p@" not in out.stdout + out.stderr
 
 
 def test_sync_checks_its_tracking_uri_too(tmp_path):
