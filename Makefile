@@ -18,7 +18,7 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ddplab-setup
 
-.PHONY: help setup lock run ui docs test test-unit test-distributed test-e2e test-container lint bench doctor \
+.PHONY: help setup lock run ui docs test test-unit test-distributed test-e2e test-container lint bench bench-startup doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser k8s-validate \
 	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
@@ -92,6 +92,9 @@ study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the repor
 
 bench: $(STAMP) ## Benchmarks (prints ratios measured side by side)
 	$(BIN)/python benchmarks/bench_core.py $(ARGS)
+
+bench-startup: $(STAMP) ## What tracking adds to a short job's set-up and teardown (tracked vs untracked, interleaved)
+	$(BIN)/python benchmarks/bench_startup.py $(ARGS)
 
 BENCH_NODES ?= 1
 bench-collectives: $(STAMP) ## Time and check every collective on NPROC ranks (x BENCH_NODES torchrun nodes on this host); the support matrix (ARGS: --sizes 1M,64M ...)

@@ -101,6 +101,28 @@ def test_a_delivery_whose_run_never_opened_exits_at_once(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+
+def test_the_delivery_process_opens_the_run_for_rank_0(store, monkeypatch):
+    """Rank 0 never imports MLflow: the node's delivery process, started first, opens the run
+    and answers; its failures reach rank 0 as the same one line; and a run it opened for a job
+    that then stopped before delivering (the ranks failed to meet) ends FAILED, not RUNNING."""
+    from ddplab.tracking import TrackingError
+    from ddplab.tracking.opening import Request
+
+    client, _, _ = store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", client.tracking_uri)
+    delivery = _early_delivery()
+    with pytest.raises(TrackingError, match=r"^tracking server http://127.0.0.1:9/ is unreachable"):
+        delivery.open_run(Request("http://127.0.0.1:9/", "e", "r", ""))
+    opened = delivery.open_run(Request(client.tracking_uri, "opened-there", "my run", "what"))
+    run = client.get_run(opened.run_id)
+    assert run.info.run_name == "my run" and run.info.status == "RUNNING"
+    assert client.get_experiment(opened.experiment_id).name == "opened-there"
+    delivery.cancel()
+    assert delivery.proc.returncode == 0
+    run = client.get_run(opened.run_id)
+    assert run.info.status == "FAILED" and "before it started training" in run.data.tags["ddplab.error"]
+
 @pytest.mark.parametrize("meta", ["null", "[1, 2]", '{"uri": "sqlite:///x.db"}',
                                   '{"uri": 1, "run_id": "r", "experiment_id": "0"}'])
 def test_sync_of_a_spool_whose_meta_is_not_one_says_so_in_one_line(tmp_path, capsys, meta):

@@ -77,7 +77,8 @@ def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
     """tracking.wait_s: a server that starts 2 s after the job is waited for, not fatal."""
     import time
 
-    from ddplab.tracking import tracker as tracking  # where the run is created
+    from ddplab.tracking import opening as tracking  # where the run is opened
+    from ddplab.tracking.tracker import _create_or_attach
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -91,12 +92,11 @@ def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "check_reachable", late)
     monkeypatch.chdir(tmp_path)
     cfg = TrackingConfig(uri=f"sqlite:///{tmp_path / 'm.db'}", wait_s=5)
-    t = tracking._create_or_attach(cfg, "x", "", "", tmp_path)
+    t = _create_or_attach(cfg, "x", "", "", tmp_path)
     assert t.run_id and len(calls) == 2
     with pytest.raises(tracking.TrackingError, match=r"after waiting 1s \(tracking.wait_s\)"):
         monkeypatch.setattr(tracking, "check_reachable", lambda uri, timeout_s=5.0: "down")
-        tracking._create_or_attach(TrackingConfig(uri="http://x:1", wait_s=1), "x", "", "",
-                                   tmp_path)
+        _create_or_attach(TrackingConfig(uri="http://x:1", wait_s=1), "x", "", "", tmp_path)
 
 
 def test_the_printed_address_opens_the_run_in_the_model_training_view(monkeypatch):
@@ -124,7 +124,7 @@ def test_every_rank_can_call_what_rank_0_calls():
                 if not n.startswith("_")}
 
     real, null = public(MlflowTracker), public(NullTracker)
-    setup = {"take_over", "open_spool"}  # called only where the run is made (rank 0 itself)
+    setup = {"open_spool"}  # called only where the run is made (rank 0 itself)
     assert real and set(real) - setup <= set(null)
     real = {n: s for n, s in real.items() if n not in setup}
     assert {n: (real[n], null[n]) for n in real

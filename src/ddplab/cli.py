@@ -117,6 +117,8 @@ def entry() -> None:
     2 bad input, 130 interrupted).
     """
     args = parse(sys.argv[1:])
+    if args.command == "train":
+        _delivery_first(args)
     try:
         # Under torchrun, an unexpected exception lands in the rank's error file as well
         # (torch.distributed.elastic's @record), so the launcher's summary names it.
@@ -129,6 +131,32 @@ def entry() -> None:
         flush_std()
         os._exit(code)
     raise SystemExit(code)
+
+
+def _delivery_first(args: argparse.Namespace) -> None:
+    """A tracked job's node leader starts its delivery process before anything imports torch,
+    so MLflow's start-up there runs beside the ranks' own (tracking/delivery.py, prestart).
+    Anything wrong is left to the job itself, which says it in its own order."""
+    from .config import env_overrides, load
+    from .credentials import from_files
+    from .launchers import LaunchEnv
+    from .logins import from_uri
+    from .tracking.delivery import prestart
+
+    saved = dict(os.environ)
+    try:
+        # The job's own steps, in its order (cli.run, then config.load), for the credentials the
+        # delivery process must inherit; this process's environment is left as it was.
+        from_files()
+        from_uri()
+        cfg = load(args.experiment, env_overrides() + args.overrides, args.script_args)
+        env = dict(os.environ)
+    except Exception:  # noqa: BLE001 - see above
+        return
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    prestart(cfg, LaunchEnv.from_environ(os.environ), env)
 
 
 def _recorded(fn: Any) -> Any:

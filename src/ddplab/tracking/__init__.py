@@ -9,7 +9,8 @@ local rank 0) sends the spool on and samples the node's system metrics
 (``system/node<k>/...``).
 
     store     the tracking URI, the client, whether the server answers and admits this client
-    tracker   MlflowTracker (rank 0) and NullTracker; creating or attaching to the run
+    tracker   MlflowTracker (rank 0) and NullTracker; every rank learns the run
+    opening   creating the run or attaching to one (in the delivery process, without torch)
     spool     the local append-only files every record goes through
     delivery  the per-node process that sends the spool on (and ``ddplab sync``), its handle
     orphan    the detached watcher that ends a run whose rank 0 was lost
@@ -29,7 +30,7 @@ _HOME = {
     "reachable_client": "store", "open_client": "store", "check_reachable": "store",
     "auth_refusal": "store",
     "NullTracker": "tracker", "MlflowTracker": "tracker", "RunRef": "tracker",
-    "open_tracker": "tracker", "experiment_id": "tracker",
+    "open_tracker": "tracker", "experiment_id": "opening",
     "Delivery": "delivery", "NoDelivery": "delivery", "start_delivery": "delivery",
     "job_run": "runs", "layout_name": "runs",
 }

@@ -20,20 +20,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import spool
+from . import opening, spool
 
 if TYPE_CHECKING:  # annotations only: this process must not import torch (backend, tracker)
-    from ..config import TrackingConfig
+    from ..config import ExperimentConfig, TrackingConfig
     from ..launchers import LaunchEnv
+    from .opening import Opened, Request
     from .tracker import RunRef
 
 # The client fails fast and this process retries on its own schedule: MLflow's defaults
@@ -41,28 +44,64 @@ if TYPE_CHECKING:  # annotations only: this process must not import torch (backe
 CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
-def make_client(uri: str) -> Any:
+def make_client(uri: str, opened: Any = None) -> Any:
+    """The delivering client (``opened``: the one that opened the run, reused). Opening the run
+    kept MLflow's own retries: the job waits for that answer anyway."""
     for k, v in CLIENT_ENV.items():
         os.environ.setdefault(k, v)
     from mlflow import MlflowClient
 
-    return MlflowClient(uri)
+    return opened or MlflowClient(uri)
 
 
-def preload() -> None:
-    """Import what delivering and sampling need, before there is anything to deliver."""
+def preload(uri: str) -> Any:
+    """Import what opening the run, delivering and sampling need, and open the store (an
+    existing database; a server is asked only when the run is opened), before there is
+    anything to do. Returns the client, or None (opening the run then says what is wrong)."""
     import mlflow.system_metrics.metrics.cpu_monitor  # noqa: F401
     from mlflow import MlflowClient  # noqa: F401
 
+    if not uri or uri.startswith(("http://", "https://")):
+        return None
+    from .store import open_client, sqlite_path
 
-def spool_from_stdin() -> tuple[Path | None, int]:
-    """The spool and the run's start time, once the job has opened its run; (None, 0) when
-    stdin closes without them (rank 0 failed before the run existed)."""
-    line = sys.stdin.readline()
-    if not line.strip():
-        return None, 0
-    told = json.loads(line)
-    return Path(told["spool"]), int(told["t0_ms"])
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():
+        return None  # not created before the job gets as far as opening its run
+
+    try:
+        return open_client(uri)
+    except Exception:  # noqa: BLE001 - opening it again for the run names the problem
+        return None
+
+
+def serve(uri: str) -> tuple[Path | None, int, Any]:
+    """Before the run exists: open it when rank 0 asks (a line {"open": Request}, answered on
+    stdout), then learn which spool to deliver ({"spool": ..., "t0_ms": ...}). Returns
+    (None, 0, client) when stdin closes first (the job stopped): a run opened by then is ended,
+    not left RUNNING."""
+    answers = os.fdopen(os.dup(1), "w")  # rank 0 reads these; anything else printed: stderr
+    os.dup2(2, 1)
+    client, opened = preload(uri), None
+    while True:
+        line = sys.stdin.readline()
+        if not line.strip():
+            if opened is not None:
+                opening.end_unclaimed(client, opened)
+            return None, 0, client
+        told = json.loads(line)
+        if "open" not in told:
+            return Path(told["spool"]), int(told["t0_ms"]), client
+        req = opening.Request(**told["open"])
+        try:
+            opened, client = opening.open_run(req, client if req.uri == uri else None)
+            answer: dict[str, Any] = {"opened": opened.to_json()}
+        except Exception as e:  # noqa: BLE001 - rank 0 raises it (a TrackingError: one line)
+            answer = {"error": str(e), "kind": type(e).__name__,
+                      "traceback": traceback.format_exc()}
+        with contextlib.suppress(OSError):  # rank 0 stopped waiting (Ctrl-C): stdin says so next
+            answers.write(json.dumps(answer) + "\n")
+            answers.flush()
 
 
 class SystemSampler:
@@ -118,20 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-interval", type=float, default=0.0)
     p.add_argument("--node", default="node0")
     p.add_argument("--t0-ms", type=int, default=0)
+    p.add_argument("--uri", default="", help="the store to open while waiting (stdin mode)")
     args = p.parse_args(argv)
-    with contextlib.suppress(OSError):
-        os.nice(19)  # every cycle taken here is taken from the ranks
     # A scheduler stopping the job (Slurm's scancel, a node's shutdown) signals every process
     # of the job, this one included: it must outlive the ranks long enough to deliver the
     # run's ending. It ends on its own (closed, or its parent gone, then --timeout); the
     # scheduler's SIGKILL (Slurm: KillWait later) still bounds it.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    client = None
     if args.spool is None:
-        preload()
-        args.spool, args.t0_ms = spool_from_stdin()
+        # Full priority until the run is open: rank 0 is waiting for it.
+        args.spool, args.t0_ms, client = serve(args.uri)
         if args.spool is None:
             return 0
+    with contextlib.suppress(OSError):
+        os.nice(19)  # from here every cycle taken here is taken from the ranks
     sampler = (SystemSampler(spool.Stream(args.spool, "system"), args.node,
                              args.system_interval, args.t0_ms or spool.now_ms())
                if args.system_interval > 0 else None)
@@ -143,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return alive()
 
     meta = spool.Meta.read(args.spool)
-    client = make_client(meta.uri)
+    client = make_client(meta.uri, client if meta.uri == args.uri else None)
     # What starting costs (importing MLflow, opening its store) apart from what running costs:
     # the first is paid once per job, the second grows with the job.
     started = os.times()
@@ -255,26 +296,55 @@ def _end_if_abandoned(client: Any, meta: spool.Meta, where: str) -> None:
 # ---- the training process's handle on it ----
 
 class Delivery:
-    """This node's delivery process (this module's main), started by its local rank 0: it samples the
-    node's system metrics and sends the node's spool to the server. Started before the run
-    exists, so its start-up (importing MLflow) overlaps the ranks' wait for rank 0 to open the
-    run instead of the first epoch; ``attach()`` then names the run's spool. ``close()`` lets
-    it finish within ``timeout_s`` and says how many records are still left."""
+    """This node's delivery process (this module's main), started by its local rank 0: it
+    opens the run for rank 0, samples the node's system metrics and sends the node's spool to
+    the server. Started before the ranks import torch (``prestart``, from the command line), so
+    its start-up (importing MLflow, opening the store) runs beside theirs and rank 0 never
+    imports MLflow; ``open_run()`` asks it for the run, ``attach()`` names the run's spool,
+    ``close()`` lets it finish within ``timeout_s`` and says how many records are still left."""
 
-    def __init__(self, node_rank: int, cfg: TrackingConfig) -> None:
+    def __init__(self, node_rank: int, cfg: TrackingConfig, env: dict[str, str] | None = None
+                 ) -> None:
+        from .store import resolve_uri
+
         self.directory, self.timeout_s = Path(), cfg.delivery_timeout_s
         interval = cfg.system_metrics_interval_s if cfg.system_metrics else 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ddplab.tracking.delivery", "--timeout", str(cfg.delivery_timeout_s),
-             "--system-interval", str(interval), "--node", f"node{node_rank}"],
+             "--system-interval", str(interval), "--node", f"node{node_rank}",
+             "--uri", resolve_uri(cfg, env or os.environ)], env=env,
             # Its own session: the signals meant for the ranks (Ctrl-C, torchrun's killpg of a
             # failed job) must not stop it before the run's ending is delivered. It ends on
             # its own: closed, or its parent gone, then within its timeout.
-            stdin=subprocess.PIPE, text=True, close_fds=True, start_new_session=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True,
+            start_new_session=True)
+
+    def open_run(self, req: Request) -> Opened | None:
+        """Rank 0's run, opened by the delivery process; None when it is gone (rank 0 opens the
+        run itself). Its failure is raised here: a TrackingError stays one line."""
+        from .opening import Opened
+        from .store import TrackingError
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps({"open": dataclasses.asdict(req)}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (OSError, ValueError):  # it died, or its pipes are closed
+            return None
+        if not line:
+            return None
+        answer = json.loads(line)
+        if "opened" in answer:
+            return Opened(**answer["opened"])
+        if answer["kind"] == "TrackingError":
+            raise TrackingError(answer["error"])
+        raise RuntimeError(f"opening the run failed: {answer['kind']}: {answer['error']}\n"
+                           f"(in the delivery process)\n{answer['traceback']}")
 
     def attach(self, directory: Path, ref: RunRef) -> None:
-        """Deliver this run's spool. (The pipe is closed here, before any DataLoader worker is
-        forked, so no other process holds it.)"""
+        """Deliver this run's spool. (The pipes are closed here, before any DataLoader worker is
+        forked, so no other process holds them.)"""
         self.directory = directory
         spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
         (directory / spool.CLOSED).unlink(missing_ok=True)  # an earlier attempt's
@@ -282,13 +352,16 @@ class Delivery:
         self._tell(json.dumps({"spool": str(directory), "t0_ms": ref.start_ms}) + "\n")
 
     def cancel(self) -> None:
-        """No run was opened: the process exits on the empty stdin."""
+        """No run to deliver: the process exits on the empty stdin (ending the run it opened, if
+        it did: it must not stay RUNNING)."""
         self._tell("")
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=15)
 
     def _tell(self, line: str) -> None:
         assert self.proc.stdin is not None
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()  # its answers are read; later output goes to its stderr
         if self.proc.stdin.closed:  # told already
             return
         with contextlib.suppress(OSError):  # it died: nothing to deliver through it
@@ -329,6 +402,9 @@ class NoDelivery:
 
     directory = Path()
 
+    def open_run(self, req: Request) -> Opened | None:
+        return None
+
     def attach(self, directory: Path, ref: RunRef) -> None: ...
     def cancel(self) -> None: ...
 
@@ -339,10 +415,26 @@ class NoDelivery:
         return 0
 
 
+# The delivery process the command line started for this job (prestart), until the job takes it.
+_EARLY: list[Delivery] = []
+
+
+def prestart(cfg: ExperimentConfig, le: LaunchEnv, env: dict[str, str]) -> None:
+    """Start this node's delivery process now, before the ranks import torch (``ddplab train``
+    calls this first): importing MLflow and opening the store then run beside that instead of
+    on rank 0's way to its first step."""
+    if cfg.tracking.enabled and le.is_node_leader and not _EARLY:
+        _EARLY.append(Delivery(le.node_rank, cfg.tracking, env))
+
+
 def start_delivery(cfg: TrackingConfig, le: LaunchEnv) -> Delivery | NoDelivery:
+    """This node's delivery process (the one prestart started, if any) on its leader."""
+    early = _EARLY.pop() if _EARLY else None
     if not (cfg.enabled and le.is_node_leader):
+        if early is not None:
+            early.cancel()
         return NoDelivery()
-    return Delivery(le.node_rank, cfg)
+    return early or Delivery(le.node_rank, cfg)
 
 
 if __name__ == "__main__":

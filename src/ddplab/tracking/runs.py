@@ -45,7 +45,8 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     cpu0 = time.process_time()
     try:
         run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
-                                spool_root, default_name, **({"share": share} if share else {}))
+                                spool_root, default_name, **({"share": share} if share else {}),
+                                opener=delivery.open_run)
         run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
         delivery.attach(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref)
     except BaseException:

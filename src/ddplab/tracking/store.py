@@ -101,16 +101,23 @@ def reachable_client(uri: str) -> Any:
     return open_client(uri)
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite:/// URI (sqlite:////abs or sqlite:///rel), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+
+
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
     """Jobs started together on a new SQLite store would both run MLflow's schema migrations
     ("duplicate column name"): the first to open it does, the others wait on a file lock."""
-    if not uri.startswith("sqlite:///"):
+    db = sqlite_path(uri)
+    if db is None:
         yield
         return
     import fcntl
 
-    db = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])  # sqlite:////abs or sqlite:///rel
     try:
         db.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(f"{db}.ddplab-lock", os.O_RDWR | os.O_CREAT, 0o644)

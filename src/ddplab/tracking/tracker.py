@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,16 +14,12 @@ from ..backend import share_from_rank0
 from ..config import TrackingConfig
 from ..launchers import LaunchEnv
 from ..log import logger
-from ..poll import poll
 from . import spool
-from .store import (
-    TrackingError,
-    _experiment_refused,
-    _permission_denied,
-    check_reachable,
-    open_client,
-    resolve_uri,
-)
+from .opening import Opened, Request, open_run
+from .store import open_client, resolve_uri
+
+Opener = Callable[[Request], "Opened | None"]
+"""Asks another process to open the run; None when it cannot (this process opens it)."""
 
 
 class NullTracker:
@@ -54,15 +51,22 @@ class MlflowTracker(NullTracker):
     delivery process sends it on: logging never waits on the server, and an outage loses
     nothing (spool.py)."""
 
-    def __init__(self, client: Any, run: Any, uri: str) -> None:
-        self.client, self.uri = client, uri
-        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
-        self.start_ms = run.info.start_time or spool.now_ms()
-        self.existing_params = dict(run.data.params)
+    def __init__(self, opened: Opened, client: Any = None) -> None:
+        self._client, self.uri = client, opened.uri
+        self.run_id, self.experiment_id = opened.run_id, opened.experiment_id
+        self.start_ms = opened.start_ms
+        self.existing_params = dict(opened.existing_params)
         self.records: spool.Stream | None = None
         self.finished = False
-        self.logged_through = -1
+        self.logged_through = opened.logged_through
         """Steps up to here are already in the run (an earlier attempt's): not logged again."""
+
+    @property
+    def client(self) -> Any:
+        """MLflow's client, opened here only when needed (the delivery process opened the run)."""
+        if self._client is None:
+            self._client = open_client(self.uri)
+        return self._client
 
     def open_spool(self, directory: Path) -> None:
         self.records = spool.Stream(directory, "records")
@@ -98,20 +102,6 @@ class MlflowTracker(NullTracker):
         kept = self.records.keep_file(Path(path))
         self._append({"op": "file", "path": str(kept), "dir": artifact_dir})
 
-    def take_over(self, run: Any) -> None:
-        """A resumed attempt continues this run: steps the earlier attempt logged stay as they
-        are (one value per step), and its error moves aside, so a run that now finishes does not
-        still say it failed."""
-        history = self.client.get_metric_history(self.run_id, "train/loss")
-        self.logged_through = max((m.step for m in history), default=-1)
-        error = run.data.tags.get("ddplab.error")
-        if error is None:
-            return
-        self.client.log_text(self.run_id, error,
-                             f"resumes/error-before-step{self.logged_through:08d}.txt")
-        self.client.delete_tag(self.run_id, "ddplab.error")
-        _delete_artifact(run.info.artifact_uri, "error.txt")
-
     def finish(self, status: str, error: str = "") -> None:
         """End the run once: FINISHED, FAILED (with the error recorded) or KILLED."""
         if self.finished or self.records is None:
@@ -144,76 +134,20 @@ class MlflowTracker(NullTracker):
         logger().error(f"{why}; run {self.run_id} ended FAILED directly")
 
 
-def _delete_artifact(artifact_uri: str, path: str) -> None:
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
-    try:
-        get_artifact_repository(artifact_uri).delete_artifacts(path)
-    except Exception as e:  # noqa: BLE001 - some stores cannot delete; the copy stays, said once
-        import warnings
-
-        warnings.warn(f"could not remove the earlier attempt's {path} ({type(e).__name__}: {e})",
-                      stacklevel=2)
-
-
-# Every run's description says which of its two throughputs to quote (docs/tracking.md, "Metrics").
-THROUGHPUT_NOTE = (
-    "Throughput: quote `perf/samples_per_s`, the steady rate of the whole job (samples over "
-    "time in the epochs after the first, so start-up is not counted; with one epoch, its log "
-    "intervals after the first). `train/samples_per_s` is each log interval's rate, for the "
-    "curve over steps; `train/rank<r>_samples_per_s` is one rank's share.")
-
-# The MLflow UI opens such an experiment in its model-training view (not the GenAI one).
-TRAINING_KIND = {"mlflow.experimentKind": "custom_model_development"}
-
-
-def experiment_id(client: Any, name: str) -> str:
-    """The experiment called ``name``, created (in the model-training view) when missing, with
-    ddplab's saved view of its runs."""
-    from .. import ui_views
-
-    exp = client.get_experiment_by_name(name)
-    if exp is None:
-        exp = client.get_experiment(client.create_experiment(name, tags=TRAINING_KIND))
-    ui_views.ensure_runs_view(client, exp)
-    return exp.experiment_id
-
-
-def _create_or_attach(cfg: TrackingConfig, name: str, description: str,
-                      resume_run_id: str, spool_root: Path, run_name: str = "") -> MlflowTracker:
-    uri = resolve_uri(cfg)
-    problem: list[str | None] = [None]
-
-    def answers() -> bool:
-        problem[0] = check_reachable(uri)
-        return problem[0] is None
-
-    if not poll(answers, cfg.wait_s, 2.0):
-        waited = f" after waiting {cfg.wait_s:.0f}s (tracking.wait_s)" if cfg.wait_s else ""
-        raise TrackingError(f"{problem[0]}{waited}. Start it, fix MLFLOW_TRACKING_URI, or set "
-                            "tracking.enabled=false")
-    client = open_client(uri)
-    run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID", "")
-    if run_id:
-        # What an earlier attempt left undelivered goes first (its error and end included), so
-        # the take-over below sees, and sets aside, everything that attempt recorded.
-        for left in spool.find([spool_root / run_id]):
-            spool.deliver(left, client, lambda: False, timeout_s=30.0, final=True)
-        run = client.get_run(run_id)
-        client.update_run(run_id, status="RUNNING")
-        tracker = MlflowTracker(client, run, uri)
-        tracker.take_over(run)
-        return tracker
-    exp_name = cfg.experiment or name
-    tags = {"mlflow.note.content": f"{description}\n\n{THROUGHPUT_NOTE}".strip()}
-    try:
-        exp_id = experiment_id(client, exp_name)
-        run = client.create_run(exp_id, run_name=cfg.run_name or run_name, tags=tags)
-    except Exception as e:
-        if _permission_denied(e):
-            raise _experiment_refused(exp_name, e) from None
-        raise
-    return MlflowTracker(client, run, uri)
+def _create_or_attach(cfg: TrackingConfig, name: str, description: str, resume_run_id: str,
+                      spool_root: Path, run_name: str = "", opener: Opener | None = None
+                      ) -> MlflowTracker:
+    """``opener``: this node's delivery process, which opens the run for rank 0 (opening.py);
+    without one, this process opens it."""
+    req = Request(uri=resolve_uri(cfg), experiment=cfg.experiment or name,
+                  run_name=cfg.run_name or run_name, description=description,
+                  run_id=resume_run_id or os.environ.get("MLFLOW_RUN_ID", ""),
+                  wait_s=cfg.wait_s, spool_root=str(spool_root))
+    if opener is not None:
+        opened = opener(req)
+        if opened is not None:
+            return MlflowTracker(opened)
+    return MlflowTracker(*open_run(req))
 
 
 @dataclass(frozen=True)
@@ -228,16 +162,18 @@ class RunRef:
 
 def open_tracker(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
                  resume_run_id: str = "", spool_root: Path = Path("checkpoints"),
-                 run_name: str = "", share: Any = share_from_rank0) -> tuple[NullTracker, RunRef]:
+                 run_name: str = "", share: Any = share_from_rank0, opener: Opener | None = None
+                 ) -> tuple[NullTracker, RunRef]:
     """Collective: rank 0 creates or attaches to the run and every rank learns which
-    (``share``: over the process group, or script mode's store when there is none yet)."""
+    (``share``: over the process group, or script mode's store when there is none yet;
+    ``opener``: rank 0's node's delivery process, see _create_or_attach)."""
     if not cfg.enabled:
         return NullTracker(), RunRef("", "", "", 0)
     made: list[MlflowTracker] = []
 
     def create() -> RunRef:
         made.append(_create_or_attach(cfg, name, description, resume_run_id, spool_root,
-                                      run_name))
+                                      run_name, opener))
         t = made[0]
         return RunRef(t.run_id, t.uri, t.experiment_id, t.start_ms)
 

@@ -1,0 +1,153 @@
+"""Opening the job's run: creating it, or attaching to a resumed or given one.
+
+MLflow only, no torch: the node's delivery process does this for rank 0 (delivery.py). It has
+MLflow imported and the store opened while the ranks are still importing torch, so a tracked
+job's start-up no longer pays for MLflow twice, once on rank 0's critical path (measured: 3.6 s
+of a 2-rank quickstart's 6 s to the first step, docs/results/bench-startup.md). Rank 0 keeps
+this path in-process only where it has no delivery process to ask (tests that call
+``run.train`` directly, a delivery process that died).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..poll import poll
+from . import spool
+from .store import TrackingError, _experiment_refused, _permission_denied, check_reachable, open_client
+
+# Every run's description says which of its two throughputs to quote (docs/tracking.md, "Metrics").
+THROUGHPUT_NOTE = (
+    "Throughput: quote `perf/samples_per_s`, the steady rate of the whole job (samples over "
+    "time in the epochs after the first, so start-up is not counted; with one epoch, its log "
+    "intervals after the first). `train/samples_per_s` is each log interval's rate, for the "
+    "curve over steps; `train/rank<r>_samples_per_s` is one rank's share.")
+
+# The MLflow UI opens such an experiment in its model-training view (not the GenAI one).
+TRAINING_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
+@dataclass(frozen=True)
+class Request:
+    """What rank 0 asks for (JSON between the processes)."""
+
+    uri: str
+    experiment: str
+    run_name: str
+    description: str
+    run_id: str = ""
+    """Attach to this run (a resumed checkpoint's, or $MLFLOW_RUN_ID); "" creates one."""
+    wait_s: float = 0.0
+    spool_root: str = "checkpoints"
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The run as rank 0's tracker needs it."""
+
+    run_id: str
+    experiment_id: str
+    uri: str
+    start_ms: int
+    existing_params: dict[str, str] = field(default_factory=dict)
+    logged_through: int = -1
+    """Steps up to here are already in the run (an earlier attempt's): not logged again."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def experiment_id(client: Any, name: str) -> str:
+    """The experiment called ``name``, created (in the model-training view) when missing, with
+    ddplab's saved view of its runs."""
+    from .. import ui_views
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        exp = client.get_experiment(client.create_experiment(name, tags=TRAINING_KIND))
+    ui_views.ensure_runs_view(client, exp)
+    return exp.experiment_id
+
+
+def wait_for(uri: str, wait_s: float) -> None:
+    """The store answers (within ``wait_s``, tracking.wait_s), or one TrackingError line."""
+    problem: list[str | None] = [None]
+
+    def answers() -> bool:
+        problem[0] = check_reachable(uri)
+        return problem[0] is None
+
+    if not poll(answers, wait_s, 2.0):
+        waited = f" after waiting {wait_s:.0f}s (tracking.wait_s)" if wait_s else ""
+        raise TrackingError(f"{problem[0]}{waited}. Start it, fix MLFLOW_TRACKING_URI, or set "
+                            "tracking.enabled=false")
+
+
+def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
+    """Create the run, or attach to ``req.run_id``; returns it and the client that opened it."""
+    wait_for(req.uri, req.wait_s)
+    client = client or open_client(req.uri)
+    if req.run_id:
+        return _attach(client, req), client
+    tags = {"mlflow.note.content": f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
+    try:
+        exp_id = experiment_id(client, req.experiment)
+        run = client.create_run(exp_id, run_name=req.run_name, tags=tags)
+    except Exception as e:
+        if _permission_denied(e):
+            raise _experiment_refused(req.experiment, e) from None
+        raise
+    return _opened(run, req.uri), client
+
+
+def _opened(run: Any, uri: str, logged_through: int = -1) -> Opened:
+    return Opened(run.info.run_id, run.info.experiment_id, uri,
+                  run.info.start_time or spool.now_ms(), dict(run.data.params), logged_through)
+
+
+def _attach(client: Any, req: Request) -> Opened:
+    """A resumed attempt continues its run: what an earlier attempt left undelivered goes first
+    (its error and end included), then the steps it logged stay as they are (one value per
+    step), and its error moves aside, so a run that now finishes does not still say it failed."""
+    for left in spool.find([Path(req.spool_root) / req.run_id]):
+        spool.deliver(left, client, lambda: False, timeout_s=30.0, final=True)
+    run = client.get_run(req.run_id)
+    client.update_run(req.run_id, status="RUNNING")
+    history = client.get_metric_history(req.run_id, "train/loss")
+    through = max((m.step for m in history), default=-1)
+    error = run.data.tags.get("ddplab.error")
+    if error is not None:
+        client.log_text(req.run_id, error, f"resumes/error-before-step{through:08d}.txt")
+        client.delete_tag(req.run_id, "ddplab.error")
+        _delete_artifact(run.info.artifact_uri, "error.txt")
+    return _opened(run, req.uri, through)
+
+
+def _delete_artifact(artifact_uri: str, path: str) -> None:
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    try:
+        get_artifact_repository(artifact_uri).delete_artifacts(path)
+    except Exception as e:  # noqa: BLE001 - some stores cannot delete; the copy stays, said once
+        import warnings
+
+        warnings.warn(f"could not remove the earlier attempt's {path} ({type(e).__name__}: {e})",
+                      stacklevel=2)
+
+
+def end_unclaimed(client: Any, opened: Opened | None) -> None:
+    """The job stopped after its run was opened but before it said where to deliver: the run
+    must not stay RUNNING."""
+    if opened is None:
+        return
+    try:
+        client.set_tag(opened.run_id, "ddplab.error",
+                       "the job stopped after its run was opened, before it started training "
+                       "(see the job's console)")
+        client.set_terminated(opened.run_id, "FAILED")
+    except Exception as e:  # noqa: BLE001 - the console says it; nothing else can
+        print(f"ddplab delivery: could not end run {opened.run_id} ({spool.describe(e)})",
+              file=sys.stderr)
