@@ -67,3 +67,61 @@ def runs(store: str) -> list:
     client = MlflowClient(store)
     exps = [e.experiment_id for e in client.search_experiments()]
     return client.search_runs(exps) if exps else []
+
+
+@pytest.fixture
+def compose_factory():
+    from tests.helpers.containers import Compose, sh
+
+    made: list[Compose] = []
+
+    def make(nnodes: int, nproc: int, file: str = "multinode.yml", service: str = "node",
+             **env: str) -> Compose:
+        made.append(Compose(nnodes, nproc, env, file, service))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.down()
+        left = sh(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={c.project}"])
+        volumes = sh(["docker", "volume", "ls", "-q", "--filter",
+                      f"label=com.docker.compose.project={c.project}"])
+        assert not left.stdout.strip() and not volumes.stdout.strip(), "down -v left something"
+
+
+@pytest.fixture(scope="module")
+def login_server(tmp_path_factory):
+    """A real MLflow server with MLflow's own authentication (docker/mlflow/serve.py, the team
+    server's entry point), admin's password ADMIN_PASSWORD, and a second user, bob."""
+    import secrets
+    import signal
+    import time
+
+    from tests.helpers import ADMIN_PASSWORD, BIN, call, free_port
+
+    root = tmp_path_factory.mktemp("auth")
+    port = free_port()
+    (root / "admin-password").write_text(ADMIN_PASSWORD + "\n")
+    (root / "flask-secret-key").write_text(secrets.token_hex(16) + "\n")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}",
+           "MLFLOW_AUTH_ADMIN_PASSWORD_FILE": str(root / "admin-password"),
+           "MLFLOW_FLASK_SERVER_SECRET_KEY_FILE": str(root / "flask-secret-key"),
+           "MLFLOW_AUTH_DATABASE_URI": f"sqlite:///{root / 'basic_auth.db'}",
+           "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{root / 'mlflow.db'}",
+           "MLFLOW_ARTIFACTS_DESTINATION": str(root / "artifacts"), "MLFLOW_HOST": "127.0.0.1",
+           "MLFLOW_PORT": str(port), "MLFLOW_WORKERS": "1",
+           "MLFLOW_ALLOWED_HOSTS": f"127.0.0.1:{port},localhost:{port}"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "docker" / "mlflow" / "serve.py")],
+                            cwd=root, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while call(uri, "/health")[0] != 200:
+        assert time.monotonic() < deadline and proc.poll() is None, "basic-auth server did not start"
+        time.sleep(0.5)
+    status, _ = call(uri, "/api/2.0/mlflow/users/create", {"username": "bob", "password":
+                     "bob-" + ADMIN_PASSWORD}, user=("admin", ADMIN_PASSWORD))
+    assert status == 200
+    yield uri
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -23,8 +23,8 @@ from ddplab.ccl import build
 from ddplab.launchers.detect import LaunchEnv
 from tests import ccl_workers, dist_workers
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs
-from tests.test_distributed import reference, spawn
-from tests.test_e2e import fresh_copy
+from tests.helpers import fresh_copy
+from tests.helpers.dist import reference, spawn
 
 
 def built() -> None:

@@ -14,11 +14,9 @@ import uuid
 
 import pytest
 
-from tests import test_containers
-from tests.test_containers import finished, sh, tags, wait_exits
+from tests.helpers.containers import finished, sh, tags, wait_exits
 
 pytestmark = pytest.mark.container
-compose_factory = test_containers.compose_factory  # the fixture, without that module's image check
 
 
 def _image_exists(name: str) -> bool:

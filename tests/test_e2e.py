@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import NO_CCL, QUICK, REPO, STAND_INS, ddplab, job_env, runs
+from tests.helpers import fresh_copy
 
 pytestmark = pytest.mark.e2e
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
@@ -26,17 +26,6 @@ REQUIRED_TAGS = ("ddplab.backend", "ddplab.backend_requested", "ddplab.world_siz
                  "ddplab.version.oneccl_bindings", "ddplab.version.mlflow")
 REQUIRED_METRICS = ("train/loss", "train/samples_per_s", "train/step_time_s", "eval/loss",
                     "eval/accuracy", "epoch/time_s")
-
-
-def fresh_copy(dest: Path) -> Path:
-    """The tree as a fresh clone has it: tracked and untracked-but-not-ignored files."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dest / f)  # keep mtimes: the venv's setup stamp stays valid
-    return dest
 
 
 def test_make_run_gives_one_finished_run_with_everything(tmp_path):

@@ -20,8 +20,7 @@ import yaml
 
 from ddplab.tracking import spool
 from tests.conftest import QUICK, REPO, job_env, runs
-from tests.helpers import Server
-from tests.test_tracking_faults import printed_losses
+from tests.helpers import Server, printed_losses
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent

@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -38,6 +37,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.helpers.containers import sh
 
 pytestmark = pytest.mark.container
 K8S = REPO / "k8s"
@@ -53,10 +53,6 @@ def generated_secrets() -> dict[str, dict[str, str]]:
 
 SECRETS = generated_secrets()
 LOGIN = f"{SECRETS['mlflow-credentials']['username']}:{SECRETS['mlflow-credentials']['password']}"
-
-
-def sh(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def load(name: str) -> list[dict]:

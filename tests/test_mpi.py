@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICK, REPO, job_env, runs
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.mpi
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_native_mpirun_gives_one_finished_run(tmp_path, store):

@@ -9,16 +9,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.test_containers import (  # noqa: F401 - compose_factory is a fixture
-    SMALL,
-    compose_factory,
-    exec_in,
-    finished,
-    metrics,
-    sh,
-    tags,
-    wait_exits,
-)
+from tests.helpers.containers import SMALL, exec_in, finished, metrics, sh, tags, wait_exits
 
 pytestmark = pytest.mark.container
 IMAGES = ("ddplab/slurm:latest", "ddplab/mlflow:latest")

@@ -18,33 +18,13 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, job_env, runs
+from tests.helpers import cli
 
 pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 TINY = {"data.train_samples": 256, "data.eval_samples": 128, "train.epochs": 2,
         "train.log_every": 2, "tracking.system_metrics": False}
-
-
-def cli(args: list[str], cwd: Path, store: str, timeout: int = 600,
-        **env_extra: str) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store, **env_extra),
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"ddplab {' '.join(args)}: no end in {timeout} s\n{_text(e.stdout)}\n"
-                    f"{_text(e.stderr)[-2000:]}\n{newest_job_log(cwd)}")
-
-
-def _text(b: bytes | str | None) -> str:
-    return b.decode(errors="replace") if isinstance(b, bytes) else b or ""
-
-
-def newest_job_log(cwd: Path) -> str:
-    """The tail of the study's most recent job log: where a stuck study was stuck."""
-    logs = sorted((cwd / "checkpoints" / "studies").glob("*/logs/*.log"),
-                  key=lambda p: p.stat().st_mtime)
-    return f"{logs[-1]}:\n{logs[-1].read_text(errors='replace')[-6000:]}" if logs else "(no job log)"
 
 
 def write_study(tmp_path: Path, **fields) -> Path:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import Server
-from tests.test_containers import images  # noqa: F401 - the module fixture: images must exist
-from tests.test_study import cli
+from tests.helpers import Server, cli
 
 pytestmark = pytest.mark.container
 

@@ -10,11 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import secrets
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,59 +19,17 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICK, REPO, ddplab, job_env
-from tests.helpers import free_port
+from tests.helpers import ADMIN_PASSWORD, call
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
-ADMIN_PASSWORD = secrets.token_urlsafe(18)
 
 
-def call(uri: str, path: str, body: dict | None = None, user: tuple[str, str] | None = None,
-         method: str | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(uri + path, data=json.dumps(body).encode() if body else None,
-                                 headers={"Content-Type": "application/json"}, method=method)
-    if user:
-        req.add_header("Authorization",
-                       "Basic " + base64.b64encode(f"{user[0]}:{user[1]}".encode()).decode())
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            text = r.read()
-            return r.status, (json.loads(text) if text.strip().startswith(b"{") else {})
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-    except OSError:  # not listening yet
-        return 0, {}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("auth")
-    port = free_port()
-    (root / "admin-password").write_text(ADMIN_PASSWORD + "\n")
-    (root / "flask-secret-key").write_text(secrets.token_hex(16) + "\n")
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}",
-           "MLFLOW_AUTH_ADMIN_PASSWORD_FILE": str(root / "admin-password"),
-           "MLFLOW_FLASK_SERVER_SECRET_KEY_FILE": str(root / "flask-secret-key"),
-           "MLFLOW_AUTH_DATABASE_URI": f"sqlite:///{root / 'basic_auth.db'}",
-           "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{root / 'mlflow.db'}",
-           "MLFLOW_ARTIFACTS_DESTINATION": str(root / "artifacts"), "MLFLOW_HOST": "127.0.0.1",
-           "MLFLOW_PORT": str(port), "MLFLOW_WORKERS": "1",
-           "MLFLOW_ALLOWED_HOSTS": f"127.0.0.1:{port},localhost:{port}"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "docker" / "mlflow" / "serve.py")],
-                            cwd=root, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while call(uri, "/health")[0] != 200:
-        assert time.monotonic() < deadline and proc.poll() is None, "basic-auth server did not start"
-        time.sleep(0.5)
-    status, _ = call(uri, "/api/2.0/mlflow/users/create", {"username": "bob", "password":
-                     "bob-" + ADMIN_PASSWORD}, user=("admin", ADMIN_PASSWORD))
-    assert status == 200
-    yield uri
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+@pytest.fixture
+def server(login_server: str) -> str:
+    """conftest's server with MLflow's authentication."""
+    return login_server
 
 
 def train(tmp_path: Path, uri: str, *extra: str, **creds: str) -> subprocess.CompletedProcess:

@@ -8,7 +8,6 @@ record of what it logged.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
@@ -17,12 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICK, REPO, job_env
-from tests.helpers import Server
+from tests.helpers import Server, printed_losses
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
-LOSS_LINE = re.compile(r"step (\d+)/\d+ loss (\d+\.\d+)")
 
 
 @pytest.fixture
@@ -51,10 +49,6 @@ def kill_after_first_loss(tmp_path: Path, server: Server) -> None:
         assert time.monotonic() < deadline, "no loss logged"
         time.sleep(0.2)
     server.kill()
-
-
-def printed_losses(output: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
 
 
 def delivered_losses(server: Server, run_id: str) -> list[tuple[int, float]]:

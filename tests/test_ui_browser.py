@@ -22,8 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_tracking_auth import ADMIN_PASSWORD
-from tests.test_tracking_auth import server as login_server  # noqa: F401 - the fixture
+from tests.helpers import ADMIN_PASSWORD
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +181,7 @@ def test_report_html_renders_in_the_artifact_pane(ui, page):
     assert frame.locator("img").count() >= 3  # throughput, the ratio plot, the loss curves
 
 
-def test_the_team_servers_ui_asks_for_a_login_then_opens_on_the_runs(login_server, tmp_path):  # noqa: F811
+def test_the_team_servers_ui_asks_for_a_login_then_opens_on_the_runs(login_server, tmp_path):
     """The team server's app (serve.py, --app-name ddplab-auth): a browser without the login
     gets the server's Basic challenge (headless chromium cannot show the dialog and fails the
     navigation with it); with the login, the runs table and the user's name."""

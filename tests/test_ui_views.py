@@ -9,7 +9,7 @@ import pytest
 
 from ddplab import mlflow_app, tracking, ui_views
 from ddplab.study import report
-from tests.test_verdict import row, with_ratios
+from tests.helpers.study import row, with_ratios
 
 PAGE = b'<!doctype html><html lang="en"><head><meta charset="utf-8"/><script defer src="m.js">'
 

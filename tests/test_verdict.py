@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
-from ddplab.study.report import Row
 from ddplab.study.verdict import judge
-
-
-def row(name: str, median: float, low: float, high: float, resources: int = 2,
-        accuracy: float = 0.95, backend: str = "gloo", runs: int = 3, failed: int = 0,
-        precision: str = "fp32") -> Row:
-    return Row(name, runs, failed, median, low, high, None, None, accuracy, 0.1, None, 10.0,
-               resources, backend, "torchrun", precision=precision)
-
-
-def with_ratios(rows: list[Row], baseline: str) -> list[Row]:
-    base = next(r for r in rows if r.variant == baseline)
-    for r in rows:
-        r.speedup = r.throughput_median / base.throughput_median
-        r.efficiency = r.speedup / (r.resources / base.resources)
-    return rows
+from tests.helpers.study import row, with_ratios
 
 
 def test_a_clear_gain_is_faster_and_names_the_best():

@@ -1,0 +1,127 @@
+"""Helpers several test modules share (no test module imports another)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, job_env
+
+BIN = Path(sys.executable).parent
+ADMIN_PASSWORD = secrets.token_urlsafe(18)
+"""The login server's admin password (conftest's login_server), new each session."""
+LOSS_LINE = re.compile(r"step (\d+)/\d+ loss (\d+\.\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mlflow server` with its store in a folder; killed with SIGKILL, started again on the
+    same port and store."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
+        self.root, self.port, self.host = root, free_port(), host
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        # Containers reach a server on all interfaces as host.docker.internal (compose/).
+        allowed = ",".join(f"{h}:{self.port}" for h in ("127.0.0.1", "localhost",
+                                                        "host.docker.internal"))
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", self.host, "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--artifacts-destination", str(self.root / "artifacts"),
+             "--allowed-hosts", allowed],
+            cwd=self.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        deadline = time.monotonic() + 90
+        while not self.answers():
+            assert time.monotonic() < deadline and self.proc.poll() is None, "server did not start"
+            time.sleep(0.5)
+
+    def answers(self) -> bool:
+        from ddplab.tracking import check_reachable
+
+        return check_reachable(self.uri, timeout_s=2) is None
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def client(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient(self.uri)
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The tree as a fresh clone has it: tracked and untracked-but-not-ignored files."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dest / f)  # keep mtimes: the venv's setup stamp stays valid
+    return dest
+
+
+def printed_losses(output: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
+
+
+def cli(args: list[str], cwd: Path, store: str, timeout: int = 600,
+        **env_extra: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([str(BIN / "ddplab"), *args], cwd=cwd, env=job_env(store, **env_extra),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"ddplab {' '.join(args)}: no end in {timeout} s\n{_text(e.stdout)}\n"
+                    f"{_text(e.stderr)[-2000:]}\n{newest_job_log(cwd)}")
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else b or ""
+
+
+def newest_job_log(cwd: Path) -> str:
+    """The tail of the study's most recent job log: where a stuck study was stuck."""
+    logs = sorted((cwd / "checkpoints" / "studies").glob("*/logs/*.log"),
+                  key=lambda p: p.stat().st_mtime)
+    return f"{logs[-1]}:\n{logs[-1].read_text(errors='replace')[-6000:]}" if logs else "(no job log)"
+
+
+def call(uri: str, path: str, body: dict | None = None, user: tuple[str, str] | None = None,
+         method: str | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(uri + path, data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json"}, method=method)
+    if user:
+        req.add_header("Authorization",
+                       "Basic " + base64.b64encode(f"{user[0]}:{user[1]}".encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read()
+            return r.status, (json.loads(text) if text.strip().startswith(b"{") else {})
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:  # not listening yet
+        return 0, {}
