@@ -50,7 +50,7 @@ setup-ccl: $(CCL_STAMP) ## Build ddplab's oneCCL backend `ccl` into .venv (oneCC
 run: $(STAMP) ## Run the main job: EXPERIMENT (quickstart, or your script.py) with NPROC (2) local ranks via torchrun
 	$(BIN)/ddplab run --nproc-per-node $(NPROC) $(EXPERIMENT) $(ARGS)
 
-# --app-name ddplab: MLflow's server app, opening on the runs (src/ddplab/mlflow_app.py).
+# --app-name ddplab: MLflow's server app, opening on the runs (src/ddplab/tracking/mlflow_app.py).
 ui: $(STAMP) ## Open the MLflow UI over the same store; prints its address (UI_PORT, default 5000)
 	@echo "MLflow UI, runs view: $(UI_ADDRESS)"
 	$(BIN)/mlflow server --app-name ddplab --workers 1 --backend-store-uri "$(MLFLOW_TRACKING_URI)" \

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddplab.data import SyntheticImages
-from ddplab.models import BookCNN
+from ddplab.workload.data import SyntheticImages
+from ddplab.workload.models import BookCNN
 
 p = argparse.ArgumentParser()
 p.add_argument("--samples", type=int, default=4096)

@@ -9,7 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ddplab import host, pages
+from ddplab import pages
+from ddplab.distributed import host
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / pages.RESULTS

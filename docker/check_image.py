@@ -63,7 +63,7 @@ if a.oneccl == "1" or (a.oneccl == "auto" and found["oneccl_bind_pt"] != "absent
         fail("oneccl_bindings_for_pytorch imported but registered no 'ccl' backend")
 elif a.oneccl == "0" and found["oneccl_bind_pt"] != "absent":
     fail("WITH_ONECCL=0 but oneccl_bind_pt is installed")
-import ddplab.run  # noqa: E402,F401 - the package and its dependencies import
+import ddplab.training.run  # noqa: E402,F401 - the package and its dependencies import
 
 if a.ddplab_ccl:
     from ddplab import ccl  # noqa: E402

@@ -13,9 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddplab import backend, ccl, loop, models
+from ddplab import ccl
 from ddplab.config import DataConfig
-from ddplab.data import SyntheticImages, datasets, loaders
+from ddplab.distributed import backend
+from ddplab.training import loop, strategy
+from ddplab.workload import models
+from ddplab.workload.data import SyntheticImages, datasets, loaders
 
 SIZE, CLASSES = 8, 4
 
@@ -60,7 +63,7 @@ def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int
     model = models.BookCNN(3, SIZE, CLASSES)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = loop.TrainState(
-        model=models.wrap(model, _plain(), torch.device("cpu"), DistConfig(**(knobs or {}))),
+        model=strategy.wrap(model, _plain(), torch.device("cpu"), DistConfig(**(knobs or {}))),
         optimizer=opt,
         scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
         scaler=torch.amp.GradScaler("cpu", enabled=False), device=torch.device("cpu"),

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from ddplab.study import report
-from ddplab.summary import RunStats
 from ddplab.tracking import spool
+from ddplab.training.summary import RunStats
 
 
 def test_steady_throughput_skips_the_first_epoch_and_weighs_epochs_by_their_time():

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from ddplab import backend
 from ddplab.config import DistConfig
+from ddplab.distributed import backend
 from ddplab.launchers.detect import LaunchEnv
 from tests.conftest import STAND_INS
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddplab import backend, ccl
+from ddplab import ccl
 from ddplab.bench import OP_NAMES
 from ddplab.ccl import build
+from ddplab.distributed import backend
 from ddplab.launchers.detect import LaunchEnv
 from tests import ccl_workers, dist_workers
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs

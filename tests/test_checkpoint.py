@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from ddplab import checkpoint
+from ddplab.training import checkpoint
 
 
 def payload(step: int, final: bool = False, run_id: str = "run1") -> dict:
@@ -70,7 +70,7 @@ def test_newest_across_runs_wins(tmp_path):
 def test_explicit_path(tmp_path):
     target = save(tmp_path, 10)
     assert checkpoint.find_resume(str(target), tmp_path)[1]["step"] == 10
-    with pytest.raises(FileNotFoundError, match="checkpoint.resume: .*missing.pt does not exist"):
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint.resume: .*missing.pt does not exist"):
         checkpoint.find_resume(str(tmp_path / "missing.pt"), tmp_path)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ddplab.config import DataConfig
-from ddplab.data import DataError, ResumableSampler, ShardSampler, SyntheticImages, cifar10
+from ddplab.workload.data import DataError, ResumableSampler, ShardSampler, SyntheticImages, cifar10
 
 
 def test_synthetic_is_deterministic_and_shaped():

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddplab import backend, data, loop, models, optim
 from ddplab.config import DataConfig, DistConfig, ModelConfig, OptimConfig
+from ddplab.distributed import backend
 from ddplab.launchers.detect import LaunchEnv
+from ddplab.training import loop, strategy
+from ddplab.workload import data, models, optim
 
 CPU = torch.device("cpu")
 
@@ -138,8 +140,8 @@ def one_rank_group():
 
 def test_compile_wraps_ddp_and_computes_what_eager_does(one_rank_group):
     torch.manual_seed(0)
-    eager = models.wrap(models.BookCNN(3, 8, 4), ModelConfig(), CPU)
-    compiled = models.wrap(models.unwrap(eager), ModelConfig(compile=True), CPU)
-    assert hasattr(compiled, "_orig_mod") and models.unwrap(compiled) is models.unwrap(eager)
+    eager = strategy.wrap(models.BookCNN(3, 8, 4), ModelConfig(), CPU)
+    compiled = strategy.wrap(strategy.unwrap(eager), ModelConfig(compile=True), CPU)
+    assert hasattr(compiled, "_orig_mod") and strategy.unwrap(compiled) is strategy.unwrap(eager)
     x = torch.randn(4, 3, 8, 8)
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)

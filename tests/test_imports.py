@@ -78,7 +78,8 @@ def graph_of(root: Path) -> dict[str, set[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = graph_of(PACKAGE)
-    assert len(graph) > 30 and graph["ddplab.run"] >= {"ddplab.backend", "ddplab.tracking"}
+    assert len(graph) > 30
+    assert graph["ddplab.training.run"] >= {"ddplab.distributed.backend", "ddplab.tracking"}
     assert cycles(graph) == []
 
 
@@ -92,3 +93,44 @@ def test_a_cycle_is_found_even_through_an_import_inside_a_function(tmp_path, laz
     back = "def f():\n    from .. import a\n" if lazy else "from ..a import x\n"
     (pkg / "sub" / "b.py").write_text(back)
     assert cycles(graph_of(pkg)) == [["ddplab.a", "ddplab.sub.b"]]
+
+
+# The rooms by concern, lowest first: a module may import its own layer's and lower layers'
+# modules, never a higher one's (docs/layout.md, "How a job flows"). The longest matching
+# prefix names a module's room.
+LAYERS = [
+    ("ddplab.errors", "ddplab.config", "ddplab.log", "ddplab.poll", "ddplab.pages",
+     "ddplab.logins", "ddplab.credentials", "ddplab.track"),
+    ("ddplab.workload", "ddplab.launchers", "ddplab.launchers.detect", "ddplab.ccl"),
+    ("ddplab.distributed",),
+    ("ddplab.tracking",),
+    ("ddplab.training",),
+    ("ddplab.study", "ddplab.bench", "ddplab.doctor", "ddplab.launchers.local",
+     "ddplab.launchers.mpi", "ddplab.launchers.rendezvous"),
+    ("ddplab", "ddplab.cli", "ddplab.__main__"),
+]
+
+
+def layer(module: str) -> int:
+    best = max((p for room in LAYERS for p in room
+                if module == p or module.startswith(p + ".")), key=len)
+    return next(i for i, room in enumerate(LAYERS) if best in room)
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if b != "ddplab" and layer(b) > layer(a))
+
+
+def test_no_module_imports_a_higher_room():
+    assert upward(graph_of(PACKAGE)) == []
+
+
+def test_an_upward_import_is_found(tmp_path):
+    pkg = tmp_path / "ddplab"
+    (pkg / "workload").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "workload" / "__init__.py").write_text("")
+    (pkg / "training.py").write_text("")
+    (pkg / "workload" / "data.py").write_text("def f():\n    from .. import training\n")
+    assert upward(graph_of(pkg)) == ["ddplab.workload.data -> ddplab.training"]

@@ -65,7 +65,7 @@ def test_first_host_of_a_slurm_hostlist(nodelist, first):
 
 
 def test_slurm_cpus_per_task_sets_the_threads():
-    from ddplab.backend import node_cpus
+    from ddplab.distributed.backend import node_cpus
 
     le = LaunchEnv.from_environ(SLURM)
     assert node_cpus(le, {"SLURM_CPUS_PER_TASK": "1"}) == min(3, node_cpus(le, {}))
@@ -76,7 +76,7 @@ def test_slurm_cpus_per_task_sets_the_threads():
 
 def test_nodes_sharing_one_host_share_its_cores(monkeypatch):
     """The compose files run NNODES "machines" on one host; each container sees every core."""
-    from ddplab import backend
+    from ddplab.distributed import backend
 
     monkeypatch.setattr(backend, "usable_cpu_count", lambda: 8)
     le = LaunchEnv.from_environ(TORCHRUN_CHILD)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from ddplab import models
 from ddplab.config import MODEL_NAMES, ModelConfig
-from ddplab.data import DataInfo
+from ddplab.training import strategy
+from ddplab.workload import models
+from ddplab.workload.data import DataInfo
 
 
 def build(name: str, channels: int, size: int, classes: int) -> torch.nn.Module:
@@ -70,5 +71,5 @@ def test_ipex_absent_or_mismatched_is_a_status_not_a_failure():
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     from ddplab.config import ModelConfig
     with pytest.warns(UserWarning, match="IPEX not used"):
-        m2, opt2, status = models.maybe_ipex(m, opt, ModelConfig(), torch.device("cpu"), "none")
+        m2, opt2, status = strategy.maybe_ipex(m, opt, ModelConfig(), torch.device("cpu"), "none")
     assert m2 is m and opt2 is opt and not status.used and status.reason

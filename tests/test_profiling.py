@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddplab.profiling import breakdown, intersect, length, subtract, union
+from ddplab.training.profiling import breakdown, intersect, length, subtract, union
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ddplab import run
+from ddplab.training import run
 from tests.conftest import REPO, runs
 
 
@@ -69,7 +69,7 @@ def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkey
 def test_summary_json_stays_json_with_nan_and_inf():
     import json
 
-    from ddplab.fit import _finite
+    from ddplab.training.fit import _finite
 
     text = json.dumps(_finite({"loss": float("nan"), "x": [1.0, float("inf")], "n": 3}),
                       allow_nan=False)

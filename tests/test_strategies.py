@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddplab import config, strategy
+from ddplab import config
+from ddplab.training import strategy
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs
 
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
@@ -122,7 +123,7 @@ def test_an_fsdp_checkpoint_of_2_ranks_resumes_on_1_ddp_rank_and_exports(tmp_pat
     said = ddplab(["checkpoint", "export", str(tmp_path / "fsdp"), str(exported)], tmp_path,
                   job_env(store))
     assert said.returncode == 0 and "dist.strategy fsdp, world size 2" in said.stdout
-    from ddplab import data, models
+    from ddplab.workload import data, models
 
     cfg = config.load(QUICKSTART, [])
     info = data.describe(cfg.data, data.datasets(cfg.data, 0)[0])

@@ -56,7 +56,7 @@ def test_an_anonymous_client_gets_401_and_health_stays_open(server):
 
 
 def test_the_ui_behind_the_login_still_opens_on_the_runs(server):
-    from ddplab.mlflow_app import FIRST_VISIT
+    from ddplab.tracking.mlflow_app import FIRST_VISIT
 
     req = urllib.request.Request(server + "/", headers={"Authorization": "Basic " + base64.b64encode(
         f"admin:{ADMIN_PASSWORD}".encode()).decode()})

@@ -149,7 +149,7 @@ def test_the_bare_address_opens_the_model_training_view_too(ui, page):
 
 def test_the_study_view_shows_the_parent_runs_answer_without_column_picking(ui, page):
     from ddplab.tracking import ui_address
-    from ddplab.ui_views import STUDY_VIEW
+    from ddplab.tracking.ui_views import STUDY_VIEW
 
     os.environ["DDPLAB_UI_URL"] = f"http://127.0.0.1:{ui.port}"
     try:

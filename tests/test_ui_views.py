@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from ddplab import mlflow_app, tracking, ui_views
+from ddplab import tracking
 from ddplab.study import report
+from ddplab.tracking import mlflow_app, ui_views
 from tests.helpers.study import row, with_ratios
 
 PAGE = b'<!doctype html><html lang="en"><head><meta charset="utf-8"/><script defer src="m.js">'

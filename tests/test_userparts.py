@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-from ddplab import config, data, losses, textdata, userparts
-from ddplab.gpt import GPT
+from ddplab import config
+from ddplab.workload import data, losses, textdata, userparts
+from ddplab.workload.gpt import GPT
 from tests.conftest import REPO, job_env, runs
 
 BIN = Path(sys.executable).parent
@@ -90,7 +91,7 @@ def test_a_module_beside_the_experiment_imports_without_pythonpath(own_experimen
     parts = userparts.resolve(cfg, own_experiment)
     assert parts.search_path == str(own_experiment.parent) and parts.paths == {"model": "mynet:build"}
     info = data.DataInfo("image", 3, 12, 3)
-    from ddplab import models
+    from ddplab.workload import models
 
     model = models.build(cfg.model, info, parts.model)
     assert model(torch.zeros(2, 3, 12, 12)).shape == (2, 3)  # num_classes came from the data
@@ -323,7 +324,7 @@ def test_the_example_experiment_runs_under_mpirun(tmp_path, store):
 
 
 def test_git_dirty_says_so_and_keeps_the_diff(tmp_path):
-    from ddplab import capsule
+    from ddplab.tracking import capsule
 
     git_repo_with_a_commit(tmp_path)
     assert capsule.git_dirty(tmp_path) == ("false", "")

@@ -192,8 +192,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     """One parsed command, by its handler; bad input is exit 2 with one line."""
-    from .config import ConfigError, env_overrides
+    from .config import env_overrides
     from .credentials import from_files
+    from .errors import DdplabError
     from .logins import from_uri
 
     try:
@@ -202,12 +203,19 @@ def run(args: argparse.Namespace) -> int:
         from_files()  # before any launcher copies the environment to the ranks
         from_uri()  # a login in MLFLOW_TRACKING_URI: out of the URI, into the credentials
         return args.func(args)
-    except ConfigError as e:
-        logger().error(e)
-        return EXIT_USAGE
+    except DdplabError as e:
+        # Failures become exit codes here: a DdplabError is its one line ("ddplab: error:" for
+        # bad input, like argparse's; "ddplab <command>: error:" for a command that failed).
+        logger("" if e.exit_code == EXIT_USAGE or args.command == "train" else args.command).error(e)
+        return e.exit_code
     except KeyboardInterrupt:
         logger().warning("interrupted")
         return 130
+    except Exception as e:
+        # A bug (ddplab's, or the user's code's): one line first, then the traceback.
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        logger().error(f"unexpected {type(e).__name__}: {first} (traceback below)")
+        raise
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -226,13 +234,9 @@ def _sync(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, export
+    from .training.checkpoint import export
 
-    try:
-        print(export(args.source, args.out))
-    except CheckpointError as e:
-        logger("checkpoint").error(e)
-        return EXIT_ERROR
+    print(export(args.source, args.out))
     return 0
 
 
@@ -244,25 +248,19 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _study(args: argparse.Namespace) -> int:
     from . import study
-    from .tracking import TrackingError
 
-    try:
-        if args.command == "study":
-            return study.run_study(args.study, args.overrides, args.fresh, args.dry_run,
-                                   args.repeats)
-        if args.command == "report":
-            return study.show_report(args.parent_run_id, args.page)
-        from .study.reproduce import reproduce
+    if args.command == "study":
+        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run, args.repeats)
+    if args.command == "report":
+        return study.show_report(args.parent_run_id, args.page)
+    from .study.reproduce import reproduce
 
-        return reproduce(args.run_id, args.strict)
-    except TrackingError as e:
-        logger(args.command).error(e)
-        return EXIT_ERROR
+    return reproduce(args.run_id, args.strict)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .backend import BackendError, Rank0Error
     from .bench.run import BenchError, collectives
+    from .distributed.backend import BackendError, Rank0Error
     from .launchers import LaunchError
     from .tracking import TrackingError
 
@@ -278,7 +276,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """``ddplab run``: the preflight's refusals are bad input (exit 2), like train's."""
-    from .backend import BackendError
+    from .distributed.backend import BackendError
     from .launchers import local
 
     try:
@@ -300,31 +298,20 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _train(experiment: str, overrides: list[str], summary_out: str,
            script_args: list[str] | None = None) -> int:
-    from .backend import BackendError, Rank0Error
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .launchers import LaunchError
-    from .run import Terminated, train
-    from .scriptmode import ScriptFailed
-    from .tracking import TrackingError
+    from .errors import DdplabError
+    from .training.run import train
 
-    expected = (BackendError, DataError, TrackingError, Rank0Error, Terminated, CheckpointError,
-                ScriptFailed, FileNotFoundError, ValueError)
     warnings.filterwarnings("default")
-    from .config import ConfigError
-
     try:
         train(experiment, overrides, summary_out, script_args)
         return 0
-    except (ConfigError, LaunchError) as e:
-        # Bad input, found before any process group or run exists: exit 2, like argparse.
+    except DdplabError as e:
+        # Its one line (the run, if any, records the traceback); bad input (exit 2) is found
+        # before any process group or run exists, a failure also goes to torchrun's summary.
         logger().error(e)
-        return EXIT_USAGE
-    except expected as e:
-        # Known failures get one line, not a traceback (the run, if any, records the traceback).
-        logger().error(e)
-        _tell_torchrun(e)
-        return EXIT_ERROR
+        if e.exit_code != EXIT_USAGE:
+            _tell_torchrun(e)
+        return e.exit_code
     except SystemExit as e:
         # User code (a model, loss, dataset, metric) called sys.exit while training: exit 0
         # from a part is no success; the run recorded it FAILED (tracking/runs.py).

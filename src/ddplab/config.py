@@ -22,6 +22,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from .errors import BadInput
+
 # Names the model registry (models.py) must provide; a unit test keeps the two in step.
 MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i in range(8)) + ("gpt",)
 DATASETS = ("synthetic", "cifar10", "imagefolder", "tokens")
@@ -46,7 +48,7 @@ def _check_part(key: str, value: str, builtins: tuple[str, ...]) -> None:
         _fail(key, value, f"choose one of: {', '.join(builtins)}, or 'package.module:callable'")
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """A bad experiment: names the source, the key, the value and what is allowed."""
 
 

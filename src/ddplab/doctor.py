@@ -95,7 +95,8 @@ def _layout(env: Mapping[str, str], problems: list[str]) -> LaunchEnv | None:
 
 def ccl_transport(le: LaunchEnv, env: Mapping[str, str]) -> str:
     """The oneCCL transport a run would use: the user's variables over ddplab's defaults."""
-    from . import backend, ccl
+    from . import ccl
+    from .distributed import backend
 
     impl = backend.import_ccl()
     merged = {**backend.ccl_env_defaults(le, impl.pkg_dir, env), **env}
@@ -125,7 +126,9 @@ def _check_shm(cfg: ExperimentConfig, le: LaunchEnv, problems: list[str]) -> Non
 
 
 def doctor(experiment: str | None, overrides: list[str]) -> int:
-    from . import backend, capsule, tracking
+    from . import tracking
+    from .distributed import backend
+    from .tracking import capsule
 
     cfg = load(experiment, overrides)
     problems: list[str] = []
@@ -210,8 +213,8 @@ def _train_checks(cfg: ExperimentConfig, le: LaunchEnv, experiment: str | None,
     doctor reports."""
     import torch
 
-    from . import checks
     from .config import ConfigError
+    from .training import checks
 
     try:
         checks.before_start(cfg, le, "", torch.cuda.is_available(), experiment)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..loop import percentile
+from ..training.loop import percentile
 from . import BACKENDS
 from .ops import Ctx, Op, wait
 
@@ -184,7 +184,7 @@ def devices_here() -> list[str]:
 
 def support(bench: Bench, ops: list[Op]) -> dict[tuple[str, str], dict[str, str]]:
     """(backend, device) -> op -> "yes" or "no: why", for every backend ddplab knows."""
-    from ..backend import available
+    from ..distributed.backend import available
 
     matrix: dict[tuple[str, str], dict[str, str]] = {}
     for device_name in ("cpu", "cuda"):

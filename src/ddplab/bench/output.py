@@ -162,7 +162,8 @@ class Report(Silent):
         import shlex
         import sys
 
-        from .. import host, pages
+        from .. import pages
+        from ..distributed import host
 
         p = self.params
         body = (f"{p['world_size']} ranks ({p['nnodes']} node(s), {p['launcher']}), {p['dtype']}; "

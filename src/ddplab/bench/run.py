@@ -9,6 +9,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from ..errors import BadInput
 from . import BACKENDS, OP_NAMES
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 2
 MAX_BYTES = 4 << 30
 
 
-class BenchError(ValueError):
+class BenchError(BadInput, ValueError):
     """Bad arguments: one line, exit 2."""
 
 
@@ -83,7 +84,7 @@ def usable_backends(plan: Plan, explicit: bool) -> list[str]:
     """The plan's backends that can run here; an explicitly named one that cannot is an error."""
     import torch
 
-    from ..backend import available
+    from ..distributed.backend import available
 
     out = []
     for name in plan.backends:
@@ -102,7 +103,7 @@ def usable_backends(plan: Plan, explicit: bool) -> list[str]:
 
 
 def collectives(a: argparse.Namespace) -> int:
-    from .. import backend
+    from ..distributed import backend
     from ..launchers import LaunchEnv
 
     plan = plan_from(a)
@@ -134,7 +135,7 @@ def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]
     """Rank 0 opens the run (every rank learns whether that worked); the others stay silent."""
     import torch
 
-    from .. import backend
+    from ..distributed import backend
     from .output import Report, Silent
 
     def create() -> Report:

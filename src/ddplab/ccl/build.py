@@ -24,6 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from ..errors import DdplabError
 from . import EXT_NAME, ONECCL_VERSION, fabric, home
 
 SOURCE = Path(__file__).with_name("csrc") / f"{EXT_NAME}.cpp"
@@ -35,7 +36,7 @@ WHEELS = {  # PyPI name -> {member under <name>-<version>.data/data/ -> path und
 }
 
 
-class BuildError(RuntimeError):
+class BuildError(DdplabError, RuntimeError):
     pass
 
 

@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..errors import DdplabError
+
 # (Debian package, the shared object it carries), in link order: each needs only those above
 # it or the C runtime.
 PACKAGES = (
@@ -28,7 +30,7 @@ PACKAGES = (
 FOLDER = "fabric"
 
 
-class FetchError(RuntimeError):
+class FetchError(DdplabError, RuntimeError):
     pass
 
 

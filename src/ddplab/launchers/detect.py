@@ -20,10 +20,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..errors import BadInput
+
 DEFAULT_MASTER_PORT = 29500
 
 
-class LaunchError(ValueError):
+class LaunchError(BadInput, ValueError):
     """Incomplete or contradictory launcher variables."""
 
 

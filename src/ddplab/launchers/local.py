@@ -32,8 +32,10 @@ def preflight(a: argparse.Namespace) -> None:
     """Every check one process can make for N ranks here; raises ConfigError or BackendError."""
     import torch
 
-    from .. import backend, checks, config
+    from .. import config
     from ..config import ConfigError
+    from ..distributed import backend
+    from ..training import checks
     from .detect import LaunchEnv
 
     if a.nproc_per_node < 1:
@@ -52,7 +54,7 @@ def preflight(a: argparse.Namespace) -> None:
 
 
 def _ccl_impl() -> str | None:
-    from .. import backend
+    from ..distributed import backend
 
     impl = backend.import_ccl()
     return impl.name if impl else None

@@ -480,7 +480,7 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
 
 def _print_addresses(uri: str, experiment_id: str, parent_id: str, console: Any) -> None:
     from ..tracking import ui_address
-    from ..ui_views import STUDY_VIEW
+    from ..tracking.ui_views import STUDY_VIEW
 
     console.print(f"The answer, one row per run (view \"ddplab: study answer\")"
                   f"{ui_address(uri, experiment_id, view=STUDY_VIEW)}", soft_wrap=True)
@@ -524,7 +524,7 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
                 metrics[f"study/{r.variant}/{key}"] = round(float(value), 4)
     for k, v in metrics.items():
         client.log_metric(parent_id, k, v)
-    from ..ui_views import save_study_view
+    from ..tracking.ui_views import save_study_view
 
     save_study_view(client, client.get_run(parent_id).info.experiment_id, [r.variant for r in rows])
     client.set_tag(parent_id, "ddplab.study.best", verdict.best or "none")

@@ -64,7 +64,7 @@ def compare(client: Any, original: str, new: str, keys: tuple[str, ...] = COMPAR
 
 def _differences(original: dict[str, str]) -> list[str]:
     """What differs between the recorded run and this checkout: code and packages."""
-    from .. import capsule
+    from ..tracking import capsule
 
     said = []
     run_sha = original.get("ddplab.git_sha", "")
@@ -91,7 +91,7 @@ def _differences(original: dict[str, str]) -> list[str]:
 
 def _script(original: dict[str, str]) -> list[str]:
     """A script-mode run's script, changed or gone since the run."""
-    from ..userparts import sha256
+    from ..workload.userparts import sha256
 
     file, recorded = original.get("ddplab.script"), original.get("ddplab.script_sha256")
     if not file:
@@ -107,7 +107,7 @@ def _script(original: dict[str, str]) -> list[str]:
 
 def _user_modules(original: dict[str, str]) -> list[str]:
     """The user's own modules (model, data, loss) whose file changed or went since the run."""
-    from ..userparts import sha256
+    from ..workload.userparts import sha256
 
     said, seen = [], set()
     for part in ("model", "data", "loss"):

@@ -193,7 +193,7 @@ def check_variants(study: Study) -> None:
     for v in study.variants:
         if cannot_run_here(study, v):
             continue  # skipped with its reason when its turn comes
-        from .. import checks
+        from ..training import checks
 
         try:
             checks.for_variant(study.config(v), v.nproc * v.nnodes, v.launcher in LOCAL_LAUNCHERS,
@@ -266,7 +266,7 @@ class Tracker:
                 self.client.set_tag(run_id, k, v)
             self._end_stale_children(run_id)
             return run_id
-        from .. import capsule
+        from ..tracking import capsule
 
         tags = {**digest, "ddplab.study": self.study.name, "ddplab.study_role": PARENT,
                 "ddplab.study_file": str(self.study.path), "ddplab.git_sha": capsule.git_sha(),
@@ -394,7 +394,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     logs = Path("checkpoints") / "studies" / study.name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     from ..tracking import ui_address
-    from ..ui_views import STUDY_VIEW, save_study_view
+    from ..tracking.ui_views import STUDY_VIEW, save_study_view
 
     save_study_view(tracker.client, tracker.exp_id, [v.name for v in study.variants])
     console.print(f"study {study.name}: parent run {parent_id}; its jobs, one row each, as "

@@ -63,7 +63,7 @@ class Opened:
 def experiment_id(client: Any, name: str) -> str:
     """The experiment called ``name``, created (in the model-training view) when missing, with
     ddplab's saved view of its runs."""
-    from .. import ui_views
+    from . import ui_views
 
     exp = client.get_experiment_by_name(name)
     if exp is None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import DdplabError
+
 STREAMS = ("records", "system", "track")
 CLOSED = "closed"  # written by the training process when it will append nothing more
 BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100  # MLflow's log_batch limits
@@ -176,7 +178,7 @@ def find(paths: list[Path]) -> list[Path]:
     return found
 
 
-class Invalid(Exception):
+class Invalid(DdplabError):
     """A spool line that is not a record: nothing could ever deliver it."""
 
 

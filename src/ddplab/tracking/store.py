@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrackingConfig
+from ..errors import DdplabError
 
 
-class TrackingError(RuntimeError):
+class TrackingError(DdplabError, RuntimeError):
     """The tracking store cannot be used."""
 
 

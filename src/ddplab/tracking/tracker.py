@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backend import share_from_rank0
 from ..config import TrackingConfig
+from ..distributed.backend import share_from_rank0
 from ..launchers import LaunchEnv
 from ..log import logger
 from . import spool

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .host import cpu_model  # also read as capsule.cpu_model (doctor)
+from ..distributed.host import cpu_model  # also read as capsule.cpu_model (doctor)
 
 ENV_PREFIXES = ("CCL_", "NCCL_", "GLOO_", "OMP_", "KMP_", "MASTER_", "FI_", "I_MPI_", "PET_",
                 "TORCHELASTIC_", "OMPI_COMM_WORLD_", "SLURM_", "PMI_", "MLFLOW_TRACKING_URI",
@@ -41,14 +41,14 @@ def versions() -> dict[str, str]:
 
 def _ddplab_ccl() -> str:
     """ddplab's own oneCCL backend as built (by make setup-ccl), from its build record."""
-    from . import ccl
+    from .. import ccl
 
     info = ccl.build_info()
     return f"oneccl {info['oneccl']} for torch {info['torch']}" if info else "absent"
 
 
 def launcher_env(env: os._Environ | dict[str, str] = os.environ) -> dict[str, str]:
-    from .logins import mask
+    from ..logins import mask
 
     return {k: mask(v) for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
 
@@ -145,7 +145,7 @@ def container_image() -> str:
 
 
 def _quota() -> float | None:
-    from .backend import cpu_quota
+    from ..distributed.backend import cpu_quota
 
     return cpu_quota()
 

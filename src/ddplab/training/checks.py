@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import data, models, textdata, userparts
-from .config import ConfigError, ExperimentConfig, is_import_path
-from .launchers import LaunchEnv
-from .tracking import resolve_uri, uri_problem
-from .userparts import Parts
+from ..config import ConfigError, ExperimentConfig, is_import_path
+from ..launchers import LaunchEnv
+from ..tracking import resolve_uri, uri_problem
+from ..workload import data, models, textdata, userparts
+from ..workload.userparts import Parts
 
 
 def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
@@ -86,7 +86,7 @@ DDP_KNOBS = {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": False, "static_gr
 
 def _strategy(cfg: ExperimentConfig, cuda_available: bool, world_size: int) -> None:
     """dist.strategy against the device, the world and the knobs that belong to another one."""
-    from .config import FsdpConfig
+    from ..config import FsdpConfig
 
     d = cfg.dist
     on_cuda = d.device == "cuda" or (d.device == "auto" and cuda_available)
@@ -166,7 +166,7 @@ def _user_parts(cfg: ExperimentConfig, experiment: str | Path | None) -> Parts:
 def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
     import torch
 
-    from . import losses
+    from ..workload import losses
 
     if parts.datasets is None and cfg.data.dataset == "cifar10" and cfg.data.download:
         return  # nothing on disk yet to probe with; the job's own data step downloads it
@@ -227,7 +227,7 @@ def _credentials(uri: str) -> None:
     """A server that refuses this job's credentials (HTTP 401) or its user or host name (403)
     stops the job here, before any process group, naming what to set. A server that does not
     answer is left to the tracker's own wait (tracking.wait_s): it may still be starting."""
-    from .tracking import auth_refusal
+    from ..tracking import auth_refusal
 
     why = auth_refusal(uri)
     if why:
@@ -239,7 +239,7 @@ def _run_to_attach(uri: str) -> None:
     run_id = os.environ.get("MLFLOW_RUN_ID", "")
     if not run_id:
         return
-    from .tracking import check_reachable, open_client
+    from ..tracking import check_reachable, open_client
 
     if check_reachable(uri):
         return  # the tracker's own wait and message (tracking.wait_s) handle a down server

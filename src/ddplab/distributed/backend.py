@@ -26,13 +26,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .config import DistConfig
-from .launchers import LaunchEnv
+from ..config import DistConfig
+from ..errors import DdplabError
+from ..launchers import LaunchEnv
 
 T = TypeVar("T")
 
 
-class BackendError(RuntimeError):
+class BackendError(DdplabError, RuntimeError):
     """The requested backend cannot run here."""
 
 
@@ -108,7 +109,7 @@ def import_ccl() -> CclImpl:
                        getattr(module, "cwd", None))
     except Exception as e:  # noqa: BLE001 - see docstring
         intel = f"oneccl_bindings_for_pytorch does not import ({type(e).__name__}: {e})"
-    from . import ccl
+    from .. import ccl
 
     ok, why = ccl.register()
     return CclImpl("ddplab", why) if ok else CclImpl(None, f"{why}; {intel}")
@@ -411,7 +412,7 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-class Rank0Error(RuntimeError):
+class Rank0Error(DdplabError, RuntimeError):
     """Raised on the other ranks when a rank-0-only step failed there."""
 
 

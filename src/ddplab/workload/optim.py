@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import OptimConfig
+from ..config import OptimConfig
 
 
 def spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:

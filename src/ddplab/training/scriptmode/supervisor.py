@@ -30,9 +30,11 @@ from typing import Any
 
 import yaml
 
-from .. import capsule, config, host, tracking
-from ..launchers import LaunchEnv
-from ..tracking import spool
+from ... import config, tracking
+from ...distributed import host
+from ...errors import DdplabError
+from ...launchers import LaunchEnv
+from ...tracking import capsule, spool
 from .meeting import Meeting
 
 FINISHED_MARK = ".ddplab-finished"
@@ -40,7 +42,7 @@ PEER_FAILED = "another rank failed"
 OWN_ENTRIES = {"spool", FINISHED_MARK}
 
 
-class ScriptFailed(Exception):
+class ScriptFailed(DdplabError):
     """The script failed on some rank: one line here, the user's traceback in ``detail``."""
 
     status = "FAILED"
@@ -173,7 +175,7 @@ class Script:
         or a signal (raised here by run.Signals: the script is then stopped the same way)."""
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddplab.scriptmode.child", str(self.path),
+            [sys.executable, "-m", "ddplab.training.scriptmode.child", str(self.path),
              *self.cfg.script.argv()], env=self.env(), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
         pumps = [threading.Thread(target=t.pump, args=(p,), daemon=True)

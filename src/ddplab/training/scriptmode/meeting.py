@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..backend import Rank0Error, rendezvous_store
-from ..launchers import LaunchEnv
+from ...distributed.backend import Rank0Error, rendezvous_store
+from ...launchers import LaunchEnv
 
 T = TypeVar("T")
 PREFIX = "ddplab/script/"

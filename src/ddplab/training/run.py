@@ -20,11 +20,13 @@ import time
 
 import torch
 
-from . import backend, checkpoint, checks, config, tracking
+from .. import config, tracking
+from ..distributed import backend
+from ..launchers import LaunchEnv
+from . import checkpoint, checks
 from .fit import finish, fit
 from .job import build, record_start
 from .jobend import Signals, Terminated, where
-from .launchers import LaunchEnv
 from .profiling import profiling
 from .summary import Console
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ProfileConfig
+from ..config import ProfileConfig
 
 COMM_PREFIXES = ("gloo", "ccl", "mpi", "nccl")
 Span = tuple[float, float]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .log import logger
+from ..log import logger
 from .loop import percentile
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, ExperimentConfig, is_import_path
+from ..config import ConfigError, ExperimentConfig, is_import_path
 
 DATA_NAMES = ("root", "seed", "image_size", "channels", "num_classes", "seq_len")
 """data.* values a dataset callable receives when its signature names them."""

@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
-from .losses import Loss, cross_entropy, is_classification
+from ..workload.losses import Loss, cross_entropy, is_classification
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

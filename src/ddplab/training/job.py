@@ -17,12 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import capsule, checkpoint, config, data, host, loop, losses, models, optim, strategy
-from .backend import Layout
+from .. import config
+from ..distributed import host
+from ..distributed.backend import Layout
+from ..tracking import NullTracker, capsule
+from ..workload import data, losses, models, optim
+from ..workload.userparts import Parts
+from . import checkpoint, loop, strategy
 from .profiling import NoProfile
 from .summary import Console, RunStats
-from .tracking import NullTracker
-from .userparts import Parts
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Job:
     console: Console
     loaders: data.Loaders
     state: loop.TrainState
-    ipex: models.IpexStatus
+    ipex: strategy.IpexStatus
     hosts: list[str]
     t_start: float
     ckpt: checkpoint.Checkpointer
@@ -113,7 +116,7 @@ def _datasets_or_error(cfg: config.ExperimentConfig, parts: Parts) -> tuple[Any,
 
 def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loaders,
            info: data.DataInfo, parts: Parts, payload: dict[str, Any] | None,
-           world_size: int) -> tuple[loop.TrainState, models.IpexStatus]:
+           world_size: int) -> tuple[loop.TrainState, strategy.IpexStatus]:
     model = models.prepare(models.build(cfg.model, info, parts.model), cfg.model, device)
     model, opt, ipex = strategy.spread(model, cfg, device)  # ddp | zero | fsdp | dp
     state = loop.TrainState(

@@ -1,4 +1,4 @@
-"""The script's own process: ``python -m ddplab.scriptmode.child SCRIPT [ARGS...]``.
+"""The script's own process: ``python -m ddplab.training.scriptmode.child SCRIPT [ARGS...]``.
 
 Started by the rank's supervisor (supervisor.py) with the launcher's environment, it runs the
 script as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set
@@ -140,7 +140,7 @@ def _exit(code: int) -> None:
     (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop)."""
     import atexit
 
-    from ..log import flush_std
+    from ...log import flush_std
 
     try:
         atexit._run_exitfuncs()

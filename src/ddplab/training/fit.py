@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, loop, models, strategy
+from . import checkpoint, loop, strategy
 from .job import Job
 from .summary import CpuUse
 
@@ -84,7 +84,7 @@ def _log_interval(job: Job) -> None:
 
 
 def _evaluate(job: Job) -> None:
-    r = loop.evaluate(models.unwrap(job.state.model), job.loaders.eval, job.state)
+    r = loop.evaluate(strategy.unwrap(job.state.model), job.loaders.eval, job.state)
     metrics = {"eval/loss": r.loss}
     if r.accuracy is not None:
         metrics["eval/accuracy"] = r.accuracy

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from ..distributed.backend import share_from_rank0
+from ..errors import DdplabError
 from . import strategy
-from .backend import share_from_rank0
 from .loop import TrainState
 
 # What a resume may change: how long to train, how often to log and save, where to track.
@@ -83,7 +84,7 @@ def restore(state: TrainState, payload: dict[str, Any], world_size: int) -> None
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(key, checkpoint's value, this job's value) for every key that differs."""
-    from .config import flatten
+    from ..config import flatten
 
     old, new = flatten(saved), flatten(now)
     return [(k, old.get(k, "(absent)"), new.get(k, "(absent)"))
@@ -94,7 +95,7 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: str, world_size: int = 0
                  payload: dict[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
     """The changes since the checkpoint; ConfigError when one of them may not be resumed, or
     when the global batch (what each optimizer step averages over) would change."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     changes = config_changes(saved, cfg.to_dict())
     if payload is not None and world_size:
@@ -112,7 +113,7 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: str, world_size: int = 0
 
 
 def _same_global_batch(payload: dict[str, Any], cfg: Any, world_size: int, path: str) -> None:
-    from .config import ConfigError
+    from ..config import ConfigError
 
     saved = payload["config"]
     was = payload.get("global_batch") or (saved["data"]["batch_size"] * payload["world_size"]
@@ -130,8 +131,12 @@ def _same_global_batch(payload: dict[str, Any], cfg: Any, world_size: int, path:
             f"= {now}: {hint}, or start fresh (checkpoint.resume=never)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DdplabError, RuntimeError):
     """A checkpoint could not be written (a full disk, a vanished folder): one line."""
+
+
+class CorruptCheckpoint(CheckpointError, ValueError):
+    """A partial or unreadable checkpoint file."""
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -167,14 +172,14 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
 
 
 def read(path: Path) -> dict[str, Any]:
-    """Load and check one checkpoint; raises ValueError when it is partial or corrupt."""
+    """Load and check one checkpoint; raises CorruptCheckpoint when it is partial or corrupt."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is "corrupt"
-        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+        raise CorruptCheckpoint(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     missing = [k for k in REQUIRED if not isinstance(payload, dict) or k not in payload]
     if missing:
-        raise ValueError(f"{path}: missing fields {missing}")
+        raise CorruptCheckpoint(f"{path}: missing fields {missing}")
     return payload
 
 
@@ -214,7 +219,7 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
     if resume != "auto":
         path = Path(resume)
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint.resume: {path} does not exist")
+            raise CheckpointError(f"checkpoint.resume: {path} does not exist")
         return path, read(path)
     found = newest_valid(root)
     if found is None or found[1]["final"]:
@@ -265,7 +270,7 @@ def export(src: str, out: str) -> str:
     parameter name, whatever strategy and world size wrote it), for use outside ddplab:
     ``model.load_state_dict(torch.load(OUT.pt))``. SRC is a checkpoint file, or a folder whose
     newest valid checkpoint is taken. Returns what was written, in one line."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     path = Path(src)
     if path.is_dir():

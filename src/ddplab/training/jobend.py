@@ -5,10 +5,11 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from . import tracking
+from .. import tracking
+from ..errors import DdplabError
 
 
-class Terminated(Exception):
+class Terminated(DdplabError):
     """SIGTERM: the launcher stops the survivors when a rank fails, or the job was stopped."""
 
 

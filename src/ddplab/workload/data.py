@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ..config import DataConfig
+from ..errors import DdplabError
 from . import textdata
-from .config import DataConfig
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
-class DataError(RuntimeError):
+class DataError(DdplabError, RuntimeError):
     """The dataset cannot be loaded; the message says where to put it or how to fetch it."""
 
 

@@ -16,38 +16,107 @@ before, so nodes still need no shared file system.
 
 from __future__ import annotations
 
+import importlib
 import resource
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import models, optim
-from .config import ExperimentConfig
+from ..config import DistConfig, ExperimentConfig, ModelConfig
+from ..workload import optim
 
 # Each built-in model's blocks, the units FSDP shards and gathers one at a time.
 BLOCKS = {"gpt": ("Block",), "resnet18": ("BasicBlock",), "resnet50": ("Bottleneck",),
           **{f"efficientnet_b{i}": ("MBConv", "FusedMBConv") for i in range(8)}}
 
 
+@dataclass(frozen=True)
+class IpexStatus:
+    used: bool
+    version: str
+    reason: str
+
+
+def import_ipex() -> tuple[object | None, str]:
+    """IPEX refuses a torch of another major.minor at import, with an AttributeError among
+    others, so any failure counts as "absent"; a version mismatch is reported, not raised."""
+    try:
+        ipex = importlib.import_module("intel_extension_for_pytorch")
+    except Exception as e:  # noqa: BLE001 - see docstring
+        return None, f"not usable ({type(e).__name__}: {str(e)[:120]})"
+    version = str(getattr(ipex, "__version__", "?"))
+    if version.split(".")[:2] != torch.__version__.split("+")[0].split(".")[:2]:
+        return None, f"version {version} does not match torch {torch.__version__}"
+    return ipex, version
+
+
+def maybe_ipex(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ModelConfig,
+               device: torch.device, amp: str) -> tuple[nn.Module, torch.optim.Optimizer, IpexStatus]:
+    if device.type != "cpu" or not cfg.ipex:
+        return model, optimizer, IpexStatus(False, "", "off (not CPU or model.ipex=false)")
+    ipex, why = import_ipex()
+    if ipex is None:
+        warnings.warn(f"IPEX not used: intel_extension_for_pytorch {why}", stacklevel=2)
+        return model, optimizer, IpexStatus(False, "", why)
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float32
+    model, optimizer = ipex.optimize(model, optimizer=optimizer, dtype=dtype)
+    return model, optimizer, IpexStatus(True, why, f"ipex.optimize(dtype={dtype})")
+
+
+def wrap(model: nn.Module, cfg: ModelConfig, device: torch.device,
+         dist_cfg: DistConfig | None = None) -> nn.Module:
+    """DDP (device_ids only on CUDA) with dist's knobs and gradient hook, then torch.compile
+    over it when asked."""
+    d = dist_cfg or DistConfig()
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=d.bucket_cap_mb,
+              gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+              find_unused_parameters=d.find_unused_parameters)
+    _register_hook(ddp, d.comm_hook)
+    return torch.compile(ddp) if cfg.compile else ddp
+
+
+def _register_hook(ddp: DDP, name: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name in ("fp16", "bf16"):
+        # torch's cast-sum-cast hooks; gloo sums fp16 and bf16 on CPU (checked with torch 2.7.1
+        # and 2.14.1), so they work there too, not only on NCCL.
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
+    elif name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under compile and DDP: what checkpoints hold."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
 def spread(model: nn.Module, cfg: ExperimentConfig, device: torch.device
-           ) -> tuple[nn.Module, torch.optim.Optimizer, models.IpexStatus]:
+           ) -> tuple[nn.Module, torch.optim.Optimizer, IpexStatus]:
     """The model wrapped for ``dist.strategy`` and its optimizer (built after the wrapping
     where the strategy replaces the parameters: FSDP's are sharded DTensors)."""
     strategy = cfg.dist.strategy
     if strategy in ("ddp", "dp"):
         opt = optim.optimizer(model.parameters(), cfg.optim)
-        model, opt, ipex = models.maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
+        model, opt, ipex = maybe_ipex(model, opt, cfg.model, device, cfg.train.amp)
         if strategy == "dp":
             return nn.DataParallel(model), opt, ipex
-        return models.wrap(model, cfg.model, device, cfg.dist), opt, ipex
-    ipex = models.IpexStatus(False, "", f"not used with dist.strategy {strategy} (ipex.optimize "
+        return wrap(model, cfg.model, device, cfg.dist), opt, ipex
+    ipex = IpexStatus(False, "", f"not used with dist.strategy {strategy} (ipex.optimize "
                                         "rewrites the model and optimizer a sharding wraps)")
     if strategy == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        wrapped = models.wrap(model, cfg.model, device, cfg.dist)
+        wrapped = wrap(model, cfg.model, device, cfg.dist)
         cls, kwargs = optim.spec(cfg.optim)
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=cls,
                                                 **kwargs), ipex
@@ -109,7 +178,7 @@ def grad_sync(model: nn.Module, sync: bool) -> Any:
 
 def _names(model: nn.Module) -> list[str]:
     """Parameter names in the order the optimizer holds them (tied weights once)."""
-    return [n for n, _ in models.unwrap(model).named_parameters()]
+    return [n for n, _ in unwrap(model).named_parameters()]
 
 
 def _is_zero(opt: torch.optim.Optimizer) -> bool:
@@ -139,7 +208,7 @@ def state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dic
         get_state_dict,
     )
 
-    module = models.unwrap(model)
+    module = unwrap(model)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if _is_zero(opt):
         opt.consolidate_state_dict(to=0)
@@ -157,7 +226,7 @@ def load_state_dicts(model: nn.Module, opt: torch.optim.Optimizer, msd: dict, os
         set_state_dict,
     )
 
-    module, names = models.unwrap(model), _names(model)
+    module, names = unwrap(model), _names(model)
     if osd["state"] and isinstance(next(iter(osd["state"])), int):  # written before names
         osd = by_name(osd, names)
     full = StateDictOptions(full_state_dict=True)

@@ -1,0 +1,58 @@
+"""Unit: one error base. A DdplabError is its one line and its exit code; anything else is a
+bug, shown as a one-line summary and then its traceback (the CLI, in-process)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import ddplab
+from ddplab import cli
+from ddplab.errors import BadInput, DdplabError
+
+
+def _package_exceptions() -> list[type]:
+    found = []
+    for info in pkgutil.walk_packages(ddplab.__path__, "ddplab."):
+        if ".stand_in." in info.name or info.name.endswith(("__main__", "mlflow_app")):
+            continue
+        module = importlib.import_module(info.name)
+        found += [c for _, c in inspect.getmembers(module, inspect.isclass)
+                  if issubclass(c, BaseException) and c.__module__ == info.name]
+    return found
+
+
+def test_every_error_class_of_the_package_is_a_ddplab_error():
+    found = _package_exceptions()
+    assert len(found) >= 12
+    assert [c.__qualname__ for c in found if not issubclass(c, DdplabError)] == []
+    assert {c.__name__ for c in found if issubclass(c, BadInput)} >= {"ConfigError", "LaunchError"}
+
+
+def _failing(error: BaseException) -> argparse.Namespace:
+    """A parsed command whose handler raises ``error`` (cli.run maps it)."""
+    def handler(args):
+        raise error
+
+    return argparse.Namespace(command="config", func=handler)
+
+
+def test_a_ddplab_error_is_one_line_and_its_exit_code(capsys):
+    from ddplab.training.checkpoint import CheckpointError
+
+    assert cli.run(_failing(CheckpointError("checkpoint.dir: /x is full"))) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["ddplab config: error: checkpoint.dir: /x is full"]
+    assert cli.run(_failing(BadInput("data.path: got 'x'; no such folder"))) == 2
+    assert capsys.readouterr().err.strip() == "ddplab: error: data.path: got 'x'; no such folder"
+
+
+def test_anything_else_is_a_bug_with_one_line_first_and_its_traceback(capsys):
+    with pytest.raises(ValueError, match="a real bug"):
+        cli.run(_failing(ValueError("a real bug\nsecond line")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ddplab: error: unexpected ValueError: a real bug (traceback below)"]
