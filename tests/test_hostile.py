@@ -317,7 +317,9 @@ def test_report_of_a_run_that_is_no_study_is_bad_input(tmp_path, store):
 def test_a_study_whose_server_dies_stops_with_one_line_and_a_rerun_leaves_nothing_running(tmp_path):
     server = Server(tmp_path)
     server.start()
-    path = tiny_study(tmp_path, set={**TINY, "train.epochs": 30})
+    # The server dies as the first job's training starts (its spool appears); the job keeps
+    # its records in the spool and gives up on delivering after 5 s instead of 60.
+    path = tiny_study(tmp_path, set={**TINY, "train.epochs": 6, "tracking.delivery_timeout_s": 5})
     proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
                             env=job_env(server.uri), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -228,8 +228,10 @@ def test_own_model_and_imagefolder_outside_the_repository_train_under_torchrun(
 
 @pytest.mark.e2e
 def test_lm_tiny_eval_loss_falls_by_a_third(tmp_path, store):
+    """The shipped lm-tiny learns: its eval loss falls by a third within 200 of its 560 steps
+    (measured: 4.41 at step 10, 2.77 at step 200, in 20 s untracked on 2 cores)."""
     out = _torchrun(["train", str(REPO / "experiments" / "lm-tiny.yaml"),
-                     "--set", f"data.root={REPO / 'docs'}",
+                     "--set", f"data.root={REPO / 'docs'}", "--set", "train.max_steps=200",
                      "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, store)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = runs(store)
