@@ -156,6 +156,50 @@ def test_sigkill_of_rank0_still_ends_the_run_failed(tmp_path, store):
     assert proc.returncode != 0
 
 
+def _start_lone(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`ddplab train` as one process, no launcher."""
+    return subprocess.Popen([str(Path(sys.executable).parent / "ddplab"), "train", *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def test_a_lone_process_killed_outright_does_not_leave_its_run_running(tmp_path, store):
+    """No launcher, no peer to watch it: SIGKILL (the OOM killer) used to leave the run RUNNING
+    for good. Its node's delivery process sees its parent gone and ends the run FAILED."""
+    proc = _start_lone([QUICKSTART, "--set", "train.epochs=20"], tmp_path, job_env(store))
+    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    while runs(store)[0].info.status == "RUNNING":
+        assert time.monotonic() - t0 < 30, "the run stayed RUNNING"
+        time.sleep(0.5)
+    (run,) = runs(store)
+    assert run.info.status == "FAILED"
+    assert f"its process (pid {proc.pid}) died" in run.data.tags["ddplab.error"]
+
+
+def test_a_killed_delivery_process_is_named_and_nothing_is_lost(tmp_path, store):
+    """The job's delivery process dies mid-job: the job names it, delivers its spool itself and
+    ends FINISHED with every step's loss, instead of blaming the store."""
+    steps = 3 * 2048 // 64
+    proc = _start_lone([QUICKSTART, "--set", "train.epochs=3", "--set", "data.train_samples=2048",
+                        "--set", "data.batch_size=64", "--set", "train.log_every=1",
+                        "--set", "tracking.system_metrics=false"],
+                       tmp_path, job_env(store))
+    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    (delivery,) = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "ddplab.tracking.delivery" in " ".join(c.cmdline())]
+    delivery.kill()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert f"tracking delivery process (pid {delivery.pid}) ended during the job (signal 9)" in out
+    assert "did not take" not in out
+    (run,) = runs(store)
+    history = MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")
+    assert run.info.status == "FINISHED" and sorted(m.step for m in history) == list(range(1, steps + 1))
+
+
 def test_ctrl_c_ends_the_run_killed(tmp_path, store):
     proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
     _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)

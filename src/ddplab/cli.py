@@ -151,12 +151,13 @@ def _delivery_first(args: argparse.Namespace) -> None:
         from_uri()
         cfg = load(args.experiment, env_overrides() + args.overrides, args.script_args)
         env = dict(os.environ)
+        le = LaunchEnv.from_environ(os.environ)
     except Exception:  # noqa: BLE001 - see above
         return
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    prestart(cfg, LaunchEnv.from_environ(os.environ), env)
+    prestart(cfg, le, env)
 
 
 def _recorded(fn: Any) -> Any:

@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", default="node0")
     p.add_argument("--t0-ms", type=int, default=0)
     p.add_argument("--uri", default="", help="the store to open while waiting (stdin mode)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="the job's ranks (more than one: the others' watchers end a lost rank 0's run)")
     args = p.parse_args(argv)
     # A scheduler stopping the job (Slurm's scancel, a node's shutdown) signals every process
     # of the job, this one included: it must outlive the ranks long enough to deliver the
@@ -190,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     started = os.times()
     (args.spool / "delivery-startup.json").write_text(json.dumps(
         {"cpu_s": round(started.user + started.system, 3)}))
-    out = spool.deliver(args.spool, client, producing, args.timeout)
+    since = time.time()
+    out = spool.deliver(args.spool, client, producing, args.timeout, final=True)
+    if not out.left and not alive.closed.exists() and (args.spool / "records.jsonl").exists():
+        # Global rank 0's process is gone without closing its spool: killed outright.
+        _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent)
     cpu = os.times()
     with contextlib.suppress(OSError):  # a full disk: the spool itself still says what is left
         (args.spool / "delivery.json").write_text(json.dumps(
@@ -278,14 +284,41 @@ def _failed(error: str) -> str:
     return error if error.startswith("refused") else f"did not answer ({error})"
 
 
-def _end_if_abandoned(client: Any, meta: spool.Meta, where: str) -> None:
+def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
+                   world_size: int, pid: int) -> None:
+    """Global rank 0's process died outright (SIGKILL, the OOM killer) and nothing recorded the
+    run's end. With peers, their watchers get their grace first (orphan.py: their reason is the
+    better one); a lone process has none, so its run is ended at once. Not when a restarted
+    attempt took the run over meanwhile (it rewrote meta.json)."""
+    from .orphan import GRACE_S
+
+    def taken_over() -> bool:
+        with contextlib.suppress(OSError):
+            return (directory / "meta.json").stat().st_mtime > since
+        return False
+
+    deadline = time.monotonic() + (GRACE_S + 5 if world_size > 1 else 0)
+    while time.monotonic() < deadline and not taken_over():
+        with contextlib.suppress(Exception):
+            if client.get_run(meta.run_id).info.status != "RUNNING":
+                return
+        time.sleep(1)
+    if not taken_over():
+        _end_if_abandoned(client, meta, "ddplab delivery", why=(
+            f"global rank 0 lost: its process (pid {pid}) died without recording the run's "
+            "end (killed outright: SIGKILL, or the OOM killer); ended by its node's delivery "
+            "process"))
+
+
+def _end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "") -> None:
     """Everything the job recorded is in, the job is over, and the run still says RUNNING: its
     end was never recorded (killed outright, or its last line torn). End it FAILED, saying so."""
     try:
         if client.get_run(meta.run_id).info.status != "RUNNING":
             return
-        client.set_tag(meta.run_id, "ddplab.error", "the job ended without recording its end "
-                       "(killed outright, or its last record torn); ended by ddplab sync")
+        client.set_tag(meta.run_id, "ddplab.error", why or (
+            "the job ended without recording its end (killed outright, or its last record "
+            "torn); ended by ddplab sync"))
         client.set_terminated(meta.run_id, "FAILED")
     except Exception as e:  # noqa: BLE001
         print(f"{where}: could not end the run ({spool.describe(e)})", file=sys.stderr)
@@ -303,8 +336,8 @@ class Delivery:
     imports MLflow; ``open_run()`` asks it for the run, ``attach()`` names the run's spool,
     ``close()`` lets it finish within ``timeout_s`` and says how many records are still left."""
 
-    def __init__(self, node_rank: int, cfg: TrackingConfig, env: dict[str, str] | None = None
-                 ) -> None:
+    def __init__(self, node_rank: int, cfg: TrackingConfig, env: dict[str, str] | None = None,
+                 world_size: int = 1) -> None:
         from .store import resolve_uri
 
         self.directory, self.timeout_s = Path(), cfg.delivery_timeout_s
@@ -312,7 +345,8 @@ class Delivery:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ddplab.tracking.delivery", "--timeout", str(cfg.delivery_timeout_s),
              "--system-interval", str(interval), "--node", f"node{node_rank}",
-             "--uri", resolve_uri(cfg, env or os.environ)], env=env,
+             "--uri", resolve_uri(cfg, env or os.environ), "--world-size", str(world_size)],
+            env=env,
             # Its own session: the signals meant for the ranks (Ctrl-C, torchrun's killpg of a
             # failed job) must not stop it before the run's ending is delivered. It ends on
             # its own: closed, or its parent gone, then within its timeout.
@@ -387,6 +421,7 @@ class Delivery:
 
     def close(self) -> int:
         """Records not delivered: still left, or set aside (refused as records)."""
+        died = self.proc.poll()  # it runs until told: ended already means it was killed
         with contextlib.suppress(OSError):  # a full disk: the delivery also ends when we do
             (self.directory / spool.CLOSED).write_text(str(spool.now_ms()))
         try:
@@ -394,7 +429,29 @@ class Delivery:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if died is not None and not (self.directory / "delivery.json").exists():
+            self._deliver_here(died)
         return spool.left_in(self.directory) + spool.rejected_in(self.directory)
+
+    def _deliver_here(self, code: int) -> None:
+        """The delivery process died during the job (killed, out of memory): this process
+        delivers what it left, instead of the job blaming the store for records it never sent."""
+        from ..log import logger
+
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        logger().warning(f"this node's tracking delivery process (pid {self.proc.pid}) ended "
+                         f"during the job ({how}); delivering its spool from here")
+        try:
+            meta = spool.Meta.read(self.directory)
+            out = spool.deliver(self.directory, make_client(meta.uri), lambda: False,
+                                self.timeout_s, final=True)
+        except Exception as e:  # noqa: BLE001 - the spool keeps it all for `ddplab sync`
+            logger().warning(f"delivering it failed too ({spool.describe(e)})")
+            return
+        with contextlib.suppress(OSError):
+            (self.directory / "delivery.json").write_text(json.dumps(
+                {"left": out.left, "set_aside": out.set_aside, "error": out.error,
+                 "pid": os.getpid(), "delivered_by": "the training process"}))
 
 
 class NoDelivery:
@@ -424,7 +481,7 @@ def prestart(cfg: ExperimentConfig, le: LaunchEnv, env: dict[str, str]) -> None:
     calls this first): importing MLflow and opening the store then run beside that instead of
     on rank 0's way to its first step."""
     if cfg.tracking.enabled and le.is_node_leader and not _EARLY:
-        _EARLY.append(Delivery(le.node_rank, cfg.tracking, env))
+        _EARLY.append(Delivery(le.node_rank, cfg.tracking, env, le.world_size))
 
 
 def start_delivery(cfg: TrackingConfig, le: LaunchEnv) -> Delivery | NoDelivery:
@@ -434,7 +491,7 @@ def start_delivery(cfg: TrackingConfig, le: LaunchEnv) -> Delivery | NoDelivery:
         if early is not None:
             early.cancel()
         return NoDelivery()
-    return early or Delivery(le.node_rank, cfg)
+    return early or Delivery(le.node_rank, cfg, world_size=le.world_size)
 
 
 if __name__ == "__main__":
