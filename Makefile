@@ -9,7 +9,7 @@ VENV       ?= .venv
 EXPERIMENT ?= experiments/quickstart.yaml
 NPROC      ?= 2
 ARGS       ?=
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 UI_PORT    ?= 5000
 UI_ADDRESS  = http://127.0.0.1:$(UI_PORT)/\#/experiments?workflowType=machine_learning
 # The embedded store at the repository root, unless the caller points elsewhere.
