@@ -74,3 +74,28 @@ def test_summary_json_stays_json_with_nan_and_inf():
     text = json.dumps(_finite({"loss": float("nan"), "x": [1.0, float("inf")], "n": 3}),
                       allow_nan=False)
     assert json.loads(text) == {"loss": None, "x": [1.0, None], "n": 3}
+
+
+def test_a_diverging_loss_stops_the_job_or_warns_and_summary_stays_json(tmp_path, monkeypatch):
+    """NaN losses used to finish the run FINISHED, exit 0, with bare NaN in summary.json."""
+    import pytest
+
+    from ddplab.training.fit import LossNotFinite
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    sets = ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
+            "optim.lr=1e12", "train.log_every=1", "tracking.system_metrics=false"]
+    quick = str(REPO / "experiments" / "quickstart.yaml")
+    with pytest.raises(LossNotFinite, match=r"train/loss is nan at step \d+ \(epoch 1\): the job stopped"):
+        run.train(quick, sets, "stopped.json")
+    (failed,) = runs(store)
+    assert failed.info.status == "FAILED" and "train/loss is nan" in failed.data.tags["ddplab.error"]
+    run.train(quick, [*sets, "train.nonfinite_loss=warn", "checkpoint.dir=warned"], "warned.json")
+    summary = json.loads((tmp_path / "warned.json").read_text(),
+                         parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+    assert summary["final_metrics"]["train/loss"] is None
+    assert sorted(r.info.status for r in runs(store)) == ["FAILED", "FINISHED"]

@@ -239,6 +239,9 @@ class TrainConfig:
     loss: str = "cross_entropy"
     """cross_entropy (class logits, or (batch, seq, vocab) logits for tokens), mse, or your
     own ``package.module:callable`` (outputs, targets) -> a scalar tensor."""
+    nonfinite_loss: Literal["stop", "warn"] = "stop"
+    """A NaN or infinite train/loss (checked where it is logged, every log_every steps): stop
+    the job FAILED, naming the step, or warn and go on."""
 
     def __post_init__(self) -> None:
         _check_part("loss", self.loss, LOSSES)

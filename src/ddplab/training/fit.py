@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import DdplabError
 from . import checkpoint, loop, strategy
 from .job import Job
 from .summary import CpuUse
@@ -81,6 +82,22 @@ def _log_interval(job: Job) -> None:
     job.stats.last.update(metrics)
     job.console.say(f"epoch {job.state.epoch + 1}/{job.cfg.train.epochs} step {job.state.step}/"
                     f"{job.total_steps} loss {s['loss']:.4f} {s['samples_per_s']:.0f} samples/s")
+    if not math.isfinite(s["loss"]):
+        _nonfinite(job, s["loss"])
+
+
+class LossNotFinite(DdplabError):
+    """train/loss became NaN or infinite (train.nonfinite_loss=stop)."""
+
+
+def _nonfinite(job: Job, loss: float) -> None:
+    """Every rank holds the same reduced loss, so every rank stops here together."""
+    what = f"train/loss is {loss} at step {job.state.step} (epoch {job.state.epoch + 1})"
+    if job.cfg.train.nonfinite_loss == "warn":
+        job.console.say(f"warning: {what}; training goes on (train.nonfinite_loss=warn)")
+        return
+    raise LossNotFinite(f"{what}: the job stopped (train.nonfinite_loss=stop). Lower optim.lr, "
+                        "set train.grad_clip, or set train.nonfinite_loss=warn to go on")
 
 
 def _evaluate(job: Job) -> None:
