@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ddplab.training import run
 from tests.conftest import REPO, runs
 
@@ -99,3 +101,41 @@ def test_a_diverging_loss_stops_the_job_or_warns_and_summary_stays_json(tmp_path
                          parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
     assert summary["final_metrics"]["train/loss"] is None
     assert sorted(r.info.status for r in runs(store)) == ["FAILED", "FINISHED"]
+
+
+def test_training_on_from_a_final_checkpoint_trains_the_rest_of_the_epoch_in_a_new_run(
+        tmp_path, monkeypatch):
+    """max_steps 4 -> 8 from the finished job's final checkpoint (docs/checkpoints.md: how to
+    train longer) trains steps 5-8 on the very samples an uninterrupted 8-step job trains
+    (it used to skip the rest of the epoch: with epochs 1, nothing), in a new run that names
+    the one it continues; the finished run stays exactly as it was."""
+    from mlflow import MlflowClient
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    client = MlflowClient(store)
+    quick = str(REPO / "experiments" / "quickstart.yaml")
+    sets = ["data.train_samples=512", "data.eval_samples=64", "data.image_size=8",
+            "train.epochs=1", "train.log_every=1", "tracking.system_metrics=false",
+            "checkpoint.resume=never"]
+
+    def losses(run_id: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+
+    first = run.train(quick, [*sets, "train.max_steps=4", "checkpoint.dir=a"])
+    (final,) = (tmp_path / "a").rglob("step-00000004.pt")
+    before = client.get_run(first)
+    longer = run.train(quick, [*sets, "train.max_steps=8", f"checkpoint.resume={final}",
+                               "checkpoint.dir=a"])
+    whole = run.train(quick, [*sets, "train.max_steps=8", "checkpoint.dir=b"])
+    assert longer != first
+    assert sorted(losses(longer)) == [5, 6, 7, 8] and sorted(losses(first)) == [1, 2, 3, 4]
+    for step in (5, 6, 7, 8):
+        assert losses(longer)[step] == pytest.approx(losses(whole)[step], rel=1e-5), step
+    after = client.get_run(first)
+    assert (after.info.status, after.info.end_time, after.data.tags) == (
+        "FINISHED", before.info.end_time, before.data.tags)
+    assert client.get_run(longer).data.tags["ddplab.continues_run"] == first

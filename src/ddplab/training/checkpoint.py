@@ -236,8 +236,15 @@ class Resume:
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     @property
+    def finished(self) -> bool:
+        """It is a finished job's final checkpoint: training on from it is a new run (the
+        finished run's result stays as it was, whatever this attempt does)."""
+        return bool(self.payload and self.payload["final"])
+
+    @property
     def run_id(self) -> str:
-        return self.payload["run_id"] if self.payload else ""
+        """The run this job continues ("": a new one)."""
+        return self.payload["run_id"] if self.payload and not self.finished else ""
 
     @property
     def step(self) -> int:

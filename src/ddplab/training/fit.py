@@ -31,7 +31,10 @@ def fit(job: Job) -> None:
             samples += result.samples
             _after_step(job, result)
         _log_interval(job)
-        state.epoch, state.samples_in_epoch = epoch + 1, 0
+        if state.samples_in_epoch >= job.loaders.sampler.num_samples:
+            state.epoch, state.samples_in_epoch = epoch + 1, 0
+        # else max_steps ended the epoch early: the state (and the final checkpoint) keeps the
+        # position, so a resume with a higher max_steps trains the rest of this epoch first.
         job.stats.end_epoch(time.perf_counter() - t0, samples * job.layout.le.world_size,
                             state.step - first_step)
         job.run.log_metrics({"epoch/time_s": job.stats.epoch_times[-1],

@@ -170,6 +170,7 @@ def _tags(job: Job) -> dict[str, Any]:
         "ddplab.ipex": "used" if job.ipex.used else f"not used: {job.ipex.reason}",
         "ddplab.global_batch": job.cfg.global_batch(le.world_size),
         "ddplab.resumed_from": job.resume.path or "none",
+        **({"ddplab.continues_run": job.resume.payload["run_id"]} if job.resume.finished else {}),
         **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},
         **capsule.scheduler_tags(),
         **job.parts.tags(),
@@ -180,7 +181,7 @@ def _record_config(job: Job) -> None:
     """Params and config.yaml are the first attempt's and always agree (MLflow cannot change a
     param); a resume that changed allowed keys records them beside, with its own config."""
     job.run.log_params(job.cfg.flat())
-    if not job.resume.path:
+    if not job.resume.path or job.resume.finished:  # a run of its own
         job.run.log_text(job.cfg.to_yaml(), "config.yaml")
         return
     step = job.resume.step
