@@ -129,3 +129,20 @@ def test_every_rank_can_call_what_rank_0_calls():
     real = {n: s for n, s in real.items() if n not in setup}
     assert {n: (real[n], null[n]) for n in real
             if list(real[n].parameters) != list(null[n].parameters)} == {}
+
+
+def test_a_param_cut_to_mlflows_limit_is_said_in_the_run(tmp_path):
+    """A 9,000-character model.args used to be cut to 6,000 in the params without a word."""
+    import json
+
+    from ddplab.tracking import MlflowTracker
+    from ddplab.tracking.opening import Opened
+
+    run = MlflowTracker(Opened("r1", "0", "sqlite:///x.db", 1))
+    run.open_spool(tmp_path)
+    run.log_params({"model.args": "x" * 9000, "optim.lr": 0.1})
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    params = {k: v for r in records for k, v in r.get("params", {}).items()}
+    tags = {k: v for r in records for k, v in r.get("tags", {}).items()}
+    assert len(params["model.args"]) == 6000 and params["optim.lr"] == "0.1"
+    assert tags["ddplab.params_cut"].startswith("model.args (9000 characters): cut to 6000")

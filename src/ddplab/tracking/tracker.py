@@ -22,6 +22,10 @@ Opener = Callable[[Request], "Opened | None"]
 """Asks another process to open the run; None when it cannot (this process opens it)."""
 
 
+PARAM_LIMIT = 6000
+"""Characters MLflow keeps of a param's value."""
+
+
 class NullTracker:
     """What every rank but 0 holds: same interface, does nothing."""
 
@@ -79,9 +83,14 @@ class MlflowTracker(NullTracker):
 
     def log_params(self, params: dict[str, Any]) -> None:
         # A resumed run already holds its params; MLflow rejects changing a param's value.
-        items = [(k, str(v)[:6000]) for k, v in params.items() if k not in self.existing_params]
+        new = {k: str(v) for k, v in params.items() if k not in self.existing_params}
+        items = [(k, v[:PARAM_LIMIT]) for k, v in new.items()]
         for i in range(0, len(items), spool.BATCH_PARAMS):
             self._append({"op": "log", "params": dict(items[i:i + spool.BATCH_PARAMS])})
+        cut = [f"{k} ({len(v)} characters)" for k, v in new.items() if len(v) > PARAM_LIMIT]
+        if cut:  # said in the run, not silently shortened
+            self.set_tags({"ddplab.params_cut": f"{', '.join(cut)}: cut to {PARAM_LIMIT} "
+                           "characters (MLflow's limit for a param); config.yaml holds them whole"})
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         items = [(k, str(v)[:8000]) for k, v in tags.items()]
