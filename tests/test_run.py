@@ -139,3 +139,25 @@ def test_training_on_from_a_final_checkpoint_trains_the_rest_of_the_epoch_in_a_n
     assert (after.info.status, after.info.end_time, after.data.tags) == (
         "FINISHED", before.info.end_time, before.data.tags)
     assert client.get_run(longer).data.tags["ddplab.continues_run"] == first
+
+
+def test_a_resume_across_an_optimizer_or_model_change_is_never_a_key_error(tmp_path, monkeypatch):
+    """resume_changes=allow after changing the optimizer used to crash (KeyError:
+    'param_groups.0.momentum'); now its state starts fresh, said once. Weights that do not fit
+    the model are refused in one line."""
+    from ddplab.training.checkpoint import CheckpointError
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    quick = str(REPO / "experiments" / "quickstart.yaml")
+    sets = ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
+            "tracking.enabled=false", "checkpoint.dir=ck", "checkpoint.every_steps=2"]
+    run.train(quick, [*sets, "train.max_steps=3", "checkpoint.resume=never"])
+    (mid,) = (tmp_path / "ck").rglob("step-00000002.pt")
+    allow = [*sets, f"checkpoint.resume={mid}", "checkpoint.resume_changes=allow"]
+    with pytest.warns(UserWarning, match="optimizer state does not fit this optimizer"):
+        run.train(quick, [*allow, "optim.name=adamw", "train.max_steps=4"])
+    with pytest.raises(CheckpointError, match="the checkpoint's weights do not fit this model"):
+        run.train(quick, [*allow, "data.image_size=16", "train.max_steps=4"])

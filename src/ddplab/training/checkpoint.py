@@ -65,7 +65,7 @@ def capture(state: TrainState, world_size: int, config: dict[str, Any], run_id: 
 
 def restore(state: TrainState, payload: dict[str, Any], world_size: int) -> None:
     """Every rank: the checkpoint into this job's state, under any strategy and world size."""
-    strategy.load_state_dicts(state.model, state.optimizer, payload["model"], payload["optimizer"])
+    _load_weights_and_optimizer(state, payload)
     state.scheduler.load_state_dict(payload["scheduler"])
     state.scaler.load_state_dict(payload["scaler"])
     state.step, state.epoch = payload["step"], payload["epoch"]
@@ -80,6 +80,27 @@ def restore(state: TrainState, payload: dict[str, Any], world_size: int) -> None
     random.setstate(payload["rng"]["python"])
     if "cuda" in payload["rng"] and state.device.type == "cuda":
         torch.cuda.set_rng_state(payload["rng"]["cuda"], state.device)
+
+
+def _load_weights_and_optimizer(state: TrainState, payload: dict[str, Any]) -> None:
+    """The weights must fit this model (else one line: a resume never trains a model that
+    silently lost its weights); an optimizer state that does not fit this optimizer (changed
+    under checkpoint.resume_changes=allow, or another strategy's) is left fresh, said once."""
+    try:
+        strategy.load_model_state(state.model, payload["model"])
+    except (KeyError, RuntimeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(
+            f"checkpoint.resume: the checkpoint's weights do not fit this model ({first}); "
+            "resume with the model it was trained with, or start fresh "
+            "(checkpoint.resume=never)") from None
+    try:
+        strategy.load_optimizer_state(state.model, state.optimizer, payload["optimizer"])
+    except (KeyError, RuntimeError, ValueError, IndexError) as e:
+        state.optimizer.state.clear()  # a half-loaded state is worse than none
+        warnings.warn(f"checkpoint.resume: the checkpoint's optimizer state does not fit this "
+                      f"optimizer ({type(e).__name__}: {str(e)[:160]}); its state starts fresh "
+                      "(the weights, step and schedule are resumed)", stacklevel=2)
 
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:

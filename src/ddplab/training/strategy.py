@@ -217,24 +217,23 @@ def state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dic
     return get_state_dict(module, opt, options=full)
 
 
-def load_state_dicts(model: nn.Module, opt: torch.optim.Optimizer, msd: dict, osd: dict) -> None:
-    """Every rank: the full state (from any strategy and world size) into this job's model
-    and optimizer, each taking its own shard."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_state_dict,
-    )
+def load_model_state(model: nn.Module, msd: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    module, names = unwrap(model), _names(model)
+    set_model_state_dict(unwrap(model), msd, options=StateDictOptions(full_state_dict=True))
+
+
+def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, osd: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _names(model)
     if osd["state"] and isinstance(next(iter(osd["state"])), int):  # written before names
         osd = by_name(osd, names)
-    full = StateDictOptions(full_state_dict=True)
     if _is_zero(opt):
-        set_model_state_dict(module, msd, options=full)
         opt.load_state_dict(by_index(osd, names))
         return
-    set_state_dict(module, opt, model_state_dict=msd, optim_state_dict=osd, options=full)
+    set_optimizer_state_dict(unwrap(model), opt, osd,
+                             options=StateDictOptions(full_state_dict=True))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
