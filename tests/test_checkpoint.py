@@ -127,3 +127,20 @@ def test_export_refuses_to_overwrite_its_own_source(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "it is the checkpoint itself" in err and "Traceback" not in err
     assert ckpt.read_bytes() == b"not replaced"
+
+
+def test_export_of_a_dangling_link_or_a_forged_file_is_one_line(tmp_path, capsys):
+    """`ddplab checkpoint export` used to end in FileNotFoundError (a dangling link among a
+    folder's checkpoints) or a traceback (a file that is no checkpoint)."""
+    from ddplab import cli
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "step-00000009.pt").symlink_to(tmp_path / "gone.pt")
+    assert cli.main(["checkpoint", "export", str(folder), str(tmp_path / "out.pt")]) == 2
+    assert "no step-*.pt checkpoint in it" in capsys.readouterr().err
+    (folder / "step-00000001.pt").write_bytes(b"forged: not a torch file")
+    assert cli.main(["checkpoint", "export", str(folder), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "step-00000001.pt: unreadable" in err and "Traceback" not in err
+    assert not (tmp_path / "out.pt").exists()

@@ -163,6 +163,12 @@ def assert_results_page(tmp_path: Path, store: str, parent, ok: list, rows: dict
     """`ddplab report --page`: the report as docs/results/<name>.md, stamped from the runs."""
     bad = cli(["report", parent.info.run_id, "--page", "../escape"], tmp_path, store)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--page: got '../escape'" in bad.stderr
+    blocked = tmp_path / "docs" / "results" / "blocked"  # the plots' folder name is a file
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("not a folder")
+    bad = cli(["report", parent.info.run_id, "--page", "blocked"], tmp_path, store)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "ddplab report: error: report --page: cannot write" in bad.stderr
     out = cli(["report", parent.info.run_id, "--page", "tiny-study"], tmp_path, store)
     assert out.returncode == 0, out.stderr[-2000:]
     page = tmp_path / "docs" / "results" / "tiny-study.md"

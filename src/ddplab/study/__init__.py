@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from ..errors import DdplabError
+
 
 def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0) -> int:
     # MLflow prints "View run at <tracking URI>" when a run ends: on a cluster an in-network
@@ -65,6 +67,10 @@ def _tracking_failure(e: BaseException) -> bool:
     return isinstance(e, (MlflowException, RequestException, ConnectionError))
 
 
+class PageError(DdplabError):
+    """A results page that cannot be written where it was asked for."""
+
+
 def show_report(parent_run_id: str, page_name: str = "") -> int:
     """Rebuild the report from the store; with ``page_name`` also write it as a results page."""
     from mlflow.exceptions import MlflowException
@@ -86,7 +92,21 @@ def show_report(parent_run_id: str, page_name: str = "") -> int:
 
         raise ConfigError(f"run {parent_run_id} is not a study's parent run (no tag "
                           f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
-    study_report.build(client, parent_run_id, None, make_console(), uri, page)
+    try:
+        study_report.build(client, parent_run_id, None, make_console(), uri, page)
+    except OSError as e:  # the page's folder is a file, the checkout read-only, a full disk
+        where = e.filename or page
+        raise PageError(f"report --page: cannot write {where} ({e.strerror or e}); name another "
+                        "page, or free or fix that path") from None
+    except MlflowException as e:
+        from ..tracking.store import _permission_denied
+
+        if not _permission_denied(e):
+            raise
+        raise TrackingError(
+            f"report: the tracking server {uri} refused to record the report on run "
+            f"{parent_run_id} (HTTP 403: writing to a run needs EDIT on its experiment; "
+            f"{str(e).splitlines()[0][:160]})") from None
     if page is not None:
         print(f"wrote {os.path.relpath(page)} (and its plots in {os.path.relpath(page.with_suffix(''))}/)")
     return 0

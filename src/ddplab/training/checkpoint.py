@@ -302,7 +302,8 @@ def export(src: str, out: str) -> str:
 
     path = Path(src)
     if path.is_dir():
-        found = sorted([*path.glob("step-*.pt"), *path.glob("*/step-*.pt"), *path.glob("*/*/step-*.pt")],
+        found = sorted((p for p in [*path.glob("step-*.pt"), *path.glob("*/step-*.pt"),
+                                    *path.glob("*/*/step-*.pt")] if p.is_file()),  # no dangling links
                        key=lambda p: p.stat().st_mtime, reverse=True)
         if not found:
             raise ConfigError(f"checkpoint export: got {src!r}; no step-*.pt checkpoint in it "
