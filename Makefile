@@ -21,7 +21,7 @@ STAMP := $(VENV)/.ddplab-setup
 .PHONY: help setup lock run ui docs test test-unit test-distributed test-e2e test-container lint bench bench-startup doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser k8s-validate \
-	k8s-emulate k8s-render scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
+	k8s-emulate k8s-render k8s-apply scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
 	clean-images image-cpu-intel image-postgres k8s-secrets
 
 help: ## Show this help
@@ -223,6 +223,9 @@ lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose files
 	docker compose -f compose/slurm.yml config --quiet
 
 # ---- Kubernetes (docs/kubernetes.md) ----
+k8s-apply: ## Apply k8s/ for the operator the cluster runs: Kubeflow Trainer v2 (k8s/trainer-v2/) or v1 (k8s/), saying which
+	@bash tools/k8s_apply.sh
+
 k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' schema (no cluster)
 	$(BIN)/pytest tests/test_k8s.py $(PYTEST_ARGS)
 

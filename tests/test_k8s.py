@@ -57,7 +57,24 @@ def strict(node: object) -> object:
 CRDS = {
     ("kubeflow.org/v1", "PyTorchJob"): ("kubeflow.org_pytorchjobs.yaml", "v1", "pytorchReplicaSpecs"),
     ("kubeflow.org/v2beta1", "MPIJob"): ("kubeflow.org_mpijobs.yaml", "v2beta1", "mpiReplicaSpecs"),
+    # Kubeflow Trainer v2: a TrainJob names a runtime; the runtime holds the pods (a JobSet).
+    ("trainer.kubeflow.org/v1alpha1", "TrainJob"): ("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1", ""),
+    ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): (
+        "trainer.kubeflow.org_trainingruntimes.yaml", "v1alpha1", "template"),
+    ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"): (
+        "trainer.kubeflow.org_clustertrainingruntimes.yaml", "v1alpha1", "template"),
 }
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    """The pod specs a custom resource holds (a TrainJob: none, its runtime has them)."""
+    where = CRDS[(obj["apiVersion"], obj["kind"])][2]
+    if not where:
+        return []
+    if where == "template":  # a runtime: JobSet replicatedJobs -> Job -> pod
+        return [rj["template"]["spec"]["template"]["spec"]
+                for rj in obj["spec"]["template"]["spec"]["replicatedJobs"]]
+    return [spec["template"]["spec"] for spec in obj["spec"][where].values()]
 
 
 def test_there_are_manifests_and_each_parses():
@@ -86,9 +103,8 @@ def test_pods_and_plain_objects_validate_against_kubernetes(path, obj):
     if key not in CRDS:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         return
-    for spec in obj["spec"][CRDS[key][2]].values():
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
-               "spec": spec["template"]["spec"]}
+    for spec in pod_specs(obj):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": spec}
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
 
@@ -223,3 +239,100 @@ esac
     assert calls.count("create -f -") == 1 and calls[0] == "apply -f k8s/00-namespace.yaml"
     made = yaml.safe_load((tmp_path / "created").read_text())
     assert {i["metadata"]["name"] for i in made["items"]} == {"mlflow-server", "mlflow-credentials"}
+
+
+# ---- Kubeflow Trainer v2 (k8s/trainer-v2/) ----
+
+V2 = REPO / "k8s" / "trainer-v2"
+
+
+def v2_objects(kind: str) -> list[dict]:
+    return [d for p, d in objects() if V2 in p.parents and d["kind"] == kind]
+
+
+def test_the_v2_typo_check_has_teeth():
+    """A misspelt TrainJob field fails the strict v2.3.0 schema (the API server would drop it)."""
+    job = copy.deepcopy(v2_objects("TrainJob")[0])
+    job["spec"]["trainer"]["numProcsPerNode"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="numProcsPerNode"):
+        jsonschema.validate(job, crd_schema("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1"))
+
+
+def test_every_trainjob_names_a_runtime_shipped_beside_it_with_its_layout():
+    runtimes = {r["metadata"]["name"]: r for r in v2_objects("TrainingRuntime")}
+    jobs = v2_objects("TrainJob")
+    assert {j["metadata"]["name"] for j in jobs} >= {"ddplab-cpu", "ddplab-script", "ddplab-gpu",
+                                                    "ddplab-mpi"}
+    for job in jobs:
+        ref = job["spec"]["runtimeRef"]
+        assert ref["kind"] == "TrainingRuntime" and ref["name"] in runtimes
+        policy = runtimes[ref["name"]]["spec"]["mlPolicy"]
+        assert ("torch" in policy) != ("mpi" in policy)
+        assert job["spec"]["trainer"]["numNodes"] >= 1 and job["metadata"]["namespace"] == "ddplab"
+
+
+@pytest.mark.parametrize("runtime", v2_objects("TrainingRuntime"), ids=lambda r: r["metadata"]["name"])
+def test_trainer_v2_runtime_rules(runtime):
+    """What Trainer's controller expects (the torch plugin injects PET_* into the container named
+    "node" of the replicated job "node"; the MPI plugin wants a launcher job), and the v1 jobs'
+    security posture and tracking wiring."""
+    policy = runtime["spec"]["mlPolicy"]
+    jobs = {rj["name"]: rj for rj in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+    assert "node" in jobs and ("launcher" in jobs) == ("mpi" in policy)
+    assert "numProcPerNode" not in policy.get("torch", {}), "removed from the torch policy in v2.2"
+    for name, rj in jobs.items():
+        pod = rj["template"]["spec"]["template"]["spec"]
+        (main,) = [c for c in pod["containers"] if c["name"] == "node"]
+        assert "command" not in main, "keep the image's entrypoint (it loads oneCCL's environment)"
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert main["securityContext"]["allowPrivilegeEscalation"] is False
+        assert main["resources"]["limits"] and main["resources"]["requests"]
+        env = {e["name"]: e.get("value") for e in main.get("env", [])}
+        runs_ranks = "torch" in policy or name == "launcher"
+        if runs_ranks:
+            assert env["MLFLOW_TRACKING_URI"] == "http://mlflow.ddplab.svc:5000"
+            assert {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"} <= set(env)
+        if "mpi" in policy:
+            assert env["DDPLAB_SSH_AUTH"] == policy["mpi"]["sshAuthMountPath"]
+            assert main["args"][:3] == ["ddplab", "mpi", "launch" if name == "launcher" else "worker"]
+        else:
+            assert main["args"][:4] == ["torchrun", "-m", "ddplab", "train"]
+
+
+@pytest.mark.parametrize("crds, applies, says", [
+    (["trainjobs.trainer.kubeflow.org"], ["k8s/00-namespace.yaml", "k8s/trainer-v2/"], "Trainer v2"),
+    (["pytorchjobs.kubeflow.org"], ["k8s/"], "the v1 training operator"),
+    (["trainjobs.trainer.kubeflow.org", "pytorchjobs.kubeflow.org"],
+     ["k8s/00-namespace.yaml", "k8s/trainer-v2/"], "v1 is in maintenance"),
+    ([], [], "install Kubeflow Trainer v2.3.0 with JobSet"),
+], ids=["v2 only", "v1 only", "both", "neither"])
+def test_make_k8s_apply_picks_the_operator_the_cluster_runs_with_a_stand_in_kubectl(
+        tmp_path, crds, applies, says):
+    """No API server runs here: a stand-in `kubectl` (a script on PATH) answers `get crd` for
+    the CRDs this case's cluster has and records what it is asked to apply."""
+    fake = tmp_path / "bin" / "kubectl"
+    fake.parent.mkdir()
+    have = " ".join(crds)
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {tmp_path}/calls
+case "$*" in
+  "get crd "*) for c in {have}; do [ "$3" = "$c" ] && exit 0; done; exit 1 ;;
+  "apply -f "*) exit 0 ;;
+  *) exit 9 ;;
+esac
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["make", "-s", "k8s-apply"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    applied = [a for c in calls if c.startswith("apply") for a in c.split()[1:] if a != "-f"]
+    assert says in out.stdout + out.stderr
+    if not applies:
+        said = [line for line in out.stderr.splitlines() if line.startswith("k8s-apply")]
+        assert out.returncode != 0 and applied == [] and len(said) == 1
+        return
+    assert out.returncode == 0, out.stderr
+    assert [a for a in applied if a in applies] == applies and applied[-1] == applies[-1]
