@@ -73,3 +73,28 @@ def test_ipex_absent_or_mismatched_is_a_status_not_a_failure():
     with pytest.warns(UserWarning, match="IPEX not used"):
         m2, opt2, status = strategy.maybe_ipex(m, opt, ModelConfig(), torch.device("cpu"), "none")
     assert m2 is m and opt2 is opt and not status.used and status.reason
+
+
+def test_a_model_builder_taking_kwargs_gets_the_datas_num_classes():
+    """torchvision's builders take num_classes through **kwargs: a 1000-way head used to train
+    silently on 10 classes. A value the user set still wins."""
+    from torchvision.models import mobilenet_v3_small
+
+    info, name = DataInfo("image", 3, 32, 10), "torchvision.models:mobilenet_v3_small"
+    m = models.build(ModelConfig(name=name), info, mobilenet_v3_small).eval()
+    assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    m = models.build(ModelConfig(name=name, args={"num_classes": 7}), info, mobilenet_v3_small)
+    assert m.eval()(torch.zeros(2, 3, 32, 32)).shape == (2, 7)
+
+
+def test_an_fsdp_wrap_naming_no_class_of_the_model_is_one_line():
+    """dist.fsdp.wrap=GPT2Blok (a typo) used to shard the whole model as one unit, silently."""
+    from ddplab.config import ConfigError, load
+
+    cfg = load(None, ["model.name=gpt", "dist.strategy=fsdp", "dist.fsdp.wrap=Blok,Block"])
+    model = models.build(cfg.model, DataInfo("tokens", vocab_size=256, seq_len=32))
+    with pytest.raises(ConfigError, match=r"dist.fsdp.wrap: got 'Blok,Block'; the model has no "
+                                          r"module class Blok: choose among .*Block"):
+        strategy.block_names(cfg, model)
+    cfg = load(None, ["model.name=gpt", "dist.strategy=fsdp", "dist.fsdp.wrap=Block"])
+    assert strategy.block_names(cfg, model) == {"Block"}

@@ -161,3 +161,28 @@ def test_a_resume_across_an_optimizer_or_model_change_is_never_a_key_error(tmp_p
         run.train(quick, [*allow, "optim.name=adamw", "train.max_steps=4"])
     with pytest.raises(CheckpointError, match="the checkpoint's weights do not fit this model"):
         run.train(quick, [*allow, "data.image_size=16", "train.max_steps=4"])
+
+
+def test_user_parts_are_built_after_every_rank_seeded_numpy_too(tmp_path, monkeypatch):
+    """A user's data callable drawing from numpy built a different dataset on each rank: the
+    checks step (which builds the user's parts) ran before ddplab seeded, and numpy never was."""
+    import numpy as np
+
+    from ddplab.training import checks
+
+    drawn = []
+
+    class Stop(Exception):
+        pass
+
+    def first_user_part(*args, **kwargs):
+        drawn.append((np.random.rand(), __import__("random").random()))
+        raise Stop
+
+    monkeypatch.setattr(checks, "before_start", first_user_part)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    for _ in range(2):
+        with pytest.raises(Stop):
+            run.train(str(REPO / "experiments" / "quickstart.yaml"), ["tracking.enabled=false"])
+    assert drawn[0] == drawn[1]

@@ -18,6 +18,7 @@ import os
 import random
 import time
 
+import numpy as np
 import torch
 
 from .. import config, tracking
@@ -45,8 +46,8 @@ def train(path: str | None, overrides: list[config.Override], summary_out: str =
 
         return scriptmode.train(cfg, summary_out)
     le = LaunchEnv.from_environ(os.environ)
+    _seed(cfg.train)  # before any user part is built (the checks build them): the same on every rank
     parts = checks.before_start(cfg, le, summary_out, torch.cuda.is_available(), path)  # no run yet
-    _seed(cfg.train)
     layout = backend.plan_layout(cfg.dist, le)
     with backend.process_group(layout, cfg.dist.timeout_s), Signals() as signals:
         resume = checkpoint.find_and_share(cfg, le.is_rank0, le.world_size)
@@ -64,6 +65,7 @@ def train(path: str | None, overrides: list[config.Override], summary_out: str =
 def _seed(cfg: config.TrainConfig) -> None:
     # One seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     random.seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)  # a user's data callable drawing from numpy
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -129,6 +129,13 @@ def block_names(cfg: ExperimentConfig, model: nn.Module) -> set[str]:
     nn.ModuleList (a user's transformer), else none (the model is one unit)."""
     named = {n.strip() for n in cfg.dist.fsdp.wrap.split(",") if n.strip()}
     if named:
+        present = {type(m).__name__ for m in model.modules()}
+        if named - present:
+            from ..config import ConfigError
+
+            raise ConfigError(f"dist.fsdp.wrap: got {cfg.dist.fsdp.wrap!r}; the model has no "
+                              f"module class {', '.join(sorted(named - present))}: choose among "
+                              f"{', '.join(sorted(present - {type(model).__name__}))[:600]}")
         return named
     if cfg.model.name in BLOCKS:
         return set(BLOCKS[cfg.model.name])

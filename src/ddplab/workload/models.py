@@ -79,7 +79,8 @@ def build(cfg: ModelConfig, info: DataInfo, own: Callable[..., Any] | None = Non
                              f"{', '.join(REGISTRY)}")
         return REGISTRY[cfg.name](info, cfg.args)
     model = userparts.call("model.name", cfg.name, own,
-                           userparts.offered(own, cfg.args, info.model_kwargs()))
+                           userparts.offered(own, cfg.args, info.model_kwargs(),
+                                             userparts.THROUGH_KWARGS))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name: got {cfg.name!r}; it returned {type(model).__name__}, "
                           "expected a torch.nn.Module")

@@ -118,13 +118,22 @@ def call(key: str, path: str, fn: Callable[..., Any], kwargs: dict[str, Any]) ->
         raise ConfigError(f"{key}: got {path!r}; calling it raised {why(e)}") from None
 
 
-def offered(fn: Callable[..., Any], given: dict[str, Any], available: dict[str, Any]) -> dict[str, Any]:
-    """``given`` plus those of ``available`` that the signature names and ``given`` lacks."""
+# What a MODEL callable taking **kwargs gets without naming it: torchvision's and timm's model
+# builders take num_classes that way, and without it train a 1000-way head on 10 classes.
+THROUGH_KWARGS = ("num_classes",)
+
+
+def offered(fn: Callable[..., Any], given: dict[str, Any], available: dict[str, Any],
+            through_kwargs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``given`` plus those of ``available`` that the signature names (or, for
+    ``through_kwargs``, takes as **kwargs) and ``given`` lacks."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return dict(given)
-    return {**{k: v for k, v in available.items() if k in params and k not in given}, **given}
+    kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {**{k: v for k, v in available.items() if k not in given and (
+        k in params or (kwargs and k in through_kwargs))}, **given}
 
 
 def provenance(path: str) -> dict[str, str]:
