@@ -98,3 +98,13 @@ def test_an_fsdp_wrap_naming_no_class_of_the_model_is_one_line():
         strategy.block_names(cfg, model)
     cfg = load(None, ["model.name=gpt", "dist.strategy=fsdp", "dist.fsdp.wrap=Block"])
     assert strategy.block_names(cfg, model) == {"Block"}
+
+
+def test_a_part_from_an_installed_library_records_its_distribution_not_untracked():
+    import torchvision
+
+    from ddplab.workload import userparts
+
+    got = userparts.provenance("torchvision.models:mobilenet_v3_small")
+    assert got["git"] == "installed (site-packages)"
+    assert got["dist"] == f"torchvision {torchvision.__version__.split('+')[0]}"

@@ -13,6 +13,8 @@ a module that changed since.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib
 import inspect
@@ -137,13 +139,35 @@ def offered(fn: Callable[..., Any], given: dict[str, Any], available: dict[str, 
 
 
 def provenance(path: str) -> dict[str, str]:
-    """The module file behind an import path, its sha256 and its state in git."""
-    module = sys.modules.get(path.partition(":")[0])
-    file = getattr(module, "__file__", None)
+    """The module file behind an import path, its sha256, and where it comes from: its state in
+    git, or for an installed library (timm, transformers) its distribution and version."""
+    name = path.partition(":")[0]
+    file = getattr(sys.modules.get(name), "__file__", None)
     if not file:
         return {"file": "none", "sha256": "none", "git": "not a file"}
     p = Path(file).resolve()
+    dist = distribution(name)
+    if dist or {"site-packages", "dist-packages"} & set(p.parts):
+        return {"file": str(p), "sha256": sha256(p), "git": "installed (site-packages)",
+                "dist": dist or "unknown"}
     return {"file": str(p), "sha256": sha256(p), "git": git_state(p)}
+
+
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    from importlib.metadata import packages_distributions
+
+    return packages_distributions()
+
+
+def distribution(module: str) -> str:
+    """"timm 1.0.15": the installed distribution a module belongs to, or "" (not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in _distributions().get(module.split(".")[0], []):
+        with contextlib.suppress(PackageNotFoundError):
+            return f"{dist} {version(dist)}"
+    return ""
 
 
 def sha256(p: Path) -> str:
