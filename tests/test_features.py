@@ -112,10 +112,6 @@ def test_pin_cores_gives_each_local_rank_its_own_block():
         os.sched_setaffinity(0, before)
 
 
-def _worker_pids(loader) -> set[int]:
-    return {w.pid for w in loader._iterator._workers}
-
-
 @pytest.mark.parametrize("persistent", [True, False])
 def test_loader_workers_cover_the_shard_and_persist_when_asked(persistent):
     cfg = DataConfig(train_samples=64, eval_samples=16, image_size=8, batch_size=8,
@@ -124,11 +120,11 @@ def test_loader_workers_cover_the_shard_and_persist_when_asked(persistent):
     pids = []
     for epoch in range(2):
         loaders.sampler.set_position(epoch, 0)
-        seen = sum(y.shape[0] for _, y in loaders.train)
-        assert seen == 64
-        pids.append(_worker_pids(loaders.train) if persistent else None)
-    if persistent:
-        assert pids[0] == pids[1] and len(pids[0]) == 2  # the same two workers both epochs
+        batches = iter(loaders.train)
+        pids.append({w.pid for w in batches._workers})
+        assert sum(y.shape[0] for _, y in batches) == 64
+    # The same two workers both epochs when persistent; two new ones each epoch otherwise.
+    assert len(pids[0]) == len(pids[1]) == 2 and (pids[0] == pids[1]) == persistent
 
 
 @pytest.fixture

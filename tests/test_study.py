@@ -256,6 +256,18 @@ def test_each_shipped_study_resolves_plans_and_passes_its_checks(shipped):
     for v, r in plan:
         if v.launcher in ("torchrun", "mpirun"):
             assert str(study.experiment) in command(study, v, r)
+    # A variant this host cannot run (ch10's GPUs here) is skipped saying what it needs, and
+    # only such a variant: every other one went through the checks above.
+    import torch
+
+    from ddplab.study.runner import cannot_run_here
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for v in study.variants:
+        cfg, need = study.config(v), v.nproc * v.nnodes
+        wants_gpus = cfg.dist.device == "cuda" or cfg.dist.backend == "nccl"
+        expected = f"needs {need} GPU(s), {gpus} visible here" if wants_gpus and need > gpus else ""
+        assert cannot_run_here(study, v) == expected, v.name
 
 
 @pytest.mark.parametrize("shipped", RUN_FOR_REAL)
@@ -300,7 +312,7 @@ def test_each_shipped_study_runs_reduced(tmp_path, store, shipped):
 @pytest.mark.parametrize("args", [["report", "no-such-run"], ["reproduce", "no-such-run"]])
 def test_report_and_reproduce_of_an_unknown_run_are_one_line(tmp_path, store, args):
     out = cli(args, tmp_path, store)
-    assert out.returncode in (1, 2) and "no-such-run" in out.stderr
+    assert out.returncode == 2 and "no-such-run" in out.stderr and "not found" in out.stderr
     assert "Traceback" not in out.stderr
 
 

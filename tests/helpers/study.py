@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ddplab.study.report import Row
+from ddplab.study.report import Row, with_ratios
+
+__all__ = ["row", "with_ratios"]  # the report's own ratios, not a copy
 
 
 def row(name: str, median: float, low: float, high: float, resources: int = 2,
@@ -10,11 +12,3 @@ def row(name: str, median: float, low: float, high: float, resources: int = 2,
         precision: str = "fp32") -> Row:
     return Row(name, runs, failed, median, low, high, None, None, accuracy, 0.1, None, 10.0,
                resources, backend, "torchrun", precision=precision)
-
-
-def with_ratios(rows: list[Row], baseline: str) -> list[Row]:
-    base = next(r for r in rows if r.variant == baseline)
-    for r in rows:
-        r.speedup = r.throughput_median / base.throughput_median
-        r.efficiency = r.speedup / (r.resources / base.resources)
-    return rows

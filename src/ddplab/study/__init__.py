@@ -86,7 +86,11 @@ def show_report(parent_run_id: str, page_name: str = "") -> int:
     try:
         role = client.get_run(parent_run_id).data.tags.get("ddplab.study_role")
     except MlflowException as e:
-        raise TrackingError(f"run {parent_run_id} in {uri}: {str(e).splitlines()[0]}") from None
+        from ..config import ConfigError
+
+        # No such run is bad input (exit 2, as `ddplab reproduce` says it); anything else, a failure.
+        error = ConfigError if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" else TrackingError
+        raise error(f"run {parent_run_id} in {uri}: {str(e).splitlines()[0]}") from None
     if role != PARENT:
         from ..config import ConfigError
 

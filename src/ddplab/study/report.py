@@ -147,11 +147,17 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
             _median([r.data.metrics["memory/model_state_mb_max"] for r in ok
                      if "memory/model_state_mb_max" in r.data.metrics]),
             _precision(runs[0])))
+    return with_ratios(rows, baseline, mode)
+
+
+def with_ratios(rows: list[Row], baseline: str, mode: str = "max") -> list[Row]:
+    """Each row's speedup over the baseline's median (``mode`` min: a time or a loss, so the
+    baseline's over this one's) and efficiency (speedup per unit of resources)."""
     base = next((r for r in rows if r.variant == baseline), None)
     for row in rows:
         if base and base.throughput_median and row.throughput_median:
             row.speedup = row.throughput_median / base.throughput_median
-            if mode == "min":  # a time or a loss: the baseline's over this one's
+            if mode == "min":
                 row.speedup = 1 / row.speedup
             row.efficiency = row.speedup / (row.resources / base.resources)
     return rows
