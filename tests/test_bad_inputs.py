@@ -152,6 +152,9 @@ CASES = [
      "OMPI_COMM_WORLD_LOCAL_SIZE='0' must be >= 1"),
     ("master port", None, [], {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "70000"},
      [], "MASTER_PORT 70000 is not a TCP port"),
+    *[(f"nodes on host {v!r}", None, [], {"DDPLAB_NODES_ON_HOST": v}, [],
+       f"DDPLAB_NODES_ON_HOST: got {v!r}; a whole number from 1 to 4096")
+      for v in ("0", "-1", "x", "1e9", "2.5", "\u00b2", "99999")],
     ("tracking uri from env", None, [], {"MLFLOW_TRACKING_URI": "garbage://x"}, [],
      "MLFLOW_TRACKING_URI: got 'garbage://x'"),
     ("password file missing", None, [], {"MLFLOW_TRACKING_PASSWORD_FILE": "/nonexistent/pw"}, [],

@@ -314,6 +314,18 @@ def test_report_of_a_run_that_is_no_study_is_bad_input(tmp_path, store):
     one_line(ddplab(["report", run.info.run_id], tmp_path, store), 2, "is not a study's parent run")
 
 
+def test_a_page_of_a_study_still_running_is_refused(tmp_path, store):
+    """`report --page` of a RUNNING study wrote a stamped page of "0/1" without a word."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("running-study")
+    parent = client.create_run(exp, tags={"ddplab.study_role": "parent"}).info.run_id
+    out = ddplab(["report", parent, "--page", "running-study"], tmp_path, store)
+    one_line(out, 2, f"--page: study run {parent} is still RUNNING")
+    assert not list(tmp_path.rglob("running-study.md"))
+
+
 def test_a_study_whose_server_dies_stops_with_one_line_and_a_rerun_leaves_nothing_running(tmp_path):
     server = Server(tmp_path)
     server.start()

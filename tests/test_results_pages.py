@@ -51,3 +51,19 @@ def test_every_results_page_is_linked_from_the_docs():
     orphans = [p.name for p in (REPO / "docs" / "results").glob("*.md")
                if f"results/{p.name})" not in text]
     assert not orphans, orphans
+
+
+def test_a_page_that_is_a_symbolic_link_is_not_written_through(tmp_path):
+    """A page or its plots' folder linked elsewhere (outside the checkout) is refused in one
+    line; the file the link points at stays as it was."""
+    import pytest
+
+    from ddplab.config import ConfigError
+
+    outside = tmp_path / "outside.md"
+    outside.write_text("not yours")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "demo.md").symlink_to(outside)
+    with pytest.raises(ConfigError, match=r"demo.md is a symbolic link \(to .*outside.md\)"):
+        results.write("demo", "A demo", "body", argv=["bench.py"], folder=tmp_path / "results")
+    assert outside.read_text() == "not yours"

@@ -7,6 +7,7 @@ restating numbers, so a figure is replaced by measuring again, never by hand. Th
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ def write(page: Path, title: str, stamp: Stamp, body: str, written_by: str,
     import shutil
 
     folder = page.with_suffix("")
+    for path in (page, folder):  # written through, a link would put the page anywhere
+        if path.is_symlink():
+            raise ConfigError(f"--page: {path} is a symbolic link (to {os.readlink(path)}); a "
+                              "results page is written in docs/results/ itself: remove the link")
     if folder.is_dir():
         for old in folder.glob("*.png"):
             old.unlink()

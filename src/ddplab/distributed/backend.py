@@ -236,13 +236,26 @@ def usable_cpu_count() -> int:
     return max(1, min(cores, int(quota))) if quota else cores
 
 
+def nodes_on_host(env: Mapping[str, str]) -> int:
+    """``DDPLAB_NODES_ON_HOST``: how many simulated nodes share this machine (1 when unset), or
+    one ConfigError line (the checks step asks first)."""
+    from ..config import ConfigError
+
+    value = env.get("DDPLAB_NODES_ON_HOST", "")
+    if not value:
+        return 1
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 4096):
+        raise ConfigError(f"DDPLAB_NODES_ON_HOST: got {value!r}; a whole number from 1 to 4096 "
+                          "(the nodes that share this machine's cores), or unset")
+    return int(value)
+
+
 def node_cpus(le: LaunchEnv, env: Mapping[str, str]) -> int:
     """CPUs the local ranks share: Slurm's allocation when srun started each rank (a site
     without Slurm's task affinity leaves every core in the mask), else what this process may
     use, split between the nodes that share this machine (``DDPLAB_NODES_ON_HOST``: the
     compose files simulate NNODES nodes on one host, and each container sees all its cores)."""
-    shared = env.get("DDPLAB_NODES_ON_HOST", "")
-    cpus = max(1, usable_cpu_count() // (int(shared) if shared.isdigit() and int(shared) else 1))
+    cpus = max(1, usable_cpu_count() // nodes_on_host(env))
     per_task = env.get("SLURM_CPUS_PER_TASK", "")
     if le.launcher == "slurm" and per_task.isdigit() and int(per_task) > 0:
         return min(cpus, int(per_task) * le.local_world_size)

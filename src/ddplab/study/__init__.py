@@ -84,7 +84,8 @@ def show_report(parent_run_id: str, page_name: str = "") -> int:
     uri = validated_uri()
     client = reachable_client(uri)
     try:
-        role = client.get_run(parent_run_id).data.tags.get("ddplab.study_role")
+        parent = client.get_run(parent_run_id)
+        role = parent.data.tags.get("ddplab.study_role")
     except MlflowException as e:
         from ..config import ConfigError
 
@@ -96,6 +97,12 @@ def show_report(parent_run_id: str, page_name: str = "") -> int:
 
         raise ConfigError(f"run {parent_run_id} is not a study's parent run (no tag "
                           f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
+    if page is not None and parent.info.status == "RUNNING":
+        from ..config import ConfigError
+
+        raise ConfigError(f"--page: study run {parent_run_id} is still RUNNING (or was stopped "
+                          "without ending): a results page records a finished study; wait for it, "
+                          "or run `ddplab study run` on its file again to finish it")
     try:
         study_report.build(client, parent_run_id, None, make_console(), uri, page)
     except OSError as e:  # the page's folder is a file, the checkout read-only, a full disk

@@ -57,6 +57,9 @@ def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
 
 
 def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:
+    from ..distributed.backend import nodes_on_host
+
+    nodes_on_host(os.environ)
     on_cuda = cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and cuda_available)
     if cfg.train.amp == "fp16" and not on_cuda:
         raise ConfigError("train.amp: got 'fp16'; fp16 needs a CUDA device (dist.device), use "
