@@ -442,3 +442,16 @@ def test_sys_exit_in_user_code_is_a_failure_in_one_line(tmp_path, capsys, monkey
     assert got == exit_code and said in err and "Traceback" not in err, err
     found = runs(store) if Path(store.removeprefix("sqlite:///")).exists() else []
     assert [r.info.status for r in found] == ([] if when == "import" else ["FAILED"])
+
+
+def test_a_slow_user_part_says_what_the_checks_wait_for(capfd):
+    """A module or callable that blocks used to hang the checks step without a line."""
+    import time
+
+    from ddplab.workload.userparts import still_working
+
+    with still_working("calling mymod:slow (data.dataset)", first_s=0.2, every_s=0.3):
+        time.sleep(0.7)
+    time.sleep(0.4)  # nothing more once it returned
+    lines = [x for x in capfd.readouterr().err.splitlines() if "checks: still" in x]
+    assert len(lines) == 2 and "calling mymod:slow (data.dataset) (0 s)" in lines[0]

@@ -20,7 +20,8 @@ import importlib
 import inspect
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,11 +81,36 @@ def _refuse_shadows(folder: Path) -> None:
                 "import path, for your own parts): rename it")
 
 
+@contextlib.contextmanager
+def still_working(what: str, first_s: float = 5.0, every_s: float = 30.0) -> Iterator[None]:
+    """A user's import or call that takes long (a dataset built in memory, a module that blocks)
+    says what the checks step is waiting for, instead of a silent terminal: a line after
+    ``first_s``, then every ``every_s`` (Ctrl-C still ends it cleanly)."""
+    import threading
+
+    from ..log import logger
+
+    done, t0 = threading.Event(), time.monotonic()
+
+    def tell() -> None:
+        wait = first_s
+        while not done.wait(wait):
+            logger().info(f"checks: still {what} ({time.monotonic() - t0:.0f} s)")
+            wait = every_s
+
+    threading.Thread(target=tell, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def load_callable(key: str, path: str) -> Callable[..., Any]:
     """``pkg.mod:attr.sub`` -> the object, or one line saying why not."""
     module_name, _, attr = path.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
+        with still_working(f"importing {module_name} ({key})"):
+            obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         missing = f"module {e.name!r} not found" if e.name else str(e)
         raise ConfigError(f"{key}: got {path!r}; {missing} (modules beside the experiment file "
@@ -112,7 +138,8 @@ def why(e: BaseException) -> str:
 def call(key: str, path: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """Call a user's callable; any exception becomes one line."""
     try:
-        return fn(**kwargs)
+        with still_working(f"calling {path} ({key})"):
+            return fn(**kwargs)
     except SystemExit as e:
         raise ConfigError(f"{key}: got {path!r}; calling it called sys.exit({e.code!r})") \
             from None
