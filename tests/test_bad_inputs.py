@@ -181,6 +181,10 @@ CASES = [
      "train.loss: got 'userbroken:loss'; importing userbroken raised RuntimeError: half-written"),
     ("own model raises", _file("model:\n  name: userbad:raises\n"), [], {}, [],
      "model.name: got 'userbad:raises'; calling it raised ValueError: no such width"),
+    ("own model without parameters", _file("model:\n  name: userbad:no_parameters\n"), [], {}, [],
+     "model.name: got 'userbad:no_parameters'; the model has no trainable parameters"),
+    ("own loss without gradient", _file("train:\n  loss: userbad:detached_loss\n"), [], {}, [],
+     "train.loss: got 'userbad:detached_loss'; its result carries no gradient"),
     ("own model wrong type", _file("model:\n  name: userbad:returns_int\n"), [], {}, [],
      "it returned int, expected a torch.nn.Module"),
     ("own model bad args", _file("model:\n  name: userbad:mlp\n  args: {depth: 2}\n"), [], {}, [],
@@ -276,6 +280,12 @@ def per_sample_loss(outputs, targets):
 
 def raising_loss(outputs, targets):
     return 1 / 0
+
+def no_parameters():
+    return nn.Flatten()
+
+def detached_loss(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs, targets).detach()
 """
 
 

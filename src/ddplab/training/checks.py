@@ -178,9 +178,12 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
     if parts.model is None:
         _model_fits(cfg, info.kind)
     model = models.build(cfg.model, info, parts.model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"model.name: got {cfg.model.name!r}; the model has no trainable "
+                          "parameters: nothing to train, nor for DDP to all-reduce")
     x, y = _sample(cfg, sets)
     was_training = model.training
-    with torch.no_grad():
+    with torch.enable_grad():  # a loss computed outside autograd must show here
         model.eval()
         outputs = _run(f"model.name: got {cfg.model.name!r}; its forward on a batch of "
                        f"{len(y)} samples raised", lambda: model(x))
@@ -192,6 +195,10 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
             else type(loss).__name__
         raise ConfigError(f"train.loss: got {cfg.train.loss!r}; it returned {what}, expected a "
                           "scalar floating-point tensor")
+    if not loss.requires_grad:
+        raise ConfigError(f"train.loss: got {cfg.train.loss!r}; its result carries no gradient "
+                          "(computed outside autograd: .item(), .detach(), numpy, or under "
+                          "no_grad), so nothing would train")
 
 
 def _sample(cfg: ExperimentConfig, sets: Any) -> tuple[Any, Any]:
