@@ -191,6 +191,23 @@ def test_imagefolder_refuses_a_symlink_loop_and_an_empty_class_up_front(tmp_path
     assert problem.startswith(str((root / "val" / "green").resolve())) and "no images" in problem
 
 
+def test_imagefolder_refuses_broken_links_and_empty_images_and_counts_per_class(tmp_path):
+    """A dangling link or a zero-byte image failed mid-training on every rank; the run now also
+    says how many images each class had."""
+    root = imagefolder_tree(tmp_path / "imgs", {"train": 2, "val": 1}, size=8)
+    (root / "train" / "red" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    assert "gone.png: a broken symbolic link" in data.imagefolder_problem(str(root))
+    (root / "train" / "red" / "gone.png").unlink()
+    (root / "val" / "blue" / "0.png").write_bytes(b"")
+    assert "0.png: an empty file" in data.imagefolder_problem(str(root))
+    (root / "val" / "blue" / "0.png").unlink()
+    (root / "val" / "blue" / "1.png").write_bytes((root / "val" / "red" / "0.png").read_bytes())
+    assert data.imagefolder_problem(str(root)) == ""
+    cfg = config.load(None, ["data.dataset=imagefolder", f"data.root={root}", "data.image_size=8"])
+    train, _ = data.datasets(cfg.data, 0)
+    assert data.per_class(train) == "blue 2, green 2, red 2"
+
+
 def test_a_users_dataset_describes_itself_by_attributes_then_shapes():
     cfg = config.load(None, ["data.dataset=mine:sets"])
     ds = torch.utils.data.TensorDataset(torch.zeros(4, 1, 6, 6), torch.zeros(4, dtype=torch.long))
@@ -219,6 +236,7 @@ def test_own_model_and_imagefolder_outside_the_repository_train_under_torchrun(
     (run,) = runs(store)
     t, m = run.data.tags, run.data.metrics
     assert run.info.status == "FINISHED" and t["ddplab.world_size"] == "2"
+    assert t["ddplab.data.per_class"] == "train: blue 48, green 48, red 48; eval: blue 16, green 16, red 16"
     assert m["eval/accuracy"] > 0.6, m  # chance is 1/3
     file = own_experiment.parent / "mynet.py"
     assert t["ddplab.user.model"] == "mynet:build" and t["ddplab.user.model.file"] == str(file)

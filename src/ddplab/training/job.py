@@ -169,6 +169,9 @@ def _tags(job: Job) -> dict[str, Any]:
         "ddplab.pinned_cores": ",".join(map(str, layout.pinned)) or "none",
         "ddplab.ipex": "used" if job.ipex.used else f"not used: {job.ipex.reason}",
         "ddplab.global_batch": job.cfg.global_batch(le.world_size),
+        **({"ddplab.data.per_class": f"train: {counts}; eval: "
+            f"{data.per_class(job.loaders.eval.dataset)}"}
+           if (counts := data.per_class(job.loaders.train.dataset)) else {}),
         "ddplab.resumed_from": job.resume.path or "none",
         **({"ddplab.continues_run": job.resume.payload["run_id"]} if job.resume.finished else {}),
         **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},

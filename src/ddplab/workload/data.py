@@ -121,12 +121,29 @@ def imagefolder_problem(root: str) -> str:
         if empty:
             return (f"{(folder / empty[0]).resolve()}: the class folder holds no images (a class "
                     "with no samples cannot be learned; remove the folder or add its images)")
+        for p in folder.rglob("*"):
+            if p.suffix.lower() in IMG_EXTENSIONS and (not p.exists() or p.stat().st_size == 0):
+                what = "a broken symbolic link" if not p.exists() else "an empty file"
+                return (f"{p}: {what} among the images (it would fail mid-training, on every "
+                        "rank): remove it or put the image back")
     if len(classes["train"]) < 2:
         return f"{Path(root, 'train').resolve()} has {len(classes['train'])} class folder(s); need >= 2"
     if classes["train"] != classes["val"]:
         return (f"the class folders of train ({', '.join(classes['train'])}) and val "
                 f"({', '.join(classes['val'])}) differ")
     return ""
+
+
+def per_class(dataset: Any) -> str:
+    """"cat 120, dog 118": how many images an ImageFolder read per class (the run records it,
+    so a tree read twice, or half of it, shows); "" for other datasets."""
+    classes, targets = getattr(dataset, "classes", None), getattr(dataset, "targets", None)
+    if not classes or targets is None:
+        return ""
+    counts = [0] * len(classes)
+    for t in targets:
+        counts[int(t)] += 1
+    return ", ".join(f"{c} {n}" for c, n in zip(classes, counts, strict=True))
 
 
 def _symlink_loop(folder: Path) -> str:
