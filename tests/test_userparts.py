@@ -192,14 +192,16 @@ def test_imagefolder_refuses_a_symlink_loop_and_an_empty_class_up_front(tmp_path
 
 
 def test_imagefolder_refuses_broken_links_and_empty_images_and_counts_per_class(tmp_path):
-    """A dangling link or a zero-byte image failed mid-training on every rank; the run now also
-    says how many images each class had."""
+    """A dangling link, a zero-byte or a corrupt image failed mid-training on every rank; the
+    run now also says how many images each class had."""
     root = imagefolder_tree(tmp_path / "imgs", {"train": 2, "val": 1}, size=8)
     (root / "train" / "red" / "gone.png").symlink_to(tmp_path / "nowhere.png")
     assert "gone.png: a broken symbolic link" in data.imagefolder_problem(str(root))
     (root / "train" / "red" / "gone.png").unlink()
     (root / "val" / "blue" / "0.png").write_bytes(b"")
     assert "0.png: an empty file" in data.imagefolder_problem(str(root))
+    (root / "val" / "blue" / "0.png").write_bytes(b"\x89PNG but not really an image")
+    assert "0.png: not an image PIL can read" in data.imagefolder_problem(str(root))
     (root / "val" / "blue" / "0.png").unlink()
     (root / "val" / "blue" / "1.png").write_bytes((root / "val" / "red" / "0.png").read_bytes())
     assert data.imagefolder_problem(str(root)) == ""

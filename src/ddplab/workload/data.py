@@ -122,16 +122,33 @@ def imagefolder_problem(root: str) -> str:
             return (f"{(folder / empty[0]).resolve()}: the class folder holds no images (a class "
                     "with no samples cannot be learned; remove the folder or add its images)")
         for p in folder.rglob("*"):
-            if p.suffix.lower() in IMG_EXTENSIONS and (not p.exists() or p.stat().st_size == 0):
-                what = "a broken symbolic link" if not p.exists() else "an empty file"
-                return (f"{p}: {what} among the images (it would fail mid-training, on every "
-                        "rank): remove it or put the image back")
+            if p.suffix.lower() in IMG_EXTENSIONS:
+                what = _unreadable_image(p)
+                if what:
+                    return (f"{p}: {what} among the images (it would fail mid-training, on every "
+                            "rank): remove it or put the image back")
     if len(classes["train"]) < 2:
         return f"{Path(root, 'train').resolve()} has {len(classes['train'])} class folder(s); need >= 2"
     if classes["train"] != classes["val"]:
         return (f"the class folders of train ({', '.join(classes['train'])}) and val "
                 f"({', '.join(classes['val'])}) differ")
     return ""
+
+
+def _unreadable_image(p: Path) -> str:
+    """Why PIL could not open this image, from its header alone (fast: the pixels are not
+    decoded), or ""."""
+    if not p.exists():
+        return "a broken symbolic link"
+    if p.stat().st_size == 0:
+        return "an empty file"
+    from PIL import Image
+
+    try:
+        with Image.open(p):
+            return ""
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds for a file it cannot read
+        return f"not an image PIL can read ({type(e).__name__}: {str(e)[:120]})"
 
 
 def per_class(dataset: Any) -> str:
