@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from ddplab.training import run
 from tests.conftest import REPO, runs
@@ -186,3 +187,49 @@ def test_user_parts_are_built_after_every_rank_seeded_numpy_too(tmp_path, monkey
         with pytest.raises(Stop):
             run.train(str(REPO / "experiments" / "quickstart.yaml"), ["tracking.enabled=false"])
     assert drawn[0] == drawn[1]
+
+
+HF_LIKE = """
+import torch
+from torch import nn
+
+
+class Output(dict):
+    '''Shaped like transformers' ModelOutput: a dict whose keys are also attributes.'''
+    __getattr__ = dict.__getitem__
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, kind):
+        super().__init__()
+        self.head, self.kind = nn.Linear(3 * 8 * 8, num_classes), kind
+
+    def forward(self, x):
+        logits = self.head(x.flatten(1))
+        return {"modeloutput": Output(logits=logits, hidden=x), "dict": {"logits": logits},
+                "tuple": (logits, x), "tensor": logits}[self.kind]
+
+
+def build(num_classes, kind="modeloutput"):
+    return Net(num_classes, kind)
+"""
+
+
+@pytest.mark.parametrize("kind", ["modeloutput", "dict", "tuple"])
+def test_a_model_returning_what_libraries_return_trains_and_evaluates(tmp_path, monkeypatch, kind):
+    """A Hugging Face model returns a ModelOutput: its 12 steps trained, then evaluation called
+    outputs.float() (~90 lines of traceback per rank, run FAILED). The built-in losses and the
+    metrics read its .logits (a dict's 'logits', a tuple's first element)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    (tmp_path / "hflike.py").write_text(HF_LIKE)
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump({
+        "name": "hflike", "model": {"name": "hflike:build", "args": {"kind": kind}},
+        "data": {"image_size": 8, "train_samples": 128, "eval_samples": 64}}))
+    run.train(str(tmp_path / "exp.yaml"), ["train.max_steps=4", "tracking.system_metrics=false"])
+    (r,) = runs(store)
+    assert r.info.status == "FINISHED" and 0 <= r.data.metrics["eval/accuracy"] <= 1
+    assert r.data.metrics["eval/loss"] > 0

@@ -189,6 +189,8 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
                        f"{len(y)} samples raised", lambda: model(x))
         loss = _run(f"train.loss: got {cfg.train.loss!r}; on the model's outputs it raised",
                     lambda: losses.get(cfg.train.loss, parts.loss)(outputs, y))
+        _run(f"model.name: got {cfg.model.name!r}; evaluation cannot read its output",
+             lambda: losses.prediction(outputs))
     model.train(was_training)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \

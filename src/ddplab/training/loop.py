@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
-from ..workload.losses import Loss, cross_entropy, is_classification
+from ..workload.losses import Loss, cross_entropy, is_classification, prediction
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -212,10 +212,14 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
         x, y = state.to_device(x, y)
         with state.autocast():
             outputs = model(x)
-        totals[0] += state.loss(outputs.float(), y).double() * y.shape[0]
+        pred = prediction(outputs).float()  # a ModelOutput's .logits, a tuple's first, ...
+        # A tensor output in float32 (autocast's half precision loses the loss' digits); any
+        # other output as the model returned it, for a loss of your own that reads more of it.
+        loss = state.loss(pred if isinstance(outputs, torch.Tensor) else outputs, y)
+        totals[0] += loss.double() * y.shape[0]
         totals[2] += y.shape[0]
-        if is_classification(outputs, y):
-            totals[1] += (outputs.argmax(dim=-1) == y).sum()
+        if is_classification(pred, y):
+            totals[1] += (pred.argmax(dim=-1) == y).sum()
             totals[3] += y.numel()
         else:
             totals[4] += 1

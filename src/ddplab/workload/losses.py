@@ -2,22 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def prediction(outputs: Any) -> torch.Tensor:
+    """What the built-in losses and the metrics read of a model's output: the tensor itself, a
+    Hugging Face ``ModelOutput``'s or a dict's ``logits``, or a tuple's first element. (A loss of
+    your own gets the output as the model returned it.)"""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    found = getattr(outputs, "logits", None)
+    if found is None and isinstance(outputs, Mapping):
+        found = outputs.get("logits")
+    if found is None and isinstance(outputs, (tuple, list)) and outputs:
+        found = outputs[0]
+    if not isinstance(found, torch.Tensor):
+        raise TypeError(f"the model returned {type(outputs).__name__}: ddplab's losses and metrics "
+                        "read a tensor, a .logits, a dict's 'logits' or a tuple's first element")
+    return found
+
+
+def cross_entropy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     """Class logits (batch, classes), or per-position logits (batch, seq, vocab) for tokens."""
+    outputs = prediction(outputs)
     if outputs.dim() > 2:
         outputs, targets = outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1)
     return F.cross_entropy(outputs, targets)
 
 
-def mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def mse(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    outputs = prediction(outputs)
     return F.mse_loss(outputs, targets.to(outputs.dtype).reshape(outputs.shape))
 
 
