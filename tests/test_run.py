@@ -233,3 +233,33 @@ def test_a_model_returning_what_libraries_return_trains_and_evaluates(tmp_path, 
     (r,) = runs(store)
     assert r.info.status == "FINISHED" and 0 <= r.data.metrics["eval/accuracy"] <= 1
     assert r.data.metrics["eval/loss"] > 0
+
+
+def test_an_optimizer_by_import_path_with_its_own_arguments_trains(tmp_path, monkeypatch):
+    """optim.name torch.optim:RMSprop with optim.args (refused before: expected one of
+    'sgd', 'adam', 'adamw'); the run's optimizer is that class with those arguments."""
+    from ddplab.training import strategy
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    built = []
+    real = strategy.spread
+
+    def spy(model, cfg, device):
+        out = real(model, cfg, device)
+        built.append(out[1])
+        return out
+
+    monkeypatch.setattr(strategy, "spread", spy)
+    run.train(str(REPO / "experiments" / "quickstart.yaml"),
+              ["data.train_samples=128", "data.eval_samples=64", "data.image_size=8",
+               "train.max_steps=3", "optim.name=torch.optim:RMSprop", "optim.lr=0.001",
+               "optim.args={alpha: 0.95, centered: true}", "tracking.system_metrics=false"])
+    (opt,) = built
+    group = opt.param_groups[0]
+    assert type(opt).__name__ == "RMSprop" and (group["initial_lr"], group["alpha"], group["centered"]) == (
+        0.001, 0.95, True)
+    (r,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert r.info.status == "FINISHED" and r.data.params["optim.name"] == "torch.optim:RMSprop"

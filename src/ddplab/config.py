@@ -28,6 +28,7 @@ from .errors import BadInput
 MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i in range(8)) + ("gpt",)
 DATASETS = ("synthetic", "cifar10", "imagefolder", "tokens")
 LOSSES = ("cross_entropy", "mse")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 # gpt's model.args and their types; the rest of a model's args go to the user's callable as given.
 GPT_ARGS: dict[str, type] = {"n_layer": int, "n_head": int, "n_embd": int, "dropout": float}
 # "package.module:callable" (the callable may be a dotted attribute, e.g. "mod:Class.create").
@@ -184,8 +185,12 @@ def _check_gpt_args(args: dict[str, Any]) -> None:
 
 @dataclass
 class OptimConfig:
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
-    """Optimizer."""
+    name: str = "sgd"
+    """sgd, adam, adamw, or any ``torch.optim.Optimizer`` subclass by import path
+    (``torch.optim:RMSprop``, ``mypkg.optim:Lion``): it gets lr, weight_decay and momentum
+    where its signature takes them, then ``optim.args``."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments for the optimizer (AdamW's betas, eps, RMSprop's alpha...)."""
     lr: float = 0.01
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -202,6 +207,7 @@ class OptimConfig:
     """``step`` scheduler: decay factor."""
 
     def __post_init__(self) -> None:
+        _check_part("name", self.name, OPTIMIZERS)
         _check_range(self, "lr", 0, low_open=True)
         _check_range(self, "weight_decay", 0)
         _check_range(self, "momentum", 0, 1, high_open=True)

@@ -28,6 +28,7 @@ def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
     _layout(cfg, cuda_available)
     _strategy(cfg, cuda_available, le.world_size)
     _data(cfg)
+    _optimizer(cfg)
     parts = _user_parts(cfg, experiment)
     _store_and_folders(cfg, le, summary_out)
     return parts
@@ -41,6 +42,7 @@ def preflight(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
     _layout(cfg, cuda_available)
     _strategy(cfg, cuda_available, le.world_size)
     _data(cfg)
+    _optimizer(cfg)
     _store_and_folders(cfg, le, summary_out)
 
 
@@ -53,7 +55,18 @@ def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
         _layout(cfg, cuda_available)
         _strategy(cfg, cuda_available, world_size)
         _data(cfg)
+        _optimizer(cfg)
         _user_parts(cfg, experiment)
+
+
+def _optimizer(cfg: ExperimentConfig) -> None:
+    """optim.name and optim.args build an optimizer (on one stand-in parameter): a class that
+    does not import or an argument it refuses is one line here, not on every rank later."""
+    import torch
+
+    from ..workload import optim
+
+    optim.optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
 
 
 def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:

@@ -121,17 +121,17 @@ def imagefolder_problem(root: str) -> str:
         if empty:
             return (f"{(folder / empty[0]).resolve()}: the class folder holds no images (a class "
                     "with no samples cannot be learned; remove the folder or add its images)")
-        for p in folder.rglob("*"):
-            if p.suffix.lower() in IMG_EXTENSIONS:
-                what = _unreadable_image(p)
-                if what:
-                    return (f"{p}: {what} among the images (it would fail mid-training, on every "
-                            "rank): remove it or put the image back")
     if len(classes["train"]) < 2:
         return f"{Path(root, 'train').resolve()} has {len(classes['train'])} class folder(s); need >= 2"
     if classes["train"] != classes["val"]:
         return (f"the class folders of train ({', '.join(classes['train'])}) and val "
                 f"({', '.join(classes['val'])}) differ")
+    for split in IMAGEFOLDER_SPLITS:  # the tree is sound: now each image, by its header
+        for p in (Path(root) / split).rglob("*"):
+            what = _unreadable_image(p) if p.suffix.lower() in IMG_EXTENSIONS else ""
+            if what:
+                return (f"{p}: {what} among the images (it would fail mid-training, on every "
+                        "rank): remove it or put the image back")
     return ""
 
 

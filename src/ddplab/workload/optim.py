@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -9,23 +10,42 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import OptimConfig
+from ..config import ConfigError, OptimConfig
+
+BUILT_IN = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """optim.name's class and its arguments (ZeroRedundancyOptimizer builds its own from these)."""
-    if cfg.name == "sgd":
-        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum,
-                                 "weight_decay": cfg.weight_decay}
-    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return cls, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    """optim.name's class and its arguments (ZeroRedundancyOptimizer builds its own from these):
+    lr, weight_decay and momentum where the class takes them, then optim.args."""
+    cls = BUILT_IN.get(cfg.name) or _own(cfg.name)
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    known = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "momentum": cfg.momentum}
+    return cls, {**{k: v for k, v in known.items() if k in params}, **cfg.args}
+
+
+def _own(path: str) -> type[torch.optim.Optimizer]:
+    from .userparts import load_callable
+
+    cls = load_callable("optim.name", path)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optim.name: got {path!r}; it is {cls!r}, not a torch.optim.Optimizer "
+                          "class")
+    return cls
 
 
 def optimizer(params: Iterable[nn.Parameter] | nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     if isinstance(params, nn.Module):
         params = params.parameters()
     cls, kwargs = spec(cfg)
-    return cls(params, **kwargs)
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as e:  # a wrong argument name or value in optim.args
+        raise ConfigError(f"optim.args: got {cfg.args!r}; {cls.__name__} refused them "
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def lr_factor(cfg: OptimConfig, step: int, total_steps: int) -> float:
