@@ -181,6 +181,8 @@ CASES = [
      "train.loss: got 'userbroken:loss'; importing userbroken raised RuntimeError: half-written"),
     ("own model raises", _file("model:\n  name: userbad:raises\n"), [], {}, [],
      "model.name: got 'userbad:raises'; calling it raised ValueError: no such width"),
+    ("early stopping metric", None, ["train.early_stopping.metric=eval/acc"], {}, [],
+     "train.early_stopping.metric: got 'eval/acc'; one of eval/loss, eval/accuracy, eval/perplexity"),
     ("optimizer not a class", None, ["optim.name=torch.optim:lr_scheduler"], {}, [],
      "optim.name: got 'torch.optim:lr_scheduler'"),
     ("optimizer path syntax", None, ["optim.name=rmsprop"], {}, [],

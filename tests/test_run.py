@@ -263,3 +263,25 @@ def test_an_optimizer_by_import_path_with_its_own_arguments_trains(tmp_path, mon
         0.001, 0.95, True)
     (r,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert r.info.status == "FINISHED" and r.data.params["optim.name"] == "torch.optim:RMSprop"
+
+
+def test_early_stopping_stops_when_the_metric_stops_improving(tmp_path, monkeypatch):
+    """train.early_stopping: with an lr of 0 the eval loss never moves, so after `patience`
+    evaluations without improvement the job stops, FINISHED, saying why and when."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    run.train(str(REPO / "experiments" / "quickstart.yaml"),
+              ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
+               "train.epochs=4", "train.eval_every_steps=2", "optim.lr=1e-12",
+               "optim.scheduler=none", "optim.warmup_steps=0",
+               "train.early_stopping={metric: eval/loss, patience: 2, min_delta: 0.001}",
+               "tracking.system_metrics=false"], "summary.json")
+    (r,) = runs(store)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # best at step 2 (the first evaluation), no better at 4 and 6: stopped at 6 of 32 steps.
+    assert r.info.status == "FINISHED" and summary["steps"] == 6
+    assert summary["stopped_early"].startswith("stopped early at step 6: eval/loss did not improve")
+    assert r.data.tags["ddplab.stopped_early"] == summary["stopped_early"]

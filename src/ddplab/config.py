@@ -29,6 +29,7 @@ MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i
 DATASETS = ("synthetic", "cifar10", "imagefolder", "tokens")
 LOSSES = ("cross_entropy", "mse")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+EVAL_METRICS = ("eval/loss", "eval/accuracy", "eval/perplexity")
 # gpt's model.args and their types; the rest of a model's args go to the user's callable as given.
 GPT_ARGS: dict[str, type] = {"n_layer": int, "n_head": int, "n_embd": int, "dropout": float}
 # "package.module:callable" (the callable may be a dotted attribute, e.g. "mod:Class.create").
@@ -219,6 +220,28 @@ class OptimConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """Stop training when an evaluation metric stops improving (checked after each evaluation:
+    train.eval_every_steps or eval_every_epochs sets how often)."""
+
+    metric: str = ""
+    """The metric watched: eval/loss, eval/accuracy or eval/perplexity ("" = off)."""
+    mode: Literal["min", "max"] = "min"
+    """min: lower is better (a loss); max: higher is better (an accuracy)."""
+    patience: int = 3
+    """Evaluations in a row without an improvement before the job stops."""
+    min_delta: float = 0.0
+    """How much better than the best so far counts as an improvement."""
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("", *EVAL_METRICS):
+            _fail("metric", self.metric, f"one of {', '.join(EVAL_METRICS)}, or '' (off)")
+        if self.patience < 1:
+            _fail("patience", self.patience, "must be >= 1")
+        _check_range(self, "min_delta", 0)
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 1
     """Passes over the training set."""
@@ -245,6 +268,7 @@ class TrainConfig:
     loss: str = "cross_entropy"
     """cross_entropy (class logits, or (batch, seq, vocab) logits for tokens), mse, or your
     own ``package.module:callable`` (outputs, targets) -> a scalar tensor."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     nonfinite_loss: Literal["stop", "warn"] = "stop"
     """A NaN or infinite train/loss (checked where it is logged, every log_every steps): stop
     the job FAILED, naming the step, or warn and go on."""

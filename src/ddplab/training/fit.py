@@ -30,6 +30,8 @@ def fit(job: Job) -> None:
         for result in loop.train_epoch(state, job.loaders.train, train.max_steps):
             samples += result.samples
             _after_step(job, result)
+            if job.stats.stopped_early:
+                break
         _log_interval(job)
         if state.samples_in_epoch >= job.loaders.sampler.num_samples:
             state.epoch, state.samples_in_epoch = epoch + 1, 0
@@ -43,13 +45,37 @@ def fit(job: Job) -> None:
         due = (epoch + 1) % train.eval_every_epochs == 0 or last
         if due and job.stats.evaluated_at != state.step:  # eval_every_steps may have just run
             _evaluate(job)
+            if not last:
+                _watch(job)
         every = job.cfg.checkpoint.every_epochs
         if every and (epoch + 1) % every == 0 and not last:  # the last one is finish()'s
             _save(job, final=False)
 
 
 def _done(job: Job) -> bool:
-    return bool(job.cfg.train.max_steps) and job.state.step >= job.cfg.train.max_steps
+    return bool(job.stats.stopped_early) or (
+        bool(job.cfg.train.max_steps) and job.state.step >= job.cfg.train.max_steps)
+
+
+def _watch(job: Job) -> None:
+    """train.early_stopping, after each evaluation. The metric is all-reduced, so every rank
+    decides alike and stops at the same step."""
+    es, stats = job.cfg.train.early_stopping, job.stats
+    value = stats.last.get(es.metric) if es.metric else None
+    if value is None:
+        return
+    sign = 1.0 if es.mode == "min" else -1.0
+    if stats.early_best is None or sign * (stats.early_best - value) > es.min_delta:
+        stats.early_best, stats.early_best_step, stats.early_waited = value, job.state.step, 0
+        return
+    stats.early_waited += 1
+    if stats.early_waited >= es.patience:
+        stats.stopped_early = (
+            f"stopped early at step {job.state.step}: {es.metric} did not improve by more than "
+            f"{es.min_delta:g} in {es.patience} evaluation(s); best {stats.early_best:.4f} at "
+            f"step {stats.early_best_step}")
+        job.run.set_tags({"ddplab.stopped_early": stats.stopped_early})
+        job.console.say(stats.stopped_early)
 
 
 def _after_step(job: Job, result: loop.StepResult) -> None:
@@ -66,6 +92,7 @@ def _after_step(job: Job, result: loop.StepResult) -> None:
     every_eval = job.cfg.train.eval_every_steps
     if every_eval and result.step % every_eval == 0:
         _evaluate(job)
+        _watch(job)
     every = job.cfg.checkpoint.every_steps
     if every and result.step % every == 0 and not _done(job):
         _save(job, final=False)

@@ -72,6 +72,12 @@ class RunStats:
     last: dict[str, float] = field(default_factory=dict)
     evaluated_at: int = -1
     """The step of the newest evaluation."""
+    early_best: float | None = None
+    early_best_step: int = 0
+    early_waited: int = 0
+    """train.early_stopping: the best value so far, its step, evaluations since."""
+    stopped_early: str = ""
+    """Why training stopped before its steps ran out ("" = it did not)."""
 
     def steady_samples_per_s(self) -> float:
         """Throughput once started: the epochs after the first (start-up, compilation and the
@@ -108,6 +114,7 @@ class RunStats:
             "epoch_samples_per_s": [n / t if t > 0 else 0.0
                                     for n, t in zip(self.epoch_samples, self.epoch_times, strict=True)],
             "final_metrics": self.last,
+            "stopped_early": self.stopped_early or None,
             "checkpoint": checkpoint,
             "tracking_busy_s": round(tracking_busy_s, 4),
             "tracking_busy_frac": tracking_busy_s / max(wall_time_s, 1e-9),
