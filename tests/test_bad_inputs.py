@@ -189,6 +189,8 @@ CASES = [
      "optim.name: got 'rmsprop'; choose one of: sgd, adam, adamw, or 'package.module:callable'"),
     ("optimizer argument refused", None, ["optim.name=torch.optim:RMSprop", "optim.args={alfa: 0.9}"],
      {}, [], "optim.args: got {'alfa': 0.9}; RMSprop refused them (TypeError"),
+    ("own model scores other classes", _file("model:\n  name: userbad:thousand_classes\n"), [], {}, [],
+     "model.name: got 'userbad:thousand_classes'; it scores 1000 classes, the data has 10"),
     ("own model without parameters", _file("model:\n  name: userbad:no_parameters\n"), [], {}, [],
      "model.name: got 'userbad:no_parameters'; the model has no trainable parameters"),
     ("own loss without gradient", _file("train:\n  loss: userbad:detached_loss\n"), [], {}, [],
@@ -291,6 +293,9 @@ def raising_loss(outputs, targets):
 
 def no_parameters():
     return nn.Flatten()
+
+def thousand_classes():
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 1000))
 
 def detached_loss(outputs, targets):
     return torch.nn.functional.cross_entropy(outputs, targets).detach()

@@ -202,8 +202,13 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
                        f"{len(y)} samples raised", lambda: model(x))
         loss = _run(f"train.loss: got {cfg.train.loss!r}; on the model's outputs it raised",
                     lambda: losses.get(cfg.train.loss, parts.loss)(outputs, y))
-        _run(f"model.name: got {cfg.model.name!r}; evaluation cannot read its output",
-             lambda: losses.prediction(outputs))
+        pred = _run(f"model.name: got {cfg.model.name!r}; evaluation cannot read its output",
+                    lambda: losses.prediction(outputs))
+    width = pred.shape[-1] if pred.dim() == 2 else 0
+    if cfg.train.loss == "cross_entropy" and info.num_classes and width and width != info.num_classes:
+        raise ConfigError(f"model.name: got {cfg.model.name!r}; it scores {width} classes, the data "
+                          f"has {info.num_classes}: set model.args.num_classes={info.num_classes} "
+                          "(or the model's own name for its output width)")
     model.train(was_training)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
