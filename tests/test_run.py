@@ -12,12 +12,19 @@ from ddplab.training import run
 from tests.conftest import REPO, runs
 
 
-def test_train_in_process_runs_the_pipeline_to_one_finished_run(tmp_path, monkeypatch):
+def lone_job(tmp_path, monkeypatch) -> str:
+    """This process as a lone job (no launcher's variables) in tmp_path, with its own embedded
+    store; returns the store's URI."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    return store
+
+
+def test_train_in_process_runs_the_pipeline_to_one_finished_run(tmp_path, monkeypatch):
+    store = lone_job(tmp_path, monkeypatch)
     sets = ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
             "train.epochs=2", "train.log_every=2", "checkpoint.every_epochs=1",
             "tracking.system_metrics=false"]
@@ -44,11 +51,7 @@ def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkey
 
     from ddplab.tracking import runs as tracking  # job_run's module
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    store = lone_job(tmp_path, monkeypatch)
 
     def collective_fails(job):
         raise RuntimeError("Connection closed by peer")
@@ -85,11 +88,7 @@ def test_a_diverging_loss_stops_the_job_or_warns_and_summary_stays_json(tmp_path
 
     from ddplab.training.fit import LossNotFinite
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    store = lone_job(tmp_path, monkeypatch)
     sets = ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
             "optim.lr=1e12", "train.log_every=1", "tracking.system_metrics=false"]
     quick = str(REPO / "experiments" / "quickstart.yaml")
@@ -112,11 +111,7 @@ def test_training_on_from_a_final_checkpoint_trains_the_rest_of_the_epoch_in_a_n
     the one it continues; the finished run stays exactly as it was."""
     from mlflow import MlflowClient
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    store = lone_job(tmp_path, monkeypatch)
     client = MlflowClient(store)
     quick = str(REPO / "experiments" / "quickstart.yaml")
     sets = ["data.train_samples=512", "data.eval_samples=64", "data.image_size=8",
@@ -148,10 +143,7 @@ def test_a_resume_across_an_optimizer_or_model_change_is_never_a_key_error(tmp_p
     the model are refused in one line."""
     from ddplab.training.checkpoint import CheckpointError
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    lone_job(tmp_path, monkeypatch)
     quick = str(REPO / "experiments" / "quickstart.yaml")
     sets = ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
             "tracking.enabled=false", "checkpoint.dir=ck", "checkpoint.every_steps=2"]
@@ -220,11 +212,7 @@ def test_a_model_returning_what_libraries_return_trains_and_evaluates(tmp_path, 
     """A Hugging Face model returns a ModelOutput: its 12 steps trained, then evaluation called
     outputs.float() (~90 lines of traceback per rank, run FAILED). The built-in losses and the
     metrics read its .logits (a dict's 'logits', a tuple's first element)."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    store = lone_job(tmp_path, monkeypatch)
     (tmp_path / "hflike.py").write_text(HF_LIKE)
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump({
         "name": "hflike", "model": {"name": "hflike:build", "args": {"kind": kind}},
@@ -240,10 +228,7 @@ def test_an_optimizer_by_import_path_with_its_own_arguments_trains(tmp_path, mon
     'sgd', 'adam', 'adamw'); the run's optimizer is that class with those arguments."""
     from ddplab.training import strategy
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    lone_job(tmp_path, monkeypatch)
     built = []
     real = strategy.spread
 
@@ -268,11 +253,7 @@ def test_an_optimizer_by_import_path_with_its_own_arguments_trains(tmp_path, mon
 def test_early_stopping_stops_when_the_metric_stops_improving(tmp_path, monkeypatch):
     """train.early_stopping: with an lr of 0 the eval loss never moves, so after `patience`
     evaluations without improvement the job stops, FINISHED, saying why and when."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    store = lone_job(tmp_path, monkeypatch)
     run.train(str(REPO / "experiments" / "quickstart.yaml"),
               ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
                "train.epochs=4", "train.eval_every_steps=2", "optim.lr=1e-12",
