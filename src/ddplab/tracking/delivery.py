@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=1,
                    help="the job's ranks (more than one: the others' watchers end a lost rank 0's run)")
     args = p.parse_args(argv)
+    # MLflow prints "View run at <tracking URI>" when a run ends: inside compose or a cluster an
+    # in-network name no browser opens. The job prints the run's address itself (jobend.where).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     # A scheduler stopping the job (Slurm's scancel, a node's shutdown) signals every process
     # of the job, this one included: it must outlive the ranks long enough to deliver the
     # run's ending. It ends on its own (closed, or its parent gone, then --timeout); the
