@@ -76,6 +76,7 @@ def test_slurm_cpus_per_task_sets_the_threads():
 
 def test_nodes_sharing_one_host_share_its_cores(monkeypatch):
     """The compose files run NNODES "machines" on one host; each container sees every core."""
+    from ddplab.config import ConfigError
     from ddplab.distributed import backend
 
     monkeypatch.setattr(backend, "usable_cpu_count", lambda: 8)
@@ -83,7 +84,8 @@ def test_nodes_sharing_one_host_share_its_cores(monkeypatch):
     assert backend.node_cpus(le, {}) == 8
     assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "2"}) == 4
     assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "16"}) == 1  # never below one
-    assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "x"}) == 8
+    with pytest.raises(ConfigError, match="DDPLAB_NODES_ON_HOST: got 'x'"):  # was ignored silently
+        backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "x"})
     slurm = LaunchEnv.from_environ(SLURM)
     assert backend.node_cpus(slurm, {"DDPLAB_NODES_ON_HOST": "2", "SLURM_CPUS_PER_TASK": "1"}) == 3
 
