@@ -319,10 +319,9 @@ def _end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "") 
     try:
         if client.get_run(meta.run_id).info.status != "RUNNING":
             return
-        client.set_tag(meta.run_id, "ddplab.error", why or (
+        opening.end_failed(client, meta.run_id, why or (
             "the job ended without recording its end (killed outright, or its last record "
             "torn); ended by ddplab sync"))
-        client.set_terminated(meta.run_id, "FAILED")
     except Exception as e:  # noqa: BLE001
         print(f"{where}: could not end the run ({spool.describe(e)})", file=sys.stderr)
         return

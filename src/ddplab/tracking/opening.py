@@ -138,16 +138,21 @@ def _delete_artifact(artifact_uri: str, path: str) -> None:
                       stacklevel=2)
 
 
+def end_failed(client: Any, run_id: str, why: str) -> None:
+    """End a run FAILED with ``why`` as its ddplab.error (the one way a process other than the
+    job's rank 0 ends a run: a job stopped early, a rank 0 lost, a spool synced late)."""
+    client.set_tag(run_id, "ddplab.error", why)
+    client.set_terminated(run_id, "FAILED")
+
+
 def end_unclaimed(client: Any, opened: Opened | None) -> None:
     """The job stopped after its run was opened but before it said where to deliver: the run
     must not stay RUNNING."""
     if opened is None:
         return
     try:
-        client.set_tag(opened.run_id, "ddplab.error",
-                       "the job stopped after its run was opened, before it started training "
-                       "(see the job's console)")
-        client.set_terminated(opened.run_id, "FAILED")
+        end_failed(client, opened.run_id, "the job stopped after its run was opened, before it "
+                   "started training (see the job's console)")
     except Exception as e:  # noqa: BLE001 - the console says it; nothing else can
         print(f"ddplab delivery: could not end run {opened.run_id} ({spool.describe(e)})",
               file=sys.stderr)
