@@ -31,7 +31,7 @@ def _norm(name: str) -> str:
 @pytest.mark.parametrize("lock", LOCKS)
 def test_the_lock_was_made_from_todays_pyproject_and_constraints(lock):
     first = (REPO / lock).read_text().splitlines()[0]
-    assert first == DIGEST_PREFIX + inputs_digest(), \
+    assert first == DIGEST_PREFIX + inputs_digest(lock), \
         f"{lock} is older than pyproject.toml or constraints.txt: run make lock"
 
 

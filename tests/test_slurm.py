@@ -30,29 +30,6 @@ def cluster(compose_factory, **env: str):  # noqa: F811 - the fixture, passed on
     return c
 
 
-def test_sbatch_on_two_nodes_gives_one_slurm_run_on_ddplabs_ccl(compose_factory):  # noqa: F811
-    """srun with 2 tasks on each of 2 nodes, on ddplab's ccl (the layout that hung in oneCCL's
-    first broadcast before ddplab told it each rank is alone on its host)."""
-    c = cluster(compose_factory, BACKEND="ccl", SBATCH_ARGS="--ntasks-per-node=2 --cpus-per-task=1",
-                # The 2x1 tests' global batch (64 = 4 ranks x 16) on a third more data: at the
-                # quickstart's 32 per rank, 4 ranks took 32 steps and reached 0.29, below the check.
-                DDPLAB_SET=SMALL.replace("--set ", "").replace("1536", "2048") + " data.batch_size=16")
-    codes = wait_exits(c, "submit", 1, time.monotonic() + 600)
-    assert codes == [0], c.up_output()[-4000:]
-    run = c.wait_run(finished, timeout=60)
-    t = tags(run)
-    assert run["info"]["status"] == "FINISHED"
-    assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nnodes"]) == ("slurm", "4", "2")
-    assert (t["ddplab.backend"], t["ddplab.ccl_impl"]) == ("ccl", "ddplab")
-    assert sorted(t["ddplab.hosts"].split(",")) == ["node1", "node2"]  # two hosts
-    assert t["ddplab.slurm_job_id"] == "1" and t["ddplab.slurm_nodelist"] == "node[1-2]"
-    name = t["mlflow.runName"]
-    assert name.startswith("quickstart ccl 2n x 2r x ") and name.endswith("t slurm"), name
-    assert metrics(run)["eval/accuracy"] > 0.3
-    out = c.up_output()
-    assert "submitting as ddplab" in out and "job 1 ended with exit code 0" in out
-
-
 def wait_training(c) -> dict:
     return c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
 
@@ -97,19 +74,42 @@ variants:
 """
 
 
-def test_a_study_submits_its_slurm_variants_with_sbatch(compose_factory):  # noqa: F811
-    """`ddplab study run` on the cluster's login node (the controller): each variant is an
+def test_sbatch_2x2_on_ccl_then_a_study_of_slurm_variants_on_one_cluster(compose_factory):  # noqa: F811
+    """The cluster's own `sbatch slurm/cpu.sbatch`: srun with 2 tasks on each of 2 nodes, on
+    ddplab's ccl (the layout that hung in oneCCL's first broadcast before ddplab told it each
+    rank is alone on its host). Then, on the same cluster (one start-up, not two: each cost
+    ~60 s of CI), `ddplab study run` on its login node (the controller): each variant is an
     `sbatch --wait` job into its own child run of the study's parent run."""
-    # Nodes of 4 CPUs: 1x2 asks 2 tasks x --cpus-per-task 2 (the template's) of one node.
-    c = cluster(compose_factory, SBATCH_ARGS="--nodes=1", SLURM_CPUS="4")
-    assert wait_exits(c, "submit", 1, time.monotonic() + 300) == [0], c.up_output()[-3000:]
+    # Nodes of 4 CPUs: the study's 1x2 asks 2 tasks x --cpus-per-task 2 (the template's) of one.
+    c = cluster(compose_factory, BACKEND="ccl", SLURM_CPUS="4",
+                SBATCH_ARGS="--ntasks-per-node=2 --cpus-per-task=1",
+                # The 2x1 tests' global batch (64 = 4 ranks x 16) on a third more data: at the
+                # quickstart's 32 per rank, 4 ranks took 32 steps and reached 0.29, below the check.
+                DDPLAB_SET=SMALL.replace("--set ", "").replace("1536", "2048") + " data.batch_size=16")
+    codes = wait_exits(c, "submit", 1, time.monotonic() + 600)
+    assert codes == [0], c.up_output()[-4000:]
+    run = c.wait_run(finished, timeout=60)
+    t = tags(run)
+    assert run["info"]["status"] == "FINISHED"
+    assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nnodes"]) == ("slurm", "4", "2")
+    assert (t["ddplab.backend"], t["ddplab.ccl_impl"]) == ("ccl", "ddplab")
+    assert sorted(t["ddplab.hosts"].split(",")) == ["node1", "node2"]  # two hosts
+    assert t["ddplab.slurm_job_id"] == "1" and t["ddplab.slurm_nodelist"] == "node[1-2]"
+    name = t["mlflow.runName"]
+    assert name.startswith("quickstart ccl 2n x 2r x ") and name.endswith("t slurm"), name
+    assert metrics(run)["eval/accuracy"] > 0.3
+    out = c.up_output()
+    assert "submitting as ddplab" in out and "job 1 ended with exit code 0" in out
+
+    # The study, as a user on the login node types it: their own environment, not the one the
+    # first job was given (compose hands BACKEND and DDPLAB_SET to every service).
     script = (f"cat > /jobs/study.yaml <<'EOF'\n{STUDY}\nEOF\n"
-              "cd /workspace && ddplab study run /jobs/study.yaml --repeats 1")
+              "cd /workspace && env -u BACKEND DDPLAB_SET='dist.threads_per_rank=1 "
+              "dist.timeout_s=120 tracking.wait_s=60' ddplab study run /jobs/study.yaml --repeats 1")
     out = sh([*c.cmd, "exec", "-T", "-u", "ddplab", "slurmctld", "bash", "-c", script],
              env=c.env, cwd=REPO, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    runs = c.runs()
-    children = [r for r in runs if tags(r).get("ddplab.variant")]
+    children = [r for r in c.runs() if tags(r).get("ddplab.variant")]
     assert sorted(tags(r)["ddplab.variant"] for r in children) == ["1x2", "2x1"]
     for r in children:
         t = tags(r)

@@ -5,8 +5,10 @@
 - ``requirements.lock``: the same pins without the dev tools; what every image installs.
 
 Resolved by uv for Linux x86_64, CPython 3.11 (these machines, and the images' Debian 12),
-against PyPI. Each lock starts with the sha256 of its inputs; tests/test_lock.py fails when
-pyproject.toml or constraints.txt changed since (run ``make lock``).
+against PyPI. Each lock starts with the sha256 of its own inputs; tests/test_lock.py fails when
+pyproject.toml or constraints.txt changed since (run ``make lock``). The runtime lock's inputs leave
+the ``dev`` extra out: a new test tool changes only the dev lock, so no image (which copies
+requirements.lock) rebuilds its torch layers for it.
 
     python tools/lock.py            (make lock)
 """
@@ -27,13 +29,15 @@ TARGET = ["--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_2
 DIGEST_PREFIX = "# inputs-sha256: "
 
 
-def inputs_digest(root: Path = ROOT) -> str:
-    """What the locks are made from: the project's dependency tables and the tested pins."""
+def inputs_digest(lock: str, root: Path = ROOT) -> str:
+    """What ``lock`` is made from: the project's dependencies, the extras it takes, the tested pins."""
     import tomllib
 
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = set(LOCKS[lock][1::2])
     text = repr((sorted(project["dependencies"]),
-                 sorted((k, sorted(v)) for k, v in project["optional-dependencies"].items())))
+                 sorted((k, sorted(v)) for k, v in project["optional-dependencies"].items()
+                        if k in extras)))
     text += (root / "constraints.txt").read_text()
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -50,7 +54,7 @@ def compile_lock(uv: str, name: str, extra_constraints: list[str]) -> None:
     cmd = [uv, "pip", "compile", "pyproject.toml", *LOCKS[name], "-c", "constraints.txt",
            *extra_constraints, *TARGET, "-o", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True)
-    out.write_text(f"{DIGEST_PREFIX}{inputs_digest()}\n" + out.read_text())
+    out.write_text(f"{DIGEST_PREFIX}{inputs_digest(name)}\n" + out.read_text())
 
 
 def main() -> int:

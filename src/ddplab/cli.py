@@ -33,8 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddplab", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"ddplab {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    overrides = {"action": "append", "default": [], "metavar": "KEY=VALUE",
-                 "help": "override a config value, e.g. --set train.epochs=3 (repeatable)"}
+    overrides: dict[str, Any] = {"action": "append", "default": [], "metavar": "KEY=VALUE",
+                                 "help": "override a config value, e.g. --set train.epochs=3 (repeatable)"}
     t = sub.add_parser("train", help="run an experiment under any launcher (or none)")
     t.add_argument("experiment", help="experiment YAML file (experiments/quickstart.yaml) or "
                    "your own training script (my_train.py; its arguments go after --)")

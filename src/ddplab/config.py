@@ -16,6 +16,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -587,7 +588,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             _fail(key, value, "expected a mapping of names to values")
         return dict(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested section's class
         if not isinstance(value, dict):
             _fail(key, value, f"expected a mapping of {tp.__name__} keys")
         return _build(tp, value, key + ".")
@@ -708,7 +709,7 @@ def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
     return loaded or {}
 
 
-def load(path: str | Path | None, overrides: list[Override] | tuple[Override, ...] = (),
+def load(path: str | Path | None, overrides: Sequence[Override] = (),
          script_args: list[str] | None = None) -> ExperimentConfig:
     """defaults < file < overrides, validated; errors are ConfigError naming the source
     (the file, ``--set`` or ``DDPLAB_SET``) and the key. Callers put ``env_overrides()`` first

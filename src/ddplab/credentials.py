@@ -16,11 +16,12 @@ A login written into the URI is taken out of it and sent the same way (logins.py
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
 from .logins import CREDENTIALS  # what MLflow's client sends; launchers forward them to every rank
 
 
-def from_files(env: dict[str, str] | None = None) -> list[str]:
+def from_files(env: MutableMapping[str, str] | None = None) -> list[str]:
     """Set each credential from its ``<NAME>_FILE`` when the caller set none in ``env``
     (default: this process's environment, so the launchers forward the values). Returns the
     names set; a named file that cannot be read is a ConfigError (one line)."""

@@ -36,7 +36,7 @@ class _Stderr(logging.StreamHandler):
     """Always today's sys.stderr (a test, or an application, may replace it after start-up)."""
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self):
         return sys.stderr
 
     @stream.setter

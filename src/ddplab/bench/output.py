@@ -153,11 +153,11 @@ class Report(Silent):
             if self.client is not None:
                 self._record(results, matrix, folder, status)
             if self.page is not None:
-                self._write_page(results, matrix, ops, folder / "busbw.png")
+                self._write_page(self.page, results, matrix, ops, folder / "busbw.png")
         if self.out:
             print(f"\nfiles in {self.out}/: " + ", ".join(sorted(os.listdir(self.out))))
 
-    def _write_page(self, results: list[Result], matrix: Matrix, ops: list[str],
+    def _write_page(self, page: Path, results: list[Result], matrix: Matrix, ops: list[str],
                     png: Path) -> None:
         import shlex
         import sys
@@ -175,10 +175,10 @@ class Report(Silent):
         stamp = pages.Stamp(pages.now(), pages.commit(pages.CODE), host.summary(),
                             f"{p['launcher']} x{p['world_size']}: " +
                             shlex.join(["ddplab", *sys.argv[1:]]))
-        pages.write(self.page, "Collectives: `ddplab bench collectives`", stamp, body,
+        pages.write(page, "Collectives: `ddplab bench collectives`", stamp, body,
                     "Written by `ddplab bench collectives --page`; run the command again to "
                     "replace it.", [png] if png.exists() else [])
-        print(f"\nwrote {os.path.relpath(self.page)}", flush=True)
+        print(f"\nwrote {os.path.relpath(page)}", flush=True)
 
     def _record(self, results: list[Result], matrix: Matrix, folder: Path, status: str) -> None:
         from mlflow.entities import Metric, RunTag

@@ -152,7 +152,12 @@ def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]
         return Report(client, a.experiment, name, params, a.out, a.page_path)
 
     made: list[Report] = []
-    backend.share_from_rank0(lambda: made.append(create()) or True, le.is_rank0, le.world_size)
+
+    def make() -> bool:  # rank 0 keeps the Report; the ranks share only that it was made
+        made.append(create())
+        return True
+
+    backend.share_from_rank0(make, le.is_rank0, le.world_size)
     return made[0] if made else Silent()
 
 

@@ -86,6 +86,8 @@ def _load(where: Path) -> tuple[ModuleType | None, str]:
         spec = importlib.util.spec_from_file_location(
             EXT_NAME, where / f"{EXT_NAME}.so",
             loader=importlib.machinery.ExtensionFileLoader(EXT_NAME, str(where / f"{EXT_NAME}.so")))
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no module spec for {where / f'{EXT_NAME}.so'}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason

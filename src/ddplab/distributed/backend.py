@@ -79,7 +79,8 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
         warnings.warn(choice.reason, stacklevel=2)
     impl = impl if choice.name == "ccl" else None
     ccl_env = apply_ccl_env(le, os.environ, impl) if impl else {}
-    threads, pinned = torch.get_num_threads(), []
+    threads = torch.get_num_threads()
+    pinned: list[int] = []
     if device.type == "cpu":
         threads, pinned = apply_cpu_layout(cfg, le, choice.name)
     else:
@@ -362,7 +363,7 @@ def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.devic
                                 timeout=timeout)
         return
     store = store or rendezvous_store(le, timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     try:
         dist.init_process_group(choice.name, store=store, rank=le.rank, world_size=le.world_size,
                                 timeout=timeout, **kwargs)

@@ -274,6 +274,18 @@ def run_forwarding_signals(argv: list[str]) -> int:
     return child.wait()
 
 
+def _wait_for_worker(h: str, job: Path, a: argparse.Namespace) -> None:
+    """Until worker ``h`` has sent its host key for ``job`` and its sshd answers."""
+    wait_for(lambda: (job / "hosts" / f"{h}.pub").exists() and port_answers(h, a.ssh_port),
+             a.wait_timeout, lambda: f"worker {h}'s host key and sshd on port {a.ssh_port}")
+
+
+def _wait_for_sshd(h: str, a: argparse.Namespace) -> None:
+    """Until worker ``h`` resolves and its sshd answers."""
+    wait_for(lambda: port_answers(h, a.ssh_port), a.wait_timeout,
+             lambda: f"worker {h} to resolve and its sshd to answer on port {a.ssh_port}")
+
+
 def launch(a: argparse.Namespace) -> int:
     a.train_args = train_args(a.train_args)
     if a.ssh_auth:
@@ -290,8 +302,7 @@ def launch(a: argparse.Namespace) -> int:
     os.replace(keys / ".current", keys / "current")  # announce only once id.pub is complete
     say(f"job {nonce} announced; waiting for {len(hosts)} worker(s)")
     for h in hosts:
-        wait_for(lambda h=h: (job / "hosts" / f"{h}.pub").exists() and port_answers(h, a.ssh_port),
-                 a.wait_timeout, lambda h=h: f"worker {h}'s host key and sshd on port {a.ssh_port}")
+        _wait_for_worker(h, job, a)
     known = key.parent / "ddplab_known_hosts"
     known.write_text(known_hosts(job, hosts, a.ssh_port))
     rc = run_mpirun(a, hosts, ssh_options(key, known, a.ssh_port), hosts[0])
@@ -353,8 +364,7 @@ def operator_launch(a: argparse.Namespace) -> int:
     say(f"waiting for {len(hosts)} worker(s) of {a.hostfile} to resolve and answer on port "
         f"{a.ssh_port}")
     for h in hosts:
-        wait_for(lambda h=h: port_answers(h, a.ssh_port), a.wait_timeout,
-                 lambda h=h: f"worker {h} to resolve and its sshd to answer on port {a.ssh_port}")
+        _wait_for_sshd(h, a)
     return run_mpirun(a, hosts, opts, socket.gethostbyname(hosts[0]))
 
 

@@ -26,10 +26,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..log import logger
 from ..poll import poll
 from .detect import LaunchError
+
+T = TypeVar("T")
 
 IFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "FI_TCP_IFACE", "CCL_KVS_IFACE")
 
@@ -54,7 +57,8 @@ def resolve_all(name: str) -> list[str]:
         infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror:
         return []
-    return sorted({i[4][0] for i in infos}, key=ipaddress.ip_address)
+    # AF_INET: (host, port), the host a str (the stub's union also holds IPv6's int fields)
+    return sorted({str(i[4][0]) for i in infos}, key=ipaddress.ip_address)
 
 
 def local_addresses() -> dict[str, str]:
@@ -103,8 +107,8 @@ def shape_link(cmd: list[str]) -> None:
     raise LaunchError(f"NET_DELAY_MS/NET_RATE_MBIT: `{' '.join(cmd)}` failed: {why}")
 
 
-def wait_for(check: Callable[[], object], timeout_s: float, what: Callable[[], str],
-             interval_s: float = 1.0) -> object:
+def wait_for(check: Callable[[], T | None], timeout_s: float, what: Callable[[], str],
+             interval_s: float = 1.0) -> T:
     """Poll ``check`` until it returns something truthy; a clear error after ``timeout_s``
     (``what`` describes the state at that moment)."""
     result = poll(check, timeout_s, interval_s)

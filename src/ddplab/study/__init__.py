@@ -60,11 +60,14 @@ def _tracking_failure(e: BaseException) -> bool:
     """MLflow's client or its HTTP layer failing (a server gone mid-study)."""
     from mlflow.exceptions import MlflowException
 
+    kinds: tuple[type[BaseException], ...] = (MlflowException, ConnectionError)
     try:
         from requests.exceptions import RequestException
+
+        kinds += (RequestException,)
     except ImportError:  # pragma: no cover - MLflow depends on requests
-        RequestException = OSError  # noqa: N806
-    return isinstance(e, (MlflowException, RequestException, ConnectionError))
+        kinds += (OSError,)
+    return isinstance(e, kinds)
 
 
 class PageError(DdplabError):

@@ -255,13 +255,22 @@ def by_name(rows: list[Row], name: str) -> Row | None:
     return next((r for r in rows if r.variant == name), None)
 
 
+def _spread(r: Row) -> tuple[float, float, float]:
+    """A measured row's (min, median, max) throughput: table() sets the three together."""
+    low, mid, high = r.throughput_min, r.throughput_median, r.throughput_max
+    if low is None or mid is None or high is None:
+        raise ValueError(f"variant {r.variant}: no throughput measured")
+    return low, mid, high
+
+
 def _throughput(ax: Any, measured: list[Row]) -> None:
-    ax.bar([r.variant for r in measured], [r.throughput_median for r in measured],
-           yerr=[[r.throughput_median - r.throughput_min for r in measured],
-                 [r.throughput_max - r.throughput_median for r in measured]], capsize=4,
+    spreads = [_spread(r) for r in measured]
+    mids = [mid for _, mid, _ in spreads]
+    ax.bar([r.variant for r in measured], mids,
+           yerr=[[mid - low for low, mid, _ in spreads],
+                 [high - mid for _, mid, high in spreads]], capsize=4,
            color="#4c72b0")
-    _label_bars(ax, [r.throughput_median for r in measured],
-                [_fmt(r.throughput_median) for r in measured])
+    _label_bars(ax, mids, [_fmt(mid) for mid in mids])
     ax.set_ylabel("samples/s (perf/samples_per_s)")
     ax.set_title(f"Throughput per variant: median of {_repeats(measured)}, bars min-max")
 
@@ -313,17 +322,20 @@ def _ratio(ax: Any, scaled: list[Row], base: Row | None) -> None:
     from .verdict import NOISE
 
     names = [r.variant for r in scaled]
-    def span(r: Row) -> tuple[float, float]:  # the ratio's range over the repeats
+    speedups = [r.speedup for r in scaled if r.speedup is not None]  # all: scaled rows have one
+    def span(r: Row, speedup: float) -> tuple[float, float]:  # the ratio's range over the repeats
         if base is None or not base.throughput_max or not base.throughput_min:
             return 0.0, 0.0
-        return (max(0.0, r.speedup - r.throughput_min / base.throughput_max),
-                max(0.0, r.throughput_max / base.throughput_min - r.speedup))
+        low, _, high = _spread(r)
+        return (max(0.0, speedup - low / base.throughput_max),
+                max(0.0, high / base.throughput_min - speedup))
 
-    ax.bar(names, [r.speedup for r in scaled], color="#4c72b0",
-           yerr=[[span(r)[0] for r in scaled], [span(r)[1] for r in scaled]], capsize=4)
+    spans = [span(r, s) for r, s in zip(scaled, speedups, strict=True)]
+    ax.bar(names, speedups, color="#4c72b0",
+           yerr=[[below for below, _ in spans], [above for _, above in spans]], capsize=4)
     ax.axhspan(1 - NOISE, 1 + NOISE, color="grey", alpha=0.2, label=f"within noise (±{NOISE:.0%})")
     ax.axhline(1.0, color="grey", linewidth=1)
-    _label_bars(ax, [r.speedup for r in scaled], [f"{r.speedup:.2f}x" for r in scaled])
+    _label_bars(ax, speedups, [f"{s:.2f}x" for s in speedups])
     base_name = base.variant if base else "the baseline"
     ax.set_ylabel(f"throughput / {base_name}'s")
     ax.set_title(f"Throughput vs {base_name} at equal resources ({scaled[0].resources}); "

@@ -24,6 +24,7 @@ the study before any job starts).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ class Variant:
     launcher: str = "torchrun"
     set: dict[str, Any] = field(default_factory=dict)
 
-    def overrides(self, study_set: dict[str, Any], extra: list[Override]) -> list[Override]:
+    def overrides(self, study_set: dict[str, Any], extra: Sequence[Override]) -> list[Override]:
         """The study's set, then the variant's, then $DDPLAB_SET's and the command line's
         (each keeping its source for error messages): later wins."""
         merged = {**study_set, **self.set}
@@ -173,7 +174,7 @@ def _grid(where: str, raw: Any) -> list[dict[str, Any]]:
     return out
 
 
-def parse(path: Path, raw: Any, extra: list[str] = ()) -> Study:
+def parse(path: Path, raw: Any, extra: Sequence[Override] = ()) -> Study:
     where = str(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping (name, experiment, variants)")
@@ -231,6 +232,6 @@ def _metric(where: str, raw: dict[str, Any], script: bool) -> tuple[str, str]:
     return metric, mode
 
 
-def load_study(path: str | Path, extra: list[Override] = ()) -> Study:
+def load_study(path: str | Path, extra: Sequence[Override] = ()) -> Study:
     p = Path(path)
     return parse(p, read_yaml_file(p, "study"), list(extra))

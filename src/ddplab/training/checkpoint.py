@@ -163,7 +163,7 @@ class CorruptCheckpoint(CheckpointError, ValueError):
 def _root_cause(e: BaseException) -> BaseException:
     """torch.save reports a full disk as a RuntimeError from its zip writer, raised while
     handling the OSError that says what happened: the OSError is the reason to give."""
-    seen = e
+    seen: BaseException | None = e
     while seen is not None:
         if isinstance(seen, OSError):
             return seen

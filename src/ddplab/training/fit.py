@@ -105,7 +105,7 @@ def _log_interval(job: Job) -> None:
     job.meter = loop.Meter()
     metrics = {"train/loss": s["loss"], "train/samples_per_s": s["samples_per_s"],
                "train/step_time_s": s["step_time_s"], "train/data_wait_frac": s["data_wait_frac"],
-               "train/lr": job.state.scheduler.get_last_lr()[0]}
+               "train/lr": float(job.state.scheduler.get_last_lr()[0])}  # ddplab's lr: never a tensor
     metrics |= {f"train/rank{r}_samples_per_s": v for r, v in enumerate(s["per_rank_samples_per_s"])}
     job.run.log_metrics(metrics, job.state.step)
     job.stats.samples_per_s.append(s["samples_per_s"])

@@ -173,7 +173,8 @@ def _tags(job: Job) -> dict[str, Any]:
             f"{data.per_class(job.loaders.eval.dataset)}"}
            if (counts := data.per_class(job.loaders.train.dataset)) else {}),
         "ddplab.resumed_from": job.resume.path or "none",
-        **({"ddplab.continues_run": job.resume.payload["run_id"]} if job.resume.finished else {}),
+        **({"ddplab.continues_run": job.resume.payload["run_id"]}
+           if job.resume.payload and job.resume.finished else {}),  # finished implies a payload
         **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},
         **capsule.scheduler_tags(),
         **job.parts.tags(),

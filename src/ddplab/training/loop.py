@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -146,7 +147,17 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def reduce_interval(meter: Meter, device: torch.device) -> dict[str, float | list[float]]:
+class Interval(TypedDict):
+    """reduce_interval's figures, the same on every rank."""
+
+    loss: float
+    samples_per_s: float
+    per_rank_samples_per_s: list[float]
+    step_time_s: float
+    data_wait_frac: float
+
+
+def reduce_interval(meter: Meter, device: torch.device) -> Interval:
     """Collective: the interval's loss averaged over all ranks' samples, global and per-rank
     throughput. Every rank must call it at the same step."""
     elapsed = sum(meter.step_times)

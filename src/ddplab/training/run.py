@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from .summary import Console
 __all__ = ["Signals", "Terminated", "train"]
 
 
-def train(path: str | None, overrides: list[config.Override], summary_out: str = "",
+def train(path: str | None, overrides: Sequence[config.Override], summary_out: str = "",
           script_args: list[str] | None = None) -> str:
     """Run one job, in the order the data flows. Returns the MLflow run id ("" untracked).
     An experiment with a script (``my_train.py``, or a ``script:`` section) runs that script

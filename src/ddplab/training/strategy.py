@@ -20,7 +20,8 @@ import importlib
 import resource
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import DistConfig, ExperimentConfig, ModelConfig
 from ..workload import optim
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 # Each built-in model's blocks, the units FSDP shards and gathers one at a time.
 BLOCKS = {"gpt": ("Block",), "resnet18": ("BasicBlock",), "resnet50": ("Bottleneck",),
@@ -42,7 +46,7 @@ class IpexStatus:
     reason: str
 
 
-def import_ipex() -> tuple[object | None, str]:
+def import_ipex() -> tuple[ModuleType | None, str]:
     """IPEX refuses a torch of another major.minor at import, with an AttributeError among
     others, so any failure counts as "absent"; a version mismatch is reported, not raised."""
     try:
@@ -78,7 +82,8 @@ def wrap(model: nn.Module, cfg: ModelConfig, device: torch.device,
               gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
               find_unused_parameters=d.find_unused_parameters)
     _register_hook(ddp, d.comm_hook)
-    return torch.compile(ddp) if cfg.compile else ddp
+    # a module compiles to a module (OptimizedModule); torch.compile's annotation says Callable
+    return cast(nn.Module, torch.compile(ddp)) if cfg.compile else ddp
 
 
 def _register_hook(ddp: DDP, name: str) -> None:
@@ -166,7 +171,7 @@ def grad_sync(model: nn.Module, sync: bool) -> Any:
     (gradient accumulation): DDP's no_sync, FSDP2's set_requires_gradient_sync."""
     import contextlib
 
-    inner = getattr(model, "_orig_mod", model)
+    inner: Any = getattr(model, "_orig_mod", model)  # DDP, FSDP2 or DataParallel: probed below
     if sync:
         return contextlib.nullcontext()
     if hasattr(inner, "no_sync"):
@@ -188,7 +193,7 @@ def _names(model: nn.Module) -> list[str]:
     return [n for n, _ in unwrap(model).named_parameters()]
 
 
-def _is_zero(opt: torch.optim.Optimizer) -> bool:
+def _is_zero(opt: torch.optim.Optimizer) -> TypeGuard[ZeroRedundancyOptimizer]:
     return type(opt).__name__ == "ZeroRedundancyOptimizer"
 
 

@@ -12,10 +12,10 @@ unpadded, so every sample is counted exactly once when the totals are all-reduce
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -220,7 +220,8 @@ def describe(cfg: DataConfig, train_set: Dataset) -> DataInfo:
     if cfg.dataset == "synthetic":
         return DataInfo("image", cfg.channels, cfg.image_size, cfg.num_classes)
     if cfg.dataset == "imagefolder":
-        return DataInfo("image", cfg.channels, cfg.image_size, len(train_set.classes))
+        # an ImageFolder (imagefolder()): Dataset itself declares no classes
+        return DataInfo("image", cfg.channels, cfg.image_size, len(cast(Any, train_set).classes))
     if cfg.dataset == "tokens":
         return DataInfo("tokens", vocab_size=textdata.VOCAB_SIZE, seq_len=cfg.seq_len)
     return _describe_own(cfg, train_set)
@@ -230,7 +231,10 @@ def _describe_own(cfg: DataConfig, train_set: Dataset) -> DataInfo:
     """A user's dataset: its attributes (classes, num_classes, vocab_size, ...) win; else the
     first sample's shape; else data.* from the config."""
     x = train_set[0][0]
-    attr = lambda name, default: int(getattr(train_set, name, default))  # noqa: E731
+
+    def attr(name: str, default: int) -> int:
+        return int(getattr(train_set, name, default))
+
     classes = len(train_set.classes) if hasattr(train_set, "classes") else attr("num_classes",
                                                                                  cfg.num_classes)
     if isinstance(x, torch.Tensor) and x.dim() == 3:
@@ -246,7 +250,7 @@ def first_batch(sets: tuple[Dataset, Any], n: int = 2) -> Any:
     """A tiny batch from the training set, collated as the loader will (for checks)."""
     from torch.utils.data import default_collate
 
-    return default_collate([sets[0][i] for i in range(min(n, len(sets[0])))])
+    return default_collate([sets[0][i] for i in range(min(n, len(cast(Sized, sets[0]))))])
 
 
 class ResumableSampler(DistributedSampler):
@@ -295,7 +299,9 @@ class Loaders:
     @property
     def micro_batches_per_epoch(self) -> int:
         """Micro-batches per rank in a whole epoch (equal on every rank: the sampler pads)."""
-        return math.ceil(self.sampler.num_samples / self.train.batch_size)
+        batch = self.train.batch_size
+        assert batch is not None  # loaders() passes one; only a batch_sampler leaves it None
+        return math.ceil(self.sampler.num_samples / batch)
 
 
 def loaders(cfg: DataConfig, sets: tuple[Dataset, Dataset], seed: int, rank: int, world: int,
@@ -303,9 +309,9 @@ def loaders(cfg: DataConfig, sets: tuple[Dataset, Dataset], seed: int, rank: int
     """Per-rank loaders over ``sets`` (from ``datasets``, built once per rank)."""
     train_set, eval_set = sets
     sampler = ResumableSampler(train_set, world, rank, seed)
-    common = {"num_workers": cfg.num_workers, "pin_memory": pin and cfg.pin_memory,
-              "persistent_workers": cfg.persistent_workers}
+    common: dict[str, Any] = {"num_workers": cfg.num_workers, "pin_memory": pin and cfg.pin_memory,
+                              "persistent_workers": cfg.persistent_workers}
     train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, **common)
     evals = DataLoader(eval_set, batch_size=cfg.eval_batch_size,
-                       sampler=ShardSampler(len(eval_set), world, rank), **common)
+                       sampler=ShardSampler(len(cast(Sized, eval_set)), world, rank), **common)
     return Loaders(train, evals, sampler)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ def spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]
     """optim.name's class and its arguments (ZeroRedundancyOptimizer builds its own from these):
     lr, weight_decay and momentum where the class takes them, then optim.args."""
     cls = BUILT_IN.get(cfg.name) or _own(cfg.name)
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):

@@ -21,7 +21,7 @@ import inspect
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,7 +181,7 @@ def provenance(path: str) -> dict[str, str]:
 
 
 @functools.cache
-def _distributions() -> dict[str, list[str]]:
+def _distributions() -> Mapping[str, list[str]]:
     from importlib.metadata import packages_distributions
 
     return packages_distributions()

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
 T0_ENV = "DDPLAB_T0"
@@ -88,7 +88,7 @@ def _observe(dist: Any) -> None:
     # most scripts that IS the first collective.
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    DDP.__init__ = timed(DDP.__init__)
+    cast(Any, DDP).__init__ = timed(DDP.__init__)  # Any: mypy refuses assigning to a method
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, timed(getattr(dist, name)))

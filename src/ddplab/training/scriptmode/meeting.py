@@ -75,14 +75,18 @@ class Meeting:
             try:
                 value = produce()
             except Exception as e:
-                self.store.set(key, pickle.dumps((None, f"{type(e).__name__}: {e}")))
+                self._set_pickled(key, (None, f"{type(e).__name__}: {e}"))
                 raise
-            self.store.set(key, pickle.dumps((value, None)))
+            self._set_pickled(key, (value, None))
             return value
         value, error = pickle.loads(self.store.get(key))  # noqa: S301 - rank 0 of this job
         if error:
             raise Rank0Error(f"rank 0 failed: {error}")
         return value
+
+    def _set_pickled(self, key: str, obj: object) -> None:
+        # torch's stub types Store.set's value as str; the binding takes bytes as well
+        self.store.set(key, pickle.dumps(obj))  # type: ignore[arg-type]
 
     def report(self, outcome: dict[str, Any]) -> None:
         """This rank's script has ended (``outcome``: how); a failure stops the others."""
