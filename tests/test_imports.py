@@ -101,7 +101,7 @@ def test_a_cycle_is_found_even_through_an_import_inside_a_function(tmp_path, laz
 LAYERS = [
     ("ddplab.errors", "ddplab.config", "ddplab.log", "ddplab.poll", "ddplab.pages",
      "ddplab.logins", "ddplab.credentials", "ddplab.track"),
-    ("ddplab.workload", "ddplab.launchers", "ddplab.launchers.detect", "ddplab.ccl"),
+    ("ddplab.workload", "ddplab.launchers", "ddplab.launchers.detect", "ddplab.ccl", "ddplab.forensics"),
     ("ddplab.distributed",),
     ("ddplab.tracking",),
     ("ddplab.training",),

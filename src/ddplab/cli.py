@@ -9,6 +9,7 @@
     ddplab study run STUDY.yaml [--dry-run] [--fresh] [--set ...]   # a grid of jobs, one report
     ddplab report PARENT_RUN_ID [--page NAME]     # a study's report, rebuilt from the store
     ddplab reproduce RUN_ID [--strict]            # re-run a recorded run and compare
+    ddplab diagnose RUN_ID                        # why a job failed or hung: rank, step, stacks
     ddplab bench collectives [--backend gloo] [--ops all_reduce] [--sizes 1M,64M]  # any launcher
     ddplab launch --nnodes 2 --peers node -- EXPERIMENT.yaml [--set ...]   # one node of many
     ddplab mpi worker | ddplab mpi launch --nnodes 2 --slots 1 -- EXPERIMENT.yaml  # Open MPI
@@ -80,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     rr.add_argument("--strict", action="store_true",
                     help="refuse when the code (git sha) or package versions differ")
     rr.set_defaults(func=_study)
+    dg = sub.add_parser("diagnose", help="why a job failed or hung: which rank, where, its stacks")
+    dg.add_argument("run_id")
+    dg.set_defaults(func=_diagnose)
     ck = sub.add_parser("checkpoint", help="checkpoints: export one as a plain state_dict")
     ck.set_defaults(func=_checkpoint)
     ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True)
@@ -257,6 +261,12 @@ def _study(args: argparse.Namespace) -> int:
     from .study.reproduce import reproduce
 
     return reproduce(args.run_id, args.strict)
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from .tracking.postmortem import diagnose
+
+    return diagnose(args.run_id)
 
 
 def _bench(args: argparse.Namespace) -> int:

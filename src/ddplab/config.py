@@ -333,6 +333,11 @@ class DistConfig:
     """Pin each local rank to its own block of cores (the book's explicit core lists)."""
     timeout_s: int = 600
     """Collective and rendezvous timeout in seconds."""
+    hang_after_s: float = 300.0
+    """A rank whose heartbeat stops this long (three times this in set-up, evaluation and
+    checkpoints) is hung: its node's delivery process takes every rank's stack, ends the job
+    and the run FAILED with one line naming the rank, host, phase and step (forensics/ in the
+    run). Below ``timeout_s`` to act before the collectives time out; 0 = off. Tracked jobs."""
     # DDP's own knobs (torch.nn.parallel.DistributedDataParallel), recorded with the run.
     bucket_cap_mb: float = 25.0
     """Gradients are all-reduced in buckets of this size: smaller starts communication sooner
@@ -351,6 +356,7 @@ class DistConfig:
         if self.threads_per_rank != "auto" and self.threads_per_rank < 1:
             _fail("threads_per_rank", self.threads_per_rank, "must be >= 1 or 'auto'")
         _check_range(self, "timeout_s", 1, MAX_TIMEOUT_S)
+        _check_range(self, "hang_after_s", 0, MAX_TIMEOUT_S)
         _check_range(self, "bucket_cap_mb", 0, 4096, low_open=True)
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import opening, spool
+from ..forensics.watch import Watch
+from . import opening, postmortem, spool
 
 if TYPE_CHECKING:  # annotations only: this process must not import torch (backend, tracker)
     from ..config import ExperimentConfig, TrackingConfig
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--uri", default="", help="the store to open while waiting (stdin mode)")
     p.add_argument("--world-size", type=int, default=1,
                    help="the job's ranks (more than one: the others' watchers end a lost rank 0's run)")
+    p.add_argument("--hang-after-s", type=float, default=0.0,
+                   help="dist.hang_after_s: a rank's heartbeat older than this is a hang (0: off)")
     args = p.parse_args(argv)
     # MLflow prints "View run at <tracking URI>" when a run ends: inside compose or a cluster an
     # in-network name no browser opens. The job prints the run's address itself (jobend.where).
@@ -182,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                              args.system_interval, args.t0_ms or spool.now_ms())
                if args.system_interval > 0 else None)
     alive = Producer(args.spool)
+    watch = Watch(forensics_dir(args.spool), args.hang_after_s, socket.gethostname())
 
     def producing() -> bool:
         if sampler:
             sampler.tick()
+        watch.tick()
         return alive()
 
     meta = spool.Meta.read(args.spool)
@@ -196,10 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     (args.spool / "delivery-startup.json").write_text(json.dumps(
         {"cpu_s": round(started.user + started.system, 3)}))
     since = time.time()
-    out = spool.deliver(args.spool, client, producing, args.timeout, final=True)
-    if not out.left and not alive.closed.exists() and (args.spool / "records.jsonl").exists():
-        # Global rank 0's process is gone without closing its spool: killed outright.
-        _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent)
+    out = spool.deliver(args.spool, client, producing, args.timeout,
+                        pause_s=1.0 if args.hang_after_s else 3.0, final=True)
+    holds_rank0 = (args.spool / "records.jsonl").exists()
+    verdict = postmortem.record(client, meta.run_id, watch, args.node, args.world_size, holds_rank0)
+    if not out.left and not alive.closed.exists() and holds_rank0:
+        # Global rank 0's process is gone without closing its spool: killed outright (by the
+        # watch, when it saw a hang: the verdict says why, and no peer is left to wait for).
+        _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent, verdict)
+    elif verdict and holds_rank0:
+        postmortem.name_the_cause(client, meta.run_id, verdict)
+    if verdict:  # the job's last line: after torchrun's report, which blames whoever it saw first
+        print(f"ddplab: {verdict} (every rank's stack and error: ddplab diagnose {meta.run_id})",
+              file=sys.stderr)
     cpu = os.times()
     with contextlib.suppress(OSError):  # a full disk: the spool itself still says what is left
         (args.spool / "delivery.json").write_text(json.dumps(
@@ -288,11 +303,12 @@ def _failed(error: str) -> str:
 
 
 def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
-                   world_size: int, pid: int) -> None:
+                   world_size: int, pid: int, verdict: str = "") -> None:
     """Global rank 0's process died outright (SIGKILL, the OOM killer) and nothing recorded the
     run's end. With peers, their watchers get their grace first (orphan.py: their reason is the
-    better one); a lone process has none, so its run is ended at once. Not when a restarted
-    attempt took the run over meanwhile (it rewrote meta.json)."""
+    better one); a lone process has none, nor does a job the watch stopped (``verdict``), so its
+    run is ended at once. Not when a restarted attempt took the run over meanwhile (it rewrote
+    meta.json)."""
     from .orphan import GRACE_S
 
     def taken_over() -> bool:
@@ -300,14 +316,14 @@ def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
             return (directory / "meta.json").stat().st_mtime > since
         return False
 
-    deadline = time.monotonic() + (GRACE_S + 5 if world_size > 1 else 0)
+    deadline = time.monotonic() + (GRACE_S + 5 if world_size > 1 and not verdict else 0)
     while time.monotonic() < deadline and not taken_over():
         with contextlib.suppress(Exception):
             if client.get_run(meta.run_id).info.status != "RUNNING":
                 return
         time.sleep(1)
     if not taken_over():
-        _end_if_abandoned(client, meta, "ddplab delivery", why=(
+        _end_if_abandoned(client, meta, "ddplab delivery", why=verdict or (
             f"global rank 0 lost: its process (pid {pid}) died without recording the run's "
             "end (killed outright: SIGKILL, or the OOM killer); ended by its node's delivery "
             "process"))
@@ -339,7 +355,7 @@ class Delivery:
     ``close()`` lets it finish within ``timeout_s`` and says how many records are still left."""
 
     def __init__(self, node_rank: int, cfg: TrackingConfig, env: dict[str, str] | None = None,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, hang_after_s: float = 0.0) -> None:
         from .store import resolve_uri
 
         self.directory, self.timeout_s = Path(), cfg.delivery_timeout_s
@@ -347,7 +363,8 @@ class Delivery:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ddplab.tracking.delivery", "--timeout", str(cfg.delivery_timeout_s),
              "--system-interval", str(interval), "--node", f"node{node_rank}",
-             "--uri", resolve_uri(cfg, env or os.environ), "--world-size", str(world_size)],
+             "--uri", resolve_uri(cfg, env or os.environ), "--world-size", str(world_size),
+             "--hang-after-s", str(hang_after_s)],
             env=env,
             # Its own session: the signals meant for the ranks (Ctrl-C, torchrun's killpg of a
             # failed job) must not stop it before the run's ending is delivered. It ends on
@@ -483,17 +500,29 @@ def prestart(cfg: ExperimentConfig, le: LaunchEnv, env: dict[str, str]) -> None:
     calls this first): importing MLflow and opening the store then run beside that instead of
     on rank 0's way to its first step."""
     if cfg.tracking.enabled and le.is_node_leader and not _EARLY:
-        _EARLY.append(Delivery(le.node_rank, cfg.tracking, env, le.world_size))
+        _EARLY.append(Delivery(le.node_rank, cfg.tracking, env, le.world_size, hang_watch(cfg)))
 
 
-def start_delivery(cfg: TrackingConfig, le: LaunchEnv) -> Delivery | NoDelivery:
+def hang_watch(cfg: ExperimentConfig) -> float:
+    """dist.hang_after_s where ddplab's loop beats (not a script's own: it says nothing of
+    its steps)."""
+    return 0.0 if cfg.script.path else cfg.dist.hang_after_s
+
+
+def start_delivery(cfg: ExperimentConfig, le: LaunchEnv) -> Delivery | NoDelivery:
     """This node's delivery process (the one prestart started, if any) on its leader."""
     early = _EARLY.pop() if _EARLY else None
-    if not (cfg.enabled and le.is_node_leader):
+    if not (cfg.tracking.enabled and le.is_node_leader):
         if early is not None:
             early.cancel()
         return NoDelivery()
-    return early or Delivery(le.node_rank, cfg, world_size=le.world_size)
+    return early or Delivery(le.node_rank, cfg.tracking, world_size=le.world_size,
+                             hang_after_s=hang_watch(cfg))
+
+
+def forensics_dir(spool_dir: Path) -> Path:
+    """Where a node's ranks keep their heartbeats and stacks: beside its spool."""
+    return spool_dir / "forensics"
 
 
 if __name__ == "__main__":

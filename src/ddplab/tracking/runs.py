@@ -11,16 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..forensics import heartbeat
 from ..launchers import LaunchEnv
 from ..log import logger
 from . import spool
-from .delivery import start_delivery
+from .delivery import forensics_dir, start_delivery
 from .tracker import MlflowTracker, NullTracker, open_tracker
 
 
 @contextlib.contextmanager
 def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: Any,
-            share: Any = None, run_name: str = "") -> Iterator[NullTracker]:
+            share: Any = None, run_name: str = "", beats: bool = True) -> Iterator[NullTracker]:
     """The job's one run, open while training: node system metrics beside it, and ended once
     whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded. At the end
     each node's delivery process gets ``tracking.delivery_timeout_s`` to send what is left;
@@ -32,7 +33,9 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     ddplab's traceback).
 
     ``share`` and ``run_name``: script mode, which has no process group (the store shares the
-    run) and no layout of ddplab's (the name says so).
+    run) and no layout of ddplab's (the name says so). ``beats``: every rank keeps a heartbeat
+    its node's delivery process watches (forensics/); not in script mode, whose steps ddplab
+    does not see.
     """
     # MLflow prints its own "View run at <tracking URI>" when a run ends; inside compose or a
     # cluster that is an in-network name the browser cannot open. ddplab prints the run's
@@ -41,7 +44,7 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     spool_root = Path(cfg.checkpoint.dir) / cfg.name
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
     default_name = run_name or f"{cfg.name} {layout_name(layout)} {le.launcher}"
-    delivery = start_delivery(cfg.tracking, le)
+    delivery = start_delivery(cfg, le)
     cpu0 = time.process_time()
     try:
         run, ref = open_tracker(cfg.tracking, le, cfg.name, cfg.description, resume_run_id,
@@ -55,6 +58,9 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)
     run.delivery = delivery
+    if beats and ref.run_id:
+        heartbeat.start(forensics_dir(spool.spool_dir(spool_root, ref.run_id, le.node_rank)),
+                        le.rank, le.world_size)
     before = _user_code_logs_here(run)
     status, error = "FAILED", ""
     try:
@@ -69,9 +75,11 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
         error = getattr(e, "detail", None) or (
             ("interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e))
             if status == "KILLED" else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        heartbeat.failed(error)
         raise
     finally:
         signals.shield()
+        heartbeat.stop("done" if status == "FINISHED" else "failed")
         _restore(before)
         run.finish(status, error)
         run.left = delivery.close()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DdplabError
+from ..forensics.heartbeat import beat
 from . import checkpoint, loop, strategy
 from .job import Job
 from .summary import CpuUse
@@ -146,6 +147,7 @@ def _evaluate(job: Job) -> None:
 
 
 def _save(job: Job, final: bool) -> None:
+    beat("checkpoint")  # (capture gathers a sharded state from every rank)
     world = job.layout.le.world_size
     job.ckpt.save(checkpoint.capture(job.state, world, job.cfg.to_dict(), job.run.run_id, final,
                                      job.cfg.global_batch(world)))

@@ -20,6 +20,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
+from ..forensics.heartbeat import beat
 from ..workload.losses import Loss, cross_entropy, is_classification, prediction
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,13 +82,16 @@ def micro_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, group_size: 
     from .strategy import grad_sync
 
     with grad_sync(state.model, sync_grads):
+        beat("forward")
         with state.autocast():
             loss = state.loss(state.model(x), y)
+        beat("backward")  # where DDP's gradient all-reduce waits for the other ranks
         state.scaler.scale(loss / group_size).backward()
     return loss.detach() * y.shape[0]
 
 
 def optimizer_step(state: TrainState) -> None:
+    beat("optimizer")
     if state.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)
         nn.utils.clip_grad_norm_(state.model.parameters(), state.grad_clip)
@@ -110,6 +114,7 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
         t0 = time.perf_counter()
         loss_sum, samples, data_time = torch.zeros((), device=state.device), 0, 0.0
         for i in range(group):
+            beat("data loading", state.step + 1)  # the step in the making, as its metrics say
             t_fetch = time.perf_counter()
             with record_function("ddplab/data"):  # the data wait, as profiles show it
                 x, y = state.to_device(*next(batches))
@@ -216,6 +221,7 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
     hang when shards differ in length by a batch.
     """
     model.eval()
+    beat("evaluation")
     # loss sum, correct, samples, scored predictions, batches that were not classification
     totals = torch.zeros(5, dtype=torch.float64, device=state.device)
     spare = _lockstep_batches(model, loader, state)

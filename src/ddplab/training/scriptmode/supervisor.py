@@ -288,7 +288,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
         name = cfg.tracking.run_name or f"{cfg.name} script {le.nnodes}n x " \
                                         f"{le.local_world_size}r {le.launcher}"
         with tracking.job_run(cfg, le, None, resume, signals, share=meeting.share_from_rank0,
-                              run_name=name) as run:
+                              run_name=name, beats=False) as run:
             script = Script(cfg, le, run, meeting, t0)
             if le.is_rank0:
                 _record_start(run, cfg, le, script, resume)

@@ -1,0 +1,140 @@
+"""Each rank's heartbeat: (step, phase, time, pid) in a 32-byte memory-mapped file beside its
+node's spool, read by that node's delivery process (watch.py). A beat is a store into shared
+memory: no system call, no network call, nothing on the training path that could block.
+
+The rank also answers SIGUSR2 with every thread's Python stack (faulthandler, at C level, so
+also while blocked in a collective), and a fatal signal (SIGSEGV, SIGABRT...) with its stack,
+into files the watch collects. SIGUSR2, not SIGUSR1: Slurm's ``--signal`` and Lightning use
+SIGUSR1 for their own warnings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import mmap
+import os
+import signal
+import struct
+import time
+from pathlib import Path
+from typing import IO
+
+PHASES = ("setup", "data loading", "forward", "backward", "optimizer", "evaluation",
+          "checkpoint", "done", "failed")
+INDEX = {p: i for i, p in enumerate(PHASES)}
+RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size
+STACK_SIGNAL = signal.SIGUSR2
+
+
+def hb_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}.hb"
+
+
+def stack_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}.stack.txt"
+
+
+def crash_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}.crash.txt"
+
+
+def error_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}.error.txt"
+
+
+class Heartbeat:
+    """This rank's heartbeat file, mapped once; ``beat`` rewrites it in place."""
+
+    def __init__(self, directory: Path, rank: int, world_size: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.rank, self.world = directory, rank, world_size
+        self.pid, self.step = os.getpid(), 0
+        path = hb_path(directory, rank)
+        path.write_bytes(b"\0" * RECORD.size)
+        self._file = path.open("r+b")
+        self._map = mmap.mmap(self._file.fileno(), RECORD.size)
+        self._stacks: list[IO[str]] = []
+        self._faulthandler_was_on = faulthandler.is_enabled()
+        error_path(directory, rank).unlink(missing_ok=True)  # an earlier attempt's
+        self.beat("setup")
+
+    def beat(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        RECORD.pack_into(self._map, 0, self.step, time.time(), INDEX[phase], self.pid, self.rank,
+                         self.world)
+
+    def answer_stack_requests(self) -> None:
+        """SIGUSR2 -> every thread's stack into rank-R.stack.txt; a fatal signal -> the stack
+        into rank-R.crash.txt. (The files stay open: faulthandler writes from a signal handler.)"""
+        stacks = stack_path(self.directory, self.rank).open("w")
+        crash = crash_path(self.directory, self.rank).open("w")
+        self._stacks = [stacks, crash]
+        faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
+        faulthandler.enable(file=crash, all_threads=True)
+
+    def failed(self, error: str) -> None:
+        """This rank ends on an exception: where it was (phase, step) when it was raised, and
+        the error, kept for the watch; then its phase says ``failed``."""
+        step, _, phase, *_ = RECORD.unpack_from(self._map, 0)
+        with contextlib.suppress(OSError):
+            error_path(self.directory, self.rank).write_text(json.dumps(
+                {"time": time.time(), "phase": PHASES[phase], "step": step, "error": error}))
+        self.beat("failed")
+
+    def close(self, phase: str = "done") -> None:
+        self.beat(phase)
+        with contextlib.suppress(ValueError, RuntimeError):
+            faulthandler.unregister(STACK_SIGNAL)
+            faulthandler.disable()
+            if self._faulthandler_was_on:  # (pytest's, python -X faulthandler's) back on stderr
+                faulthandler.enable()
+        for f in self._stacks:
+            f.close()
+
+
+class _Off:
+    """No heartbeat (untracked jobs, the one-process checks): every beat is nothing."""
+
+    step = 0
+
+    def beat(self, phase: str, step: int | None = None) -> None: ...
+
+    def failed(self, error: str) -> None: ...
+
+    def close(self, phase: str = "done") -> None: ...
+
+
+_current: Heartbeat | _Off = _Off()
+
+
+def start(directory: Path, rank: int, world_size: int) -> Heartbeat:
+    """This rank's heartbeat, which ``beat()`` then writes (the loop calls it, not a handle)."""
+    global _current
+    hb = Heartbeat(directory, rank, world_size)
+    hb.answer_stack_requests()
+    _current = hb
+    return hb
+
+
+def beat(phase: str, step: int | None = None) -> None:
+    _current.beat(phase, step)
+
+
+def current_step() -> int:
+    """The optimizer step this rank is working on (1-based, as its metrics are logged); 0
+    before training or without a heartbeat. For code of your own that acts at a step (a fault
+    injected on purpose, say), in the training process (not in DataLoader workers)."""
+    return _current.step
+
+
+def failed(error: str) -> None:
+    _current.failed(error)
+
+
+def stop(phase: str = "done") -> None:
+    global _current
+    _current.close(phase)
+    _current = _Off()

@@ -1,0 +1,236 @@
+"""A node's watch over its ranks' heartbeats (heartbeat.py), run by its delivery process, which
+outlives the ranks: it sees a hang before the collective timeout and, once the job is over,
+which rank failed first and how. Imports nothing of torch or MLflow.
+
+A hang: a live rank's heartbeat older than ``dist.hang_after_s`` (three times that in set-up,
+evaluation and checkpoints, which are longer). The watch then asks every rank of its node for
+its stack (SIGUSR2), kills them (a rank blocked in a collective never reaches a Python signal
+handler: only SIGKILL ends it before the collective timeout) and keeps the verdict. The rank
+that stopped is the one furthest behind; the others wait for it, in their phase. Furthest
+behind: the lowest step, then the earliest phase of a step (data loading, forward, backward,
+optimizer, evaluation, checkpoint: the others reach the backward's collective and wait there),
+then the oldest heartbeat.
+
+A failure: the rank whose ending came first. A rank that raised recorded its error and where
+it was; a rank that vanished without an ending died outright (a signal: SIGKILL, the OOM
+killer; a crash file names SIGSEGV and the like), at its last heartbeat. The ranks stopped
+after it (the launcher's SIGTERM, a broken connection) are secondary, not causes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .heartbeat import PHASES, RECORD, STACK_SIGNAL, crash_path, error_path, stack_path
+
+LONG_PHASES = ("setup", "evaluation", "checkpoint")
+"""Phases allowed three times ``dist.hang_after_s``."""
+WAITS_IN = {"backward": "backward (gradient all-reduce)", "forward": "forward",
+            "optimizer": "optimizer step", "evaluation": "evaluation (metric all-reduce)",
+            "checkpoint": "checkpoint", "setup": "set-up", "data loading": "data loading"}
+
+
+@dataclass(frozen=True)
+class Beat:
+    rank: int
+    step: int
+    time: float
+    phase: str
+    pid: int
+    world: int
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How one rank ended, or stopped: what the verdict is made of (published per node)."""
+
+    rank: int
+    step: int
+    phase: str
+    time: float
+    what: str
+    """"failed" (raised), "died" (vanished), "stopped" (hung), "waits" (behind a stopped one),
+    "done"."""
+    detail: str = ""
+    host: str = ""
+
+
+def read(directory: Path) -> list[Beat]:
+    beats = []
+    for path in directory.glob("rank-*.hb"):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if len(data) >= RECORD.size:
+            step, t, phase, pid, rank, world = RECORD.unpack_from(data)
+            if pid:
+                beats.append(Beat(rank, step, t, PHASES[phase], pid, world))
+    return sorted(beats, key=lambda b: b.rank)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its launcher, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def limit(phase: str, hang_after_s: float) -> float:
+    return hang_after_s * (3 if phase in LONG_PHASES else 1)
+
+
+class Watch:
+    """``tick()`` from the delivery loop while the job runs; ``endings()`` once it is over."""
+
+    def __init__(self, directory: Path, hang_after_s: float, host: str) -> None:
+        self.directory, self.hang_after_s, self.host = directory, hang_after_s, host
+        self.hang: list[Ending] | None = None
+        self._due = 0.0
+
+    def tick(self) -> None:
+        now = time.time()
+        if self.hang is not None or self.hang_after_s <= 0 or now < self._due:
+            return
+        self._due = now + 1.0
+        beats = read(self.directory)
+        live = [b for b in beats if b.phase not in ("done", "failed") and alive(b.pid)]
+        if any(now - b.time > limit(b.phase, self.hang_after_s) for b in live):
+            self.hang = self._stop(beats, live, now)
+
+    def _stop(self, beats: list[Beat], live: list[Beat], now: float) -> list[Ending]:
+        """Every live rank's stack, then an end to them; the endings say who stopped where."""
+        collect_stacks(self.directory, live)
+        behind = min(live, key=lambda b: (b.step, PHASES.index(b.phase), b.time))
+        endings = [Ending(b.rank, b.step, b.phase, b.time,
+                          "stopped" if b is behind else "waits",
+                          f"last heartbeat {now - b.time:.0f} s before the watch stopped the job",
+                          self.host) for b in live]
+        for b in live:
+            try:
+                os.kill(b.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        done = [b for b in beats if b not in live]
+        return endings + [self._ending(b) for b in done]
+
+    def endings(self) -> list[Ending]:
+        """How each of this node's ranks ended (after the job), or the hang's picture. A rank
+        still alive is not ended: a restarted attempt's (torchrun --max-restarts), not ours."""
+        if self.hang is not None:
+            return self.hang
+        return [self._ending(b) for b in read(self.directory)
+                if b.phase in ("done", "failed") or not alive(b.pid)]
+
+    def _ending(self, b: Beat) -> Ending:
+        if b.phase == "failed":
+            try:
+                err = json.loads(error_path(self.directory, b.rank).read_text())
+                return Ending(b.rank, err["step"], err["phase"], err["time"], "failed",
+                              err["error"], self.host)
+            except (OSError, ValueError, KeyError):
+                return Ending(b.rank, b.step, b.phase, b.time, "failed", "", self.host)
+        if b.phase == "done":
+            return Ending(b.rank, b.step, b.phase, b.time, "done", "", self.host)
+        crash = _read(crash_path(self.directory, b.rank))
+        return Ending(b.rank, b.step, b.phase, b.time, "died", crash, self.host)
+
+    def files(self) -> list[Path]:
+        """The stacks, crash dumps and errors its ranks left (the run's forensics/)."""
+        return sorted(p for p in self.directory.glob("rank-*.txt") if p.stat().st_size)
+
+
+def collect_stacks(directory: Path, ranks: list[Beat], wait_s: float = 5.0) -> None:
+    for b in ranks:
+        try:
+            os.kill(b.pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(
+            stack_path(directory, b.rank).exists() and stack_path(directory, b.rank).stat().st_size
+            for b in ranks):
+        time.sleep(0.1)
+    time.sleep(0.2)  # the last thread's lines
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+# ---- the verdict, from every node's endings ----
+
+SECONDARY = ("terminated by SIG", "interrupted (SIGINT", "DistBackendError", "Connection reset",
+             "Connection closed", "Broken pipe", "timed out", "Timeout")
+"""What a rank raises when it is stopped, or because another rank stopped: never a cause."""
+
+
+def verdict(endings: list[Ending], world_size: int, now: float | None = None) -> str:
+    """The one line: who stopped or failed first, where, and what the others did. "" when no
+    rank failed (every one done, or stopped by Ctrl-C)."""
+    stopped = [e for e in endings if e.what == "stopped"]
+    if stopped:
+        return _hang_line(stopped[0], [e for e in endings if e.what == "waits"], now)
+    failed = [e for e in endings if e.what in ("failed", "died")]
+    causes = [e for e in failed if e.what == "died" or not _secondary(e.detail)]
+    if not causes:  # stopped from outside (Ctrl-C, scancel's SIGTERM): the run says so itself
+        return ""
+    first = min(causes, key=lambda e: e.time)
+    after = sorted(e.rank for e in failed if e is not first)
+    line = f"rank {first.rank} (host {first.host}) {_how(first)} at step {first.step} in {first.phase}"
+    if after:
+        line += f"; {_ranks(after)} stopped after it"
+    missing = sorted(set(range(world_size)) - {e.rank for e in endings})
+    if missing:
+        line += f"; {_ranks(missing)} reported nothing (their node lost?)"
+    return line
+
+
+def _secondary(detail: str) -> bool:
+    """An error a rank gets because another stopped: the launcher's SIGTERM, a peer's closed
+    connection, a collective's timeout."""
+    first = detail.splitlines()[0] if detail else ""
+    return any(s in first for s in SECONDARY)
+
+
+def _hang_line(stopped: Ending, waiting: list[Ending], now: float | None) -> str:
+    ago = (now or time.time()) - stopped.time
+    line = (f"rank {stopped.rank} (host {stopped.host}) stopped at step {stopped.step} in "
+            f"{stopped.phase} {ago:.0f} s ago")
+    by_phase: dict[str, list[int]] = {}
+    for e in waiting:
+        by_phase.setdefault(WAITS_IN.get(e.phase, e.phase), []).append(e.rank)
+    waits = "; ".join(f"{_ranks(sorted(r))} wait{'s' if len(r) == 1 else ''} in {p}"
+                      for p, r in by_phase.items())
+    return line + (f"; {waits}" if waits else "")
+
+
+def _how(e: Ending) -> str:
+    if e.what == "died":
+        first = e.detail.splitlines()[0] if e.detail else ""
+        signal_line = first.removeprefix("Fatal Python error: ") if first else ""
+        return (f"died ({signal_line})" if signal_line else
+                "died outright (killed by a signal: SIGKILL, or the OOM killer)")
+    return f"failed ({e.detail.splitlines()[0][:300]})" if e.detail else "failed"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def to_json(endings: list[Ending]) -> str:
+    return json.dumps([asdict(e) for e in endings])
+
+
+def from_json(text: str) -> list[Ending]:
+    return [Ending(**e) for e in json.loads(text)]

@@ -1,0 +1,115 @@
+"""What a failed or hung job's ranks left (forensics/watch.py) put into its run, by each node's
+delivery process once the job is over: every node its ranks' endings
+(``ddplab.forensics.<node>``) and their stacks, crash dumps and errors (``forensics/<node>/``);
+the node of global rank 0 the verdict over all of them (``ddplab.verdict``, and
+``ddplab.error`` when the cause is another rank than 0: rank 0's own error was only what it
+saw of it). ``ddplab diagnose RUN_ID`` reads it back from the run alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any
+
+from ..forensics.watch import Ending, Watch, from_json, to_json, verdict
+
+TAG = "ddplab.forensics."
+WAIT_FOR_NODES_S = 15.0
+"""How long rank 0's node waits for the other nodes' endings (theirs end at about the same
+time); a node that never reports is named as such."""
+
+
+def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
+           holds_rank0: bool) -> str:
+    """This node's endings and files into the run; on rank 0's node, the verdict (returned)."""
+    endings = watch.endings()
+    if not endings or all(e.what == "done" for e in endings):
+        return ""
+    try:
+        for f in watch.files():
+            client.log_artifact(run_id, str(f), f"forensics/{node}")
+        client.set_tag(run_id, TAG + node, to_json(endings)[:8000])
+    except Exception as e:  # noqa: BLE001 - the run's ending still comes; say what is missing
+        print(f"ddplab delivery: the ranks' stacks could not be recorded ({e})", file=sys.stderr)
+    if not holds_rank0:
+        return ""
+    line = verdict(_everyone(client, run_id, node, endings, world_size), world_size)
+    if line:
+        with contextlib.suppress(Exception):  # ended with it anyway (delivery.py)
+            client.set_tag(run_id, "ddplab.verdict", line)
+    return line
+
+
+def _everyone(client: Any, run_id: str, node: str, mine: list[Ending],
+              world_size: int) -> list[Ending]:
+    deadline = time.monotonic() + WAIT_FOR_NODES_S
+    while True:
+        everyone = list(mine)
+        with contextlib.suppress(Exception):
+            tags = client.get_run(run_id).data.tags
+            everyone += [e for k, v in tags.items() if k.startswith(TAG) and k != TAG + node
+                         for e in from_json(v)]
+        if {e.rank for e in everyone} >= set(range(world_size)) or time.monotonic() > deadline:
+            return everyone
+        time.sleep(1.0)
+
+
+def name_the_cause(client: Any, run_id: str, line: str) -> None:
+    """Rank 0 ended the run FAILED with what it saw (a peer's closed connection, the launcher's
+    SIGTERM): when the verdict names another rank, that is the run's error; rank 0's stays
+    beside it."""
+    if line.startswith("rank 0 "):
+        return
+    try:
+        run = client.get_run(run_id)
+        if run.info.status != "FAILED":
+            return
+        own = run.data.tags.get("ddplab.error", "")
+        client.set_tag(run_id, "ddplab.error", line)
+        if own:
+            client.set_tag(run_id, "ddplab.error.rank0", own[:8000])
+    except Exception as e:  # noqa: BLE001 - the verdict is in ddplab.verdict regardless
+        print(f"ddplab delivery: could not name the cause in ddplab.error ({e})", file=sys.stderr)
+
+
+def diagnose(run_id: str) -> int:
+    """``ddplab diagnose RUN_ID``: the verdict and where each rank's stack is, from the run
+    alone (also one synced later from a spool)."""
+    from mlflow.exceptions import MlflowException
+
+    from ..config import ConfigError
+    from .store import TrackingError, reachable_client, validated_uri
+
+    uri = validated_uri()
+    client = reachable_client(uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as e:
+        # No such run is bad input (exit 2, as `ddplab report` says it); anything else, a failure.
+        error = ConfigError if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" else TrackingError
+        raise error(f"run {run_id} in {uri}: {str(e).splitlines()[0]}") from None
+    tags = run.data.tags
+    print(f"run {run_id}: {run.info.status}")
+    line = tags.get("ddplab.verdict") or tags.get("ddplab.error", "").split("\n", 1)[0]
+    print(f"verdict: {line}" if line else "verdict: no rank failed or hung")
+    for key in sorted(k for k in tags if k.startswith(TAG)):
+        for ending in from_json(tags[key]):
+            first = ending.detail.splitlines()[0][:160] if ending.detail else ""
+            print(f"  rank {ending.rank} ({ending.host}, {key.removeprefix(TAG)}): {ending.what} "
+                  f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else ""))
+    files = _artifacts(client, run_id, "forensics")
+    if files:
+        root = run.info.artifact_uri.rstrip("/")
+        print("stacks, crash dumps and errors (the run's artifacts):")
+        for path in files:
+            print(f"  {root}/{path}")
+    return 0
+
+
+def _artifacts(client: Any, run_id: str, path: str) -> list[str]:
+    out: list[str] = []
+    for a in client.list_artifacts(run_id, path):
+        out += _artifacts(client, run_id, a.path) if a.is_dir else [a.path]
+    return out

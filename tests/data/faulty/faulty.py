@@ -1,0 +1,54 @@
+"""A user's experiment that goes wrong on purpose, on one rank at one step (tests/test_forensics.py):
+FAULT=sleep|spin|kill|segv|raise, FAULT_RANK (1), FAULT_STEP (5), FAULT_WHERE=data|forward."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+import torch
+from spirals import Spirals, mlp  # noqa: F401 - the example's parts, beside this file
+from torch import nn
+
+from ddplab.forensics.heartbeat import current_step
+
+FAULT, WHERE = os.environ.get("FAULT", ""), os.environ.get("FAULT_WHERE", "data")
+RANK, STEP = os.environ.get("FAULT_RANK", "1"), int(os.environ.get("FAULT_STEP", "5"))
+
+
+def go_wrong(where: str) -> None:
+    if not FAULT or where != WHERE or os.environ.get("RANK") != RANK or current_step() != STEP:
+        return
+    if FAULT == "sleep":
+        time.sleep(3600)
+    if FAULT == "spin":
+        while True:
+            pass
+    if FAULT == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if FAULT == "segv":
+        ctypes.string_at(0)
+    if FAULT == "raise":
+        raise ValueError(f"sample broken on purpose at step {STEP}")
+
+
+class Faulty(Spirals):
+    def __getitem__(self, i: int):
+        go_wrong("data")
+        return super().__getitem__(i)
+
+
+def make_data(seed: int = 0) -> tuple[Faulty, Faulty]:
+    return Faulty(1024, 3, 0.02, seed), Faulty(256, 3, 0.02, seed + 1)
+
+
+class Model(nn.Module):
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = mlp(num_classes, hidden=16, depth=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        go_wrong("forward")
+        return self.net(x)

@@ -1,0 +1,143 @@
+"""A job that hangs or dies names the rank, host, phase and step in its run, with every rank's
+stack (forensics/): heartbeats, the node's watch in the delivery process, the verdict, and
+`ddplab diagnose`. End to end: a user's experiment (tests/data/faulty/) that goes wrong on
+purpose on rank 1 at one step, under real torchrun with 2 ranks."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddplab.forensics.watch import Ending, verdict
+from tests.conftest import REPO, job_env, runs
+
+BIN = Path(sys.executable).parent
+HOST = socket.gethostname()
+
+
+def faulty_experiment(tmp_path: Path) -> Path:
+    for f in (REPO / "experiments" / "examples" / "spirals.py",
+              REPO / "tests" / "data" / "faulty" / "faulty.py"):
+        shutil.copy(f, tmp_path / f.name)
+    exp = tmp_path / "faulty.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "faulty", "data": {"dataset": "faulty:make_data", "batch_size": 32, "num_workers": 0},
+        "model": {"name": "faulty:Model"}, "train": {"epochs": 2, "log_every": 2},
+        "tracking": {"system_metrics": False}, "dist": {"hang_after_s": 8, "timeout_s": 300}}))
+    return exp
+
+
+def run_faulty(tmp_path: Path, store: str, fault: str, where: str = "data", step: int = 5):
+    exp = faulty_experiment(tmp_path)
+    t0 = time.monotonic()
+    out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddplab",
+                          "train", str(exp), "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
+                         cwd=tmp_path, env=job_env(store, FAULT=fault, FAULT_WHERE=where,
+                                                   FAULT_STEP=str(step)),
+                         capture_output=True, text=True, timeout=300)
+    (run,) = runs(store)
+    return out, run, time.monotonic() - t0
+
+
+@pytest.mark.e2e
+def test_a_rank_asleep_in_its_dataset_is_named_with_every_ranks_stack_before_the_timeout(
+        tmp_path, store):
+    out, run, took = run_faulty(tmp_path, store, "sleep", step=7)
+    assert out.returncode != 0 and run.info.status == "FAILED", out.stderr[-3000:]
+    assert took < 8 + 60, f"{took:.0f} s: not within dist.hang_after_s + 60 (timeout_s is 300)"
+    error = run.data.tags["ddplab.error"]
+    assert error.startswith(f"rank 1 (host {HOST}) stopped at step 7 in data loading "), error
+    assert error.endswith("; rank 0 waits in backward (gradient all-reduce)"), error
+    assert run.data.tags["ddplab.verdict"] == error
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    stacks = {a.path for a in client.list_artifacts(run.info.run_id, "forensics/node0")}
+    assert {"forensics/node0/rank-0.stack.txt", "forensics/node0/rank-1.stack.txt"} <= stacks
+    rank1 = Path(client.download_artifacts(run.info.run_id, "forensics/node0/rank-1.stack.txt",
+                                           str(tmp_path))).read_text()
+    assert "in go_wrong" in rank1 and "in __getitem__" in rank1, rank1  # where it sleeps
+    diag = subprocess.run([str(BIN / "ddplab"), "diagnose", run.info.run_id], cwd=tmp_path,
+                          env=job_env(store), capture_output=True, text=True, timeout=120)
+    assert diag.returncode == 0 and f"verdict: {error}" in diag.stdout, diag.stdout + diag.stderr
+    assert "forensics/node0/rank-1.stack.txt" in diag.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("fault, how", [
+    ("segv", "died (Segmentation fault)"),
+    ("raise", "failed (ValueError: sample broken on purpose at step 5)")])
+def test_the_rank_that_failed_first_is_the_runs_error_not_what_the_others_saw(
+        tmp_path, store, fault, how):
+    out, run, _ = run_faulty(tmp_path, store, fault)
+    assert out.returncode != 0 and run.info.status == "FAILED", out.stderr[-3000:]
+    error = run.data.tags["ddplab.error"]
+    assert error.startswith(f"rank 1 (host {HOST}) {how} at step 5 in data loading"), error
+    assert "rank 0 stopped after it" in error or "ddplab.error.rank0" in run.data.tags, error
+
+
+def test_a_missing_beat_file_changes_nothing_and_a_clean_job_has_no_verdict():
+    done = [Ending(r, 9, "done", 1.0, "done", host="h") for r in range(2)]
+    assert verdict(done, 2) == ""
+    ctrl_c = [Ending(r, 3, "forward", 1.0 + r, "failed", "interrupted (SIGINT / Ctrl-C)", "h")
+              for r in range(2)]
+    assert verdict(ctrl_c, 2) == ""  # a stop, not a failure: the run says KILLED itself
+
+
+def test_the_first_real_failure_is_the_cause_and_a_peers_sigterm_is_not():
+    endings = [
+        Ending(0, 5, "backward", 10.0, "failed", "Terminated: terminated by SIGTERM (a peer ...)", "a"),
+        Ending(1, 5, "forward", 11.0, "failed", "RuntimeError: CUDA out of memory\n\ntrace", "a"),
+        Ending(2, 5, "backward", 9.0, "failed", "RuntimeError: Connection reset by peer", "b"),
+        Ending(3, 5, "backward", 12.0, "done", "", "b")]
+    assert verdict(endings, 4) == ("rank 1 (host a) failed (RuntimeError: CUDA out of memory) at "
+                                   "step 5 in forward; ranks 0,2 stopped after it")
+
+
+def test_a_hang_across_nodes_names_the_rank_behind_and_who_waits_where():
+    endings = [Ending(0, 37, "backward", 100.0, "waits", "", "node-1"),
+               Ending(1, 37, "data loading", 95.0, "stopped", "", "node-2"),
+               Ending(2, 37, "backward", 100.5, "waits", "", "node-2"),
+               Ending(3, 37, "backward", 100.2, "waits", "", "node-1")]
+    assert verdict(endings, 4, now=235.0) == (
+        "rank 1 (host node-2) stopped at step 37 in data loading 140 s ago; ranks 0,2,3 wait in "
+        "backward (gradient all-reduce)")
+
+
+def test_a_node_that_reports_nothing_is_named():
+    endings = [Ending(0, 5, "data loading", 10.0, "died", "", "a"),
+               Ending(1, 5, "backward", 12.0, "failed", "Terminated: terminated by SIGTERM", "a")]
+    line = verdict(endings, 4)
+    assert line.startswith("rank 0 (host a) died outright (killed by a signal") and \
+        line.endswith("; rank 1 stopped after it; ranks 2,3 reported nothing (their node lost?)"), line
+
+
+def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
+    """A real process beating as rank 1, then stuck in a loop: past hang_after_s the watch has
+    its stack (SIGUSR2, answered at C level while Python spins) and SIGKILLs it."""
+    from ddplab.forensics.watch import Watch
+
+    code = ("import sys\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2)\nheartbeat.beat('data loading', 3)\n"
+            "heartbeat.beat('forward')\n"
+            "def stuck_in_the_forward():\n    while True:\n        pass\nstuck_in_the_forward()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    watch = Watch(tmp_path, hang_after_s=1.0, host="h")
+    deadline = time.monotonic() + 60
+    while watch.hang is None:
+        assert time.monotonic() < deadline and proc.poll() is None, "no hang seen"
+        watch.tick()
+        time.sleep(0.2)
+    assert proc.wait(timeout=30) == -9  # SIGKILL: a rank in a collective hears nothing else
+    (ending,) = watch.endings()
+    assert (ending.rank, ending.step, ending.phase, ending.what) == (1, 3, "forward", "stopped")
+    stack = (tmp_path / "rank-1.stack.txt").read_text()
+    assert "in stuck_in_the_forward" in stack, stack
+    assert verdict(watch.endings(), 1).startswith("rank 1 (host h) stopped at step 3 in forward ")
