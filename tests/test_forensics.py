@@ -83,6 +83,20 @@ def test_the_rank_that_failed_first_is_the_runs_error_not_what_the_others_saw(
     assert "rank 0 stopped after it" in error or "ddplab.error.rank0" in run.data.tags, error
 
 
+@pytest.mark.e2e
+def test_a_rank_50_ms_slower_every_step_is_named_the_straggler_in_a_finished_run(tmp_path, store):
+    out, run, _ = run_faulty(tmp_path, store, "slow", where="forward")
+    assert out.returncode == 0 and run.info.status == "FINISHED", out.stderr[-3000:]
+    named = run.data.tags.get("ddplab.straggler", "")
+    assert named.startswith(f"rank 1 (host {HOST}) is a straggler: "), named
+    assert f"warning: {named}" in out.stderr
+    from mlflow import MlflowClient
+
+    busy = {r: [m.value for m in MlflowClient(store).get_metric_history(
+        run.info.run_id, f"train/rank{r}_busy_s")] for r in (0, 1)}
+    assert min(busy[1]) > 0.05 > max(busy[0]), busy  # the 50 ms are rank 1's, per step
+
+
 def test_a_missing_beat_file_changes_nothing_and_a_clean_job_has_no_verdict():
     done = [Ending(r, 9, "done", 1.0, "done", host="h") for r in range(2)]
     assert verdict(done, 2) == ""

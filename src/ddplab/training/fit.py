@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from typing import Any
 
@@ -108,13 +109,44 @@ def _log_interval(job: Job) -> None:
                "train/step_time_s": s["step_time_s"], "train/data_wait_frac": s["data_wait_frac"],
                "train/lr": float(job.state.scheduler.get_last_lr()[0])}  # ddplab's lr: never a tensor
     metrics |= {f"train/rank{r}_samples_per_s": v for r, v in enumerate(s["per_rank_samples_per_s"])}
+    metrics |= {f"train/rank{r}_busy_s": v for r, v in enumerate(s["per_rank_busy_s"])}
     job.run.log_metrics(metrics, job.state.step)
+    _stragglers(job, s["per_rank_busy_s"])
     job.stats.samples_per_s.append(s["samples_per_s"])
     job.stats.last.update(metrics)
     job.console.say(f"epoch {job.state.epoch + 1}/{job.cfg.train.epochs} step {job.state.step}/"
                     f"{job.total_steps} loss {s['loss']:.4f} {s['samples_per_s']:.0f} samples/s")
     if not math.isfinite(s["loss"]):
         _nonfinite(job, s["loss"])
+
+
+STRAGGLER_RATIO = 1.2
+"""A rank busier than this times the median of the others (its own work per step: data
+loading and forward, which the others wait for) ..."""
+STRAGGLER_INTERVALS = 3
+"""... in this many logged intervals in a row is named, once, in the run and on the console."""
+STRAGGLER_FLOOR_S = 0.002
+"""... and by more than this per step: a tiny model's sub-millisecond jitter is no straggler."""
+
+
+def _stragglers(job: Job, busy: list[float]) -> None:
+    """Every rank holds the same reduced figures, so every rank decides the same."""
+    if len(busy) < 2 or job.stats.straggler:
+        return
+    for r, mine in enumerate(busy):
+        others = statistics.median(busy[:r] + busy[r + 1:])
+        slow = others > 0 and mine > STRAGGLER_RATIO * others and mine - others > STRAGGLER_FLOOR_S
+        job.stats.slow_streak[r] = job.stats.slow_streak.get(r, 0) + 1 if slow else 0
+        if job.stats.slow_streak[r] >= STRAGGLER_INTERVALS:
+            host = job.rank_hosts[r] if r < len(job.rank_hosts) else "?"
+            job.stats.straggler = (
+                f"rank {r} (host {host}) is a straggler: {mine / others:.2f}x the others' median "
+                f"work per step before the gradient all-reduce ({mine * 1000:.1f} ms vs "
+                f"{others * 1000:.1f} ms: data loading and forward) over {STRAGGLER_INTERVALS} "
+                f"intervals to step {job.state.step}; the others wait for it every step")
+            job.run.set_tags({"ddplab.straggler": job.stats.straggler})
+            job.console.say(f"warning: {job.stats.straggler}")
+            return
 
 
 class LossNotFinite(DdplabError):

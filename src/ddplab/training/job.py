@@ -54,6 +54,8 @@ class Job:
     profiler: NoProfile = field(default_factory=NoProfile)
     """Stepped after every optimizer step; a real one only inside ``profiling(job)``."""
     meter: loop.Meter = field(default_factory=loop.Meter)
+    rank_hosts: list[str] = field(default_factory=list)
+    """Each rank's host, by rank (``hosts``: the distinct ones)."""
 
     @property
     def total_steps(self) -> int:
@@ -70,20 +72,22 @@ def total_steps(train: config.TrainConfig, loaders: data.Loaders) -> int:
 def build(cfg: config.ExperimentConfig, layout: Layout, resume: checkpoint.Resume,
           run: NullTracker, parts: Parts, summary_out: str, t_start: float) -> Job:
     le = layout.le
-    hosts = _hosts(le.world_size)
+    rank_hosts = _hosts(le.world_size)
     loaders, info = _data(cfg, layout, parts)
     state, ipex = _model(cfg, layout.device, loaders, info, parts, resume.payload, le.world_size)
     ckpt = checkpoint.Checkpointer(Path(cfg.checkpoint.dir) / cfg.name, cfg.checkpoint.keep,
                                    le.is_rank0)
     dirty, diff = capsule.git_dirty() if le.is_rank0 else ("unknown", "")
     return Job(cfg, layout, run, resume, Console(le.is_rank0, summary_out), loaders, state, ipex,
-               hosts, t_start, ckpt, info, parts, dirty, diff)
+               sorted(set(rank_hosts)), t_start, ckpt, info, parts, dirty, diff,
+               rank_hosts=rank_hosts)
 
 
 def _hosts(world_size: int) -> list[str]:
+    """Each rank's host, by rank."""
     names: list[Any] = [None] * world_size
     dist.all_gather_object(names, socket.gethostname())
-    return sorted(set(names))
+    return names
 
 
 def _data(cfg: config.ExperimentConfig, layout: Layout,

@@ -68,6 +68,10 @@ class StepResult:
     """Sum of per-sample losses over this step's samples on this rank (not yet synced)."""
     step_time_s: float
     data_time_s: float
+    busy_s: float = 0.0
+    """This rank's own work before the step's gradient all-reduce (data loading and forward):
+    the part of a step no other rank waits in, so a slow rank shows here. (On CUDA the forward's
+    kernels run asynchronously: its share is what launching them took.)"""
 
 
 def _sync(device: torch.device) -> None:
@@ -76,15 +80,18 @@ def _sync(device: torch.device) -> None:
 
 
 def micro_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, group_size: int,
-               sync_grads: bool) -> torch.Tensor:
+               sync_grads: bool, forward_s: list[float] | None = None) -> torch.Tensor:
     """Forward and backward of one micro-batch; gradients are communicated (DDP's all-reduce,
-    FSDP's reduce-scatter) only when ``sync_grads``."""
+    FSDP's reduce-scatter) only when ``sync_grads``. The forward's seconds go to ``forward_s``."""
     from .strategy import grad_sync
 
     with grad_sync(state.model, sync_grads):
         beat("forward")
+        t0 = time.perf_counter()
         with state.autocast():
             loss = state.loss(state.model(x), y)
+        if forward_s is not None:
+            forward_s.append(time.perf_counter() - t0)
         beat("backward")  # where DDP's gradient all-reduce waits for the other ranks
         state.scaler.scale(loss / group_size).backward()
     return loss.detach() * y.shape[0]
@@ -113,19 +120,21 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
         group = min(state.grad_accum, n_micro - start)
         t0 = time.perf_counter()
         loss_sum, samples, data_time = torch.zeros((), device=state.device), 0, 0.0
+        forward_s: list[float] = []
         for i in range(group):
             beat("data loading", state.step + 1)  # the step in the making, as its metrics say
             t_fetch = time.perf_counter()
             with record_function("ddplab/data"):  # the data wait, as profiles show it
                 x, y = state.to_device(*next(batches))
             data_time += time.perf_counter() - t_fetch
-            loss_sum += micro_step(state, x, y, group, sync_grads=i == group - 1)
+            loss_sum += micro_step(state, x, y, group, sync_grads=i == group - 1,
+                                   forward_s=forward_s)
             samples += y.shape[0]
         optimizer_step(state)
         _sync(state.device)
         state.samples_in_epoch += samples
         yield StepResult(state.step, state.epoch, samples, loss_sum,
-                         time.perf_counter() - t0, data_time)
+                         time.perf_counter() - t0, data_time, data_time + sum(forward_s))
 
 
 @dataclass
@@ -136,12 +145,14 @@ class Meter:
     samples: int = 0
     step_times: list[float] = field(default_factory=list)
     data_time: float = 0.0
+    busy_time: float = 0.0
 
     def add(self, r: StepResult) -> None:
         self.loss_sum = self.loss_sum + r.loss_sum
         self.samples += r.samples
         self.step_times.append(r.step_time_s)
         self.data_time += r.data_time_s
+        self.busy_time += r.busy_s
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -158,6 +169,8 @@ class Interval(TypedDict):
     loss: float
     samples_per_s: float
     per_rank_samples_per_s: list[float]
+    per_rank_busy_s: list[float]
+    """Each rank's own work per step (StepResult.busy_s), averaged over the interval."""
     step_time_s: float
     data_wait_frac: float
 
@@ -166,7 +179,8 @@ def reduce_interval(meter: Meter, device: torch.device) -> Interval:
     """Collective: the interval's loss averaged over all ranks' samples, global and per-rank
     throughput. Every rank must call it at the same step."""
     elapsed = sum(meter.step_times)
-    local = torch.tensor([float(meter.loss_sum), meter.samples, elapsed], dtype=torch.float64,
+    local = torch.tensor([float(meter.loss_sum), meter.samples, elapsed,
+                          meter.busy_time / max(len(meter.step_times), 1)], dtype=torch.float64,
                          device=device)
     world = dist.get_world_size()
     gathered = [torch.zeros_like(local) for _ in range(world)]
@@ -180,6 +194,7 @@ def reduce_interval(meter: Meter, device: torch.device) -> Interval:
         "loss": loss_sum / max(samples, 1),
         "samples_per_s": samples / slowest if slowest > 0 else 0.0,
         "per_rank_samples_per_s": per_rank,
+        "per_rank_busy_s": rows[:, 3].tolist(),
         "step_time_s": elapsed / max(len(meter.step_times), 1),
         "data_wait_frac": meter.data_time / elapsed if elapsed > 0 else 0.0,
     }

@@ -78,6 +78,10 @@ class RunStats:
     """train.early_stopping: the best value so far, its step, evaluations since."""
     stopped_early: str = ""
     """Why training stopped before its steps ran out ("" = it did not)."""
+    slow_streak: dict[int, int] = field(default_factory=dict)
+    """Per rank, how many intervals in a row it was a straggler (fit._stragglers)."""
+    straggler: str = ""
+    """The straggler named in the run ("" = none)."""
 
     def steady_samples_per_s(self) -> float:
         """Throughput once started: the epochs after the first (start-up, compilation and the

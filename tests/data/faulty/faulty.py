@@ -1,5 +1,6 @@
 """A user's experiment that goes wrong on purpose, on one rank at one step (tests/test_forensics.py):
-FAULT=sleep|spin|kill|segv|raise, FAULT_RANK (1), FAULT_STEP (5), FAULT_WHERE=data|forward."""
+FAULT=sleep|spin|kill|segv|raise at FAULT_STEP (5), or slow (50 ms more every step); FAULT_RANK
+(1), FAULT_WHERE=data|forward."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ RANK, STEP = os.environ.get("FAULT_RANK", "1"), int(os.environ.get("FAULT_STEP",
 
 
 def go_wrong(where: str) -> None:
-    if not FAULT or where != WHERE or os.environ.get("RANK") != RANK or current_step() != STEP:
+    if not FAULT or where != WHERE or os.environ.get("RANK") != RANK:
+        return
+    if FAULT == "slow":  # every step, 50 ms more than the others
+        time.sleep(0.05)
+    if current_step() != STEP:
         return
     if FAULT == "sleep":
         time.sleep(3600)
