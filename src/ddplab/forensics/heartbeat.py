@@ -110,13 +110,20 @@ class _Off:
 _current: Heartbeat | _Off = _Off()
 
 
-def start(directory: Path, rank: int, world_size: int) -> Heartbeat:
-    """This rank's heartbeat, which ``beat()`` then writes (the loop calls it, not a handle)."""
+def start(directory: Path, rank: int, world_size: int) -> None:
+    """This rank's heartbeat, which ``beat()`` then writes (the loop calls it, not a handle).
+    A heartbeat that cannot be made (a full disk) is left off, saying so: it must never be what
+    stops a job."""
     global _current
-    hb = Heartbeat(directory, rank, world_size)
-    hb.answer_stack_requests()
+    try:
+        hb = Heartbeat(directory, rank, world_size)
+        hb.answer_stack_requests()
+    except (OSError, ValueError) as e:
+        from ..log import logger
+
+        logger().warning(f"no heartbeat for this rank ({e}): a hang will not be named")
+        return
     _current = hb
-    return hb
 
 
 def beat(phase: str, step: int | None = None) -> None:

@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if not out.left and not alive.closed.exists() and holds_rank0:
         # Global rank 0's process is gone without closing its spool: killed outright (by the
         # watch, when it saw a hang: the verdict says why, and no peer is left to wait for).
-        _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent, verdict)
+        _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent, verdict,
+                       stopped=watch.hang is not None)
     elif verdict and holds_rank0:
         postmortem.name_the_cause(client, meta.run_id, verdict)
     if verdict:  # the job's last line: after torchrun's report, which blames whoever it saw first
@@ -303,12 +304,12 @@ def _failed(error: str) -> str:
 
 
 def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
-                   world_size: int, pid: int, verdict: str = "") -> None:
+                   world_size: int, pid: int, verdict: str = "", stopped: bool = False) -> None:
     """Global rank 0's process died outright (SIGKILL, the OOM killer) and nothing recorded the
     run's end. With peers, their watchers get their grace first (orphan.py: their reason is the
-    better one); a lone process has none, nor does a job the watch stopped (``verdict``), so its
-    run is ended at once. Not when a restarted attempt took the run over meanwhile (it rewrote
-    meta.json)."""
+    better one); a lone process has none, nor has a job the watch stopped for a hang
+    (``stopped``: the ``verdict`` is the reason), so its run is ended at once. Not when a
+    restarted attempt took the run over meanwhile (it rewrote meta.json)."""
     from .orphan import GRACE_S
 
     def taken_over() -> bool:
@@ -316,17 +317,17 @@ def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
             return (directory / "meta.json").stat().st_mtime > since
         return False
 
-    deadline = time.monotonic() + (GRACE_S + 5 if world_size > 1 and not verdict else 0)
+    deadline = time.monotonic() + (GRACE_S + 5 if world_size > 1 and not stopped else 0)
     while time.monotonic() < deadline and not taken_over():
         with contextlib.suppress(Exception):
             if client.get_run(meta.run_id).info.status != "RUNNING":
                 return
         time.sleep(1)
+    lost = (f"global rank 0 lost: its process (pid {pid}) died without recording the run's end "
+            "(killed outright: SIGKILL, or the OOM killer); ended by its node's delivery process")
     if not taken_over():
-        _end_if_abandoned(client, meta, "ddplab delivery", why=verdict or (
-            f"global rank 0 lost: its process (pid {pid}) died without recording the run's "
-            "end (killed outright: SIGKILL, or the OOM killer); ended by its node's delivery "
-            "process"))
+        _end_if_abandoned(client, meta, "ddplab delivery", why=verdict if stopped else
+                          f"{lost}; {verdict}" if verdict else lost)
 
 
 def _end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "") -> None:
