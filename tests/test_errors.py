@@ -7,6 +7,7 @@ import argparse
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +53,21 @@ def test_a_ddplab_error_is_one_line_and_its_exit_code(capsys):
 
 
 def test_anything_else_is_a_bug_with_one_line_first_and_its_traceback(capsys):
+    import json
+
+    bug = argparse.Namespace(command="config", func=lambda a: json.loads("{"))  # raised in a library
+    with pytest.raises(ValueError, match="Expecting property name"):
+        cli.run(bug)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ddplab: error: unexpected JSONDecodeError: Expecting property name enclosed in "
+                   "double quotes: line 1 column 2 (char 1) (traceback below)"]
+
+
+def test_an_error_raised_in_the_users_own_code_says_so_and_where(capsys):
+    """A user's dataset, model or loss raising is theirs to read, not a ddplab bug."""
     with pytest.raises(ValueError, match="a real bug"):
         cli.run(_failing(ValueError("a real bug\nsecond line")))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["ddplab: error: unexpected ValueError: a real bug (traceback below)"]
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    line = _failing.__code__.co_firstlineno + 3  # handler's raise
+    assert err == (f"ddplab: error: your code ({Path(__file__)}:{line}) raised ValueError: a real "
+                   "bug (traceback below)")

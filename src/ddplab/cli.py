@@ -219,8 +219,29 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:
         # A bug (ddplab's, or the user's code's): one line first, then the traceback.
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        logger().error(f"unexpected {type(e).__name__}: {first} (traceback below)")
+        where = _raised_in_user_code(e)
+        logger().error(f"{where + ' raised' if where else 'unexpected'} {type(e).__name__}: "
+                       f"{first} (traceback below)")
         raise
+
+
+def _raised_in_user_code(e: BaseException) -> str:
+    """``your code (FILE:LINE)`` when the innermost frame is neither ddplab's nor an installed
+    library's (a user's dataset, model, loss or script), else "": the traceback is theirs."""
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    last = Path(frames[-1].filename)
+    ours = Path(__file__).resolve().parent
+    libraries = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib", "stdlib")}
+    if not last.is_absolute() or last.resolve().is_relative_to(ours) or any(
+            last.resolve().is_relative_to(lib) for lib in libraries):
+        return ""
+    return f"your code ({last}:{frames[-1].lineno})"
 
 
 def _config(args: argparse.Namespace) -> int:

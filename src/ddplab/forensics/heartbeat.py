@@ -93,6 +93,8 @@ class Heartbeat:
                 faulthandler.enable()
         for f in self._stacks:
             f.close()
+        self._map.close()
+        self._file.close()
 
 
 class _Off:
