@@ -250,6 +250,41 @@ def test_an_optimizer_by_import_path_with_its_own_arguments_trains(tmp_path, mon
     assert r.info.status == "FINISHED" and r.data.params["optim.name"] == "torch.optim:RMSprop"
 
 
+def test_onecycle_by_import_path_shapes_the_lr_and_training_on_follows_its_schedule(
+        tmp_path, monkeypatch):
+    """optim.scheduler torch.optim.lr_scheduler:OneCycleLR gets max_lr (optim.lr) and
+    total_steps (the job's) from ddplab, pct_start from scheduler_args: the lr rises, then falls
+    to near zero at the last step. A job of 8 steps trained on to 16 from its final checkpoint
+    follows the 16-step curve from step 9 exactly as an uninterrupted 16-step job does (its
+    saved state knew only 8 steps: loading it failed with "Tried to step 9 times")."""
+    from mlflow import MlflowClient
+
+    store = lone_job(tmp_path, monkeypatch)
+    sets = ["data.train_samples=512", "data.eval_samples=64", "data.image_size=8", "train.epochs=1",
+            "train.log_every=1", "optim.name=torch.optim:RMSprop", "optim.lr=0.01",
+            "optim.warmup_steps=0", "optim.scheduler=torch.optim.lr_scheduler:OneCycleLR",
+            "optim.scheduler_args={pct_start: 0.25}", "tracking.system_metrics=false",
+            "checkpoint.resume=never"]
+    quick = str(REPO / "experiments" / "quickstart.yaml")
+    client = MlflowClient(store)
+
+    def lr(run_id: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, "train/lr")}
+
+    first = run.train(quick, [*sets, "train.max_steps=8", "checkpoint.dir=a"])
+    (final,) = (tmp_path / "a").rglob("step-00000008.pt")
+    then = run.train(quick, [*sets, "train.max_steps=16", f"checkpoint.resume={final}",
+                             "checkpoint.dir=a"])
+    whole = lr(run.train(quick, [*sets, "train.max_steps=16", "checkpoint.dir=b"]))
+    assert client.get_run(then).data.tags["ddplab.continues_run"] == first
+    assert sorted(lr(then)) == list(range(9, 17))
+    assert lr(then) == pytest.approx({s: v for s, v in whole.items() if s > 8})
+    curve = [whole[s] for s in range(1, 17)]
+    assert max(curve) == pytest.approx(0.01, rel=0.05) and 2 <= curve.index(max(curve)) <= 5
+    assert curve[-1] < 0.001, curve
+    assert client.get_run(first).data.params["optim.scheduler"] == "torch.optim.lr_scheduler:OneCycleLR"
+
+
 def test_early_stopping_stops_when_the_metric_stops_improving(tmp_path, monkeypatch):
     """train.early_stopping: with an lr of 0 the eval loss never moves, so after `patience`
     evaluations without improvement the job stops, FINISHED, saying why and when."""

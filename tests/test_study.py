@@ -193,8 +193,9 @@ def test_reproduce_says_bitwise_for_a_deterministic_run_and_differs_after_an_edi
     experiment with the most that could drift (one test for ddplab's bitwise reproduce; the
     user's own module is tests/test_userparts.py's)."""
     args = ["train", str(REPO / "experiments" / "lm-tiny.yaml"), "--set", "train.deterministic=true",
-            "--set", f"data.root={REPO / 'docs'}", "--set", "train.max_steps=12",
-            "--set", "train.eval_every_steps=4", "--set", "train.log_every=2",
+            "--set", f"data.root={REPO / 'docs'}", "--set", "train.max_steps=4",
+            "--set", "train.eval_every_steps=2", "--set", "train.log_every=2",
+            "--set", "data.eval_batch_size=128",
             "--set", "tracking.system_metrics=false", "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
     first = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
                             "ddplab", *args], cwd=tmp_path, env=job_env(store),

@@ -30,6 +30,7 @@ MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i
 DATASETS = ("synthetic", "cifar10", "imagefolder", "tokens")
 LOSSES = ("cross_entropy", "mse")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULERS = ("none", "cosine", "step")
 EVAL_METRICS = ("eval/loss", "eval/accuracy", "eval/perplexity")
 # gpt's model.args and their types; the rest of a model's args go to the user's callable as given.
 GPT_ARGS: dict[str, type] = {"n_layer": int, "n_head": int, "n_embd": int, "dropout": float}
@@ -199,10 +200,17 @@ class OptimConfig:
     """L2 penalty (decoupled for adamw)."""
     momentum: float = 0.9
     """SGD momentum (ignored by adam/adamw)."""
-    scheduler: Literal["none", "cosine", "step"] = "none"
-    """Learning-rate schedule, stepped once per optimizer step."""
+    scheduler: str = "none"
+    """Learning-rate schedule: none, cosine, step, or any ``torch.optim.lr_scheduler`` class by
+    import path (``torch.optim.lr_scheduler:OneCycleLR``): it gets ``optim.scheduler_args``, and
+    where its signature names them and you did not, ``max_lr`` (optim.lr), ``total_steps`` and
+    ``T_max`` (the job's steps, or epochs with ``scheduler_interval: epoch``)."""
+    scheduler_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a scheduler given by import path (OneCycleLR's pct_start...)."""
+    scheduler_interval: Literal["step", "epoch"] = "step"
+    """A scheduler by import path steps after every optimizer step, or after every epoch."""
     warmup_steps: int = 0
-    """Linear warm-up steps before the schedule."""
+    """Linear warm-up steps before ddplab's own schedules (cosine, step, none)."""
     step_size: int = 1000
     """``step`` scheduler: optimizer steps between decays."""
     gamma: float = 0.1
@@ -210,6 +218,13 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check_part("name", self.name, OPTIMIZERS)
+        _check_part("scheduler", self.scheduler, SCHEDULERS)
+        if is_import_path(self.scheduler) and self.warmup_steps:
+            _fail("warmup_steps", self.warmup_steps, "0 with a scheduler of your own (warm-up is "
+                  "ddplab's schedules'; OneCycleLR has pct_start, torch's SequentialLR chains one)")
+        if self.scheduler_args and not is_import_path(self.scheduler):
+            _fail("scheduler_args", self.scheduler_args, "only with a scheduler by import path "
+                  "(ddplab's cosine and step take warmup_steps, step_size, gamma)")
         _check_range(self, "lr", 0, low_open=True)
         _check_range(self, "weight_decay", 0)
         _check_range(self, "momentum", 0, 1, high_open=True)

@@ -63,12 +63,27 @@ def capture(state: TrainState, world_size: int, config: dict[str, Any], run_id: 
     }
 
 
+def _replay(state: TrainState) -> None:
+    """A scheduler of the user's, built for THIS job's steps, stepped to where the checkpoint
+    stood: its saved state holds the earlier job's size (OneCycleLR's total_steps), which a
+    longer job would step past (ValueError at the first step beyond it). So the same job goes on
+    along the same curve, and a longer one along its stretched curve, as ddplab's own schedules
+    (rebuilt from the config, only their position restored) always did."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": on purpose
+        for _ in range(state.epoch if state.scheduler_per_epoch else state.step):
+            state.scheduler.step()
+
+
 def restore(state: TrainState, payload: dict[str, Any], world_size: int) -> None:
     """Every rank: the checkpoint into this job's state, under any strategy and world size."""
     _load_weights_and_optimizer(state, payload)
-    state.scheduler.load_state_dict(payload["scheduler"])
     state.scaler.load_state_dict(payload["scaler"])
     state.step, state.epoch = payload["step"], payload["epoch"]
+    if state.scheduler_replays:
+        _replay(state)
+    else:
+        state.scheduler.load_state_dict(payload["scheduler"])
     state.samples_in_epoch = payload["samples_in_epoch"]
     if payload["world_size"] != world_size and state.samples_in_epoch:
         # Shards depend on the world size: the saved position means nothing in the new layout.

@@ -60,13 +60,15 @@ def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
 
 
 def _optimizer(cfg: ExperimentConfig) -> None:
-    """optim.name and optim.args build an optimizer (on one stand-in parameter): a class that
-    does not import or an argument it refuses is one line here, not on every rank later."""
+    """optim.name and optim.args build an optimizer (on one stand-in parameter), optim.scheduler
+    and its args a schedule on it: a class that does not import or an argument it refuses is one
+    line here, not on every rank later."""
     import torch
 
     from ..workload import optim
 
-    optim.optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
+    opt = optim.optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
+    optim.scheduler(opt, cfg.optim, total_steps=1000, epochs=cfg.train.epochs)  # its args, too
 
 
 def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:

@@ -37,6 +37,8 @@ def fit(job: Job) -> None:
         _log_interval(job)
         if state.samples_in_epoch >= job.loaders.sampler.num_samples:
             state.epoch, state.samples_in_epoch = epoch + 1, 0
+            if state.scheduler_per_epoch:
+                state.scheduler.step()
         # else max_steps ended the epoch early: the state (and the final checkpoint) keeps the
         # position, so a resume with a higher max_steps trains the rest of this epoch first.
         job.stats.end_epoch(time.perf_counter() - t0, samples * job.layout.le.world_size,

@@ -125,7 +125,9 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
     model, opt, ipex = strategy.spread(model, cfg, device)  # ddp | zero | fsdp | dp
     state = loop.TrainState(
         model=model, optimizer=opt,
-        scheduler=optim.scheduler(opt, cfg.optim, total_steps(cfg.train, loaders)),
+        scheduler=optim.scheduler(opt, cfg.optim, total_steps(cfg.train, loaders), cfg.train.epochs),
+        scheduler_per_epoch=cfg.optim.scheduler_interval == "epoch",
+        scheduler_replays=config.is_import_path(cfg.optim.scheduler),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.amp == "fp16"),
         device=device, amp=cfg.train.amp, grad_accum=cfg.train.grad_accum_steps,
         grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last,

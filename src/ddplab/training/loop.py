@@ -41,6 +41,11 @@ class TrainState:
     channels_last: bool = False
     loss: Loss = cross_entropy
     """train.loss: (outputs, targets) -> the batch's mean loss."""
+    scheduler_per_epoch: bool = False
+    """optim.scheduler_interval: epoch (the caller steps the scheduler at each epoch's end)."""
+    scheduler_replays: bool = False
+    """A scheduler of the user's: a resume steps it to the checkpoint's position instead of
+    loading its state (checkpoint._replay)."""
     step: int = 0
     """Optimizer steps taken (the MLflow step of every metric)."""
     epoch: int = 0
@@ -105,7 +110,8 @@ def optimizer_step(state: TrainState) -> None:
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
-    state.scheduler.step()
+    if not state.scheduler_per_epoch:
+        state.scheduler.step()
     state.step += 1
 
 

@@ -1,4 +1,5 @@
-"""Optimizer and learning-rate schedule, stepped once per optimizer step."""
+"""Optimizer and learning-rate schedule (stepped once per optimizer step, or per epoch for a
+scheduler of your own with optim.scheduler_interval: epoch)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, OptimConfig
+from ..config import ConfigError, OptimConfig, is_import_path
 
 BUILT_IN = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
@@ -61,6 +62,32 @@ def lr_factor(cfg: OptimConfig, step: int, total_steps: int) -> float:
     return 1.0
 
 
-def scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig,
-              total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s, total_steps))
+def scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
+              epochs: int = 1) -> torch.optim.lr_scheduler.LRScheduler:
+    """ddplab's schedule (a LambdaLR over lr_factor), or the user's class by import path."""
+    if not is_import_path(cfg.scheduler):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s, total_steps))
+    cls = _own_scheduler(cfg.scheduler)
+    params: Mapping[str, inspect.Parameter]
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a signature Python cannot read: scheduler_args only
+        params = {}
+    span = epochs if cfg.scheduler_interval == "epoch" else total_steps
+    sizes = {"max_lr": cfg.lr, "total_steps": span, "T_max": span}
+    kwargs = {**{k: v for k, v in sizes.items() if k in params}, **cfg.scheduler_args}
+    try:
+        return cls(opt, **kwargs)
+    except (TypeError, ValueError) as e:  # a wrong argument name or value in scheduler_args
+        raise ConfigError(f"optim.scheduler_args: got {cfg.scheduler_args!r}; {cls.__name__} "
+                          f"refused them ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _own_scheduler(path: str) -> type[torch.optim.lr_scheduler.LRScheduler]:
+    from .userparts import load_callable
+
+    cls = load_callable("optim.scheduler", path)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)):
+        raise ConfigError(f"optim.scheduler: got {path!r}; it is {cls!r}, not a "
+                          "torch.optim.lr_scheduler.LRScheduler class")
+    return cls
