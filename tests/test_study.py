@@ -314,7 +314,8 @@ def test_each_shipped_study_runs_reduced(tmp_path, store, shipped):
             assert "fallback" in t["ddplab.backend_reason"]
 
 
-@pytest.mark.parametrize("args", [["report", "no-such-run"], ["reproduce", "no-such-run"]])
+@pytest.mark.parametrize("args", [["report", "no-such-run"], ["reproduce", "no-such-run"],
+                                  ["diagnose", "no-such-run"]])
 def test_report_and_reproduce_of_an_unknown_run_are_one_line(tmp_path, store, args):
     out = cli(args, tmp_path, store)
     assert out.returncode == 2 and "no-such-run" in out.stderr and "not found" in out.stderr
