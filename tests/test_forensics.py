@@ -125,6 +125,13 @@ def test_a_hang_across_nodes_names_the_rank_behind_and_who_waits_where():
         "backward (gradient all-reduce)")
 
 
+def test_a_lost_node_is_the_cause_when_the_others_only_saw_it_go():
+    endings = [Ending(0, 9, "backward", 10.0, "failed", "RuntimeError: Connection reset by peer", "a"),
+               Ending(1, 9, "backward", 10.5, "failed", "Terminated: terminated by SIGTERM", "a")]
+    assert verdict(endings, 4) == ("ranks 2,3 reported nothing (their node lost?); ranks 0,1 "
+                                   "stopped after it")
+
+
 def test_a_node_that_reports_nothing_is_named():
     endings = [Ending(0, 5, "data loading", 10.0, "died", "", "a"),
                Ending(1, 5, "backward", 12.0, "failed", "Terminated: terminated by SIGTERM", "a")]

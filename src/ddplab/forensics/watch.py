@@ -183,17 +183,19 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None) ->
         return _hang_line(stopped[0], [e for e in endings if e.what == "waits"], now)
     failed = [e for e in endings if e.what in ("failed", "died")]
     causes = [e for e in failed if e.what == "died" or not _secondary(e.detail)]
-    if not causes:  # stopped from outside (Ctrl-C, scancel's SIGTERM): the run says so itself
-        return ""
+    missing = sorted(set(range(world_size)) - {e.rank for e in endings})
+    lost = f"{_ranks(missing)} reported nothing (their node lost?)"
+    if not causes:
+        # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
+        # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
+        return f"{lost}; {_ranks(sorted(e.rank for e in failed))} stopped after it" \
+            if missing and failed else ""
     first = min(causes, key=lambda e: e.time)
     after = sorted(e.rank for e in failed if e is not first)
     line = f"rank {first.rank} (host {first.host}) {_how(first)} at step {first.step} in {first.phase}"
     if after:
         line += f"; {_ranks(after)} stopped after it"
-    missing = sorted(set(range(world_size)) - {e.rank for e in endings})
-    if missing:
-        line += f"; {_ranks(missing)} reported nothing (their node lost?)"
-    return line
+    return line + (f"; {lost}" if missing else "")
 
 
 def _secondary(detail: str) -> bool:
