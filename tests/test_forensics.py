@@ -162,3 +162,14 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     stack = (tmp_path / "rank-1.stack.txt").read_text()
     assert "in stuck_in_the_forward" in stack, stack
     assert verdict(watch.endings(), 1).startswith("rank 1 (host h) stopped at step 3 in forward ")
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"SLURM_JOB_ID": "42"}, "Slurm stopped job 42: scancel, its time limit or a preemption"),
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, "Kubernetes stopped the pod: deleted, evicted or "
+                                              "preempted"),
+    ({}, "a peer rank failed, or the job was stopped")])
+def test_a_sigterm_says_who_sends_it_where_ddplab_can_tell(env, says):
+    from ddplab.training.jobend import who_stops
+
+    assert who_stops(env).startswith(says)

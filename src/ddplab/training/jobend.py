@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from collections.abc import Mapping
 from typing import Any
 
 from .. import tracking
@@ -38,7 +40,7 @@ class Signals:
             raise KeyboardInterrupt
         if signum == signal.SIGHUP:
             raise Terminated("terminated by SIGHUP (the terminal or ssh session closed)")
-        raise Terminated("terminated by SIGTERM (a peer rank failed, or the job was stopped)")
+        raise Terminated(f"terminated by SIGTERM ({who_stops(os.environ)})")
 
     def status(self) -> str:
         """Ctrl-C and a closed terminal stop the job (KILLED); SIGTERM is also how launchers end
@@ -53,6 +55,19 @@ class Signals:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def who_stops(env: Mapping[str, str]) -> str:
+    """Who sends a rank SIGTERM, where ddplab can tell: the scheduler that placed the job (its
+    stop, time limit or preemption), or the launcher after a peer failed (the run's verdict then
+    names that peer: forensics/)."""
+    if env.get("SLURM_JOB_ID"):
+        return (f"Slurm stopped job {env['SLURM_JOB_ID']}: scancel, its time limit or a "
+                "preemption; or a peer rank failed")
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        return ("Kubernetes stopped the pod: deleted, evicted or preempted; or a peer rank "
+                "failed")
+    return "a peer rank failed, or the job was stopped"
 
 
 def where(tracker: tracking.NullTracker) -> str:
