@@ -223,7 +223,12 @@ def _how(e: Ending) -> str:
         signal_line = first.removeprefix("Fatal Python error: ") if first else ""
         return (f"died ({signal_line})" if signal_line else
                 "died outright (killed by a signal: SIGKILL, or the OOM killer)")
-    return f"failed ({e.detail.splitlines()[0][:300]})" if e.detail else "failed"
+    if not e.detail:
+        return "failed"
+    lines = e.detail.splitlines()
+    sample = next((line.removeprefix("ddplab: ") for line in lines
+                   if line.startswith("ddplab: in sample ")), "")
+    return f"failed ({lines[0][:300]}{'; ' + sample if sample else ''})"
 
 
 def _ranks(ranks: list[int]) -> str:

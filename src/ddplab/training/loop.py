@@ -8,6 +8,7 @@ and the metric reductions, which every rank must reach at the same step.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -130,7 +131,8 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
         for i in range(group):
             beat("data loading", state.step + 1)  # the step in the making, as its metrics say
             t_fetch = time.perf_counter()
-            with record_function("ddplab/data"):  # the data wait, as profiles show it
+            # record_function: the data wait, as profiles show it
+            with record_function("ddplab/data"), _naming_the_sample(loader):
                 x, y = state.to_device(*next(batches))
             data_time += time.perf_counter() - t_fetch
             loss_sum += micro_step(state, x, y, group, sync_grads=i == group - 1,
@@ -141,6 +143,38 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
         state.samples_in_epoch += samples
         yield StepResult(state.step, state.epoch, samples, loss_sum,
                          time.perf_counter() - t0, data_time, data_time + sum(forward_s))
+
+
+SAMPLE_NOTE = "ddplab: in sample "
+
+
+@contextlib.contextmanager
+def _naming_the_sample(loader: DataLoader) -> Iterator[None]:
+    """A dataset that raises on one sample: the exception gets a note naming its index (and
+    file, for a dataset of files such as ImageFolder), which the run's verdict repeats. Read
+    from the fetching frame (torch's fetcher names it ``idx``): in-process loading only (a
+    DataLoader worker's error comes back as text)."""
+    try:
+        yield
+    except Exception as e:
+        index = _failing_index(e)
+        if index is not None:
+            samples = getattr(loader.dataset, "samples", None)
+            path = samples[index][0] if isinstance(samples, list) and index < len(samples) else None
+            e.add_note(f"{SAMPLE_NOTE}{index} of the training set" + (f" ({path})" if path else ""))
+        raise
+
+
+def _failing_index(e: BaseException) -> int | None:
+    tb = e.__traceback__
+    found = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(os.path.join("_utils", "fetch.py")):
+            idx = frame.f_locals.get("idx")
+            found = idx if isinstance(idx, int) else found
+        tb = tb.tb_next
+    return found
 
 
 @dataclass
