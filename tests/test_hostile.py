@@ -158,9 +158,10 @@ def test_sync_to_a_store_without_the_run_delivers_nothing_and_says_so(tmp_path, 
 
 class RefusingProxy:
     """127.0.0.1 proxy to a real server; for ``window_s`` from the first log-batch on, it answers
-    every log-batch with one of ``statuses`` in turn (a proxy or an auth layer having a bad 15 s),
-    and forwards everything else. The window opens on the job's first record, not on a clock
-    started at launch: on a loaded machine the job may take longer than the window to send one."""
+    every log-batch with ``statuses`` in turn, each for its share of the window (a proxy or an
+    auth layer having a bad 15 s), and forwards everything else. The window opens on the job's
+    first record, not on a clock started at launch: on a loaded machine the job may take longer
+    than the window to send one."""
 
     def __init__(self, upstream_port: int, statuses: tuple[int, ...] = (403,),
                  window_s: float = 15.0) -> None:
@@ -175,10 +176,19 @@ class RefusingProxy:
                 if "log-batch" in self.path and outer.opened is None:
                     outer.opened = time.monotonic()
                 if "log-batch" in self.path and time.monotonic() - outer.opened < outer.window_s:
-                    status = outer.statuses[sum(outer.refused.values()) % len(outer.statuses)]
+                    # One status per part of the window (not alternating: a record refused with
+                    # one is retried alone and would meet the other, hiding how each is treated).
+                    part = (time.monotonic() - outer.opened) / outer.window_s
+                    status = outer.statuses[min(int(part * len(outer.statuses)), len(outer.statuses) - 1)]
                     outer.refused[status] += 1
                     self.send_response(status)
-                    payload = b'{"error_code": "PERMISSION_DENIED", "message": "refused"}'
+                    # As each says it: an auth layer's JSON 403 (MLflow reads its error code), a
+                    # proxy's HTML 404 (MLflow falls back on the HTTP status: a JSON body would
+                    # be read as the 403 its error code names, testing nothing of 404).
+                    payload = (b'{"error_code": "PERMISSION_DENIED", "message": "refused"}'
+                               if status == 403 else b"<html><body>404 Not Found</body></html>")
+                    self.send_header("Content-Type", "application/json" if status == 403
+                                     else "text/html")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)
@@ -211,8 +221,8 @@ class RefusingProxy:
 
 
 def test_a_refusal_window_mid_job_loses_no_metric_param_or_tag(tmp_path):
-    """403 and 404 in turn, in one job: both are refusals the job must outlast (one job, not a
-    job per status: each cost ~45 s of CI)."""
+    """403, then 404, in one job: both are refusals the job must outlast (one job, not a job per
+    status: each cost ~45 s of CI)."""
     server = Server(tmp_path)
     server.start()
     proxy = RefusingProxy(server.port, (403, 404))
