@@ -79,23 +79,13 @@ def show_report(parent_run_id: str, page_name: str = "") -> int:
     from mlflow.exceptions import MlflowException
 
     from .. import pages
-    from ..tracking import TrackingError, reachable_client, validated_uri
+    from ..tracking import TrackingError, recorded_run
     from . import report as study_report
     from .runner import PARENT, make_console
 
     page = pages.path_for(page_name) if page_name else None
-    uri = validated_uri()
-    client = reachable_client(uri)
-    try:
-        parent = client.get_run(parent_run_id)
-        role = parent.data.tags.get("ddplab.study_role")
-    except MlflowException as e:
-        from ..config import ConfigError
-
-        # No such run is bad input (exit 2, as `ddplab reproduce` says it); anything else, a failure.
-        error = ConfigError if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" else TrackingError
-        raise error(f"run {parent_run_id} in {uri}: {str(e).splitlines()[0]}") from None
-    if role != PARENT:
+    client, parent, uri = recorded_run(parent_run_id)
+    if parent.data.tags.get("ddplab.study_role") != PARENT:
         from ..config import ConfigError
 
         raise ConfigError(f"run {parent_run_id} is not a study's parent run (no tag "

@@ -28,7 +28,7 @@ _HOME = {
     "TrackingError": "store", "embedded_store": "store", "resolve_uri": "store",
     "ui_address": "store", "uri_problem": "store", "validated_uri": "store",
     "reachable_client": "store", "open_client": "store", "check_reachable": "store",
-    "auth_refusal": "store",
+    "auth_refusal": "store", "recorded_run": "store",
     "NullTracker": "tracker", "MlflowTracker": "tracker", "RunRef": "tracker",
     "open_tracker": "tracker", "experiment_id": "opening",
     "Delivery": "delivery", "NoDelivery": "delivery", "start_delivery": "delivery",

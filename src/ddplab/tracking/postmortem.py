@@ -77,19 +77,9 @@ def name_the_cause(client: Any, run_id: str, line: str) -> None:
 def diagnose(run_id: str) -> int:
     """``ddplab diagnose RUN_ID``: the verdict and where each rank's stack is, from the run
     alone (also one synced later from a spool)."""
-    from mlflow.exceptions import MlflowException
+    from .store import recorded_run
 
-    from ..config import ConfigError
-    from .store import TrackingError, reachable_client, validated_uri
-
-    uri = validated_uri()
-    client = reachable_client(uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as e:
-        # No such run is bad input (exit 2, as `ddplab report` says it); anything else, a failure.
-        error = ConfigError if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" else TrackingError
-        raise error(f"run {run_id} in {uri}: {str(e).splitlines()[0]}") from None
+    client, run, _ = recorded_run(run_id)
     tags = run.data.tags
     print(f"run {run_id}: {run.info.status}")
     line = tags.get("ddplab.verdict") or tags.get("ddplab.error", "").split("\n", 1)[0]

@@ -102,6 +102,24 @@ def reachable_client(uri: str) -> Any:
     return open_client(uri)
 
 
+def recorded_run(run_id: str) -> tuple[Any, Any, str]:
+    """(client, run, uri) for a run of the store the environment names: no such run is bad
+    input (a ConfigError, exit 2: `ddplab report`, `reproduce`, `diagnose` say it alike);
+    anything else the server says, a TrackingError."""
+    from mlflow.exceptions import MlflowException
+
+    from ..config import ConfigError
+
+    uri = validated_uri()
+    client = reachable_client(uri)
+    try:
+        return client, client.get_run(run_id), uri
+    except MlflowException as e:
+        missing = getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
+        raise (ConfigError if missing else TrackingError)(
+            f"run {run_id} in {uri}: {str(e).splitlines()[0]}") from None
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The database file of a sqlite:/// URI (sqlite:////abs or sqlite:///rel), else None."""
     if not uri.startswith("sqlite:///"):
