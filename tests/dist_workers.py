@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddplab import ccl
 from ddplab.config import DataConfig
-from ddplab.distributed import backend
+from ddplab.distributed import choice, group, oneccl
 from ddplab.training import loop, strategy
 from ddplab.workload import models
 from ddplab.workload.data import SyntheticImages, datasets, loaders
@@ -29,9 +29,9 @@ def _group(rank: int, world: int, tmp: str, name: str = "gloo", timeout_s: int =
 
         from ddplab.launchers.detect import LaunchEnv
 
-        impl = backend.import_ccl()
+        impl = choice.import_ccl()
         assert impl.name == "ddplab", impl.why
-        backend.apply_ccl_env(LaunchEnv("test", rank, world, rank, world, 0, "127.0.0.1", 0),
+        oneccl.apply_ccl_env(LaunchEnv("test", rank, world, rank, world, 0, "127.0.0.1", 0),
                               os.environ, impl)
     dist.init_process_group(name, init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -42,8 +42,8 @@ def _finish() -> None:
     """Tear down as the product does: all ranks done, DDP's reducer collected, then the group.
     (Destroying the group under a live DDP model with a comm hook aborted rank 0 once in CI:
     'terminate called without an active exception'.)"""
-    backend.finish_together()
-    backend.destroy_process_group()
+    group.finish_together()
+    group.destroy_process_group()
     ccl.release_shm()  # as cli.entry does: a spawned ccl rank's libfabric region is not kept
 
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from ddplab.config import DistConfig
-from ddplab.distributed import backend
+from ddplab.distributed import choice, cpu, group, oneccl
 from ddplab.launchers.detect import LaunchEnv
 from tests.conftest import STAND_INS
 
@@ -23,44 +23,44 @@ GPU = {**NONE, "nccl": (True, "built in")}
     ("ccl", "cpu", CCL, "ccl", "ccl"),
 ])
 def test_resolution(requested, device, table, name, requested_tag):
-    choice = backend.resolve(requested, device, False, table)
-    assert (choice.name, choice.requested, choice.fell_back) == (name, requested_tag, False)
+    picked = choice.resolve(requested, device, False, table)
+    assert (picked.name, picked.requested, picked.fell_back) == (name, requested_tag, False)
 
 
 def test_auto_records_why_it_did_not_pick_ccl():
-    assert "no bindings" in backend.resolve("auto", "cpu", False, NONE).reason
+    assert "no bindings" in choice.resolve("auto", "cpu", False, NONE).reason
 
 
 def test_explicit_ccl_without_bindings_fails_clearly():
-    with pytest.raises(backend.BackendError, match=r"'ccl' is not available: no bindings.*"
+    with pytest.raises(choice.BackendError, match=r"'ccl' is not available: no bindings.*"
                        r"allow_backend_fallback=true"):
-        backend.resolve("ccl", "cpu", False, NONE)
+        choice.resolve("ccl", "cpu", False, NONE)
 
 
 def test_explicit_ccl_without_bindings_falls_back_when_allowed():
-    choice = backend.resolve("ccl", "cpu", True, NONE)
-    assert (choice.name, choice.requested, choice.fell_back) == ("gloo", "ccl", True)
-    assert "fallback to gloo" in choice.reason and "no bindings" in choice.reason
+    picked = choice.resolve("ccl", "cpu", True, NONE)
+    assert (picked.name, picked.requested, picked.fell_back) == ("gloo", "ccl", True)
+    assert "fallback to gloo" in picked.reason and "no bindings" in picked.reason
 
 
 def test_nccl_on_cpu_is_refused():
-    with pytest.raises(backend.BackendError, match="nccl needs dist.device cuda"):
-        backend.resolve("nccl", "cpu", False, GPU)
+    with pytest.raises(choice.BackendError, match="nccl needs dist.device cuda"):
+        choice.resolve("nccl", "cpu", False, GPU)
 
 
 def test_real_import_of_the_stand_in_bindings_registers_ccl(monkeypatch):
     """Uses tests/stand_ins (a STAND-IN for oneccl_bindings_for_pytorch; gloo underneath)."""
     monkeypatch.syspath_prepend(str(STAND_INS))
     monkeypatch.delitem(sys.modules, "oneccl_bindings_for_pytorch", raising=False)
-    table = backend.available("cpu")
+    table = choice.available("cpu")
     assert table["ccl"][0] and "0.0+stand-in" in table["ccl"][1]
-    assert backend.resolve("auto", "cpu", False, table).name == "ccl"
+    assert choice.resolve("auto", "cpu", False, table).name == "ccl"
 
 
 def test_without_bindings_the_table_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # import fails
     monkeypatch.setenv("DDPLAB_CCL_HOME", "/nonexistent")  # and ddplab's own is not built
-    ok, why = backend.available("cpu")["ccl"]
+    ok, why = choice.available("cpu")["ccl"]
     assert not ok and "does not import" in why
 
 
@@ -75,14 +75,14 @@ def test_without_bindings_the_table_says_why(monkeypatch):
 def test_threads_per_rank(threads, local_world, cores, bk, workers, expected):
     cfg = DistConfig(threads_per_rank=threads)
     env = {"CCL_WORKER_COUNT": workers}
-    assert backend.threads_per_rank(cfg, local_world, cores, bk, env) == expected
+    assert cpu.threads_per_rank(cfg, local_world, cores, bk, env) == expected
 
 
 def test_core_blocks_are_disjoint_and_cover():
     cores = list(range(8))
-    blocks = [backend.core_block(cores, r, 4) for r in range(4)]
+    blocks = [cpu.core_block(cores, r, 4) for r in range(4)]
     assert blocks == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert backend.core_block([0], 1, 2) == [0]  # too few cores: share them
+    assert cpu.core_block([0], 1, 2) == [0]  # too few cores: share them
 
 
 def test_ccl_defaults_respect_user_values(tmp_path):
@@ -90,7 +90,7 @@ def test_ccl_defaults_respect_user_values(tmp_path):
     lib.mkdir(parents=True)
     (lib / "libfabric.so").touch()
     le = LaunchEnv("torchrun", 3, 4, 1, 2, 1, "n0", 29500)
-    out = backend.ccl_env_defaults(le, str(tmp_path), {"CCL_WORKER_COUNT": "2"})
+    out = oneccl.ccl_env_defaults(le, str(tmp_path), {"CCL_WORKER_COUNT": "2"})
     assert "CCL_WORKER_COUNT" not in out  # the user's value stays
     assert out["CCL_ATL_TRANSPORT"] == "ofi" and out["FI_PROVIDER"] == "tcp"
     assert out["CCL_OFI_LIBRARY_PATH"] == str(lib / "libfabric.so")
@@ -99,7 +99,7 @@ def test_ccl_defaults_respect_user_values(tmp_path):
 
 
 def test_ccl_defaults_single_node_without_package_libfabric():
-    out = backend.ccl_env_defaults(LaunchEnv("none", 0, 1, 0, 1, 0, "127.0.0.1", 29500), None, {})
+    out = oneccl.ccl_env_defaults(LaunchEnv("none", 0, 1, 0, 1, 0, "127.0.0.1", 29500), None, {})
     assert "FI_PROVIDER" not in out and "CCL_OFI_LIBRARY_PATH" not in out
 
 
@@ -108,8 +108,8 @@ def test_ccl_defaults_single_node_without_package_libfabric():
 def test_cgroup_quota(tmp_path, text, expected):
     f = tmp_path / "cpu.max"
     f.write_text(text + "\n")
-    assert backend.cpu_quota(f) == expected
-    assert backend.cpu_quota(tmp_path / "absent") is None
+    assert cpu.cpu_quota(f) == expected
+    assert cpu.cpu_quota(tmp_path / "absent") is None
 
 
 def test_a_oneccl_failure_at_start_is_not_blamed_on_missing_peers(monkeypatch):
@@ -122,9 +122,9 @@ def test_a_oneccl_failure_at_start_is_not_blamed_on_missing_peers(monkeypatch):
     le = LaunchEnv("torchrun", 1, 2, 1, 2, 0, "localhost", 43367)
     ccl = RuntimeError("oneCCL: atl_ofi_comm.cpp:1413 init_transport: EXCEPTION: failed to "
                        "initialize ATL")
-    said = backend._init_failure(ccl, le, 600)
+    said = group.init_failure(ccl, le, 600)
     assert "ccl backend did not start" in said and "failed to initialize ATL" in said
     assert "waited" not in said and "never came" not in said
     store = RuntimeError("Timed out after 601 seconds waiting for clients. 1/2 clients joined.")
-    said = backend._init_failure(store, le, 600)
+    said = group.init_failure(store, le, 600)
     assert "waited 600s (dist.timeout_s) for rank 0's store at localhost:43367" in said

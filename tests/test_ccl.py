@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ddplab import ccl
 from ddplab.bench import OP_NAMES
 from ddplab.ccl import build
-from ddplab.distributed import backend
+from ddplab.distributed import choice, oneccl
 from ddplab.launchers.detect import LaunchEnv
 from tests import ccl_workers, dist_workers
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs
@@ -89,9 +89,9 @@ def test_the_build_is_recorded_and_picked_over_nothing(monkeypatch):
     monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # import fails
     info = ccl.build_info()
     assert (info["torch"], info["oneccl"]) == (torch.__version__, ccl.ONECCL_VERSION)
-    impl = backend.import_ccl()
+    impl = choice.import_ccl()
     assert impl.name == "ddplab" and "oneCCL 2022.2.0" in impl.why
-    assert backend.available("cpu")["ccl"][0]
+    assert choice.available("cpu")["ccl"][0]
 
 
 @pytest.mark.parametrize("impl, cores, world, name, why", [
@@ -104,20 +104,20 @@ def test_the_build_is_recorded_and_picked_over_nothing(monkeypatch):
 ])
 def test_auto_picks_ccl_only_where_it_should_win(impl, cores, world, name, why):
     table = {"gloo": (True, ""), "nccl": (False, ""), "ccl": (True, impl), "mpi": (False, "")}
-    choice = backend.resolve("auto", "cpu", False, table, cores_per_rank=cores, ccl_impl=impl,
-                             world_size=world)
-    assert choice.name == name and why in choice.reason
-    assert backend.resolve("ccl", "cpu", False, table, cores_per_rank=1, ccl_impl=impl).name == "ccl"
+    picked = choice.resolve("auto", "cpu", False, table, cores_per_rank=cores, ccl_impl=impl,
+                            world_size=world)
+    assert picked.name == name and why in picked.reason
+    assert choice.resolve("ccl", "cpu", False, table, cores_per_rank=1, ccl_impl=impl).name == "ccl"
 
 
-def _vote(choices: list[backend.BackendChoice]) -> list[backend.BackendChoice]:
+def _vote(choices: list[choice.BackendChoice]) -> list[choice.BackendChoice]:
     """Each rank's agree() in its own thread, on one real store."""
     store = dist.HashStore()
-    out: list[backend.BackendChoice | None] = [None] * len(choices)
+    out: list[choice.BackendChoice | None] = [None] * len(choices)
 
     def rank(r: int) -> None:
         le = LaunchEnv("torchrun", r, len(choices), 0, 1, r, "127.0.0.1", 29500)
-        out[r] = backend.agree(choices[r], le, store)
+        out[r] = choice.agree(choices[r], le, store)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(choices))]
     for t in threads:
@@ -129,8 +129,8 @@ def _vote(choices: list[backend.BackendChoice]) -> list[backend.BackendChoice]:
 
 
 def test_on_several_nodes_auto_runs_ccl_only_if_every_rank_chose_it():
-    ccl_ = backend.BackendChoice("ccl", "auto", "auto: ccl on CPU (x), each rank has 8 cores")
-    gloo = backend.BackendChoice("gloo", "auto", "auto: gloo, because each rank has 1 core(s)")
+    ccl_ = choice.BackendChoice("ccl", "auto", "auto: ccl on CPU (x), each rank has 8 cores")
+    gloo = choice.BackendChoice("gloo", "auto", "auto: gloo, because each rank has 1 core(s)")
     agreed = _vote([ccl_, ccl_, ccl_])
     assert {c.name for c in agreed} == {"ccl"} and "all 3 ranks agree" in agreed[0].reason
     mixed = _vote([ccl_, gloo, ccl_])
@@ -154,7 +154,7 @@ def test_unbuilt_stale_or_transportless_builds_say_what_to_run(tmp_path, monkeyp
 def test_without_a_build_ccl_is_unavailable_with_both_reasons(tmp_path, monkeypatch):
     monkeypatch.setenv("DDPLAB_CCL_HOME", str(tmp_path / "nowhere"))
     monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # import fails
-    ok, why = backend.available("cpu")["ccl"]
+    ok, why = choice.available("cpu")["ccl"]
     assert not ok and "not built" in why and "oneccl_bindings_for_pytorch" in why
 
 
@@ -291,9 +291,9 @@ def test_oneccl_is_told_each_rank_is_alone_on_its_host_only_across_nodes(world, 
     that layout: test_compose_multinode_on_ddplabs_ccl_across_containers); one node keeps the
     true count (its shared-memory path and worker pinning use it)."""
     le = LaunchEnv("torchrun", 1, world, 1, local, 0, "node0", 29500)
-    out = backend.ccl_env_defaults(le, None, {})
+    out = oneccl.ccl_env_defaults(le, None, {})
     assert (out["CCL_LOCAL_RANK"], out["CCL_LOCAL_SIZE"]) == expected
-    assert "CCL_LOCAL_SIZE" not in backend.ccl_env_defaults(le, None, {"CCL_LOCAL_SIZE": "2"})
+    assert "CCL_LOCAL_SIZE" not in oneccl.ccl_env_defaults(le, None, {"CCL_LOCAL_SIZE": "2"})
 
 
 @pytest.mark.distributed

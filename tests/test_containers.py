@@ -249,7 +249,7 @@ def test_the_team_server_asks_for_a_login_and_a_restart_mid_job_loses_nothing(co
 def test_compose_multinode_2x2_on_ddplabs_ccl_gives_one_run_across_containers(compose_factory):
     """`docker compose -f compose/multinode.yml up` with 2 containers x 2 ranks on ccl, the layout
     that hung in oneCCL's first broadcast until ddplab stopped telling oneCCL the true ranks per
-    host across nodes (backend.py, ccl_env_defaults): ofi, libfabric's tcp provider between the
+    host across nodes (distributed/oneccl.py, ccl_env_defaults): ofi, libfabric's tcp provider between the
     containers, the key-value store's address passed through the c10d Store. One FINISHED run of
     world size 4 with every node's system metrics. (2 x 1 runs in the team-server test below and
     as typed in test_compose_fresh; one 2 x 2 job, not one per backend: each cost ~50 s of CI.)"""

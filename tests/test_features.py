@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddplab.config import DataConfig, DistConfig, ModelConfig, OptimConfig
-from ddplab.distributed import backend
+from ddplab.distributed import cpu as cpu_layout
 from ddplab.launchers.detect import LaunchEnv
 from ddplab.training import loop, strategy
 from ddplab.workload import data, models, optim
@@ -101,12 +101,12 @@ def test_pin_cores_gives_each_local_rank_its_own_block():
     cores = sorted(before)
     le = LaunchEnv("torchrun", 1, 2, 1, 2, 0, "127.0.0.1", 29500)
     try:
-        threads, pinned = backend.apply_cpu_layout(
+        threads, pinned = cpu_layout.apply_cpu_layout(
             DistConfig(pin_cores=True, threads_per_rank=1), le, "gloo")
         expected = cores[len(cores) // 2:] if len(cores) >= 2 else cores
         assert pinned == expected and os.sched_getaffinity(0) == set(expected)
         assert threads == 1 and torch.get_num_threads() == 1
-        _, unpinned = backend.apply_cpu_layout(DistConfig(threads_per_rank=1), le, "gloo")
+        _, unpinned = cpu_layout.apply_cpu_layout(DistConfig(threads_per_rank=1), le, "gloo")
         assert unpinned == []
     finally:
         os.sched_setaffinity(0, before)

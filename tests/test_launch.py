@@ -65,7 +65,7 @@ def test_first_host_of_a_slurm_hostlist(nodelist, first):
 
 
 def test_slurm_cpus_per_task_sets_the_threads():
-    from ddplab.distributed.backend import node_cpus
+    from ddplab.distributed.cpu import node_cpus
 
     le = LaunchEnv.from_environ(SLURM)
     assert node_cpus(le, {"SLURM_CPUS_PER_TASK": "1"}) == min(3, node_cpus(le, {}))
@@ -77,17 +77,17 @@ def test_slurm_cpus_per_task_sets_the_threads():
 def test_nodes_sharing_one_host_share_its_cores(monkeypatch):
     """The compose files run NNODES "machines" on one host; each container sees every core."""
     from ddplab.config import ConfigError
-    from ddplab.distributed import backend
+    from ddplab.distributed import cpu
 
-    monkeypatch.setattr(backend, "usable_cpu_count", lambda: 8)
+    monkeypatch.setattr(cpu, "usable_cpu_count", lambda: 8)
     le = LaunchEnv.from_environ(TORCHRUN_CHILD)
-    assert backend.node_cpus(le, {}) == 8
-    assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "2"}) == 4
-    assert backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "16"}) == 1  # never below one
+    assert cpu.node_cpus(le, {}) == 8
+    assert cpu.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "2"}) == 4
+    assert cpu.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "16"}) == 1  # never below one
     with pytest.raises(ConfigError, match="DDPLAB_NODES_ON_HOST: got 'x'"):  # was ignored silently
-        backend.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "x"})
+        cpu.node_cpus(le, {"DDPLAB_NODES_ON_HOST": "x"})
     slurm = LaunchEnv.from_environ(SLURM)
-    assert backend.node_cpus(slurm, {"DDPLAB_NODES_ON_HOST": "2", "SLURM_CPUS_PER_TASK": "1"}) == 3
+    assert cpu.node_cpus(slurm, {"DDPLAB_NODES_ON_HOST": "2", "SLURM_CPUS_PER_TASK": "1"}) == 3
 
 
 def test_layout_properties():

@@ -292,7 +292,8 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.run import BenchError, collectives
-    from .distributed.backend import BackendError, Rank0Error
+    from .distributed.choice import BackendError
+    from .distributed.group import Rank0Error
     from .launchers import LaunchError
     from .tracking import TrackingError
 
@@ -308,7 +309,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """``ddplab run``: the preflight's refusals are bad input (exit 2), like train's."""
-    from .distributed.backend import BackendError
+    from .distributed.choice import BackendError
     from .launchers import local
 
     try:

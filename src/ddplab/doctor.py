@@ -96,10 +96,11 @@ def _layout(env: Mapping[str, str], problems: list[str]) -> LaunchEnv | None:
 def ccl_transport(le: LaunchEnv, env: Mapping[str, str]) -> str:
     """The oneCCL transport a run would use: the user's variables over ddplab's defaults."""
     from . import ccl
-    from .distributed import backend
+    from .distributed.choice import import_ccl
+    from .distributed.oneccl import ccl_env_defaults
 
-    impl = backend.import_ccl()
-    merged = {**backend.ccl_env_defaults(le, impl.pkg_dir, env), **env}
+    impl = import_ccl()
+    merged = {**ccl_env_defaults(le, impl.pkg_dir, env), **env}
     transport = merged.get("CCL_ATL_TRANSPORT", "ofi")
     if transport != "ofi":
         return f"{impl.name}, transport {transport} (CCL_ATL_TRANSPORT)"
@@ -127,7 +128,8 @@ def _check_shm(cfg: ExperimentConfig, le: LaunchEnv, problems: list[str]) -> Non
 
 def doctor(experiment: str | None, overrides: list[str]) -> int:
     from . import tracking
-    from .distributed import backend
+    from .distributed import cpu as cpu_layout
+    from .distributed.choice import BackendError, available, import_ccl, resolve
     from .tracking import capsule
 
     cfg = load(experiment, overrides)
@@ -139,28 +141,28 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() and cfg.dist.device != "cpu" else "cpu"
-    table = backend.available(device)
+    table = available(device)
     for name, (ok, why) in table.items():
         print(f"backend      {name:5s} {'yes' if ok else 'no '}  {why}")
     try:
-        choice = backend.resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, table,
-                                 backend.cores_per_rank(le, os.environ),
-                                 backend.import_ccl().name, le.world_size)
+        choice = resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, table,
+                         cpu_layout.cores_per_rank(le, os.environ), import_ccl().name,
+                         le.world_size)
         agreed = (" (on several nodes: ccl only if every node chooses it)"
                   if cfg.dist.backend == "auto" and le.nnodes > 1 and device == "cpu" else "")
         print(f"backend      -> {choice.name} ({choice.reason}){agreed}")
-    except backend.BackendError as e:
+    except BackendError as e:
         choice = None
         problems.append(str(e))
 
-    cores = backend.usable_cpu_count()
+    cores = cpu_layout.usable_cpu_count()
     ccl = choice is not None and choice.name == "ccl"
     if ccl:
         print("ccl          " + ccl_transport(le, os.environ))
-    threads = backend.threads_per_rank(cfg.dist, le.local_world_size, cores,
-                                       choice.name if choice else "gloo", os.environ)
-    workers = backend.ccl_worker_count(os.environ) if ccl else 0
-    quota = backend.cpu_quota()
+    threads = cpu_layout.threads_per_rank(cfg.dist, le.local_world_size, cores,
+                                          choice.name if choice else "gloo", os.environ)
+    workers = cpu_layout.ccl_worker_count(os.environ) if ccl else 0
+    quota = cpu_layout.cpu_quota()
     print(f"cpu          {capsule.cpu_model()}; {cores} usable cores "
           f"({'cgroup quota ' + format(quota, '.2f') if quota else 'no cgroup quota'}), "
           f"{os.cpu_count()} logical; "
@@ -168,7 +170,7 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
     over = oversubscription(threads, le.local_world_size, cores, workers)
     if over:
         problems.append(over)
-    if ccl and backend.import_ccl().name == "intel-bindings" and cores // le.local_world_size < 2:
+    if ccl and import_ccl().name == "intel-bindings" and cores // le.local_world_size < 2:
         print("warning      oneCCL's worker thread needs a core of its own: with fewer than 2 "
               "cores per rank Intel's ccl is slower than gloo here")
 

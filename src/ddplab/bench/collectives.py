@@ -184,7 +184,7 @@ def devices_here() -> list[str]:
 
 def support(bench: Bench, ops: list[Op]) -> dict[tuple[str, str], dict[str, str]]:
     """(backend, device) -> op -> "yes" or "no: why", for every backend ddplab knows."""
-    from ..distributed.backend import available
+    from ..distributed.choice import available
 
     matrix: dict[tuple[str, str], dict[str, str]] = {}
     for device_name in ("cpu", "cuda"):

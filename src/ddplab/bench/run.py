@@ -84,7 +84,7 @@ def usable_backends(plan: Plan, explicit: bool) -> list[str]:
     """The plan's backends that can run here; an explicitly named one that cannot is an error."""
     import torch
 
-    from ..distributed.backend import available
+    from ..distributed.choice import available
 
     out = []
     for name in plan.backends:
@@ -103,7 +103,9 @@ def usable_backends(plan: Plan, explicit: bool) -> list[str]:
 
 
 def collectives(a: argparse.Namespace) -> int:
-    from ..distributed import backend
+    from ..distributed import group
+    from ..distributed.choice import BackendChoice, import_ccl
+    from ..distributed.oneccl import apply_ccl_env
     from ..launchers import LaunchEnv
 
     plan = plan_from(a)
@@ -115,11 +117,11 @@ def collectives(a: argparse.Namespace) -> int:
     le = LaunchEnv.from_environ(os.environ)
     backends = usable_backends(plan, a.backend.strip() != "all")
     if "ccl" in backends:  # as a training job does: oneCCL reads them when its group starts
-        backend.apply_ccl_env(le, os.environ, backend.import_ccl())
-    control = backend.BackendChoice("gloo", "gloo", "the benchmark's control group")
+        apply_ccl_env(le, os.environ, import_ccl())
+    control = BackendChoice("gloo", "gloo", "the benchmark's control group")
     import torch
 
-    backend.init_process_group(control, le, torch.device("cpu"), int(a.timeout))
+    group.init_process_group(control, le, torch.device("cpu"), int(a.timeout))
     try:
         report = _open_report(a, plan, le, backends)
         try:
@@ -128,14 +130,14 @@ def collectives(a: argparse.Namespace) -> int:
             report.abort("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
     finally:
-        backend.destroy_process_group()
+        group.destroy_process_group()
 
 
 def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]) -> Any:
     """Rank 0 opens the run (every rank learns whether that worked); the others stay silent."""
     import torch
 
-    from ..distributed import backend
+    from ..distributed.group import share_from_rank0
     from .output import Report, Silent
 
     def create() -> Report:
@@ -157,7 +159,7 @@ def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]
         made.append(create())
         return True
 
-    backend.share_from_rank0(make, le.is_rank0, le.world_size)
+    share_from_rank0(make, le.is_rank0, le.world_size)
     return made[0] if made else Silent()
 
 

@@ -34,7 +34,7 @@ def preflight(a: argparse.Namespace) -> None:
 
     from .. import config
     from ..config import ConfigError
-    from ..distributed import backend
+    from ..distributed.choice import resolve, resolve_device
     from ..training import checks
     from .detect import LaunchEnv
 
@@ -48,15 +48,15 @@ def preflight(a: argparse.Namespace) -> None:
         return
     cuda = torch.cuda.is_available()
     checks.preflight(cfg, le, a.summary_out, cuda)
-    device = backend.resolve_device(cfg.dist.device, 0).type
-    backend.resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback,
-                    ccl_impl=None if device != "cpu" else _ccl_impl(), world_size=n)
+    device = resolve_device(cfg.dist.device, 0).type
+    resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback,
+            ccl_impl=None if device != "cpu" else _ccl_impl(), world_size=n)
 
 
 def _ccl_impl() -> str | None:
-    from ..distributed import backend
+    from ..distributed.choice import import_ccl
 
-    impl = backend.import_ccl()
+    impl = import_ccl()
     return impl.name if impl else None
 
 

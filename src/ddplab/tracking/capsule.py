@@ -145,7 +145,7 @@ def container_image() -> str:
 
 
 def _quota() -> float | None:
-    from ..distributed.backend import cpu_quota
+    from ..distributed.cpu import cpu_quota
 
     return cpu_quota()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrackingConfig
-from ..distributed.backend import share_from_rank0
+from ..distributed.group import share_from_rank0
 from ..launchers import LaunchEnv
 from ..log import logger
 from . import spool

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..distributed.backend import share_from_rank0
+from ..distributed.group import share_from_rank0
 from ..errors import DdplabError
 from . import strategy
 from .loop import TrainState

@@ -72,7 +72,7 @@ def _optimizer(cfg: ExperimentConfig) -> None:
 
 
 def _layout(cfg: ExperimentConfig, cuda_available: bool) -> None:
-    from ..distributed.backend import nodes_on_host
+    from ..distributed.cpu import nodes_on_host
 
     nodes_on_host(os.environ)
     on_cuda = cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and cuda_available)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..distributed import host
-from ..distributed.backend import Layout
+from ..distributed.layout import Layout
 from ..tracking import NullTracker, capsule
 from ..workload import data, losses, models, optim
 from ..workload.userparts import Parts

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from .. import config, tracking
-from ..distributed import backend
+from ..distributed import group
+from ..distributed import layout as launch_layout
 from ..launchers import LaunchEnv
 from . import checkpoint, checks
 from .fit import finish, fit
@@ -49,8 +50,8 @@ def train(path: str | None, overrides: Sequence[config.Override], summary_out: s
     le = LaunchEnv.from_environ(os.environ)
     _seed(cfg.train)  # before any user part is built (the checks build them): the same on every rank
     parts = checks.before_start(cfg, le, summary_out, torch.cuda.is_available(), path)  # no run yet
-    layout = backend.plan_layout(cfg.dist, le)
-    with backend.process_group(layout, cfg.dist.timeout_s), Signals() as signals:
+    layout = launch_layout.plan_layout(cfg.dist, le)
+    with launch_layout.process_group(layout, cfg.dist.timeout_s), Signals() as signals:
         resume = checkpoint.find_and_share(cfg, le.is_rank0, le.world_size)
         with tracking.job_run(cfg, le, layout, resume.run_id, signals) as run:
             job = build(cfg, layout, resume, run, parts, summary_out, t_start)
@@ -58,7 +59,7 @@ def train(path: str | None, overrides: Sequence[config.Override], summary_out: s
             with profiling(job):  # torch.profiler on every rank, when profile.enabled
                 fit(job)
             finish(job)
-        backend.finish_together()  # no rank leaves before rank 0 has ended the run
+        group.finish_together()  # no rank leaves before rank 0 has ended the run
     Console(le.is_rank0).say(where(run))
     return run.run_id
 

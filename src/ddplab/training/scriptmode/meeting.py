@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ...distributed.backend import Rank0Error, rendezvous_store
+from ...distributed.group import Rank0Error, rendezvous_store
 from ...launchers import LaunchEnv
 
 T = TypeVar("T")
@@ -69,7 +69,7 @@ class Meeting:
         return {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
     def share_from_rank0(self, produce: Callable[[], T], is_rank0: bool, world_size: int) -> T:
-        """Like backend.share_from_rank0, through the store: rank 0's failure reaches all."""
+        """Like group.share_from_rank0, through the store: rank 0's failure reaches all."""
         key = "run"
         if is_rank0:
             try:

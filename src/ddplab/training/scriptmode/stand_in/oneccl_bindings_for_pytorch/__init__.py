@@ -25,7 +25,7 @@ if not _ok:
 # oneCCL's variables as ddplab sets them for its own ccl: the ranks exchange oneCCL's address
 # through torch's store, so oneCCL must not look for a launcher of its own (a script's
 # CCL_PROCESS_LAUNCHER=torch is Intel's bindings' setting).
-from ddplab.distributed.backend import ccl_env_defaults as _defaults  # noqa: E402
+from ddplab.distributed.oneccl import ccl_env_defaults as _defaults  # noqa: E402
 
 _env = _defaults(_LaunchEnv.from_environ(os.environ), None, {})
 os.environ.update({k: v for k, v in _env.items()
