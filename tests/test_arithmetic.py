@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddplab.study import report
+from ddplab.study import table
 from ddplab.tracking import spool
 from ddplab.training.summary import RunStats
 
@@ -41,7 +41,7 @@ def _run(variant, repeat, status, start, speed=None, world="1", threads="1", dev
 def test_a_repeat_counts_once_its_finished_run_over_a_newer_failed_attempt():
     runs = [_run("a", 0, "FAILED", 1), _run("a", 0, "FINISHED", 2, 100.0),
             _run("a", 0, "FAILED", 3), _run("a", 1, "FAILED", 4), _run("a", 1, "FAILED", 5)]
-    kept = report.latest_per_job(runs)["a"]
+    kept = table.latest_per_job(runs)["a"]
     assert sorted((r.data.tags["ddplab.repeat"], r.info.start_time) for r in kept) == [("0", 2), ("1", 5)]
 
 
@@ -49,7 +49,7 @@ def test_speedup_is_the_ratio_of_medians_and_efficiency_divides_by_resources():
     runs = [_run("base", r, "FINISHED", r, s, world="1", threads="2") for r, s in enumerate((100, 110, 90))]
     runs += [_run("wide", r, "FINISHED", 10 + r, s, world="4", threads="1") for r, s in enumerate((300, 320))]
     runs += [_run("gpu", 0, "FINISHED", 20, 800.0, world="2", threads="8", device="cuda")]
-    rows = {r.variant: r for r in report.table(None, runs, ["base", "wide", "gpu"], "base", 0.0)}
+    rows = {r.variant: r for r in table.table(None, runs, ["base", "wide", "gpu"], "base", 0.0)}
     assert rows["base"].throughput_median == 100 and rows["base"].speedup == 1.0
     assert rows["wide"].speedup == pytest.approx(310 / 100)
     assert rows["wide"].efficiency == pytest.approx(3.1 / (4 / 2))  # ranks x threads on CPU

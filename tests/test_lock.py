@@ -85,7 +85,7 @@ def test_the_subset_leaves_torchs_own_parts_to_torch():
 def test_a_study_report_warns_when_variants_ran_different_environments():
     from types import SimpleNamespace
 
-    from ddplab.study.report import environment_warnings
+    from ddplab.study.table import environment_warnings
 
     def child(variant, build, lock="abc"):
         return SimpleNamespace(data=SimpleNamespace(tags={

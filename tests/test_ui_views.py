@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ddplab import tracking
-from ddplab.study import report
+from ddplab.study import plots, render
 from ddplab.tracking import mlflow_app, ui_views
 from tests.helpers.study import row, with_ratios
 
@@ -86,7 +86,7 @@ def test_an_experiment_address_is_its_runs_table_in_the_view(monkeypatch, view, 
 
 
 def _plots(tmp_path, rows):
-    return {p.name for p in report.plots(None, rows, {}, tmp_path, rows[0].variant)}
+    return {p.name for p in plots.plots(None, rows, {}, tmp_path, rows[0].variant)}
 
 
 def test_speedup_is_drawn_only_when_resources_differ_else_the_ratio_to_the_baseline(tmp_path):
@@ -102,10 +102,27 @@ def test_speedup_is_drawn_only_when_resources_differ_else_the_ratio_to_the_basel
 
 def test_the_table_drops_columns_no_variant_has_and_keeps_the_rest():
     rows = with_ratios([row("a", 1000, 990, 1010), row("b", 900, 880, 910)], "a")
-    heads, cells = report._grid(rows)
+    heads, cells = render.grid(rows)
     assert "time to target s" not in heads  # no target accuracy in this study
     assert heads[0] == "variant" and "speedup" in heads and "backend, launcher" in heads
     assert cells[1][heads.index("speedup")] == "0.900"
-    assert "time to target s" not in report.markdown(rows, "t", [])
+    assert "time to target s" not in render.markdown(rows, "t", [])
     rows[0].time_to_target_s = 12.0
-    assert "time to target s" in report._grid(rows)[0]
+    assert "time to target s" in render.grid(rows)[0]
+
+
+def test_report_html_puts_the_verdict_on_top_and_shows_markup_in_names_as_text(tmp_path):
+    """report.html comes from a jinja2 template with autoescape: a variant named like a tag,
+    or a note with '&', is text in the page, never markup that would break it."""
+    rows = with_ratios([row("<b>wide</b>", 1000, 990, 1010), row("a & b", 900, 880, 910)],
+                       "<b>wide</b>")
+    png = tmp_path / "throughput.png"
+    png.write_bytes(b"\x89PNG made up")
+    page = render.html(rows, "study <s>", ["Verdict: a & b is slower", "WARNING: odd", "n"], [png])
+    assert "<b>wide</b>" not in page and "&lt;b&gt;wide&lt;/b&gt;" in page
+    assert "<title>study &lt;s&gt;</title>" in page
+    assert page.index('class="verdict">Verdict: a &amp; b is slower') < page.index("<table>")
+    assert page.index('class="warning">WARNING: odd') < page.index("<table>")
+    assert page.index('<p class="note">n</p>') > page.index("</table>")
+    assert page.count('<td class="num">') == 2 * 7  # the numeric columns, right-aligned
+    assert 'alt="throughput" src="data:image/png;base64,iVBORyBtYWRlIHVw' in page

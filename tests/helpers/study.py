@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddplab.study.report import Row, with_ratios
+from ddplab.study.table import Row, with_ratios
 
 __all__ = ["row", "with_ratios"]  # the report's own ratios, not a copy
 

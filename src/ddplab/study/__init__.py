@@ -1,5 +1,6 @@
-"""Many jobs -> one comparison: study files (spec), running them (runner), the report
-(report), and re-running a recorded run to check it (reproduce)."""
+"""Many jobs -> one comparison: study files (spec), running them (runner), the report (report:
+its rows in table, drawn in plots, written by render with templates/, judged by verdict; page
+for docs/results/), and re-running a recorded run to check it (reproduce)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""A study's rows as the files a reader opens: report.md, report.html (its template in
+``templates/``, the plots inline, sized for MLflow's artifact pane), results.csv, and the table
+printed on the console.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .table import COLUMNS, Row, fmt
+
+HEADS = ("variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency",
+         "eval acc", "eval loss", "time to target s", "wall s", "model state MB (max rank)",
+         "backend, launcher")
+
+
+NUMERIC = set(HEADS[1:10])
+
+
+def _cells(r: Row) -> list[str]:
+    spread = (f"{fmt(r.throughput_median)} [{fmt(r.throughput_min)}-{fmt(r.throughput_max)}]"
+              if r.throughput_median is not None else "-")
+    wall = f"{r.wall_time_s:.0f}" if r.wall_time_s is not None else "-"
+    return [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, fmt(r.speedup),
+            fmt(r.efficiency), fmt(r.eval_accuracy), fmt(r.eval_loss),
+            fmt(r.time_to_target_s), wall, fmt(r.model_state_mb), f"{r.backend}, {r.launcher}"]
+
+
+def grid(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """The table's heads and cells, without the columns no variant has a value in (no target
+    accuracy: no "time to target"), so it stays narrow enough for MLflow's artifact pane."""
+    cells = [_cells(r) for r in rows]
+    keep = [i for i in range(len(HEADS)) if i == 0 or any(c[i] != "-" for c in cells)]
+    return [HEADS[i] for i in keep], [[c[i] for i in keep] for c in cells]
+
+
+def markdown(rows: list[Row], title: str, notes: list[str]) -> str:
+    heads, cells = grid(rows)
+    lines = [f"# {title}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    return "\n".join(lines + [""] + notes) + "\n"
+
+
+def html(md_rows: list[Row], title: str, notes: list[str], pngs: list[Path]) -> str:
+    """report.html (``templates/report.html.j2``): the verdict and warnings on top, the table,
+    then the plots; sized to fit MLflow's artifact pane (the table scrolls by itself rather than
+    cut columns). Autoescaped: a variant's name or a note is text, never markup."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("ddplab.study", "templates"),
+                             autoescape=True, trim_blocks=True, keep_trailing_newline=True)
+    heads, cells = grid(md_rows)
+    images = [{"stem": p.stem, "name": p.name, "data": base64.b64encode(p.read_bytes()).decode()}
+              for p in pngs]
+    return env.get_template("report.html.j2").render(
+        title=title, heads=heads, cells=cells, numeric=NUMERIC, zip=zip, images=images,
+        verdicts=[n for n in notes if n.startswith("Verdict:")],
+        warnings=[n for n in notes if n.startswith("WARNING:")],
+        notes=[n for n in notes if not n.startswith(("Verdict:", "WARNING:"))])
+
+
+def results_csv(rows: list[Row]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS)
+    w.writeheader()
+    for r in rows:
+        w.writerow(asdict(r))
+    return buf.getvalue()
+
+
+def print_table(rows: list[Row], title: str, console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=title)
+    memory = any(r.model_state_mb is not None for r in rows)
+    for c in ("variant", "ok/all", "samples/s", "speedup", "efficiency", "eval acc", "wall s",
+              *(["state MB"] if memory else []), "backend", "launcher"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r.variant, f"{r.runs - r.failed}/{r.runs}", fmt(r.throughput_median),
+                  fmt(r.speedup), fmt(r.efficiency), fmt(r.eval_accuracy),
+                  fmt(r.wall_time_s), *([fmt(r.model_state_mb)] if memory else []),
+                  r.backend, r.launcher)
+    console.print(t)

@@ -1,0 +1,164 @@
+"""A study's comparison as rows, one per variant, built only from what its child runs logged
+(tags, metrics, metric histories): runs finished/failed, the compared figure's median and
+min-max over repeats, speedup vs the baseline, scaling efficiency (speedup / ratio of resources:
+ranks x threads on CPU, ranks on GPU), final eval accuracy and loss, time to the target
+accuracy, wall time, and the backend and launcher that actually ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
+           "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
+           "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision")
+
+
+@dataclass
+class Row:
+    variant: str
+    runs: int
+    failed: int
+    throughput_median: float | None
+    throughput_min: float | None
+    throughput_max: float | None
+    speedup: float | None
+    efficiency: float | None
+    eval_accuracy: float | None
+    eval_loss: float | None
+    time_to_target_s: float | None
+    wall_time_s: float | None
+    resources: int
+    backend: str
+    launcher: str
+    model_state_mb: float | None = None
+    """The most model state (parameters, gradients, optimizer state) one rank held: what a
+    sharding strategy saves (memory/model_state_mb_max)."""
+    precision: str = "fp32"
+    """The arithmetic the variant trained in (train.amp, or FSDP's mixed precision): a bf16
+    variant may outrun fp32 on the same cores, which a layout cannot."""
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _resources(run: Any) -> int:
+    """What a variant spends: ranks x threads on CPU, ranks (GPUs) on CUDA."""
+    t = run.data.tags
+    ranks = int(t.get("ddplab.world_size", "1") or 1)
+    if t.get("ddplab.device") == "cuda":
+        return ranks
+    return ranks * int(t.get("ddplab.threads_per_rank", "1") or 1)
+
+
+def _what_ran(runs: list[Any], key: str, asked: str = "") -> str:
+    got = sorted({r.data.tags.get(key, "?") for r in runs})
+    said = "/".join(got) or "?"
+    # "auto" picking gloo is no fallback; asking for ccl and getting gloo is, and is said.
+    wanted = sorted({r.data.tags.get(asked, "") for r in runs} - {"", "auto"}) if asked else []
+    if wanted and wanted != got:
+        return f"{said} (asked {'/'.join(wanted)})"
+    return said
+
+
+def time_to_target(client: Any, run: Any, target: float) -> float | None:
+    if not target:
+        return None
+    for m in sorted(client.get_metric_history(run.info.run_id, "eval/accuracy"),
+                    key=lambda m: m.timestamp):
+        if m.value >= target:
+            return (m.timestamp - run.info.start_time) / 1000
+    return None
+
+
+ENVIRONMENT_TAGS = {"ddplab.torch_build": "torch", "ddplab.lock": "locked environment",
+                    "ddplab.image": "image", "ddplab.git_sha": "code"}
+
+
+def environment_warnings(children: list[Any]) -> list[str]:
+    """A warning per environment fact the variants do not share: a comparison of two torch
+    builds or two code versions is not the comparison the study asked for."""
+    said = []
+    for tag, what in ENVIRONMENT_TAGS.items():
+        by_value: dict[str, set[str]] = {}
+        for c in children:
+            by_value.setdefault(c.data.tags.get(tag, "?"), set()).add(c.data.tags.get("ddplab.variant", "?"))
+        if len(by_value) > 1:
+            parts = "; ".join(f"{v}: {', '.join(sorted(names))}" for v, names in sorted(by_value.items()))
+            said.append(f"WARNING: the variants ran different {what} ({tag}): {parts}.")
+    return said
+
+
+def _precision(run: Any) -> str:
+    params = run.data.params
+    for key in ("train.amp", "dist.fsdp.mixed_precision"):
+        if params.get(key, "none") != "none":
+            return params[key]
+    return "fp32"
+
+
+def latest_per_job(children: list[Any]) -> dict[str, list[Any]]:
+    """Per variant, one run per repeat: the FINISHED one, else the newest attempt."""
+    best: dict[tuple[str, str], Any] = {}
+    for c in sorted(children, key=lambda c: c.info.start_time):
+        key = (c.data.tags.get("ddplab.variant", "?"), c.data.tags.get("ddplab.repeat", "0"))
+        if key not in best or best[key].info.status != "FINISHED":
+            best[key] = c
+    out: dict[str, list[Any]] = {}
+    for (variant, _), c in best.items():
+        out.setdefault(variant, []).append(c)
+    return out
+
+
+def table(client: Any, children: list[Any], order: list[str], baseline: str,
+          target: float, metric: str = "perf/samples_per_s", mode: str = "max") -> list[Row]:
+    """One row per variant; ``metric`` is the compared figure (the throughput columns),
+    ``mode`` whether higher (max) or lower (min) is better."""
+    by_variant = latest_per_job(children)
+    rows = []
+    for name in [n for n in order if n in by_variant] + sorted(set(by_variant) - set(order)):
+        runs = by_variant[name]
+        ok = [r for r in runs if r.info.status == "FINISHED"]
+        speeds = [r.data.metrics[metric] for r in ok if metric in r.data.metrics]
+        targets = [t for r in ok if (t := time_to_target(client, r, target)) is not None]
+        rows.append(Row(
+            name, len(runs), len(runs) - len(ok), _median(speeds), min(speeds, default=None),
+            max(speeds, default=None), None, None,
+            _median([r.data.metrics["eval/accuracy"] for r in ok if "eval/accuracy" in r.data.metrics]),
+            _median([r.data.metrics["eval/loss"] for r in ok if "eval/loss" in r.data.metrics]),
+            _median(targets) if len(targets) == len(ok) else None,
+            _median([(r.info.end_time - r.info.start_time) / 1000 for r in ok if r.info.end_time]),
+            _resources(runs[0]), _what_ran(runs, "ddplab.backend", "ddplab.backend_requested"),
+            _what_ran(runs, "ddplab.launcher"),
+            _median([r.data.metrics["memory/model_state_mb_max"] for r in ok
+                     if "memory/model_state_mb_max" in r.data.metrics]),
+            _precision(runs[0])))
+    return with_ratios(rows, baseline, mode)
+
+
+def with_ratios(rows: list[Row], baseline: str, mode: str = "max") -> list[Row]:
+    """Each row's speedup over the baseline's median (``mode`` min: a time or a loss, so the
+    baseline's over this one's) and efficiency (speedup per unit of resources)."""
+    base = next((r for r in rows if r.variant == baseline), None)
+    for row in rows:
+        if base and base.throughput_median and row.throughput_median:
+            row.speedup = row.throughput_median / base.throughput_median
+            if mode == "min":
+                row.speedup = 1 / row.speedup
+            row.efficiency = row.speedup / (row.resources / base.resources)
+    return rows
+
+
+def by_name(rows: list[Row], name: str) -> Row | None:
+    return next((r for r in rows if r.variant == name), None)
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}"
+    return str(v)
