@@ -65,15 +65,37 @@ def study_runs(store: str) -> tuple[object, list]:
     ({"variants": [{"name": "z", "set": {"train.global_batch_size": 99}}]},
      "variant z: train.global_batch_size: got 99"),
     ({"grid": {"nproc": []}}, "grid.nproc: got []"),
+    # the experiments' schema engine: bool is no number, unknown keys name the allowed ones
+    ({"target_accuracy": True}, "target_accuracy: got True; expected float, not bool"),
+    ({"variants": [{"name": "z", "colour": 1}]},
+     "variants[0].colour: unknown key; allowed keys: name, nproc, nnodes, launcher, set"),
+    ({"variants": {"name": "z"}}, "variants: got {'name': 'z'}; expected a list, each item a mapping"),
+    ({"metric_mode": "up"}, "metric_mode: got 'up'; expected one of 'max', 'min'"),
 ])
-def test_a_bad_study_file_is_one_clear_line_and_no_run(tmp_path, store, change, says):
-    if "variants" in change and "baseline" not in change:
+def test_a_bad_study_file_is_one_clear_line_and_no_run(tmp_path, store, change, says, monkeypatch,
+                                                       capsys):
+    """In-process through the CLI's main (the real program's exit code: the test below)."""
+    from ddplab import cli as ddplab_cli
+
+    if isinstance(change.get("variants"), list) and "baseline" not in change:
         change = {"baseline": change["variants"][0]["name"], **change}
-    out = cli(["study", "run", str(write_study(tmp_path, **change))], tmp_path, store)
-    assert out.returncode == 2, out.stdout + out.stderr
-    (line,) = out.stderr.strip().splitlines()
-    assert "study.yaml" in line and says in line and "Traceback" not in out.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("DDPLAB_SET", raising=False)
+    code = ddplab_cli.main(["study", "run", str(write_study(tmp_path, **change))])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert "study.yaml" in line and says in line and "Traceback" not in err
     assert runs(store) == [] and not list(tmp_path.glob("checkpoints"))
+
+
+def test_the_real_study_command_exits_2_with_one_line(tmp_path, store):
+    out = cli(["study", "run", str(write_study(tmp_path, repeats=0))], tmp_path, store)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"ddplab: error: {tmp_path / 'study.yaml'}: repeats: got 0; must be an integer in [1, 1000]"]
+    assert runs(store) == []
 
 
 def test_slurm_variants_are_sbatch_jobs_and_need_a_login_node(tmp_path, store):

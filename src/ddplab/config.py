@@ -47,25 +47,25 @@ def _check_part(key: str, value: str, builtins: tuple[str, ...]) -> None:
     """A built-in name, or a well-formed import path (whether it imports is the checks step's)."""
     if is_import_path(value):
         if not IMPORT_PATH_RE.fullmatch(value):
-            _fail(key, value, "an import path is 'package.module:callable' (Python names, one ':')")
+            fail(key, value, "an import path is 'package.module:callable' (Python names, one ':')")
     elif value not in builtins:
-        _fail(key, value, f"choose one of: {', '.join(builtins)}, or 'package.module:callable'")
+        fail(key, value, f"choose one of: {', '.join(builtins)}, or 'package.module:callable'")
 
 
 class ConfigError(BadInput, ValueError):
     """A bad experiment: names the source, the key, the value and what is allowed."""
 
 
-def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"{key}: got {value!r}; {allowed}")
 
 
-def _check_range(obj: Any, name: str, low: float | None = None, high: float | None = None,
+def check_range(obj: Any, name: str, low: float | None = None, high: float | None = None,
                  low_open: bool = False, high_open: bool = False) -> None:
     """A numeric field within [low, high] (open ends where asked); floats must be finite."""
     v = getattr(obj, name)
     if isinstance(v, float) and not math.isfinite(v):
-        _fail(name, v, "must be a finite number")
+        fail(name, v, "must be a finite number")
     too_low = low is not None and (v <= low if low_open else v < low)
     too_high = high is not None and (v >= high if high_open else v > high)
     if too_low or too_high:
@@ -73,7 +73,7 @@ def _check_range(obj: Any, name: str, low: float | None = None, high: float | No
         right = ")" if high_open or high is None else "]"
         lo = "-inf" if low is None else f"{low:g}"
         hi = "inf" if high is None else str(high) if isinstance(high, int) else f"{high:g}"
-        _fail(name, v, f"must be in {left}{lo}, {hi}{right}")
+        fail(name, v, f"must be in {left}{lo}, {hi}{right}")
 
 
 # Seeds feed torch.manual_seed and the samplers' generators (seed + epoch): a signed 64-bit range.
@@ -124,22 +124,22 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check_part("dataset", self.dataset, DATASETS)
         if self.args and not is_import_path(self.dataset):
-            _fail("args", self.args, f"only your own dataset callable takes args, not {self.dataset!r}")
+            fail("args", self.args, f"only your own dataset callable takes args, not {self.dataset!r}")
         if self.dataset == "imagefolder" and self.channels not in (1, 3):
-            _fail("channels", self.channels, "ImageFolder images are read as 1 (grayscale) or 3 (RGB)")
+            fail("channels", self.channels, "ImageFolder images are read as 1 (grayscale) or 3 (RGB)")
         for name in ("train_samples", "eval_samples", "image_size", "channels", "batch_size",
                      "eval_batch_size", "seq_len"):
             if getattr(self, name) < 1:
-                _fail(name, getattr(self, name), "must be >= 1")
+                fail(name, getattr(self, name), "must be >= 1")
         if self.num_classes < 2:
-            _fail("num_classes", self.num_classes, "must be >= 2")
+            fail("num_classes", self.num_classes, "must be >= 2")
         if self.num_workers < 0:
-            _fail("num_workers", self.num_workers, "must be >= 0")
-        _check_range(self, "noise", 0)
+            fail("num_workers", self.num_workers, "must be >= 0")
+        check_range(self, "noise", 0)
         if self.persistent_workers and self.num_workers == 0:
-            _fail("persistent_workers", True, "needs data.num_workers > 0")
+            fail("persistent_workers", True, "needs data.num_workers > 0")
         if self.dataset in ("synthetic", "imagefolder") and self.image_size < 4:
-            _fail("image_size", self.image_size, "must be >= 4 (the CNN pools twice)")
+            fail("image_size", self.image_size, "must be >= 4 (the CNN pools twice)")
 
 
 @dataclass
@@ -164,7 +164,7 @@ class ModelConfig:
         if self.name == "gpt":
             _check_gpt_args(self.args)
         elif self.args and not is_import_path(self.name):
-            _fail("args", self.args, f"model {self.name!r} takes no args (gpt and your own "
+            fail("args", self.args, f"model {self.name!r} takes no args (gpt and your own "
                   "callables do)")
 
 
@@ -172,18 +172,18 @@ def _check_gpt_args(args: dict[str, Any]) -> None:
     for key, value in args.items():
         tp = GPT_ARGS.get(key)
         if tp is None:
-            _fail(f"args.{key}", value, f"unknown gpt argument; allowed: {', '.join(GPT_ARGS)}")
+            fail(f"args.{key}", value, f"unknown gpt argument; allowed: {', '.join(GPT_ARGS)}")
         ok = isinstance(value, (int, float) if tp is float else int) and not isinstance(value, bool)
         if not ok:
-            _fail(f"args.{key}", value, f"expected {tp.__name__}, not {type(value).__name__}")
+            fail(f"args.{key}", value, f"expected {tp.__name__}, not {type(value).__name__}")
         if tp is int and value < 1:
-            _fail(f"args.{key}", value, "must be >= 1")
+            fail(f"args.{key}", value, "must be >= 1")
     dropout = args.get("dropout", 0.0)
     if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
-        _fail("args.dropout", dropout, "must be in [0, 1)")
+        fail("args.dropout", dropout, "must be in [0, 1)")
     n_embd, n_head = args.get("n_embd", 128), args.get("n_head", 4)
     if n_embd % n_head:
-        _fail("args.n_embd", n_embd, f"must be a multiple of model.args.n_head ({n_head})")
+        fail("args.n_embd", n_embd, f"must be a multiple of model.args.n_head ({n_head})")
 
 
 @dataclass
@@ -220,19 +220,19 @@ class OptimConfig:
         _check_part("name", self.name, OPTIMIZERS)
         _check_part("scheduler", self.scheduler, SCHEDULERS)
         if is_import_path(self.scheduler) and self.warmup_steps:
-            _fail("warmup_steps", self.warmup_steps, "0 with a scheduler of your own (warm-up is "
+            fail("warmup_steps", self.warmup_steps, "0 with a scheduler of your own (warm-up is "
                   "ddplab's schedules'; OneCycleLR has pct_start, torch's SequentialLR chains one)")
         if self.scheduler_args and not is_import_path(self.scheduler):
-            _fail("scheduler_args", self.scheduler_args, "only with a scheduler by import path "
+            fail("scheduler_args", self.scheduler_args, "only with a scheduler by import path "
                   "(ddplab's cosine and step take warmup_steps, step_size, gamma)")
-        _check_range(self, "lr", 0, low_open=True)
-        _check_range(self, "weight_decay", 0)
-        _check_range(self, "momentum", 0, 1, high_open=True)
-        _check_range(self, "gamma", 0, low_open=True)
+        check_range(self, "lr", 0, low_open=True)
+        check_range(self, "weight_decay", 0)
+        check_range(self, "momentum", 0, 1, high_open=True)
+        check_range(self, "gamma", 0, low_open=True)
         if self.warmup_steps < 0:
-            _fail("warmup_steps", self.warmup_steps, "must be >= 0")
+            fail("warmup_steps", self.warmup_steps, "must be >= 0")
         if self.step_size < 1:
-            _fail("step_size", self.step_size, "must be >= 1")
+            fail("step_size", self.step_size, "must be >= 1")
 
 
 @dataclass
@@ -251,10 +251,10 @@ class EarlyStoppingConfig:
 
     def __post_init__(self) -> None:
         if self.metric not in ("", *EVAL_METRICS):
-            _fail("metric", self.metric, f"one of {', '.join(EVAL_METRICS)}, or '' (off)")
+            fail("metric", self.metric, f"one of {', '.join(EVAL_METRICS)}, or '' (off)")
         if self.patience < 1:
-            _fail("patience", self.patience, "must be >= 1")
-        _check_range(self, "min_delta", 0)
+            fail("patience", self.patience, "must be >= 1")
+        check_range(self, "min_delta", 0)
 
 
 @dataclass
@@ -293,12 +293,12 @@ class TrainConfig:
         _check_part("loss", self.loss, LOSSES)
         for name in ("epochs", "grad_accum_steps", "log_every", "eval_every_epochs"):
             if getattr(self, name) < 1:
-                _fail(name, getattr(self, name), "must be >= 1")
+                fail(name, getattr(self, name), "must be >= 1")
         for name in ("max_steps", "global_batch_size", "seed", "eval_every_steps"):
             if getattr(self, name) < 0:
-                _fail(name, getattr(self, name), "must be >= 0")
-        _check_range(self, "grad_clip", 0)
-        _check_range(self, "seed", 0, MAX_SEED)
+                fail(name, getattr(self, name), "must be >= 0")
+        check_range(self, "grad_clip", 0)
+        check_range(self, "seed", 0, MAX_SEED)
 
 
 @dataclass
@@ -323,7 +323,7 @@ class FsdpConfig:
         names = [n.strip() for n in self.wrap.split(",") if n.strip()]
         bad = [n for n in names if not n.isidentifier()]
         if bad:
-            _fail("wrap", self.wrap, "comma-separated Python class names, e.g. 'Block,Layer'")
+            fail("wrap", self.wrap, "comma-separated Python class names, e.g. 'Block,Layer'")
 
 
 @dataclass
@@ -369,10 +369,10 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         if self.threads_per_rank != "auto" and self.threads_per_rank < 1:
-            _fail("threads_per_rank", self.threads_per_rank, "must be >= 1 or 'auto'")
-        _check_range(self, "timeout_s", 1, MAX_TIMEOUT_S)
-        _check_range(self, "hang_after_s", 0, MAX_TIMEOUT_S)
-        _check_range(self, "bucket_cap_mb", 0, 4096, low_open=True)
+            fail("threads_per_rank", self.threads_per_rank, "must be >= 1 or 'auto'")
+        check_range(self, "timeout_s", 1, MAX_TIMEOUT_S)
+        check_range(self, "hang_after_s", 0, MAX_TIMEOUT_S)
+        check_range(self, "bucket_cap_mb", 0, 4096, low_open=True)
 
 
 @dataclass
@@ -404,9 +404,9 @@ class TrackingConfig:
         from .logins import take_login
 
         self.uri = take_login(self.uri)
-        _check_range(self, "wait_s", 0, MAX_TIMEOUT_S)
-        _check_range(self, "delivery_timeout_s", 0, MAX_TIMEOUT_S)
-        _check_range(self, "system_metrics_interval_s", 0, 3600, low_open=True)
+        check_range(self, "wait_s", 0, MAX_TIMEOUT_S)
+        check_range(self, "delivery_timeout_s", 0, MAX_TIMEOUT_S)
+        check_range(self, "system_metrics_interval_s", 0, 3600, low_open=True)
 
 
 @dataclass
@@ -428,11 +428,11 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         for name in ("every_steps", "every_epochs"):
             if getattr(self, name) < 0:
-                _fail(name, getattr(self, name), "must be >= 0")
+                fail(name, getattr(self, name), "must be >= 0")
         if self.keep < 1:
-            _fail("keep", self.keep, "must be >= 1")
+            fail("keep", self.keep, "must be >= 1")
         if not self.resume:
-            _fail("resume", self.resume, "use 'auto', 'never' or a checkpoint file path")
+            fail("resume", self.resume, "use 'auto', 'never' or a checkpoint file path")
 
 
 @dataclass
@@ -450,7 +450,7 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         for name, low in (("wait", 0), ("warmup", 0), ("active", 1)):
             if getattr(self, name) < low:
-                _fail(name, getattr(self, name), f"must be >= {low}")
+                fail(name, getattr(self, name), f"must be >= {low}")
 
 
 @dataclass
@@ -478,12 +478,12 @@ class ScriptConfig:
     def __post_init__(self) -> None:
         for name in self.flags:
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-                _fail(f"flags.{name}", self.flags[name], "a flag name is letters, digits, '_', "
+                fail(f"flags.{name}", self.flags[name], "a flag name is letters, digits, '_', "
                       "'-' or '.', without the leading dashes")
         for name, value in self.env.items():
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                _fail(f"env.{name}", value, "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
-        _check_range(self, "log_tail_kb", 1, 1 << 20)
+                fail(f"env.{name}", value, "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        check_range(self, "log_tail_kb", 1, 1 << 20)
 
     def argv(self) -> list[str]:
         """The script's arguments: ``args``, then ``flags`` (replacing the same flag in args)."""
@@ -535,7 +535,7 @@ class ExperimentConfig:
         # The name is a directory under checkpoint.dir and the MLflow experiment: one safe
         # path component.
         if not NAME_RE.fullmatch(self.name):
-            _fail("name", self.name, "use 1-100 letters, digits, '.', '_' or '-', starting with a "
+            fail("name", self.name, "use 1-100 letters, digits, '.', '_' or '-', starting with a "
                   "letter or digit")
 
     def to_dict(self) -> dict[str, Any]:
@@ -581,8 +581,8 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):  # an optional key: None is "left out", not a type
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -594,25 +594,31 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 return _coerce(arg, value, key)
             except ConfigError:
                 continue
-        _fail(key, value, f"expected {_type_name(tp)}")
+        fail(key, value, f"expected {_type_name(tp)}")
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
-        _fail(key, value, f"expected {_type_name(tp)}")
+        fail(key, value, f"expected {_type_name(tp)}")
+    if tp is type(None) and value is None:  # an optional key left empty
+        return None
+    if origin is list and _is_section(typing.get_args(tp)[0]):  # a list of sections (variants)
+        if not isinstance(value, list):
+            fail(key, value, f"expected a list, each item {_what(typing.get_args(tp)[0])}")
+        return [_coerce(typing.get_args(tp)[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is list:
         # A script's arguments: YAML may read `3` or `0.1` as numbers; the script gets text.
         if not isinstance(value, list) or not all(
                 isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in value):
-            _fail(key, value, "expected a list of strings, e.g. [--epochs, '3']")
+            fail(key, value, "expected a list of strings, e.g. [--epochs, '3']")
         return [str(a) for a in value]
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            _fail(key, value, "expected a mapping of names to values")
+            fail(key, value, "expected a mapping of names to values")
         return dict(value)
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested section's class
+    if _is_section(tp):  # a nested section's class
         if not isinstance(value, dict):
-            _fail(key, value, f"expected a mapping of {tp.__name__} keys")
-        return _build(tp, value, key + ".")
+            fail(key, value, f"expected {_what(tp)}")
+        return from_mapping(tp, value, key + ".")
     # bool is a subclass of int: never let `true` pass as a number, nor 1 as a flag.
     if tp is bool and isinstance(value, bool):
         return value
@@ -622,10 +628,24 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return float(value)
     if tp is str and isinstance(value, str):
         return value
-    _fail(key, value, f"expected {_type_name(tp)}, not {type(value).__name__}")
+    fail(key, value, f"expected {_type_name(tp)}, not {type(value).__name__}")
 
 
-def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _what(section: type) -> str:
+    """How an error names a section: its ``WHAT`` when it says (a study's "variant"), else
+    "a mapping of <class> keys"."""
+    return str(getattr(section, "WHAT", f"a mapping of {section.__name__} keys"))
+
+
+def from_mapping(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    """The one schema engine (experiments and study files): a dataclass from a plain mapping,
+    each value checked against its annotation (bool is never a number, a number never a flag),
+    an unknown key named with the allowed ones, and the class's own ``__post_init__`` checks;
+    every error one ConfigError line "key: got value; what is allowed"."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for k in raw:
@@ -744,7 +764,7 @@ def load(path: str | Path | None, overrides: Sequence[Override] = (),
         _apply(raw, keys, value, origin)
         overridden[".".join(keys)] = origin
     try:
-        cfg = _build(ExperimentConfig, raw)
+        cfg = from_mapping(ExperimentConfig, raw)
     except ConfigError as e:
         key = str(e).split(":", 1)[0]
         origin = next((v for k, v in overridden.items()

@@ -16,34 +16,96 @@ The compared figure is ``perf/samples_per_s`` for ddplab's own loop; a study ove
 (``experiment: ../scripts/my_train.py``) compares a metric the script logs (``metric``), or its
 wall time (``perf/wall_s``, lower is better) when none is named.
 
-Validated like experiments: every error is one line naming the file, the key, the value and
-what is allowed, and every variant's experiment config is resolved (so a bad ``set`` key stops
-the study before any job starts).
+Validated by the experiments' own schema engine (``config.from_mapping`` over
+:class:`StudyFile`): every error is one line naming the file, the key, the value and what is
+allowed, and every variant's experiment config is resolved (so a bad ``set`` key stops the
+study before any job starts).
 """
 
 from __future__ import annotations
 
 import itertools
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from ..config import (
     NAME_RE,
     ConfigError,
     ExperimentConfig,
     Override,
+    check_range,
+    fail,
+    from_mapping,
     is_script,
     load,
     read_yaml_file,
 )
 
-LAUNCHERS = ("torchrun", "mpirun", "compose", "compose-mpi", "slurm")
+Launcher = Literal["torchrun", "mpirun", "compose", "compose-mpi", "slurm"]
+LAUNCHERS: tuple[str, ...] = typing.get_args(Launcher)
 LAYOUT_KEYS = ("nproc", "nnodes", "launcher")
-STUDY_KEYS = ("name", "description", "experiment", "set", "repeats", "baseline",
-              "target_accuracy", "variants", "grid", "metric", "metric_mode")
-VARIANT_KEYS = ("name", *LAYOUT_KEYS, "set")
+MAX_REPEATS, MAX_RANKS = 1000, 65536
+
+
+# ---- the study file as written: checked by the experiments' own schema engine ----
+
+def _count(obj: Any, name: str, most: int) -> None:
+    if not 1 <= getattr(obj, name) <= most:
+        fail(name, getattr(obj, name), f"must be an integer in [1, {most}]")
+
+
+def _named(value: str) -> None:
+    if not NAME_RE.fullmatch(value):
+        fail("name", value, "must be a name of letters, digits, '.', '_' or '-'")
+
+
+@dataclass
+class VariantFile:
+    """A variant as a study file writes it (``variants:`` items, or a point of ``grid:``)."""
+
+    WHAT: ClassVar[str] = "a mapping with at least a name (a variant)"
+    name: str = ""
+    nproc: int = 1
+    nnodes: int = 1
+    launcher: Launcher = "torchrun"
+    set: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _named(self.name)
+        _count(self, "nproc", MAX_RANKS)
+        _count(self, "nnodes", MAX_RANKS)
+
+
+@dataclass
+class StudyFile:
+    """A study file's keys; what they resolve to (paths, the grid's variants, defaults that
+    depend on the experiment) is :class:`Study`."""
+
+    name: str = ""
+    description: str = ""
+    experiment: str = ""
+    set: dict[str, Any] = field(default_factory=dict)
+    repeats: int = 1
+    baseline: str | None = None
+    target_accuracy: float = 0.0
+    variants: list[VariantFile] = field(default_factory=list)
+    grid: dict[str, Any] = field(default_factory=dict)
+    metric: str | None = None
+    metric_mode: Literal["max", "min"] | None = None
+
+    def __post_init__(self) -> None:
+        _named(self.name)
+        _count(self, "repeats", MAX_REPEATS)
+        check_range(self, "target_accuracy", 0, 1)
+        for k, values in self.grid.items():
+            if not isinstance(values, list) or not values:
+                fail(f"grid.{k}", values, "must be a non-empty list of values")
+        if self.metric is not None and not (self.metric.strip() and len(self.metric) <= 250):
+            fail("metric", self.metric, "must be the name of a metric the jobs log, e.g. "
+                                        "train/loss or perf/samples_per_s")
 
 
 @dataclass(frozen=True)
@@ -117,54 +179,8 @@ def as_text(item: Override) -> str:
     return item if isinstance(item, str) else item[1]
 
 
-def _fail(where: str, key: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{where}: {key}: got {value!r}; {allowed}")
-
-
-MAX_REPEATS, MAX_RANKS = 1000, 65536
-
-
-def _positive_int(where: str, key: str, value: Any, most: int = MAX_RANKS) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
-        raise _fail(where, key, value, f"must be an integer in [1, {most}]")
-    return value
-
-
-def _mapping(where: str, key: str, value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise _fail(where, key, value, "must be a mapping of config keys to values, "
-                                       "e.g. {train.max_steps: 200}")
-    return value
-
-
-def _variant(where: str, key: str, raw: Any) -> Variant:
-    if not isinstance(raw, dict):
-        raise _fail(where, key, raw, "must be a mapping with at least a name")
-    unknown = [k for k in raw if k not in VARIANT_KEYS]
-    if unknown:
-        raise ConfigError(f"{where}: {key}.{unknown[0]}: unknown key; allowed keys: "
-                          f"{', '.join(VARIANT_KEYS)}")
-    name = raw.get("name")
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise _fail(where, f"{key}.name", name, "must be a name of letters, digits, '.', '_' "
-                                                "or '-'")
-    launcher = raw.get("launcher", "torchrun")
-    if launcher not in LAUNCHERS:
-        raise _fail(where, f"{key}.launcher", launcher, f"must be one of {', '.join(LAUNCHERS)}")
-    return Variant(name, _positive_int(where, f"{key}.nproc", raw.get("nproc", 1)),
-                   _positive_int(where, f"{key}.nnodes", raw.get("nnodes", 1)), launcher,
-                   _mapping(where, f"{key}.set", raw.get("set")))
-
-
-def _grid(where: str, raw: Any) -> list[dict[str, Any]]:
-    grid = _mapping(where, "grid", raw)
-    if not grid:
-        return []
-    for k, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise _fail(where, f"grid.{k}", values, "must be a non-empty list of values")
+def _grid(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The cross product of ``grid:`` as variants, each named by its values."""
     out = []
     for combo in itertools.product(*grid.values()):
         point = dict(zip(grid, combo, strict=True))
@@ -174,42 +190,21 @@ def _grid(where: str, raw: Any) -> list[dict[str, Any]]:
     return out
 
 
+# An empty section is no section (``set:`` with nothing under it reads as null).
+EMPTY_OK = ("description", "set", "variants", "grid")
+
+
 def parse(path: Path, raw: Any, extra: Sequence[Override] = ()) -> Study:
     where = str(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping (name, experiment, variants)")
-    unknown = [k for k in raw if k not in STUDY_KEYS]
-    if unknown:
-        raise ConfigError(f"{where}: {unknown[0]}: unknown key; allowed keys: {', '.join(STUDY_KEYS)}")
-    name = raw.get("name")
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise _fail(where, "name", name, "must be a name of letters, digits, '.', '_' or '-'")
-    exp = raw.get("experiment")
-    if not isinstance(exp, str) or not (path.parent / exp).is_file():
-        raise _fail(where, "experiment", exp, "must be an experiment file, relative to the study")
-    listed = raw.get("variants") or []
-    if not isinstance(listed, list):
-        raise _fail(where, "variants", listed, "must be a list of variants")
-    variants = [_variant(where, f"variants[{i}]", v) for i, v in enumerate(listed)]
-    variants += [_variant(where, "grid", v) for v in _grid(where, raw.get("grid"))]
-    if not variants:
-        raise _fail(where, "variants", listed, "a study needs at least one variant (or a grid)")
-    names = [v.name for v in variants]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup:
-        raise _fail(where, "variants", dup, "variant names must be unique")
-    baseline = raw.get("baseline", names[0])
-    if baseline not in names:
-        raise _fail(where, "baseline", baseline, f"must name a variant: {', '.join(names)}")
-    target = raw.get("target_accuracy", 0.0)
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target <= 1:
-        raise _fail(where, "target_accuracy", target, "must be a number in [0, 1]")
-    metric, mode = _metric(where, raw, is_script(path.parent / exp))
-    study = Study(name, path, (path.parent / exp).resolve(), tuple(variants), baseline,
-                  _positive_int(where, "repeats", raw.get("repeats", 1), MAX_REPEATS),
-                  _mapping(where, "set", raw.get("set")), float(target),
-                  str(raw.get("description", "")), tuple(extra), metric, mode)
-    for v in variants:  # every job's config resolves, before any job starts
+    try:
+        written = from_mapping(StudyFile, {k: v for k, v in raw.items()
+                                           if v is not None or k not in EMPTY_OK})
+        study = _resolve(path, written, extra)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    for v in study.variants:  # every job's config resolves, before any job starts
         try:
             study.config(v)
         except ConfigError as e:
@@ -217,19 +212,36 @@ def parse(path: Path, raw: Any, extra: Sequence[Override] = ()) -> Study:
     return study
 
 
-def _metric(where: str, raw: dict[str, Any], script: bool) -> tuple[str, str]:
+def _resolve(path: Path, f: StudyFile, extra: Sequence[Override]) -> Study:
+    """The file's keys as a plan: the experiment's path, listed and grid variants, the
+    baseline and the compared metric with their defaults."""
+    if not f.experiment or not (path.parent / f.experiment).is_file():
+        fail("experiment", f.experiment, "must be an experiment file, relative to the study")
+    listed = [Variant(v.name, v.nproc, v.nnodes, v.launcher, v.set) for v in f.variants]
+    grid = [from_mapping(VariantFile, v, "grid.") for v in _grid(f.grid)] if f.grid else []
+    variants = listed + [Variant(v.name, v.nproc, v.nnodes, v.launcher, v.set) for v in grid]
+    if not variants:
+        fail("variants", [], "a study needs at least one variant (or a grid)")
+    names = [v.name for v in variants]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        fail("variants", dup, "variant names must be unique")
+    baseline = names[0] if f.baseline is None else f.baseline
+    if baseline not in names:
+        fail("baseline", baseline, f"must name a variant: {', '.join(names)}")
+    metric, mode = _metric(f, is_script(path.parent / f.experiment))
+    return Study(f.name, path, (path.parent / f.experiment).resolve(), tuple(variants), baseline,
+                 f.repeats, f.set, f.target_accuracy, f.description, tuple(extra), metric, mode)
+
+
+def _metric(f: StudyFile, script: bool) -> tuple[str, str]:
     """(the compared metric, max|min): the study's, else the loop's throughput or, for a
     script, its wall time."""
     default = ("perf/wall_s", "min") if script else ("perf/samples_per_s", "max")
-    metric = raw.get("metric", default[0])
-    if not isinstance(metric, str) or not metric.strip() or len(metric) > 250:
-        raise _fail(where, "metric", metric, "must be the name of a metric the jobs log, e.g. "
-                                             "train/loss or perf/samples_per_s")
+    if f.metric is None:
+        return default[0], f.metric_mode or default[1]
     known = {"perf/wall_s": "min", "perf/samples_per_s": "max"}
-    mode = raw.get("metric_mode", known.get(metric, "max") if "metric" in raw else default[1])
-    if mode not in ("max", "min"):
-        raise _fail(where, "metric_mode", mode, "must be max (higher is better) or min")
-    return metric, mode
+    return f.metric, f.metric_mode or known.get(f.metric, "max")
 
 
 def load_study(path: str | Path, extra: Sequence[Override] = ()) -> Study:
