@@ -234,7 +234,7 @@ k8s-apply: ## Apply k8s/ for the operator the cluster runs: Kubeflow Trainer v2 
 k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' schema (no cluster)
 	$(BIN)/pytest tests/test_k8s.py $(PYTEST_ARGS)
 
-k8s-emulate: $(STAMP) ## Run the CPU, elastic and MPI jobs' pods as the operators would, on Docker
+k8s-emulate: $(STAMP) ## Run the v1 CPU, elastic and MPI jobs' and the v2 TrainJobs' pods as the operators would, on Docker
 	$(BIN)/pytest tests/test_k8s_emulation.py $(PYTEST_ARGS)
 
 CHECKOV_VERSION ?= 3.3.30

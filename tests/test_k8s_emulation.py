@@ -14,6 +14,12 @@ container's image and args exactly as written in the manifest.
   (PET_RDZV_ENDPOINT=`<job>-worker-0:<port>`, PET_RDZV_BACKEND, PET_NNODES=`min:max`,
   PET_MAX_RESTARTS); the PVC is a directory shared by the pods. A worker is killed mid-run and
   restarted as restartPolicy OnFailure restarts it (same pod name and address).
+- TrainJob (Kubeflow Trainer v2.3.0, pkg/runtime/framework/plugins/torch/torch.go, run as a
+  JobSet): the runtime's "node" replicated job with the TrainJob's trainer (numNodes,
+  numProcPerNode, image, command, args, env) laid over it; pods `<job>-node-0-<i>` resolvable
+  as `<job>-node-0-<i>.<job>` (JobSet's subdomain); the torch plugin's PET_NNODES,
+  PET_NPROC_PER_NODE, PET_NODE_RANK (the Job's completion index), PET_MASTER_ADDR
+  `<job>-node-0-0.<job>` and PET_MASTER_PORT 29400.
 - MPIJob (kubeflow/mpi-operator v0.8, pkg/controller/mpi_job_controller.go): the job's ssh
   Secret (a P-521 key made here as the operator makes it) at sshAuthMountPath with the files
   id_rsa, id_rsa.pub and authorized_keys; the hostfile ConfigMap at /etc/mpi; the launcher's
@@ -208,6 +214,23 @@ def search_runs(base: str) -> list[dict] | None:
         return None
 
 
+def runs_in_every_experiment(base: str) -> list[dict]:
+    """Every run the server holds, newest first (a script's run has an experiment of its own)."""
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(f"{base}/api/2.0/mlflow/{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Host": "mlflow.ddplab.svc:5000",
+                                              "Authorization": "Basic " + base64.b64encode(
+                                                  LOGIN.encode()).decode()})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+    try:
+        ids = [e["experiment_id"] for e in post("experiments/search", {"max_results": 100})["experiments"]]
+        return post("runs/search", {"experiment_ids": ids}).get("runs", [])
+    except OSError:
+        return []
+
+
 def wait_for_run(base: str, pods: list[str], until=lambda run: run["info"]["status"] != "RUNNING",
                  timeout: float = 600) -> list[dict] | None:
     """The runs once the first one satisfies ``until``, or when every pod has ended."""
@@ -271,6 +294,56 @@ def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
     # 2 pods x 2 ranks on ddplab's ccl, not the gloo fallback the manifest allows
     assert tags["ddplab.backend"] == "ccl", tags["ddplab.backend_reason"]
     assert exit_codes(pods) == [0] * len(pods)
+
+
+def trainjob_pods(job: dict, runtime: dict) -> list[tuple[str, dict, dict, dict[str, str]]]:
+    """(pod name, pod spec, "node" container, env) of each node, as Trainer v2.3's torch plugin
+    and JobSet make them from a TrainJob and its TrainingRuntime."""
+    (rj,) = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == "node"]
+    pod = copy.deepcopy(rj["template"]["spec"]["template"]["spec"])
+    (c,) = [c for c in pod["containers"] if c["name"] == "node"]
+    trainer, name = job["spec"].get("trainer", {}), job["metadata"]["name"]
+    for key in ("image", "command", "args"):  # the TrainJob's trainer replaces the runtime's
+        if key in trainer:
+            c[key] = trainer[key]
+    nodes = trainer.get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
+    env = {**env_of(c), **env_of({"env": trainer.get("env", [])}),
+           "PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(trainer.get("numProcPerNode", "auto")),
+           "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": "29400"}
+    return [(f"{name}-node-0-{i}", pod, c, {**env, "PET_NODE_RANK": str(i)}) for i in range(nodes)]
+
+
+def test_trainer_v2_trainjobs_run_as_the_trainer_runs_them(cluster, tmp_path):
+    """EMULATED Trainer v2 (no API server here): the CPU TrainJob (the quickstart, 2 nodes x 2
+    ranks on ddplab's ccl) and then the script TrainJob (an unedited torchrun script, 2 nodes)
+    against the shipped runtime, one tracking stack for both; each ends as ONE FINISHED run
+    with both nodes' system metrics."""
+    net, started = cluster
+    base = start_mlflow(net, started, tmp_path)
+    runtimes = {r["metadata"]["name"]: r for r in load("trainer-v2/00-runtime-cpu.yaml")}
+    expect = {"10-trainjob-cpu.yaml": ("ccl", "4"), "20-trainjob-script.yaml": (None, "2")}
+    for file, (backend, world) in expect.items():
+        (job,) = load(f"trainer-v2/{file}")
+        name = job["metadata"]["name"]
+        pods = []
+        for pod_name, pod, c, env in trainjob_pods(job, runtimes[job["spec"]["runtimeRef"]["name"]]):
+            run(net, started, pod_name, [pod_name, f"{pod_name}.{name}"],
+                docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"], env)
+            pods.append(pod_name)
+        assert exit_codes(pods, timeout=600) == [0] * len(pods), logs(pods)
+        (run_,) = [r for r in runs_in_every_experiment(base)
+                   if tags_of(r).get("ddplab.hosts", "").startswith(name)]
+        tags = tags_of(run_)
+        assert run_["info"]["status"] == "FINISHED", logs(pods)
+        assert (tags["ddplab.launcher"], tags["ddplab.world_size"]) == ("torchrun", world)
+        assert sorted(tags["ddplab.hosts"].split(",")) == [f"{name}-node-0-{i}" for i in range(2)]
+        if backend:
+            assert tags["ddplab.backend"] == backend, tags["ddplab.backend_reason"]
+        else:
+            assert tags["ddplab.mode"] == "script", tags
+        metrics = {m["key"] for m in run_["data"]["metrics"]}
+        for node in range(2):
+            assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in metrics), metrics
 
 
 def elastic_env(job: dict, port: int) -> dict[str, str]:
