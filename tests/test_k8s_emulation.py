@@ -14,12 +14,14 @@ container's image and args exactly as written in the manifest.
   (PET_RDZV_ENDPOINT=`<job>-worker-0:<port>`, PET_RDZV_BACKEND, PET_NNODES=`min:max`,
   PET_MAX_RESTARTS); the PVC is a directory shared by the pods. A worker is killed mid-run and
   restarted as restartPolicy OnFailure restarts it (same pod name and address).
-- TrainJob (Kubeflow Trainer v2.3.0, pkg/runtime/framework/plugins/torch/torch.go, run as a
-  JobSet): the runtime's "node" replicated job with the TrainJob's trainer (numNodes,
-  numProcPerNode, image, command, args, env) laid over it; pods `<job>-node-0-<i>` resolvable
-  as `<job>-node-0-<i>.<job>` (JobSet's subdomain); the torch plugin's PET_NNODES,
-  PET_NPROC_PER_NODE, PET_NODE_RANK (the Job's completion index), PET_MASTER_ADDR
-  `<job>-node-0-0.<job>` and PET_MASTER_PORT 29400.
+- TrainJob (Kubeflow Trainer v2.3.0, pkg/runtime/framework/plugins/{torch,mpi}, run as a
+  JobSet): the TrainJob's trainer (numNodes, numProcPerNode, image, command, args, env) laid
+  over the runtime's trainer job; pods `<job>-<replicatedJob>-0-<i>` resolvable as
+  `<pod>.<job>` (JobSet's subdomain). Torch: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the
+  Job's completion index), PET_MASTER_ADDR `<job>-node-0-0.<job>`, PET_MASTER_PORT 29400. MPI:
+  the Secret `<job>-mpi-ssh-auth` (a P-521 key) at sshAuthMountPath in every pod, the hostfile
+  ConfigMap `<job>-mpi-hostfile` (`<job>-node-0-<i>.<job> slots=N`) at /etc/mpi and the
+  OMPI_MCA_* env in the launcher, started after the nodes (dependsOn Ready).
 - MPIJob (kubeflow/mpi-operator v0.8, pkg/controller/mpi_job_controller.go): the job's ssh
   Secret (a P-521 key made here as the operator makes it) at sshAuthMountPath with the files
   id_rsa, id_rsa.pub and authorized_keys; the hostfile ConfigMap at /etc/mpi; the launcher's
@@ -296,54 +298,107 @@ def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
     assert exit_codes(pods) == [0] * len(pods)
 
 
-def trainjob_pods(job: dict, runtime: dict) -> list[tuple[str, dict, dict, dict[str, str]]]:
-    """(pod name, pod spec, "node" container, env) of each node, as Trainer v2.3's torch plugin
-    and JobSet make them from a TrainJob and its TrainingRuntime."""
-    (rj,) = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == "node"]
-    pod = copy.deepcopy(rj["template"]["spec"]["template"]["spec"])
-    (c,) = [c for c in pod["containers"] if c["name"] == "node"]
-    trainer, name = job["spec"].get("trainer", {}), job["metadata"]["name"]
-    for key in ("image", "command", "args"):  # the TrainJob's trainer replaces the runtime's
-        if key in trainer:
-            c[key] = trainer[key]
-    nodes = trainer.get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
-    env = {**env_of(c), **env_of({"env": trainer.get("env", [])}),
-           "PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(trainer.get("numProcPerNode", "auto")),
-           "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": "29400"}
-    return [(f"{name}-node-0-{i}", pod, c, {**env, "PET_NODE_RANK": str(i)}) for i in range(nodes)]
+TRAINER_PORT = 29400  # kubeflow/trainer v2.3.0 constants.ContainerTrainerPort
+
+
+def trainjob_pods(job: dict, runtime: dict,
+                  sources: dict[str, dict[str, str]]) -> list[tuple[str, dict, dict, dict[str, str]]]:
+    """(pod name, pod spec, "node" container, env) of every pod, nodes first (an MPI launcher
+    dependsOn them being Ready), as JobSet and Trainer v2.3's torch or MPI plugin make them from
+    a TrainJob and its TrainingRuntime. The MPI plugin's ssh Secret and hostfile ConfigMap are
+    added to ``sources``."""
+    name, trainer = job["metadata"]["name"], job["spec"].get("trainer", {})
+    policy = runtime["spec"]["mlPolicy"]
+    nodes = trainer.get("numNodes", policy.get("numNodes", 1))
+    mpi = policy.get("mpi")
+    if mpi:
+        slots = trainer.get("numProcPerNode", mpi.get("numProcPerNode", 1))
+        sources[f"{name}-mpi-ssh-auth"] = operator_ssh_secret()  # the same P-521 key as v1's
+        sources[f"{name}-mpi-hostfile"] = {"hostfile": "".join(
+            f"{name}-node-0-{i}.{name} slots={slots}\n" for i in range(nodes))}
+    out = []
+    jobs = {rj["name"]: rj for rj in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+    for rj_name in [n for n in ("node", "launcher") if n in jobs]:
+        rj = jobs[rj_name]
+        pod = copy.deepcopy(rj["template"]["spec"]["template"]["spec"])
+        (c,) = [c for c in pod["containers"] if c["name"] == "node"]
+        ancestor = rj["template"].get("metadata", {}).get("labels", {}).get(
+            "trainer.kubeflow.org/trainjob-ancestor-step") == "trainer"
+        if ancestor:  # the TrainJob's trainer replaces the runtime's
+            for key in ("image", "command", "args"):
+                if key in trainer:
+                    c[key] = trainer[key]
+            c["env"] = c.get("env", []) + trainer.get("env", [])
+        env = env_of(c)
+        if mpi:
+            pod["volumes"].append({"name": "mpi-ssh-auth", "secret": {
+                "secretName": f"{name}-mpi-ssh-auth", "defaultMode": 0o640, "items": [
+                    {"key": "ssh-privatekey", "path": "id_rsa"},
+                    {"key": "ssh-publickey", "path": "id_rsa.pub"},
+                    {"key": "ssh-publickey", "path": "authorized_keys"}]}})
+            c.setdefault("volumeMounts", []).append(
+                {"name": "mpi-ssh-auth", "mountPath": mpi["sshAuthMountPath"]})
+            if rj_name == "launcher":
+                pod["volumes"].append({"name": "mpi-hostfile", "configMap": {
+                    "name": f"{name}-mpi-hostfile",
+                    "items": [{"key": "hostfile", "path": "hostfile", "mode": 0o444}]}})
+                c["volumeMounts"].append({"name": "mpi-hostfile", "mountPath": "/etc/mpi"})
+                env |= {"OMPI_MCA_orte_default_hostfile": "/etc/mpi/hostfile",
+                        "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+                        "OMPI_MCA_orte_set_default_slots": str(slots),
+                        "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
+        elif ancestor:  # the torch plugin
+            env |= {"PET_NNODES": str(nodes),
+                    "PET_NPROC_PER_NODE": str(trainer.get("numProcPerNode", "auto")),
+                    "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+                    "PET_MASTER_PORT": str(TRAINER_PORT)}
+        count = nodes if rj_name == "node" else rj.get("replicas", 1)
+        out += [(f"{name}-{rj_name}-0-{i}", pod, c,
+                 {**env, "PET_NODE_RANK": str(i)} if "PET_NNODES" in env else env)
+                for i in range(count)]
+    return out
 
 
 def test_trainer_v2_trainjobs_run_as_the_trainer_runs_them(cluster, tmp_path):
-    """EMULATED Trainer v2 (no API server here): the CPU TrainJob (the quickstart, 2 nodes x 2
-    ranks on ddplab's ccl) and then the script TrainJob (an unedited torchrun script, 2 nodes)
-    against the shipped runtime, one tracking stack for both; each ends as ONE FINISHED run
-    with both nodes' system metrics."""
+    """EMULATED Trainer v2 (no API server here), one tracking stack for three TrainJobs against
+    the shipped runtimes, one after another: the CPU job (the quickstart, 2 nodes x 2 ranks on
+    ddplab's ccl), the script job (an unedited torchrun script on 2 nodes) and the MPI job
+    (Open MPI's launcher over ssh, 2 nodes x 2 slots). Each ends as ONE FINISHED run with both
+    nodes' system metrics."""
     net, started = cluster
     base = start_mlflow(net, started, tmp_path)
-    runtimes = {r["metadata"]["name"]: r for r in load("trainer-v2/00-runtime-cpu.yaml")}
-    expect = {"10-trainjob-cpu.yaml": ("ccl", "4"), "20-trainjob-script.yaml": (None, "2")}
-    for file, (backend, world) in expect.items():
-        (job,) = load(f"trainer-v2/{file}")
+    runtimes = {r["metadata"]["name"]: r for f in ("00-runtime-cpu.yaml", "mpi/runtime-mpi.yaml")
+                for r in load(f"trainer-v2/{f}") if r["kind"] == "TrainingRuntime"}
+    expect = {"10-trainjob-cpu.yaml": ("torchrun", "ccl", "4"),
+              "20-trainjob-script.yaml": ("torchrun", None, "2"),
+              "mpi/runtime-mpi.yaml": ("openmpi", "", "4")}
+    for file, (launcher, backend, world) in expect.items():
+        (job,) = [d for d in load(f"trainer-v2/{file}") if d["kind"] == "TrainJob"]
         name = job["metadata"]["name"]
+        sources = experiment_sources()
         pods = []
-        for pod_name, pod, c, env in trainjob_pods(job, runtimes[job["spec"]["runtimeRef"]["name"]]):
+        for pod_name, pod, c, env in trainjob_pods(job, runtimes[job["spec"]["runtimeRef"]["name"]],
+                                                   sources):
             run(net, started, pod_name, [pod_name, f"{pod_name}.{name}"],
-                docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"], env)
+                docker_flags(pod, c, sources, tmp_path), c["image"], c["args"], env)
             pods.append(pod_name)
-        assert exit_codes(pods, timeout=600) == [0] * len(pods), logs(pods)
+        ends = [p for p in pods if "-launcher-" in p] or pods  # MPI's nodes serve until deleted
+        assert exit_codes(ends, timeout=600) == [0] * len(ends), logs(pods)
         (run_,) = [r for r in runs_in_every_experiment(base)
-                   if tags_of(r).get("ddplab.hosts", "").startswith(name)]
+                   if tags_of(r).get("ddplab.hosts", "").startswith(f"{name}-node-")]
         tags = tags_of(run_)
         assert run_["info"]["status"] == "FINISHED", logs(pods)
-        assert (tags["ddplab.launcher"], tags["ddplab.world_size"]) == ("torchrun", world)
+        assert (tags["ddplab.launcher"], tags["ddplab.world_size"]) == (launcher, world)
         assert sorted(tags["ddplab.hosts"].split(",")) == [f"{name}-node-0-{i}" for i in range(2)]
         if backend:
             assert tags["ddplab.backend"] == backend, tags["ddplab.backend_reason"]
-        else:
+        elif backend is None:
             assert tags["ddplab.mode"] == "script", tags
         metrics = {m["key"] for m in run_["data"]["metrics"]}
         for node in range(2):
             assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in metrics), metrics
+        for pod_name in pods:  # the JobSet ends: its pods go before the next TrainJob's start
+            sh(["docker", "rm", "-f", pod_name])
 
 
 def elastic_env(job: dict, port: int) -> dict[str, str]:
