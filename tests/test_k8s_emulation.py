@@ -147,15 +147,30 @@ def operator_env(job: dict, role: str, index: int, port: int) -> dict[str, str]:
             "PET_NPROC_PER_NODE": nproc, "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture
-def cluster(tmp_path):
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """The cluster's network and its tracking stack (10-mlflow.yaml), started once for every
+    job of this module, as one cluster serves many jobs; each test finds its job's run by the
+    job's pods (the run's ddplab.hosts)."""
     net = f"ddplab-emu-{uuid.uuid4().hex[:6]}"
     assert sh(["docker", "network", "create", net]).returncode == 0
     started: list[str] = []
-    yield net, started
+    try:
+        yield net, start_mlflow(net, started, tmp_path_factory.mktemp("tracking"))
+    finally:
+        for c in started:
+            sh(["docker", "rm", "-f", c])
+        sh(["docker", "network", "rm", net])
+
+
+@pytest.fixture
+def cluster(stack):
+    """(network, this test's pods, MLflow's URL); the pods go when the test ends."""
+    net, base = stack
+    started: list[str] = []
+    yield net, started, base
     for c in started:
         sh(["docker", "rm", "-f", c])
-    sh(["docker", "network", "rm", net])
 
 
 def state(container: str) -> dict:
@@ -203,21 +218,8 @@ def start_mlflow(net: str, started: list[str], tmp: Path) -> str:
 
 
 def search_runs(base: str) -> list[dict] | None:
-    req = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search",
-                                 data=json.dumps({"experiment_ids": ["1"]}).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "Host": "mlflow.ddplab.svc:5000",
-                                          "Authorization": "Basic " + base64.b64encode(
-                                              LOGIN.encode()).decode()})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read()).get("runs", [])
-    except OSError:
-        return None
-
-
-def runs_in_every_experiment(base: str) -> list[dict]:
-    """Every run the server holds, newest first (a script's run has an experiment of its own)."""
+    """Every run the server holds, newest first (a script's run has an experiment of its own);
+    None while the server does not answer."""
     def post(path: str, body: dict) -> dict:
         req = urllib.request.Request(f"{base}/api/2.0/mlflow/{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json",
@@ -230,15 +232,24 @@ def runs_in_every_experiment(base: str) -> list[dict]:
         ids = [e["experiment_id"] for e in post("experiments/search", {"max_results": 100})["experiments"]]
         return post("runs/search", {"experiment_ids": ids}).get("runs", [])
     except OSError:
-        return []
+        return None
 
 
-def wait_for_run(base: str, pods: list[str], until=lambda run: run["info"]["status"] != "RUNNING",
+def job_runs(base: str, hosts: list[str]) -> list[dict] | None:
+    """The runs of the job on these pods (their hostnames in the run's ddplab.hosts)."""
+    found = search_runs(base)
+    return None if found is None else [
+        r for r in found if set(tags_of(r).get("ddplab.hosts", "").split(",")) & set(hosts)]
+
+
+def wait_for_run(base: str, pods: list[str], hosts: list[str],
+                 until=lambda run: run["info"]["status"] != "RUNNING",
                  timeout: float = 600) -> list[dict] | None:
-    """The runs once the first one satisfies ``until``, or when every pod has ended."""
+    """The job's runs (on ``hosts``) once the first one satisfies ``until``, or when every pod
+    in ``pods`` has ended."""
     deadline, found = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        found = search_runs(base)
+        found = job_runs(base, hosts)
         if found and until(found[0]):
             break
         if not any(state(c)["Running"] for c in pods):
@@ -269,8 +280,7 @@ def experiment_sources() -> dict[str, dict[str, str]]:
 
 
 def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
-    net, started = cluster
-    base = start_mlflow(net, started, tmp_path)
+    net, started, base = cluster
     (job,) = load("30-pytorchjob-cpu.yaml")
     name = job["metadata"]["name"]
     for role, spec in job["spec"]["pytorchReplicaSpecs"].items():
@@ -283,8 +293,8 @@ def test_cpu_pytorchjob_pods_run_as_the_operator_runs_them(cluster, tmp_path):
             run(net, started, pod_name, [pod_name],
                 docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"], env)
 
-    pods = started[2:]  # after the tracking stack (postgres, mlflow)
-    found = wait_for_run(base, pods)
+    pods = list(started)
+    found = wait_for_run(base, pods, pods)
     assert found and len(found) == 1, logs(pods)
     tags = tags_of(found[0])
     assert found[0]["info"]["status"] == "FINISHED", logs(pods)
@@ -365,8 +375,7 @@ def test_trainer_v2_trainjobs_run_as_the_trainer_runs_them(cluster, tmp_path):
     ddplab's ccl), the script job (an unedited torchrun script on 2 nodes) and the MPI job
     (Open MPI's launcher over ssh, 2 nodes x 2 slots). Each ends as ONE FINISHED run with both
     nodes' system metrics."""
-    net, started = cluster
-    base = start_mlflow(net, started, tmp_path)
+    net, started, base = cluster
     runtimes = {r["metadata"]["name"]: r for f in ("00-runtime-cpu.yaml", "mpi/runtime-mpi.yaml")
                 for r in load(f"trainer-v2/{f}") if r["kind"] == "TrainingRuntime"}
     expect = {"10-trainjob-cpu.yaml": ("torchrun", "ccl", "4"),
@@ -384,8 +393,9 @@ def test_trainer_v2_trainjobs_run_as_the_trainer_runs_them(cluster, tmp_path):
             pods.append(pod_name)
         ends = [p for p in pods if "-launcher-" in p] or pods  # MPI's nodes serve until deleted
         assert exit_codes(ends, timeout=600) == [0] * len(ends), logs(pods)
-        (run_,) = [r for r in runs_in_every_experiment(base)
-                   if tags_of(r).get("ddplab.hosts", "").startswith(f"{name}-node-")]
+        found = job_runs(base, [p for p in pods if "-node-" in p])
+        assert found and len(found) == 1, logs(pods)
+        run_ = found[0]
         tags = tags_of(run_)
         assert run_["info"]["status"] == "FINISHED", logs(pods)
         assert (tags["ddplab.launcher"], tags["ddplab.world_size"]) == (launcher, world)
@@ -399,6 +409,7 @@ def test_trainer_v2_trainjobs_run_as_the_trainer_runs_them(cluster, tmp_path):
             assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in metrics), metrics
         for pod_name in pods:  # the JobSet ends: its pods go before the next TrainJob's start
             sh(["docker", "rm", "-f", pod_name])
+            started.remove(pod_name)
 
 
 def elastic_env(job: dict, port: int) -> dict[str, str]:
@@ -416,8 +427,7 @@ def test_elastic_pytorchjob_recovers_from_a_lost_worker_into_the_same_run(cluste
     """worker-1 is SIGKILLed once the first checkpoint is on the PVC. worker-0 hosts the c10d
     rendezvous (the operator's endpoint), so its agent restarts the group; the restarted
     worker-1 joins again; the group resumes the newest checkpoint into the SAME MLflow run."""
-    net, started = cluster
-    base = start_mlflow(net, started, tmp_path)
+    net, started, base = cluster
     (job,) = [d for d in load("elastic/pytorchjob-elastic.yaml") if d["kind"] == "PyTorchJob"]
     name = job["metadata"]["name"]
     spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]
@@ -429,7 +439,7 @@ def test_elastic_pytorchjob_recovers_from_a_lost_worker_into_the_same_run(cluste
         run(net, started, pod_name, [pod_name],
             docker_flags(pod, c, experiment_sources(), tmp_path), c["image"], c["args"],
             {**env_of(c), **elastic_env(job, port)})
-    pods = started[2:]  # after the tracking stack (postgres, mlflow)
+    pods = list(started)
 
     (claim,) = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
                 if "persistentVolumeClaim" in v]
@@ -441,7 +451,8 @@ def test_elastic_pytorchjob_recovers_from_a_lost_worker_into_the_same_run(cluste
     assert sh(["docker", "kill", victim]).returncode == 0
     assert sh(["docker", "start", victim]).returncode == 0  # the kubelet's OnFailure restart
 
-    found = wait_for_run(base, pods, until=lambda r: r["info"]["status"] == "FINISHED", timeout=900)
+    found = wait_for_run(base, pods, pods, until=lambda r: r["info"]["status"] == "FINISHED",
+                         timeout=900)
     assert found and len(found) == 1, logs(pods)
     assert found[0]["info"]["status"] == "FINISHED", logs(pods)
     tags = tags_of(found[0])
@@ -495,8 +506,7 @@ def mpi_operator_pod(job: dict, role: str, config: str) -> tuple[dict, dict, dic
 def test_mpijob_pods_run_as_the_mpi_operator_runs_them(cluster, tmp_path):
     """The launcher starts FIRST (launcherCreationPolicy AtStartup's order, the harder one: the
     workers' names do not resolve yet), so its bounded waits for DNS and sshd are exercised."""
-    net, started = cluster
-    base = start_mlflow(net, started, tmp_path)
+    net, started, base = cluster
     (job,) = load("mpi/mpijob-cpu.yaml")
     name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
     slots = job["spec"].get("slotsPerWorker", 1)
@@ -515,14 +525,14 @@ def test_mpijob_pods_run_as_the_mpi_operator_runs_them(cluster, tmp_path):
         run(net, started, pod_name, [fqdn, f"{pod_name}.{name}-worker", f"{fqdn}.cluster.local"],
             docker_flags(pod, c, sources, tmp_path), c["image"], c["args"], env)
 
-    launcher, workers = started[2], started[3:]
-    found = wait_for_run(base, [launcher])
+    launcher, workers = started[0], started[1:]
+    found = wait_for_run(base, [launcher], workers)
     code = exit_codes([launcher], timeout=180)
     for w in workers:  # cleanPodPolicy Running: the operator deletes the running workers
         assert state(w)["Running"], f"worker {w} ended before the launcher: {logs([w])}"
-    assert found and len(found) == 1, logs(started[2:])
+    assert found and len(found) == 1, logs(started)
     tags = tags_of(found[0])
-    assert found[0]["info"]["status"] == "FINISHED", logs(started[2:])
+    assert found[0]["info"]["status"] == "FINISHED", logs(started)
     assert tags["ddplab.world_size"] == str(nworkers * slots)
     assert (tags["ddplab.launcher"], tags["ddplab.nnodes"]) == ("openmpi", str(nworkers))
     # The workers' CPU limit (2) over their 2 slots: auto leaves oneCCL's worker no core.
@@ -536,7 +546,7 @@ def test_mpijob_launcher_refuses_a_worker_whose_host_key_is_not_the_jobs(cluster
     """The teeth of the trust rule: the worker accepts the job's key (authorized_keys is the
     job's) but presents another host key, as an impostor would. The launcher must refuse it
     (StrictHostKeyChecking=yes), so mpirun fails and the launcher exits non-zero."""
-    net, started = cluster
+    net, started, _ = cluster
     (job,) = load("mpi/mpijob-cpu.yaml")
     name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
     job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] = 1
