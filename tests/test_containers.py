@@ -213,10 +213,13 @@ def metric_steps(c: Compose, run_id: str, key: str) -> list[int]:
     return sorted(m["step"] for m in h)
 
 
-def test_the_team_server_asks_for_a_login_and_a_restart_mid_job_loses_nothing(compose_factory):
+def test_the_team_server_asks_for_a_login_a_restart_loses_nothing_and_a_killed_node_fails(
+        compose_factory):
     """compose/tracking.yml: MLflow on PostgreSQL behind its login. An anonymous client gets 401;
     restarting the server mid-job loses no metric (the job's spool delivers what it missed);
-    the job with a wrong password refuses at start, in one line, before any process group."""
+    the job with a wrong password refuses at start, in one line, before any process group.
+    Then, on the same stack (a project of its own cost ~40 s of CI), the nodes train again and
+    one is killed mid-job: the run ends FAILED and both nodes exit non-zero in bounded time."""
     c = compose_factory(2, 1, DDPLAB_SET="train.epochs=8 data.train_samples=3072")
     c.up()
     run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
@@ -245,6 +248,20 @@ def test_the_team_server_asks_for_a_login_and_a_restart_mid_job_loses_nothing(co
     assert "MLFLOW_TRACKING_PASSWORD: the tracking server" in wrong.stderr
     assert "Traceback" not in wrong.stderr and len(c.runs()) == 1  # no second run was made
 
+    c.env["DDPLAB_SET"] += " checkpoint.resume=never"  # a new job, not the finished one resumed
+    before = {r["info"]["run_id"] for r in c.runs()}
+    again = sh([*c.cmd, "up", "-d", "--no-deps", c.service], env=c.env, cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    deadline = time.monotonic() + 400
+    while not [r for r in c.runs() if r["info"]["run_id"] not in before
+               and "train/loss" in metrics(r)]:
+        assert time.monotonic() < deadline, c.logs()[-4000:]
+        time.sleep(2)
+    t0 = kill_a_node_without_rank0(c, c.runs()[0])
+    codes = wait_exits(c, c.service, 2, t0 + 240)
+    assert len(codes) == 2 and all(code != 0 for code in codes), codes
+    assert time.monotonic() - t0 < 240
+
 
 def test_compose_multinode_2x2_on_ddplabs_ccl_gives_one_run_across_containers(compose_factory):
     """`docker compose -f compose/multinode.yml up` with 2 containers x 2 ranks on ccl, the layout
@@ -267,20 +284,12 @@ def test_compose_multinode_2x2_on_ddplabs_ccl_gives_one_run_across_containers(co
     assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
 
 
-def test_a_killed_node_fails_the_job_in_bounded_time(compose_factory):
-    c = compose_factory(2, 1)
-    c.up()
-    run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
-    t0 = kill_a_node_without_rank0(c, run)
-    codes = wait_exits(c, c.service, 2, t0 + 240)
-    assert len(codes) == 2 and all(code != 0 for code in codes), codes
-    assert time.monotonic() - t0 < 240
-
-
 # 2 x 2 on ddplab's ccl (mpirun forwards what ccl needs); 2 x 1 on auto runs as typed in
-# tests/test_compose_fresh.py.
+# tests/test_compose_fresh.py. Then, on the same stack (a project of its own cost ~40 s of CI),
+# the ssh trust of a second job and its killed worker.
 @pytest.mark.parametrize("nnodes, slots, backend", [(2, 2, "ccl")])
-def test_compose_mpi_gives_one_openmpi_run(compose_factory, nnodes, slots, backend):
+def test_compose_mpi_gives_one_openmpi_run_trusts_only_its_keys_and_a_killed_worker_fails(
+        compose_factory, nnodes, slots, backend):
     asked = {"DDPLAB_SET": "dist.backend=ccl data.train_samples=2048"} if backend == "ccl" else {}
     c = compose_factory(nnodes, slots, file="mpi.yml", service="worker", **asked)
     c.up()
@@ -294,12 +303,23 @@ def test_compose_mpi_gives_one_openmpi_run(compose_factory, nnodes, slots, backe
     deadline = time.monotonic() + 120
     assert wait_exits(c, "launcher", 1, deadline) == [0]
     assert wait_exits(c, c.service, nnodes, deadline) == [0] * nnodes  # workers stop at the end
+    ssh_trust_then_a_killed_worker(c)
 
 
-def test_mpi_ssh_trusts_only_this_jobs_host_keys_and_a_killed_worker_fails_the_job(compose_factory):
-    c = compose_factory(2, 1, file="mpi.yml", service="worker", DDPLAB_SET="train.epochs=6")
-    c.up()
-    run = c.wait_run(lambda r: "train/loss" in metrics(r), timeout=400)
+def ssh_trust_then_a_killed_worker(c) -> None:
+    """A 2 x 1 job on the same stack: the launcher trusts only this job's host keys (no TOFU,
+    no key swapped between workers), then a worker killed mid-job fails it in bounded time."""
+    c.env.update(SLOTS="1", NPROC_PER_NODE="1", DDPLAB_SET="train.epochs=6 checkpoint.resume=never")
+    before = {r["info"]["run_id"] for r in c.runs()}
+    again = sh([*c.cmd, "up", "-d", "--no-deps", "launcher", c.service], env=c.env, cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    deadline = time.monotonic() + 400
+    while not [r for r in c.runs() if r["info"]["run_id"] not in before
+               and "train/loss" in metrics(r)]:
+        assert time.monotonic() < deadline, c.logs()[-4000:]
+        time.sleep(2)
+    run = c.runs()[0]
+    assert tags(run)["ddplab.world_size"] == "2"
     ssh = ("ssh -p 2222 -i ~/.ssh/ddplab_job_ed25519 -o BatchMode=yes -o StrictHostKeyChecking=yes "
            "-o ConnectTimeout=5")
     ips = exec_in(c, "launcher", "getent ahostsv4 worker | awk '{print $1}' | sort -u").stdout.split()
