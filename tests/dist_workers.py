@@ -86,10 +86,17 @@ def evaluate_shards(rank: int, world: int, tmp: str, size: int) -> None:
     cfg = DataConfig(eval_samples=size, image_size=SIZE, num_classes=CLASSES, eval_batch_size=7)
     ld = loaders(cfg, datasets(cfg, 0), seed=0, rank=rank, world=world, pin=False)
     model = models.BookCNN(3, SIZE, CLASSES)
+    from torchmetrics.classification import MulticlassF1Score
+
+    # train.metrics: macro F1 over every rank's samples, and the same metric kept to this rank
+    # (sync_on_compute off): what averaging the ranks' values would have used.
     state = loop.TrainState(model=model, optimizer=None, scheduler=None, scaler=None,
-                            device=torch.device("cpu"))
+                            device=torch.device("cpu"), metrics={
+                                "f1": MulticlassF1Score(num_classes=CLASSES, average="macro"),
+                                "f1_here": MulticlassF1Score(num_classes=CLASSES, average="macro",
+                                                             sync_on_compute=False)})
     r = loop.evaluate(model, ld.eval, state)
-    torch.save({"count": r.count, "correct": r.correct, "loss": r.loss,
+    torch.save({"count": r.count, "correct": r.correct, "loss": r.loss, "own": r.own,
                 "local": len(ld.eval.sampler)}, Path(tmp) / f"rank{rank}.pt")
     _finish()
 

@@ -20,6 +20,9 @@ from tests.conftest import QUICK, REPO, ddplab, job_env, runs
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
 
 
+F1 = "torchmetrics.classification:MulticlassF1Score"
+
+
 def _file(text: str | bytes):
     return ("file", text)
 
@@ -183,6 +186,35 @@ CASES = [
      "model.name: got 'userbad:raises'; calling it raised ValueError: no such width"),
     ("early stopping metric", None, ["train.early_stopping.metric=eval/acc"], {}, [],
      "train.early_stopping.metric: got 'eval/acc'; one of eval/loss, eval/accuracy, eval/perplexity"),
+    # ---- train.metrics: your own evaluation metrics (torchmetrics) ----
+    ("metric not a list", None, ["train.metrics={name: f1}"], {}, [],
+     "train.metrics: got {'name': 'f1'}; expected a list, each item a metric"),
+    ("metric name", None, [f"train.metrics=[{{name: 1f, fn: {F1}}}]"], {}, [],
+     "train.metrics[0].name: got '1f'; a letter, then"),
+    ("metric named like ddplab's", None, [f"train.metrics=[{{name: loss, fn: {F1}}}]"], {}, [],
+     "train.metrics[0].name: got 'loss'; eval/loss is ddplab's own"),
+    ("metric path syntax", None, ["train.metrics=[{name: f1, fn: f1score}]"], {}, [],
+     "train.metrics[0].fn: got 'f1score'; the metric's class as 'package.module:Class'"),
+    ("metric unknown key", None, [f"train.metrics=[{{name: f1, fn: {F1}, average: macro}}]"], {}, [],
+     "train.metrics[0].average: unknown key; allowed keys: name, fn, args"),
+    ("metric names twice", None, [f"train.metrics=[{{name: f1, fn: {F1}}}, {{name: f1, fn: {F1}}}]"],
+     {}, [], "train.metrics: got 'f1'; metric names must be unique"),
+    ("metric not importable", None, ["train.metrics=[{name: f1, fn: torchmetrics.classification:F9}]"],
+     {}, [], "train.metrics[0].fn: got 'torchmetrics.classification:F9'; torchmetrics.classification "
+     "has no attribute 'F9'"),
+    ("metric argument refused", None,
+     [f"train.metrics=[{{name: f1, fn: {F1}, args: {{average: sideways}}}}]"], {}, [],
+     f"train.metrics[0].fn: got '{F1}'; calling it raised ValueError"),
+    ("metric is no metric", None, ["train.metrics=[{name: f1, fn: collections:OrderedDict}]"], {}, [],
+     "what it made (OrderedDict) is not a metric: it needs update(preds, target) and compute()"),
+    ("metric cannot read the output", None,
+     ["train.metrics=[{name: mse, fn: torchmetrics.regression:MeanSquaredError}]"], {}, [],
+     "train.metrics (mse): got 'torchmetrics.regression:MeanSquaredError'; update(the model's output, "
+     "the targets) raised RuntimeError"),
+    ("early stopping on a metric not given", None,
+     [f"train.metrics=[{{name: f1, fn: {F1}}}]", "train.early_stopping.metric=eval/f2"], {}, [],
+     "train.early_stopping.metric: got 'eval/f2'; one of eval/loss, eval/accuracy, eval/perplexity "
+     "or eval/<name> of one of train.metrics (f1)"),
     ("optimizer not a class", None, ["optim.name=torch.optim:lr_scheduler"], {}, [],
      "optim.name: got 'torch.optim:lr_scheduler'"),
     ("optimizer path syntax", None, ["optim.name=rmsprop"], {}, [],

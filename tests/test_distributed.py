@@ -33,7 +33,8 @@ def test_ddp_matches_one_rank_with_the_global_batch(tmp_path, world, accum):
 
 
 def test_evaluation_totals_are_exact(tmp_path):
-    """101 samples over 3 ranks (34/34/33): counts and correct answers add up exactly."""
+    """101 samples over 3 ranks (34/34/33): counts and correct answers add up exactly, and a
+    train.metrics metric (torchmetrics' macro F1) is the one-rank value, not the ranks' mean."""
     ranks = spawn(dist_workers.evaluate_shards, 3, tmp_path, 101)
     single = tmp_path / "one"
     single.mkdir()
@@ -43,6 +44,10 @@ def test_evaluation_totals_are_exact(tmp_path):
         assert (r["count"], r["correct"]) == (101, one["correct"])
         # Counts are exact; per-batch float32 loss sums group differently, hence 1e-6.
         assert r["loss"] == pytest.approx(one["loss"], rel=1e-6)
+        assert r["own"]["f1"] == pytest.approx(one["own"]["f1"], rel=1e-6)
+    here = [r["own"]["f1_here"] for r in ranks]
+    assert len(set(here)) > 1  # the shards score differently...
+    assert sum(here) / 3 != pytest.approx(one["own"]["f1"], rel=1e-3)  # ...so their mean is wrong
 
 
 @pytest.mark.parametrize("world", [2, 3])

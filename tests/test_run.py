@@ -285,19 +285,25 @@ def test_onecycle_by_import_path_shapes_the_lr_and_training_on_follows_its_sched
     assert client.get_run(first).data.params["optim.scheduler"] == "torch.optim.lr_scheduler:OneCycleLR"
 
 
-def test_early_stopping_stops_when_the_metric_stops_improving(tmp_path, monkeypatch):
-    """train.early_stopping: with an lr of 0 the eval loss never moves, so after `patience`
-    evaluations without improvement the job stops, FINISHED, saying why and when."""
+def test_early_stopping_on_a_torchmetrics_f1_stops_when_it_stops_improving(tmp_path, monkeypatch):
+    """train.metrics brings torchmetrics' macro F1 into evaluation (eval/f1, num_classes from
+    the data) and train.early_stopping watches it: with an lr of 0 it never moves, so after
+    `patience` evaluations without improvement the job stops, FINISHED, saying why and when."""
     store = lone_job(tmp_path, monkeypatch)
     run.train(str(REPO / "experiments" / "quickstart.yaml"),
               ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
                "train.epochs=4", "train.eval_every_steps=2", "optim.lr=1e-12",
                "optim.scheduler=none", "optim.warmup_steps=0",
-               "train.early_stopping={metric: eval/loss, patience: 2, min_delta: 0.001}",
+               "train.metrics=[{name: f1, fn: torchmetrics.classification:MulticlassF1Score, "
+               "args: {average: macro}}]",
+               "train.early_stopping={metric: eval/f1, mode: max, patience: 2, min_delta: 0.001}",
                "tracking.system_metrics=false"], "summary.json")
     (r,) = runs(store)
     summary = json.loads((tmp_path / "summary.json").read_text())
     # best at step 2 (the first evaluation), no better at 4 and 6: stopped at 6 of 32 steps.
     assert r.info.status == "FINISHED" and summary["steps"] == 6
-    assert summary["stopped_early"].startswith("stopped early at step 6: eval/loss did not improve")
+    assert summary["stopped_early"].startswith("stopped early at step 6: eval/f1 did not improve")
+    assert 0 <= r.data.metrics["eval/f1"] <= 1
+    assert r.data.tags["ddplab.user.metric.f1"] == "torchmetrics.classification:MulticlassF1Score"
+    assert r.data.tags["ddplab.user.metric.f1.git"].startswith("installed")
     assert r.data.tags["ddplab.stopped_early"] == summary["stopped_early"]

@@ -63,6 +63,9 @@ def rows(cls: type, prefix: str) -> list[str]:
             continue
         what = docs.get(f.name, "").replace("|", "\\|")
         out.append(f"| `{prefix}{f.name}` | {_type(tp)} | {_default(f)} | {what} |")
+        item = (typing.get_args(tp) or (None,))[0]
+        if typing.get_origin(tp) is list and dataclasses.is_dataclass(item):  # each item's keys
+            out += rows(item, f"{prefix}{f.name}[].")
     return out
 
 

@@ -19,7 +19,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -241,7 +241,8 @@ class EarlyStoppingConfig:
     train.eval_every_steps or eval_every_epochs sets how often)."""
 
     metric: str = ""
-    """The metric watched: eval/loss, eval/accuracy or eval/perplexity ("" = off)."""
+    """The metric watched: eval/loss, eval/accuracy, eval/perplexity or eval/<name> of one of
+    train.metrics ("" = off)."""
     mode: Literal["min", "max"] = "min"
     """min: lower is better (a loss); max: higher is better (an accuracy)."""
     patience: int = 3
@@ -250,11 +251,40 @@ class EarlyStoppingConfig:
     """How much better than the best so far counts as an improvement."""
 
     def __post_init__(self) -> None:
-        if self.metric not in ("", *EVAL_METRICS):
-            fail("metric", self.metric, f"one of {', '.join(EVAL_METRICS)}, or '' (off)")
+        if self.metric not in ("", *EVAL_METRICS) and not self.metric.startswith("eval/"):
+            fail("metric", self.metric, f"one of {', '.join(EVAL_METRICS)}, eval/<name> of one "
+                 "of train.metrics, or '' (off)")
         if self.patience < 1:
             fail("patience", self.patience, "must be >= 1")
         check_range(self, "min_delta", 0)
+
+
+METRIC_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+
+
+@dataclass
+class MetricConfig:
+    """An evaluation metric of your own, computed over every rank's evaluation samples (not an
+    average of the ranks' values) and logged as ``eval/<name>``: a torchmetrics metric, or any
+    class with ``update(preds, target)`` and ``compute()`` that syncs its state across ranks."""
+
+    WHAT: ClassVar[str] = "a metric: a mapping with a name and a class (fn)"
+    name: str = ""
+    """Logged as eval/<name>; a letter, then letters, digits or '_'."""
+    fn: str = ""
+    """The class by import path, e.g. ``torchmetrics.classification:MulticlassF1Score``."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Its arguments, e.g. ``{average: macro}``; ``num_classes`` comes from the data when the
+    class takes it and it is not given."""
+
+    def __post_init__(self) -> None:
+        if not METRIC_NAME_RE.fullmatch(self.name):
+            fail("name", self.name, "a letter, then up to 63 letters, digits or '_'")
+        if f"eval/{self.name}" in EVAL_METRICS:
+            fail("name", self.name, f"eval/{self.name} is ddplab's own: choose another name")
+        if not IMPORT_PATH_RE.fullmatch(self.fn):
+            fail("fn", self.fn, "the metric's class as 'package.module:Class', e.g. "
+                 "torchmetrics.classification:MulticlassF1Score")
 
 
 @dataclass
@@ -284,6 +314,10 @@ class TrainConfig:
     loss: str = "cross_entropy"
     """cross_entropy (class logits, or (batch, seq, vocab) logits for tokens), mse, or your
     own ``package.module:callable`` (outputs, targets) -> a scalar tensor."""
+    metrics: list[MetricConfig] = field(default_factory=list)
+    """Evaluation metrics of your own besides eval/loss and eval/accuracy (torchmetrics, by
+    import path), e.g. ``[{name: f1, fn: "torchmetrics.classification:MulticlassF1Score",
+    args: {average: macro}}]``."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     nonfinite_loss: Literal["stop", "warn"] = "stop"
     """A NaN or infinite train/loss (checked where it is logged, every log_every steps): stop
@@ -299,6 +333,15 @@ class TrainConfig:
                 fail(name, getattr(self, name), "must be >= 0")
         check_range(self, "grad_clip", 0)
         check_range(self, "seed", 0, MAX_SEED)
+        names = [m.name for m in self.metrics]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup:
+            fail("metrics", dup, "metric names must be unique")
+        watched = self.early_stopping.metric
+        if watched.startswith("eval/") and watched not in EVAL_METRICS \
+                and watched.removeprefix("eval/") not in names:
+            fail("early_stopping.metric", watched, f"one of {', '.join(EVAL_METRICS)} or "
+                 f"eval/<name> of one of train.metrics ({', '.join(names) or 'none given'})")
 
 
 @dataclass
@@ -766,7 +809,7 @@ def load(path: str | Path | None, overrides: Sequence[Override] = (),
     try:
         cfg = from_mapping(ExperimentConfig, raw)
     except ConfigError as e:
-        key = str(e).split(":", 1)[0]
+        key = re.sub(r"\[\d+\]", "", str(e).split(":", 1)[0])  # train.metrics[0].fn: of train.metrics
         origin = next((v for k, v in overridden.items()
                        if key == k or f"{key}.".startswith(f"{k}.")
                        or f"{k}.".startswith(f"{key}.")), source)

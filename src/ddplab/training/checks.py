@@ -9,6 +9,7 @@ launcher then stops the other ranks, which are still before their first collecti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,7 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
                     lambda: losses.get(cfg.train.loss, parts.loss)(outputs, y))
         pred = _run(f"model.name: got {cfg.model.name!r}; evaluation cannot read its output",
                     lambda: losses.prediction(outputs))
+    _probe_metrics(cfg, info, pred.detach().float(), y)
     width = pred.shape[-1] if pred.dim() == 2 else 0
     if cfg.train.loss == "cross_entropy" and info.num_classes and width and width != info.num_classes:
         raise ConfigError(f"model.name: got {cfg.model.name!r}; it scores {width} classes, the data "
@@ -221,6 +223,22 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
         raise ConfigError(f"train.loss: got {cfg.train.loss!r}; its result carries no gradient "
                           "(computed outside autograd: .item(), .detach(), numpy, or under "
                           "no_grad), so nothing would train")
+
+
+def _probe_metrics(cfg: ExperimentConfig, info: Any, pred: Any, y: Any) -> None:
+    """Each of train.metrics built, updated with the probe batch and computed, as evaluation
+    will: a metric that cannot read the model's output fails here, not after training."""
+    metrics = userparts.build_metrics(cfg, info.model_kwargs())
+    for (name, metric), m in zip(metrics.items(), cfg.train.metrics, strict=True):
+        where = f"train.metrics ({name}): got {m.fn!r};"
+        _run(f"{where} update(the model's output, the targets) raised",
+             functools.partial(metric.update, pred, y))
+        value = _run(f"{where} compute() raised", metric.compute)
+        try:
+            float(value)
+        except (TypeError, ValueError, RuntimeError):  # a tensor of several values, a dict
+            raise ConfigError(f"{where} compute() returned {type(value).__name__}, expected a "
+                              "number (a 0-d tensor)") from None
 
 
 def _sample(cfg: ExperimentConfig, sets: Any) -> tuple[Any, Any]:

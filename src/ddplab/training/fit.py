@@ -172,6 +172,7 @@ def _evaluate(job: Job) -> None:
         metrics["eval/accuracy"] = r.accuracy
     if job.info.kind == "tokens":
         metrics["eval/perplexity"] = math.exp(min(r.loss, 700.0))  # exp(710) overflows a float
+    metrics |= {f"eval/{name}": value for name, value in r.own.items()}  # train.metrics
     job.run.log_metrics(metrics, job.state.step)
     job.stats.last.update(metrics)
     job.stats.evaluated_at = job.state.step

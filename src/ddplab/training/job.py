@@ -21,7 +21,7 @@ from .. import config
 from ..distributed import host
 from ..distributed.layout import Layout
 from ..tracking import NullTracker, capsule
-from ..workload import data, losses, models, optim
+from ..workload import data, losses, models, optim, userparts
 from ..workload.userparts import Parts
 from . import checkpoint, loop, strategy
 from .profiling import NoProfile
@@ -131,7 +131,8 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.amp == "fp16"),
         device=device, amp=cfg.train.amp, grad_accum=cfg.train.grad_accum_steps,
         grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last,
-        loss=losses.get(cfg.train.loss, parts.loss))
+        loss=losses.get(cfg.train.loss, parts.loss),
+        metrics=userparts.build_metrics(cfg, info.model_kwargs(), device))
     if payload is not None:
         checkpoint.restore(state, payload, world_size)
     return state, ipex

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ class TrainState:
     scheduler_replays: bool = False
     """A scheduler of the user's: a resume steps it to the checkpoint's position instead of
     loading its state (checkpoint._replay)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """train.metrics: name -> a metric object (update/compute/reset), evaluated with the rest."""
     step: int = 0
     """Optimizer steps taken (the MLflow step of every metric)."""
     epoch: int = 0
@@ -251,6 +253,8 @@ class EvalResult:
     correct: int
     predictions: int
     """Predictions scored: samples, or tokens for token data."""
+    own: dict[str, float] = field(default_factory=dict)
+    """train.metrics' values, each computed over every rank's samples."""
 
 
 def _lockstep_batches(model: nn.Module, loader: DataLoader, state: TrainState) -> list[torch.Tensor]:
@@ -280,6 +284,8 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
     # loss sum, correct, samples, scored predictions, batches that were not classification
     totals = torch.zeros(5, dtype=torch.float64, device=state.device)
     spare = _lockstep_batches(model, loader, state)
+    for metric in state.metrics.values():  # an evaluation cut short (a signal) left state behind
+        getattr(metric, "reset", lambda: None)()
     for x, y in loader:
         x, y = state.to_device(x, y)
         with state.autocast():
@@ -290,6 +296,8 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
         loss = state.loss(pred if isinstance(outputs, torch.Tensor) else outputs, y)
         totals[0] += loss.double() * y.shape[0]
         totals[2] += y.shape[0]
+        for metric in state.metrics.values():
+            metric.update(pred, y)
         if is_classification(pred, y):
             totals[1] += (pred.argmax(dim=-1) == y).sum()
             totals[3] += y.numel()
@@ -301,4 +309,17 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
     dist.all_reduce(totals)
     loss_sum, correct, count, scored, other = totals.tolist()
     accuracy = correct / max(scored, 1) if not other else None
-    return EvalResult(loss_sum / max(count, 1), accuracy, int(count), int(correct), int(scored))
+    return EvalResult(loss_sum / max(count, 1), accuracy, int(count), int(correct), int(scored),
+                      _own_metrics(state.metrics))
+
+
+def _own_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """Each metric over every rank's samples: torchmetrics' compute() gathers the ranks' states
+    (a collective: every rank calls it, in the same order); reset for the next evaluation."""
+    out = {}
+    for name, metric in metrics.items():
+        out[name] = float(metric.compute())
+        reset = getattr(metric, "reset", None)
+        if callable(reset):
+            reset()
+    return out

@@ -1,4 +1,5 @@
-"""The user's own parts: a model, datasets and a loss given as ``package.module:callable``.
+"""The user's own parts: a model, datasets, a loss and evaluation metrics given as
+``package.module:callable``.
 
 Resolved in the checks step, before any process group or run exists: the experiment file's
 folder goes on the import path (a module beside the experiment imports without PYTHONPATH),
@@ -253,7 +254,27 @@ def resolve(cfg: ExperimentConfig, experiment: str | Path | None) -> Parts:
     if is_import_path(cfg.train.loss):
         parts.paths["loss"] = cfg.train.loss
         parts.loss = load_callable("train.loss", cfg.train.loss)
+    for m in cfg.train.metrics:
+        parts.paths[f"metric.{m.name}"] = m.fn
     return parts
+
+
+def build_metrics(cfg: ExperimentConfig, sizes: dict[str, Any], device: Any = None) -> dict[str, Any]:
+    """train.metrics, each a new object: its class imported and called with its args (and
+    the data's ``num_classes`` when it takes one and the args lack it), on ``device``."""
+    out = {}
+    for i, m in enumerate(cfg.train.metrics):
+        key = f"train.metrics[{i}].fn"
+        cls = load_callable(key, m.fn)
+        # Only by name: a torchmetrics metric's **kwargs are the base class's options.
+        metric = call(key, m.fn, cls, offered(cls, m.args, sizes))
+        if not (callable(getattr(metric, "update", None)) and callable(getattr(metric, "compute", None))):
+            raise ConfigError(f"{key}: got {m.fn!r}; what it made ({type(metric).__name__}) is "
+                              "not a metric: it needs update(preds, target) and compute() (a "
+                              "torchmetrics metric has both)")
+        to = getattr(metric, "to", None)
+        out[m.name] = to(device) if device is not None and callable(to) else metric
+    return out
 
 
 def _datasets(cfg: ExperimentConfig) -> tuple[Any, Any]:
