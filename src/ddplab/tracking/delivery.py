@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..forensics.watch import Watch
+from ..log import logger
 from . import opening, postmortem, spool
 
 if TYPE_CHECKING:  # annotations only: this process must not import torch (backend, tracker)
@@ -225,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
+# What went wrong goes through ddplab's logging (stderr, "ddplab sync: warning: ..."); what was
+# delivered is the command's result, on stdout.
+SYNC_LOG = logger("sync")
+
+
 def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
     """``ddplab sync``: deliver every spool under ``paths`` that still holds records, each to
     its run (ended with its recorded status). Idempotent: delivered records are not sent
@@ -233,7 +239,7 @@ def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
     records), or a run is not in the store."""
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
-        print(f"ddplab sync: error: no such file or directory: {missing[0]}", file=sys.stderr)
+        SYNC_LOG.error(f"no such file or directory: {missing[0]}")
         return 2
     found = spool.find([Path(p) for p in paths])
     if not found:
@@ -244,7 +250,7 @@ def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
         try:
             still += _sync_one(directory, timeout_s, uri)
         except (OSError, ValueError, KeyError) as e:  # an unreadable spool: the others go on
-            print(f"{directory}: cannot be read ({type(e).__name__}: {e})", file=sys.stderr)
+            SYNC_LOG.error(f"{directory}: cannot be read ({type(e).__name__}: {e})")
             still += 1
     return 1 if still else 0
 
@@ -266,12 +272,12 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
         client.get_run(meta.run_id)
     except Exception as e:  # noqa: BLE001 - no run, or no answer: say which, keep everything
         if spool.status_of(e) == 404:
-            print(f"{where}: error: {target} has no run {meta.run_id} (the job tracked to "
-                  f"{meta.uri}); sync to that store, or --tracking-uri the one that holds the run",
-                  file=sys.stderr)
+            SYNC_LOG.error(f"{where}: {target} has no run {meta.run_id} (the job tracked to "
+                           f"{meta.uri}); sync to that store, or --tracking-uri the one that "
+                           "holds the run")
         else:
-            print(f"{where}: {target} {_failed(spool.describe(e))}; {todo} records kept in the "
-                  "spool", file=sys.stderr)
+            SYNC_LOG.warning(f"{where}: {target} {_failed(spool.describe(e))}; {todo} records "
+                             "kept in the spool")
         return max(todo, 1)
     before = spool.rejected_in(directory)
     ends = [r["status"] for s in spool.STREAMS for _, r in spool.Stream(directory, s).pending(over)
@@ -280,8 +286,8 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
     if todo:
         out = spool.deliver(directory, client, lambda: False, timeout_s, final=over)
         if out.left:
-            print(f"{where}: {target} {_failed(out.error)} within {timeout_s:.0f} s: {out.left} of "
-                  f"{todo} records still left in the spool", file=sys.stderr)
+            SYNC_LOG.warning(f"{where}: {target} {_failed(out.error)} within {timeout_s:.0f} s: "
+                             f"{out.left} of {todo} records still left in the spool")
         else:
             print(f"{where}: delivered {todo - out.set_aside} records"
                   + (f"; run ended {ends[-1]}" if ends else ""))
@@ -290,9 +296,9 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
     refused = spool.rejected_in(directory)
     if refused:
         new = f", {refused - before} of them now" if refused > before else ""
-        print(f"{where}: {refused} records set aside{new} (refused by the server as records, or "
-              f"no records), kept with the reasons in {directory / spool.REJECTED}",
-              file=sys.stderr)
+        SYNC_LOG.warning(f"{where}: {refused} records set aside{new} (refused by the server as "
+                         f"records, or no records), kept with the reasons in "
+                         f"{directory / spool.REJECTED}")
     if over and not out.left:
         _end_if_abandoned(client, meta, where)
     return out.left + refused
