@@ -261,6 +261,12 @@ def test_the_team_server_asks_for_a_login_a_restart_loses_nothing_and_a_killed_n
     codes = wait_exits(c, c.service, 2, t0 + 240)
     assert len(codes) == 2 and all(code != 0 for code in codes), codes
     assert time.monotonic() - t0 < 240
+    # The run's one-line verdict names the rank whose node vanished (no ending of its own).
+    verdict = ""
+    while not verdict and time.monotonic() < t0 + 300:
+        verdict = tags(c.runs()[0]).get("ddplab.verdict", "")
+        time.sleep(2)
+    assert verdict.startswith("rank 1 reported nothing (their node lost?); rank 0 stopped"), verdict
 
 
 def test_compose_multinode_2x2_on_ddplabs_ccl_gives_one_run_across_containers(compose_factory):
