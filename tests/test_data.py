@@ -62,3 +62,42 @@ def test_missing_cifar_says_where_and_how(tmp_path):
     with pytest.raises(DataError, match=r"data.root: CIFAR-10 not found under .*cifar-10-batches-py"
                        r".*data.download=true"):
         cifar10(DataConfig(dataset="cifar10", root=str(tmp_path)), train=True)
+
+
+def test_the_data_fingerprint_ignores_augmentation_draws_and_leaves_the_generators_as_they_were():
+    """data.digest: a random augmentation draws alike whatever the generators' state (ranks
+    compare it), a different sample changes it, and the caller's generators are left as found."""
+    import random
+
+    import numpy as np
+
+    from ddplab.workload import data
+
+    class Augmented(torch.utils.data.Dataset):
+        def __init__(self, offset: float) -> None:
+            self.offset = offset
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int):
+            noise = torch.rand(3) + float(np.random.rand()) + random.random()
+            return torch.full((3,), float(i) + self.offset) + noise, i % 2
+
+    torch.manual_seed(1)
+    first = data.digest((Augmented(0.0), Augmented(0.0)))
+    torch.manual_seed(1)
+    np.random.seed(7)
+    random.seed(7)
+    torch.rand(5)  # another state
+    assert data.digest((Augmented(0.0), Augmented(0.0))) == first
+    assert data.digest((Augmented(0.5), Augmented(0.0))) != first
+    torch.manual_seed(1)
+    np.random.seed(3)
+    random.seed(3)
+    data.digest((Augmented(0.0), Augmented(0.0)))
+    after = (torch.rand(1), np.random.rand(), random.random())
+    torch.manual_seed(1)
+    np.random.seed(3)
+    random.seed(3)
+    assert after == (torch.rand(1), np.random.rand(), random.random())

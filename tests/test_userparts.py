@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -462,3 +463,26 @@ def test_a_slow_user_part_says_what_the_checks_wait_for(capfd):
     time.sleep(0.4)  # nothing more once it returned
     lines = [x for x in capfd.readouterr().err.splitlines() if "checks: still" in x]
     assert len(lines) == 2 and "calling mymod:slow (data.dataset) (0 s)" in lines[0]
+
+
+@pytest.mark.e2e
+def test_a_dataset_built_differently_on_one_rank_is_refused_naming_the_rank(tmp_path, store):
+    """A user's data callable whose content depends on the rank (here its seed; in the wild an
+    unseeded generator or a per-rank path) would train each rank on other data without a word.
+    The ranks compare a fingerprint of their datasets before training: one line names rank 1."""
+    shutil.copy(REPO / "experiments" / "examples" / "spirals.py", tmp_path / "spirals.py")
+    (tmp_path / "rankdata.py").write_text(
+        "import os\n\nimport spirals\n\n\ndef make_data(seed: int = 0):\n"
+        "    return spirals.make_data(512, 128, seed=seed + int(os.environ.get('RANK', '0')))\n")
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump({"name": "rankdata", "data": {"dataset": "rankdata:make_data"},
+                                   "model": {"name": "spirals:mlp"}, "train": {"epochs": 1},
+                                   "tracking": {"system_metrics": False}}))
+    out = _torchrun(["train", str(exp)], tmp_path, store)
+    assert out.returncode != 0, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if "built other data" in line]
+    assert "ddplab: error: data.dataset: rank 1 built other data than rank 0" in said[0], said
+    deadline = time.monotonic() + 60  # the node's delivery process ends the run after the ranks
+    while [r.info.status for r in runs(store)] != ["FAILED"]:
+        assert time.monotonic() < deadline, [r.info.status for r in runs(store)]
+        time.sleep(1)

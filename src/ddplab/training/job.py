@@ -104,9 +104,28 @@ def _data(cfg: config.ExperimentConfig, layout: Layout,
         raise data.DataError(why)
     if sets is None:
         sets = data.datasets(d, cfg.train.seed)
+    if parts.datasets is not None:
+        _same_data_everywhere(sets, le.rank, le.world_size)
     loaders = data.loaders(d, sets, cfg.train.seed, le.rank, le.world_size,
                            pin=layout.device.type == "cuda")
     return loaders, data.describe(d, sets[0])
+
+
+def _same_data_everywhere(sets: Any, rank: int, world_size: int) -> None:
+    """A user's datasets built differently on some rank would train each rank on other data
+    without a word (DDP averages gradients of whatever it is given): the ranks compare a
+    fingerprint of them (data.digest), and a mismatch stops every rank in one line."""
+    if world_size == 1:
+        return
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, data.digest(sets))
+    odd = [r for r, d in enumerate(every) if d != every[0]]
+    if odd:
+        raise data.DataError(
+            f"data.dataset: rank {odd[0]} built other data than rank 0 (their sizes or first "
+            f"samples differ{'; so did ranks ' + ','.join(map(str, odd[1:])) if odd[1:] else ''}): "
+            "build it the same on every rank (draw randomness from a seeded generator, the "
+            "`seed` ddplab passes; no path or content that depends on the rank); ddplab shards it")
 
 
 def _datasets_or_error(cfg: config.ExperimentConfig, parts: Parts) -> tuple[Any, str]:

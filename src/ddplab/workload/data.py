@@ -246,6 +246,54 @@ def _describe_own(cfg: DataConfig, train_set: Dataset) -> DataInfo:
     return DataInfo("other", num_classes=classes)
 
 
+def digest(sets: tuple[Dataset, Any], first: int = 4) -> str:
+    """A fingerprint of the datasets: each one's length and its first samples, read with
+    Python's, numpy's and torch's generators seeded alike (so a random augmentation draws the
+    same on every rank) and restored after. Ranks compare it: a dataset built differently on
+    one rank (unseeded randomness at construction, a path that depends on the rank) differs."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    h = hashlib.sha256()
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            random.seed(0)
+            np.random.seed(0)
+            torch.manual_seed(0)
+            for ds in sets:
+                size = len(ds) if isinstance(ds, Sized) else -1
+                h.update(f"len {size};".encode())
+                for i in range(min(first, max(size, 0))):
+                    _feed(h, ds[i])
+        except Exception as e:  # noqa: BLE001 - a sample that cannot be read: the loop will say so
+            h.update(f"unreadable: {type(e).__name__}".encode())
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+    return h.hexdigest()[:16]
+
+
+def _feed(h: Any, item: Any) -> None:
+    if isinstance(item, torch.Tensor):
+        flat = item.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{flat.dtype}{tuple(item.shape)}".encode())
+        h.update(flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(item, (tuple, list)):
+        for part in item:
+            _feed(h, part)
+    elif isinstance(item, dict):
+        for key in sorted(item, key=str):
+            h.update(str(key).encode())
+            _feed(h, item[key])
+    elif callable(getattr(item, "tobytes", None)):  # numpy arrays, PIL images
+        h.update(item.tobytes())
+    else:  # numbers, strings
+        h.update(repr(item).encode())
+
+
 def first_batch(sets: tuple[Dataset, Any], n: int = 2) -> Any:
     """A tiny batch from the training set, collated as the loader will (for checks)."""
     from torch.utils.data import default_collate
