@@ -73,3 +73,24 @@ def test_only_a_refusal_of_the_record_itself_is_permanent(status, permanent):
     """A bad record is set aside; auth, a missing route, overload or a server error is retried."""
     assert spool._is_permanent(_Refused(status)) is permanent
     assert spool._is_permanent(spool.Invalid("torn line")) is True
+
+
+def test_a_study_report_warns_of_a_run_whose_straggler_set_its_pace():
+    """A straggler named in a counted run (ddplab.straggler) becomes a WARNING note of the study
+    report (report.md, report.html's warnings on top), naming the variant, repeat and run; a
+    superseded attempt's straggler is not the counted run's and says nothing."""
+    from types import SimpleNamespace
+
+    from ddplab.study.table import straggler_warnings
+
+    def child(run_id, variant, repeat, start, status="FINISHED", straggler=""):
+        tags = {"ddplab.variant": variant, "ddplab.repeat": repeat}
+        if straggler:
+            tags["ddplab.straggler"] = straggler
+        return SimpleNamespace(data=SimpleNamespace(tags=tags),
+                               info=SimpleNamespace(run_id=run_id, status=status, start_time=start))
+    named = "rank 1 (host n2) is a straggler: 1.45x the others' median work per step"
+    children = [child("r1", "2x1", "0", 1, status="FAILED", straggler="rank 0 (host n1) is a straggler"),
+                child("r2", "2x1", "0", 2, straggler=named), child("r3", "1x2", "0", 3)]
+    assert straggler_warnings(children) == [f"WARNING: 2x1 (repeat 0, run r2): {named}."]
+    assert straggler_warnings([child("r3", "1x2", "0", 3)]) == []

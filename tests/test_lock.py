@@ -97,3 +97,4 @@ def test_a_study_report_warns_when_variants_ran_different_environments():
     warned = environment_warnings(mixed)
     assert len(warned) == 2 and "different torch (ddplab.torch_build): 2.14.1+cu130: native; " \
         "2.7.1+cpu: image" in warned[0]
+

@@ -12,7 +12,7 @@ from typing import Any
 
 from .plots import PLOTS, plots
 from .render import html, markdown, print_table, results_csv
-from .table import Row, environment_warnings, latest_per_job, table
+from .table import Row, environment_warnings, latest_per_job, straggler_warnings, table
 from .verdict import Verdict, judge
 
 
@@ -54,7 +54,7 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
               if k.startswith("ddplab.skipped.")]
-    notes += environment_warnings(children)
+    notes += environment_warnings(children) + straggler_warnings(children)
     verdict = judge(rows, baseline, single_epoch=single)
     notes = [f"Verdict: {verdict.text}"] + [f"WARNING: {w}." for w in verdict.warnings] + notes
     record_answer(client, parent_id, rows, verdict, study)

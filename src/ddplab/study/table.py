@@ -92,6 +92,19 @@ def environment_warnings(children: list[Any]) -> list[str]:
     return said
 
 
+def straggler_warnings(children: list[Any]) -> list[str]:
+    """A warning per counted run that named a straggler (``ddplab.straggler``): its throughput is
+    the slow rank's, which the others waited for every step, not the layout's."""
+    said = []
+    for variant, runs in latest_per_job(children).items():
+        for c in sorted(runs, key=lambda c: c.data.tags.get("ddplab.repeat", "0")):
+            named = c.data.tags.get("ddplab.straggler", "")
+            if named:
+                said.append(f"WARNING: {variant} (repeat {c.data.tags.get('ddplab.repeat', '0')}, "
+                            f"run {c.info.run_id}): {named}.")
+    return said
+
+
 def _precision(run: Any) -> str:
     params = run.data.params
     for key in ("train.amp", "dist.fsdp.mixed_precision"):
