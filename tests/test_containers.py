@@ -213,6 +213,20 @@ def metric_steps(c: Compose, run_id: str, key: str) -> list[int]:
     return sorted(m["step"] for m in h)
 
 
+def train_again(c, *services: str) -> dict:
+    """A new job on a running stack (its services started again with c.env), once its run
+    has logged a training loss."""
+    before = {r["info"]["run_id"] for r in c.runs()}
+    again = sh([*c.cmd, "up", "-d", "--no-deps", *services], env=c.env, cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    deadline = time.monotonic() + 400
+    while not (new := [r for r in c.runs() if r["info"]["run_id"] not in before
+               and "train/loss" in metrics(r)]):
+        assert time.monotonic() < deadline, c.logs()[-4000:]
+        time.sleep(2)
+    return new[0]
+
+
 def test_the_team_server_asks_for_a_login_a_restart_loses_nothing_and_a_killed_node_fails(
         compose_factory):
     """compose/tracking.yml: MLflow on PostgreSQL behind its login. An anonymous client gets 401;
@@ -249,15 +263,7 @@ def test_the_team_server_asks_for_a_login_a_restart_loses_nothing_and_a_killed_n
     assert "Traceback" not in wrong.stderr and len(c.runs()) == 1  # no second run was made
 
     c.env["DDPLAB_SET"] += " checkpoint.resume=never"  # a new job, not the finished one resumed
-    before = {r["info"]["run_id"] for r in c.runs()}
-    again = sh([*c.cmd, "up", "-d", "--no-deps", c.service], env=c.env, cwd=REPO)
-    assert again.returncode == 0, again.stderr
-    deadline = time.monotonic() + 400
-    while not [r for r in c.runs() if r["info"]["run_id"] not in before
-               and "train/loss" in metrics(r)]:
-        assert time.monotonic() < deadline, c.logs()[-4000:]
-        time.sleep(2)
-    t0 = kill_a_node_without_rank0(c, c.runs()[0])
+    t0 = kill_a_node_without_rank0(c, train_again(c, c.service))
     codes = wait_exits(c, c.service, 2, t0 + 240)
     assert len(codes) == 2 and all(code != 0 for code in codes), codes
     assert time.monotonic() - t0 < 240
@@ -316,15 +322,7 @@ def ssh_trust_then_a_killed_worker(c) -> None:
     """A 2 x 1 job on the same stack: the launcher trusts only this job's host keys (no TOFU,
     no key swapped between workers), then a worker killed mid-job fails it in bounded time."""
     c.env.update(SLOTS="1", NPROC_PER_NODE="1", DDPLAB_SET="train.epochs=6 checkpoint.resume=never")
-    before = {r["info"]["run_id"] for r in c.runs()}
-    again = sh([*c.cmd, "up", "-d", "--no-deps", "launcher", c.service], env=c.env, cwd=REPO)
-    assert again.returncode == 0, again.stderr
-    deadline = time.monotonic() + 400
-    while not [r for r in c.runs() if r["info"]["run_id"] not in before
-               and "train/loss" in metrics(r)]:
-        assert time.monotonic() < deadline, c.logs()[-4000:]
-        time.sleep(2)
-    run = c.runs()[0]
+    run = train_again(c, "launcher", c.service)
     assert tags(run)["ddplab.world_size"] == "2"
     ssh = ("ssh -p 2222 -i ~/.ssh/ddplab_job_ed25519 -o BatchMode=yes -o StrictHostKeyChecking=yes "
            "-o ConnectTimeout=5")
