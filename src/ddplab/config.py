@@ -158,9 +158,14 @@ class ModelConfig:
     """Wrap the DDP model in torch.compile."""
     ipex: bool = True
     """On CPU, run ipex.optimize when intel_extension_for_pytorch imports and matches torch."""
+    flops_per_sample: float = 0.0
+    """Training FLOPs (forward and backward) of one sample, for perf/mfu; 0 = counted: the
+    built-in gpt by nanoGPT's formula, any other model by torch.utils.flop_counter on one
+    sample's forward x 3."""
 
     def __post_init__(self) -> None:
         _check_part("name", self.name, MODEL_NAMES)
+        check_range(self, "flops_per_sample", 0)
         if self.name == "gpt":
             _check_gpt_args(self.args)
         elif self.args and not is_import_path(self.name):
@@ -322,6 +327,9 @@ class TrainConfig:
     nonfinite_loss: Literal["stop", "warn"] = "stop"
     """A NaN or infinite train/loss (checked where it is logged, every log_every steps): stop
     the job FAILED, naming the step, or warn and go on."""
+    mfu: bool = True
+    """Log perf/mfu (model FLOPs per second over the devices' peak): a GPU's peak from a
+    datasheet table; on CPU each rank measures a matmul for 0.3 s at the start."""
 
     def __post_init__(self) -> None:
         _check_part("loss", self.loss, LOSSES)

@@ -179,6 +179,7 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     print(f"cuda         {len(gpus)} device(s){': ' + ', '.join(gpus) if gpus else ''}")
+    print(f"peak         {_peak(device)}")
 
     try:
         hosts = ssh_hosts(os.environ)
@@ -206,6 +207,26 @@ def doctor(experiment: str | None, overrides: list[str]) -> int:
         print(f"problem: {p}")
     print("doctor: ok" if not problems else f"doctor: {len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def _peak(device: str) -> str:
+    """What perf/mfu divides by on this machine: a GPU's datasheet figure beside a measured
+    matmul (a large gap: clocks held down, or another job on the GPU); on CPU, measured."""
+    import torch
+
+    from .training import mfu
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name(0)
+        got = [f"{p} matmul measured {mfu.measure_matmul(torch.device('cuda', 0), t) / 1e12:,.0f}"
+               for p, t in (("bf16", torch.bfloat16), ("fp32", torch.float32))]
+        table = [f"{p} {mfu.table_peak(name, p == 'bf16') / 1e12:,.0f}" for p in ("bf16", "fp32")]
+        known = "datasheet (dense) " + ", ".join(table) if mfu.table_peak(name, True) else \
+            "not in ddplab's table: perf/mfu uses the measured figure"
+        return f"{name}: {known}; {', '.join(got)} TFLOP/s"
+    per = mfu.measure_matmul(torch.device("cpu"), torch.float32)
+    return (f"cpu fp32 matmul measured {per / 1e9:,.0f} GFLOP/s with {torch.get_num_threads()} "
+            "thread(s) (each rank measures its own at the start of a job, for perf/mfu)")
 
 
 def _train_checks(cfg: ExperimentConfig, le: LaunchEnv, experiment: str | None,

@@ -147,12 +147,17 @@ def agree(choice: BackendChoice, le: LaunchEnv, store: dist.Store) -> BackendCho
     return BackendChoice("ccl", "auto", f"{choice.reason}; all {le.world_size} ranks agree")
 
 
-def resolve_device(requested: str, local_rank: int) -> torch.device:
+def resolve_device(requested: str, local_rank: int, backend: str = "nccl") -> torch.device:
+    """A rank's device: local rank k on GPU k. More local ranks than GPUs may share them round
+    robin over gloo (or mpi), as the book's processes share a CPU; NCCL refuses two ranks on
+    one device, so with nccl (or auto, which picks it) that is one line instead of a hang."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise BackendError("dist.device: 'cuda' requested but torch sees no CUDA device")
     n = torch.cuda.device_count()
-    if local_rank >= n:
-        raise BackendError(f"local rank {local_rank} has no GPU: only {n} visible")
-    return torch.device("cuda", local_rank)
+    if local_rank >= n and backend in ("nccl", "auto"):
+        raise BackendError(f"local rank {local_rank} has no GPU of its own: only {n} visible, and "
+                           "NCCL cannot put two ranks on one GPU; fewer ranks per node, or "
+                           "dist.backend gloo to share the GPUs")
+    return torch.device("cuda", local_rank % n)

@@ -37,7 +37,7 @@ class Layout:
 
 def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     """Device, backend (with its recorded reason), oneCCL variables, CPU threads and pinning."""
-    device = resolve_device(cfg.device, le.local_rank)
+    device = resolve_device(cfg.device, le.local_rank, cfg.backend)
     impl = import_ccl() if device.type == "cpu" else None
     choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback,
                      cores_per_rank=cores_per_rank(le, os.environ),

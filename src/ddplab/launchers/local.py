@@ -48,7 +48,7 @@ def preflight(a: argparse.Namespace) -> None:
         return
     cuda = torch.cuda.is_available()
     checks.preflight(cfg, le, a.summary_out, cuda)
-    device = resolve_device(cfg.dist.device, 0).type
+    device = resolve_device(cfg.dist.device, n - 1, cfg.dist.backend).type  # the last rank: enough GPUs?
     resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback,
             ccl_impl=None if device != "cpu" else _ccl_impl(), world_size=n)
 

@@ -26,7 +26,7 @@ def fit(job: Job) -> None:
     for epoch in range(state.epoch, train.epochs):
         if _done(job):
             break
-        t0, first_step = time.perf_counter(), state.step
+        t0, cpu0, first_step = time.perf_counter(), time.process_time(), state.step
         job.loaders.sampler.set_position(epoch, state.samples_in_epoch)
         samples = 0
         for result in loop.train_epoch(state, job.loaders.train, train.max_steps):
@@ -42,7 +42,7 @@ def fit(job: Job) -> None:
         # else max_steps ended the epoch early: the state (and the final checkpoint) keeps the
         # position, so a resume with a higher max_steps trains the rest of this epoch first.
         job.stats.end_epoch(time.perf_counter() - t0, samples * job.layout.le.world_size,
-                            state.step - first_step)
+                            state.step - first_step, time.process_time() - cpu0)
         job.run.log_metrics({"epoch/time_s": job.stats.epoch_times[-1],
                              "epoch/epoch": epoch + 1}, state.step)
         last = epoch + 1 == train.epochs or _done(job)
@@ -89,6 +89,7 @@ def _after_step(job: Job, result: loop.StepResult) -> None:
     job.stats.data_time += result.data_time_s
     if job.stats.time_to_first_step_s is None:
         job.stats.time_to_first_step_s = time.perf_counter() - job.t_start
+        job.stats.first_step_at = time.time()
         job.run.log_metrics({"train/time_to_first_step_s": job.stats.time_to_first_step_s},
                             result.step)
     if result.step % job.cfg.train.log_every == 0:
@@ -214,14 +215,25 @@ def finish(job: Job) -> dict[str, Any]:
         cpu=_cpu(job))
     memory = strategy.memory(job.state.model, job.state.optimizer, job.layout.device)
     summary["memory"] = memory
+    summary["mfu"] = _mfu(job, summary["samples_per_s_steady"])
     job.run.log_metrics({"perf/samples_per_s": summary["samples_per_s_steady"],
-                         "perf/wall_time_s": summary["wall_time_s"], **memory}, job.state.step)
+                         "perf/wall_time_s": summary["wall_time_s"], **memory,
+                         **({"perf/mfu": summary["mfu"]} if summary["mfu"] is not None else {})},
+                        job.state.step)
     text = json.dumps(_finite(summary), indent=2, allow_nan=False)
     job.run.log_text(text, "summary.json")
     job.console.save_summary(text)
     final = ", ".join(f"{k} {v:.4f}" for k, v in job.stats.last.items() if k.startswith("eval/"))
     job.console.say(f"done in {summary['wall_time_s']:.1f}s: {job.state.step} steps, {final}")
     return summary
+
+
+def _mfu(job: Job, samples_per_s: float) -> float | None:
+    """perf/mfu from the steady throughput; None when the job could not count its FLOPs."""
+    basis = job.mfu_basis
+    if basis is None or not basis.flops_per_sample or not basis.peak_flops_s or not samples_per_s:
+        return None
+    return round(basis.mfu(samples_per_s), 6)
 
 
 def _finite(value: Any) -> Any:

@@ -23,7 +23,7 @@ from ..distributed.layout import Layout
 from ..tracking import NullTracker, capsule
 from ..workload import data, losses, models, optim, userparts
 from ..workload.userparts import Parts
-from . import checkpoint, loop, strategy
+from . import checkpoint, loop, mfu, strategy
 from .profiling import NoProfile
 from .summary import Console, RunStats
 
@@ -56,6 +56,8 @@ class Job:
     meter: loop.Meter = field(default_factory=loop.Meter)
     rank_hosts: list[str] = field(default_factory=list)
     """Each rank's host, by rank (``hosts``: the distinct ones)."""
+    mfu_basis: mfu.Basis | None = None
+    """What perf/mfu divides by what (None: train.mfu off)."""
 
     @property
     def total_steps(self) -> int:
@@ -74,13 +76,14 @@ def build(cfg: config.ExperimentConfig, layout: Layout, resume: checkpoint.Resum
     le = layout.le
     rank_hosts = _hosts(le.world_size)
     loaders, info = _data(cfg, layout, parts)
-    state, ipex = _model(cfg, layout.device, loaders, info, parts, resume.payload, le.world_size)
+    state, ipex, basis = _model(cfg, layout.device, loaders, info, parts, resume.payload,
+                                le.world_size)
     ckpt = checkpoint.Checkpointer(Path(cfg.checkpoint.dir) / cfg.name, cfg.checkpoint.keep,
                                    le.is_rank0)
     dirty, diff = capsule.git_dirty() if le.is_rank0 else ("unknown", "")
     return Job(cfg, layout, run, resume, Console(le.is_rank0, summary_out), loaders, state, ipex,
                sorted(set(rank_hosts)), t_start, ckpt, info, parts, dirty, diff,
-               rank_hosts=rank_hosts)
+               rank_hosts=rank_hosts, mfu_basis=basis)
 
 
 def _hosts(world_size: int) -> list[str]:
@@ -139,8 +142,9 @@ def _datasets_or_error(cfg: config.ExperimentConfig, parts: Parts) -> tuple[Any,
 
 def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loaders,
            info: data.DataInfo, parts: Parts, payload: dict[str, Any] | None,
-           world_size: int) -> tuple[loop.TrainState, strategy.IpexStatus]:
+           world_size: int) -> tuple[loop.TrainState, strategy.IpexStatus, mfu.Basis | None]:
     model = models.prepare(models.build(cfg.model, info, parts.model), cfg.model, device)
+    basis = _mfu_basis(cfg, model, loaders, device, world_size) if cfg.train.mfu else None
     model, opt, ipex = strategy.spread(model, cfg, device)  # ddp | zero | fsdp | dp
     state = loop.TrainState(
         model=model, optimizer=opt,
@@ -154,7 +158,17 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
         metrics=userparts.build_metrics(cfg, info.model_kwargs(), device))
     if payload is not None:
         checkpoint.restore(state, payload, world_size)
-    return state, ipex
+    return state, ipex, basis
+
+
+def _mfu_basis(cfg: config.ExperimentConfig, model: torch.nn.Module, loaders: data.Loaders,
+               device: torch.device, world_size: int) -> mfu.Basis:
+    """Counted on the bare model, before DDP or FSDP wraps (and shards) it."""
+    item = loaders.train.dataset[0]
+    sample = item[0] if isinstance(item, (tuple, list)) else item
+    low = cfg.train.amp != "none" or (cfg.dist.strategy == "fsdp"
+                                      and cfg.dist.fsdp.mixed_precision == "bf16")
+    return mfu.basis(model, cfg.model.flops_per_sample, sample, device, low, world_size)
 
 
 def record_start(job: Job) -> None:
@@ -204,6 +218,7 @@ def _tags(job: Job) -> dict[str, Any]:
         **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},
         **capsule.scheduler_tags(),
         **job.parts.tags(),
+        **(job.mfu_basis.tags() if job.mfu_basis else {}),
     }
 
 

@@ -64,11 +64,15 @@ class RunStats:
     data_time: float = 0.0
     samples_per_s: list[float] = field(default_factory=list)
     time_to_first_step_s: float | None = None
+    first_step_at: float | None = None
+    """Wall-clock time (Unix) of the first step's end: a launcher's clock can compare it."""
     epoch_times: list[float] = field(default_factory=list)
     epoch_samples: list[int] = field(default_factory=list)
     """Samples (all ranks) each epoch of THIS attempt really trained: a resumed or
     max_steps-cut epoch counts only its own steps."""
     epoch_steps: list[int] = field(default_factory=list)
+    epoch_cpu_s: list[float] = field(default_factory=list)
+    """Rank 0's process CPU seconds (all its threads) each epoch."""
     last: dict[str, float] = field(default_factory=dict)
     evaluated_at: int = -1
     """The step of the newest evaluation."""
@@ -92,10 +96,11 @@ class RunStats:
         rest = self.samples_per_s[1:] or self.samples_per_s
         return sum(rest) / len(rest) if rest else 0.0
 
-    def end_epoch(self, seconds: float, samples: int, steps: int) -> None:
+    def end_epoch(self, seconds: float, samples: int, steps: int, cpu_s: float = 0.0) -> None:
         self.epoch_times.append(seconds)
         self.epoch_samples.append(samples)
         self.epoch_steps.append(steps)
+        self.epoch_cpu_s.append(cpu_s)
 
     def summary(self, wall_time_s: float, world_size: int, global_batch: int, steps: int,
                 checkpoint: str | None, tracking_busy_s: float, cpu: CpuUse) -> dict[str, Any]:
@@ -107,6 +112,7 @@ class RunStats:
             "steps": steps,
             "wall_time_s": round(wall_time_s, 3),
             "time_to_first_step_s": self.time_to_first_step_s,
+            "first_step_at": self.first_step_at,
             "samples_per_s_mean": (sum(self.samples_per_s) / len(self.samples_per_s)
                                    if self.samples_per_s else 0.0),
             "samples_per_s_steady": self.steady_samples_per_s(),
@@ -115,6 +121,7 @@ class RunStats:
             "data_wait_frac": self.data_time / busy if busy else 0.0,
             "epoch_time_s": self.epoch_times,
             "epoch_steps": self.epoch_steps,
+            "epoch_cpu_s": [round(c, 4) for c in self.epoch_cpu_s],
             "epoch_samples_per_s": [n / t if t > 0 else 0.0
                                     for n, t in zip(self.epoch_samples, self.epoch_times, strict=True)],
             "final_metrics": self.last,

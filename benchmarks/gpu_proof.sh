@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU proof in one command, on a machine with its own PyTorch and no network:
+#   bash benchmarks/gpu_proof.sh OUT [--device cuda|cpu] [--quick] [--kit DIR] [gpu_proof.py options]
+# It installs the kit (`make gpu-kit`, built where PyPI is reachable: MLflow's client side and
+# its SQL store) and ddplab itself (--no-deps: over the machine's own torch, which each run
+# records) into a temporary site, then runs benchmarks/gpu_proof.py with an embedded MLflow
+# store under OUT. Nothing outside OUT and the temporary site is written.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_proof.sh OUT [--device cuda|cpu] [--quick] [--kit DIR]}
+shift
+kit=.gpu-kit
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --kit) kit=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+py=${PYTHON:-python3}
+if ! ls "$kit"/*.whl >/dev/null 2>&1; then
+  echo "gpu_proof: no wheels in $kit: run 'make gpu-kit' where PyPI is reachable, and bring $kit along" >&2
+  exit 2
+fi
+if ! "$py" -c "import torch" 2>/dev/null; then
+  echo "gpu_proof: $py has no torch: the machine's own PyTorch is what the proof runs on (PYTHON=...)" >&2
+  exit 2
+fi
+site=$(mktemp -d /tmp/ddplab-site.XXXXXX)
+trap 'rm -rf "$site"' EXIT
+t0=$(date +%s)
+pipi() { "$py" -m pip -q --disable-pip-version-check "$@"; }
+# ddplab's own wheel first (setuptools from the kit builds it), then one install of the kit and
+# that wheel, --no-deps: the kit is the whole list; pip must not reach for an index.
+pipi install --no-index --no-deps --target "$site/build" "$kit"/setuptools-*.whl \
+  && PYTHONPATH="$site/build" pipi wheel --no-index --no-deps --no-build-isolation -w "$site/wheel" . \
+  && pipi install --no-index --no-deps --no-compile --target "$site/lib" "$kit"/*.whl "$site"/wheel/ddplab-*.whl \
+  || { echo "gpu_proof: installing the kit and ddplab into $site failed (see above)" >&2; exit 2; }
+export PYTHONPATH="$site/lib${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/lib/bin:$PATH"
+echo "[proof] kit and ddplab installed in $(( $(date +%s) - t0 ))s: $("$py" -c 'import ddplab, mlflow, torch; print("ddplab", ddplab.__version__, "mlflow", mlflow.__version__, "torch", torch.__version__)')"
+exec "$py" benchmarks/gpu_proof.py "$out" "${args[@]}"

@@ -1,0 +1,161 @@
+"""perf/mfu: how far a job is from the machine's physical limit. Model FLOPs utilisation is
+the model's training FLOPs per second achieved over the peak the job's devices could do (PaLM's
+definition, as torchtitan and nanoGPT count it: recomputation and padding are not "useful").
+
+- FLOPs per sample: ``model.flops_per_sample`` when the user gives it; the built-in GPT by its
+  formula (6 x parameters x tokens for the matmuls forward and backward, plus the attention
+  term 12 x layers x width x tokens^2; nanoGPT's estimate_mfu, parameters without the position
+  table); any other model by ``torch.utils.flop_counter`` on one sample's forward, x 3 (the
+  backward costs about two forwards), counted in eval mode without gradients so the count
+  changes no state (BatchNorm's running statistics, ``.grad``).
+- Peak: a CUDA device by its name from PEAK_TFLOPS (dense, no sparsity: NVIDIA's datasheets
+  quote bf16 "with sparsity", twice these); bf16 when the job computes in bf16/fp16 (train.amp,
+  or FSDP's bf16), else fp32 (TF32 is off unless the user turns it on). A device not in the
+  table, and every CPU, is measured: a matmul loop on each rank at the same time, with the
+  rank's own threads, so a CPU job is compared with what its layout can reach on those cores.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..workload.gpt import GPT
+
+# (substring of torch.cuda.get_device_name(), bf16 dense TFLOP/s, fp32 dense TFLOP/s), the most
+# specific name first. Sources: NVIDIA H100 datasheet (SXM5: bf16 1,979 / PCIe 1,513 / NVL 1,671
+# "with sparsity"; fp32 67 / 51 / 60), H200 datasheet (same chip as H100 SXM: 1,979 / 67), A100
+# datasheet (bf16 312 dense, fp32 19.5), L40S datasheet (733 sparse, fp32 91.6), L4 (242.5
+# sparse, fp32 30.3).
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H100 PCIe", 756.5, 51.2),
+    ("H100 NVL", 835.5, 60.0),
+    ("H100", 989.5, 66.9),  # "NVIDIA H100 80GB HBM3" (SXM5)
+    ("H200", 989.5, 66.9),
+    ("A100", 312.0, 19.5),
+    ("L40S", 366.5, 91.6),
+    ("L4", 121.0, 30.3),
+)
+MATMUL_S = 0.3  # how long each rank measures its peak (CPU, or a device not in the table)
+
+
+@dataclass
+class Basis:
+    """What perf/mfu divides by what; recorded in the run as tags."""
+
+    flops_per_sample: float
+    flops_source: str
+    peak_flops_s: float
+    """The whole job's peak: every distinct device's (GPU) or every rank's measured (CPU)."""
+    peak_source: str
+
+    def mfu(self, samples_per_s: float) -> float:
+        return samples_per_s * self.flops_per_sample / self.peak_flops_s if self.peak_flops_s else 0.0
+
+    def tags(self) -> dict[str, str]:
+        return {"ddplab.mfu.flops_per_sample": f"{self.flops_per_sample:.4g}",
+                "ddplab.mfu.flops_source": self.flops_source,
+                "ddplab.mfu.peak_tflops": f"{self.peak_flops_s / 1e12:.4g}",
+                "ddplab.mfu.peak_source": self.peak_source}
+
+
+def gpt_flops_per_sequence(model: GPT) -> float:
+    """nanoGPT's count for one sequence of seq_len tokens, forward and backward."""
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    layers, width, t = len(model.blocks), model.wte.weight.shape[1], model.seq_len
+    return t * (6 * n + 12 * layers * width * t)
+
+
+def counted_flops_per_sample(model: nn.Module, sample: Any) -> float:
+    """torch.utils.flop_counter on one sample's forward (batch of 1), x 3 for the backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = sample.unsqueeze(0).to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x)
+    finally:
+        model.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
+def flops_per_sample(model: nn.Module, given: float, sample: Any) -> tuple[float, str]:
+    """(FLOPs per training sample, where the figure comes from); (0, why) when unknown."""
+    if given > 0:
+        return given, "model.flops_per_sample"
+    if isinstance(model, GPT):
+        return float(gpt_flops_per_sequence(model)), "the GPT formula (nanoGPT's: 6N + attention)"
+    if not isinstance(sample, torch.Tensor):
+        return 0.0, "no count: a sample that is not one tensor (give model.flops_per_sample)"
+    try:
+        return counted_flops_per_sample(model, sample), "torch.utils.flop_counter (forward x 3)"
+    except Exception as e:  # noqa: BLE001 - a model the counter cannot trace only loses perf/mfu
+        return 0.0, f"no count: flop_counter failed ({type(e).__name__}: {str(e)[:120]})"
+
+
+def table_peak(name: str, low_precision: bool) -> float:
+    """A device's dense peak in FLOP/s from PEAK_TFLOPS, 0 when it is not there."""
+    for key, bf16, fp32 in PEAK_TFLOPS:
+        if key in name:
+            return (bf16 if low_precision else fp32) * 1e12
+    return 0.0
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, seconds: float = MATMUL_S) -> float:
+    """FLOP/s of a square matmul loop on this device with this process's threads."""
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):  # warm-up: kernels chosen, caches and clocks up
+        a @ b
+    _sync(device)
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        done += 4
+    return 2.0 * n**3 * done / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def job_peak(device: torch.device, low_precision: bool, world_size: int) -> tuple[float, str]:
+    """Collective (every rank calls it): the job's peak FLOP/s and where it comes from. GPUs
+    count once each, however many ranks share one; CPU ranks measure at the same time."""
+    dtype = torch.bfloat16 if low_precision else torch.float32
+    precision = "bf16" if low_precision else "fp32"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        mine = table_peak(name, low_precision)
+        source = f"{name} {precision} dense, from the datasheet table" if mine else ""
+        if not mine:
+            mine, source = measure_matmul(device, dtype), f"{name} {precision} matmul, measured"
+        where = f"{socket.gethostname()}:{device.index}"
+    else:
+        mine, where = measure_matmul(device, dtype), f"rank{dist.get_rank() if world_size > 1 else 0}"
+        source = f"CPU {precision} matmul measured on every rank at once"
+    every: list[Any] = [(where, mine)] * world_size
+    if world_size > 1:
+        dist.all_gather_object(every, (where, mine))
+    per_device = dict(every)  # ranks sharing a GPU count it once
+    return sum(per_device.values()), f"{source} ({len(per_device)} x)"
+
+
+def basis(model: nn.Module, given: float, sample: Any, device: torch.device,
+          low_precision: bool, world_size: int) -> Basis:
+    """Collective. FLOPs per sample 0 when unknown: the tags say why, and no perf/mfu."""
+    flops, source = flops_per_sample(model, given, sample)
+    peak, peak_source = job_peak(device, low_precision, world_size)
+    return Basis(flops, source, peak, peak_source)
