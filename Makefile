@@ -26,7 +26,15 @@ STAMP := $(VENV)/.ddplab-setup
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
 	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser k8s-validate \
 	k8s-emulate k8s-render k8s-apply scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
-	clean-images image-cpu-intel image-postgres k8s-secrets
+	clean-images image-cpu-intel image-postgres k8s-secrets gpu-kit bench-peers
+
+gpu-kit: $(STAMP) ## The GPU proof kit in .gpu-kit/: MLflow's client + SQL store wheels for CPython 3.12 (no torch; size printed; docs/benchmarks.md)
+	$(BIN)/python tools/gpu_kit.py
+
+# The peers are an optional extra (pyproject: peers), installed on first use, never in a lock.
+bench-peers: $(STAMP) ## ddplab beside a plain torchrun script, Lightning Fabric/Trainer and Accelerate on the same job: docs/results/bench-peers.md
+	@$(BIN)/python -c "import lightning, accelerate" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[peers]"
+	$(BIN)/python benchmarks/bench_peers.py $(ARGS)
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'

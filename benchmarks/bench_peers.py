@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -122,11 +123,49 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=int, default=600)
     ap.add_argument("--page", default="bench-peers", help="docs/results/<page>.md ('' = none)")
     ap.add_argument("--page-dir", default="", help="write the page here instead of docs/results")
+    ap.add_argument("--from-log", default="",
+                    help="no runs: the page from the rounds a (cut-off) run of this script printed")
     a = ap.parse_args()
     a.threads = a.threads or max(1, len(os.sched_getaffinity(0)) // a.nproc)
     tools = [t for t in TOOLS if not a.only or t in a.only.split(",")]
     failed = {t: why for t in tools if (why := available(t))}
     rows: dict[str, list[dict[str, float]]] = {t: [] for t in tools if t not in failed}
+    if a.from_log:
+        rows, failed = from_log(Path(a.from_log).read_text())
+        a.rounds = max((len(r) for r in rows.values()), default=0)
+    else:
+        run_rounds(a, rows, failed)
+    body = table(rows, failed)
+    print("\n" + body)
+    if a.page:
+        what = (f"The quickstart's job ({a.samples} samples x {a.epochs} epochs, batch {a.batch} per "
+                f"rank, {a.nproc} rank(s) x {a.threads} thread(s), {a.device}) under each tool, "
+                f"{a.rounds} interleaved round(s), medians; ratios to the plain torchrun script. "
+                "Steady = the epochs after the first. Job CPU: every process the launch started.\n\n")
+        results.write(a.page, "ddplab beside its peers, on the same job", what + body,
+                      folder=Path(a.page_dir) if a.page_dir else results.RESULTS)
+    return 0 if rows and all(rows.values()) else 1
+
+
+def from_log(text: str) -> tuple[dict[str, list[dict[str, float]]], dict[str, str]]:
+    """The rounds as this script printed them (``round 1 plain: samples_per_s 9,543.75, ...``)."""
+    rows: dict[str, list[dict[str, float]]] = {}
+    failed: dict[str, str] = {}
+    for m in re.finditer(r"^round \d+ ([\w-]+): (.*)$", text, flags=re.M):
+        tool, rest = m.groups()
+        pairs = re.findall(r"(\w+) (-?[\d,]+\.?\d*)", rest)
+        if not pairs or rest.startswith("exit"):
+            failed[tool] = rest
+            continue
+        rows.setdefault(tool, []).append({k: float(v.replace(",", "")) for k, v in pairs})
+    for tool in TOOLS:
+        if tool not in rows and tool not in failed:
+            failed[tool] = "not measured: the run was cut off before it"
+    return rows, failed
+
+
+def run_rounds(a: argparse.Namespace, rows: dict[str, list[dict[str, float]]],
+               failed: dict[str, str]) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         work = Path(tmp)
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow.db'}")
@@ -141,16 +180,6 @@ def main() -> int:
                 rows[tool].append(got)
                 print(f"round {r + 1} {tool}: " + ", ".join(f"{k} {v:,.2f}" for k, v in got.items()),
                       flush=True)
-    body = table(rows, failed)
-    print("\n" + body)
-    if a.page:
-        what = (f"The quickstart's job ({a.samples} samples x {a.epochs} epochs, batch {a.batch} per "
-                f"rank, {a.nproc} rank(s) x {a.threads} thread(s), {a.device}) under each tool, "
-                f"{a.rounds} interleaved round(s), medians; ratios to the plain torchrun script. "
-                "Steady = the epochs after the first. Job CPU: every process the launch started.\n\n")
-        results.write(a.page, "ddplab beside its peers, on the same job", what + body,
-                      folder=Path(a.page_dir) if a.page_dir else results.RESULTS)
-    return 0 if all(rows.values()) else 1
 
 
 if __name__ == "__main__":

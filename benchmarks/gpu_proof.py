@@ -116,8 +116,7 @@ def peers_argv(a: argparse.Namespace, out: Path) -> list[str]:
 
 def page_name(a: argparse.Namespace, what: str) -> str:
     """gpu-*.md pages from the GPU machine; cpu-proof-*.md from a CPU run of the same script."""
-    prefix = "gpu" if a.device == "cuda" else "cpu-proof"
-    return prefix if what == "proof" else f"{prefix}-{what}"
+    return f"{'gpu' if a.device == 'cuda' else 'cpu-proof'}-{what}"
 
 
 def gpt_sets(a: argparse.Namespace) -> list[str]:
@@ -126,7 +125,10 @@ def gpt_sets(a: argparse.Namespace) -> list[str]:
                     "model.args={n_layer: 1, n_head: 2, n_embd: 32}", "train.amp=bf16")
     # GPT-2 small's shape (85 M parameters with a byte vocabulary) on 1,024-byte sequences,
     # bf16 and compiled: about 20 TFLOP a step.
-    return sets("model.args={n_layer: 12, n_head: 12, n_embd: 768, dropout: 0.0}",
+    # tests/ (4 MB of text: ~110 steps an epoch) and no checkpoint per epoch: on docs/ alone
+    # (0.18 MB, 5 steps an epoch) a checkpoint of 1 GB every 5 steps took most of the wall time.
+    return sets(f"data.root={REPO / 'tests'}", "checkpoint.every_epochs=0",
+                "model.args={n_layer: 12, n_head: 12, n_embd: 768, dropout: 0.0}",
                 "data.seq_len=1024", "data.batch_size=32", "data.eval_batch_size=32",
                 "train.amp=bf16", "model.compile=true", f"train.max_steps={a.gpt_steps}",
                 "train.epochs=100", "train.log_every=25", "train.eval_every_steps=0",
@@ -136,10 +138,9 @@ def gpt_sets(a: argparse.Namespace) -> list[str]:
 def study_file(a: argparse.Namespace, out: Path) -> Path:
     """The book's chapter 9 study for this machine's cores: N ranks x cores/N threads, global
     batch 64 each, gloo, from one process with every core to as many processes as leave 2
-    threads each."""
-    n, layouts = a.cores, []
-    ranks = 1
-    while ranks <= max(1, n // 2) or ranks == 1:
+    threads each (on 2 cores: 2 x 1)."""
+    n, layouts, ranks = a.cores, [], 1
+    while ranks <= max(2, n // 2) and ranks <= n:  # on 2 cores the book's own pair: 1x2, 2x1
         layouts.append(ranks)
         ranks *= 2
     epochs = "train.max_steps: 6" if a.quick else "train.epochs: 3"

@@ -32,10 +32,13 @@ t0=$(date +%s)
 pipi() { "$py" -m pip -q --disable-pip-version-check "$@"; }
 # ddplab's own wheel first (setuptools from the kit builds it), then one install of the kit and
 # that wheel, --no-deps: the kit is the whole list; pip must not reach for an index.
-pipi install --no-index --no-deps --target "$site/build" "$kit"/setuptools-*.whl \
-  && PYTHONPATH="$site/build" pipi wheel --no-index --no-deps --no-build-isolation -w "$site/wheel" . \
-  && pipi install --no-index --no-deps --no-compile --target "$site/lib" "$kit"/*.whl "$site"/wheel/ddplab-*.whl \
-  || { echo "gpu_proof: installing the kit and ddplab into $site failed (see above)" >&2; exit 2; }
+fail() { echo "gpu_proof: $1 failed (see above)" >&2; exit 2; }
+pipi install --no-index --no-deps --target "$site/build" "$kit"/setuptools-*.whl || fail "installing setuptools"
+mkdir -p "$site/src" && cp -r pyproject.toml README.md src "$site/src/"  # built there: the checkout stays clean
+PYTHONPATH="$site/build" pipi wheel --no-index --no-deps --no-build-isolation -w "$site/wheel" "$site/src" \
+  || fail "building ddplab's wheel"
+pipi install --no-index --no-deps --no-compile --target "$site/lib" "$kit"/*.whl "$site"/wheel/ddplab-*.whl \
+  || fail "installing the kit and ddplab into $site/lib"
 export PYTHONPATH="$site/lib${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/lib/bin:$PATH"
 echo "[proof] kit and ddplab installed in $(( $(date +%s) - t0 ))s: $("$py" -c 'import ddplab, mlflow, torch; print("ddplab", ddplab.__version__, "mlflow", mlflow.__version__, "torch", torch.__version__)')"
-exec "$py" benchmarks/gpu_proof.py "$out" "${args[@]}"
+"$py" benchmarks/gpu_proof.py "$out" "${args[@]}"  # not exec: the trap removes the site

@@ -6,6 +6,7 @@
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
     ddplab sync [PATH ...]                        # deliver what a tracking outage left behind
+    ddplab import STORE.tar.gz                    # runs from another machine's store, into this one
     ddplab study run STUDY.yaml [--dry-run] [--fresh] [--set ...]   # a grid of jobs, one report
     ddplab report PARENT_RUN_ID [--page NAME]     # a study's report, rebuilt from the store
     ddplab reproduce RUN_ID [--strict]            # re-run a recorded run and compare
@@ -60,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     y.add_argument("--tracking-uri", default="", metavar="URI",
                    help="deliver to this server instead of the one each spool recorded")
     y.set_defaults(func=_sync)
+    im = sub.add_parser("import", help="copy the runs of another machine's store (an archive "
+                                       "such as the GPU proof's store.tar.gz) into this one")
+    im.add_argument("source", help="store.tar.gz, or a folder holding mlflow.db (and mlruns/)")
+    im.add_argument("--tracking-uri", default="", metavar="URI",
+                    help="into this store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    im.set_defaults(func=_import)
     st = sub.add_parser("study", help="run a study: a grid of jobs compared in one report")
     st.set_defaults(func=_study)
     st_sub = st.add_subparsers(dest="study_command", required=True)
@@ -257,6 +264,17 @@ def _sync(args: argparse.Namespace) -> int:
 
     uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
     return sync(args.paths, args.timeout, uri)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .tracking import validated_uri
+    from .tracking.importer import import_runs
+
+    uri = validated_uri(args.tracking_uri)
+    imported, skipped = import_runs(args.source, uri)
+    print(f"ddplab import: {imported} run(s) into {uri}"
+          f"{f'; {skipped} already there, skipped' if skipped else ''}")
+    return 0
 
 
 def _checkpoint(args: argparse.Namespace) -> int:

@@ -35,9 +35,10 @@ def now() -> str:
 
 def commit(repo: Path) -> str:
     """The checkout's commit ("+ local changes" when the tree differs from it). A copy of the
-    tree without .git (a GPU machine that was sent the files) is told it in DDPLAB_COMMIT."""
-    if os.environ.get("DDPLAB_COMMIT"):
-        return os.environ["DDPLAB_COMMIT"]
+    tree without .git (an image, a GPU machine that was sent the files) is told it in
+    DDPLAB_GIT_SHA, as the runs are (tracking/capsule.py)."""
+    if os.environ.get("DDPLAB_GIT_SHA"):
+        return os.environ["DDPLAB_GIT_SHA"][:10]
     def git(*args: str) -> str:
         try:
             out = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,

@@ -14,20 +14,21 @@ from typing import Any
 
 from .table import COLUMNS, Row, fmt
 
-HEADS = ("variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency",
+HEADS = ("variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency", "MFU",
          "eval acc", "eval loss", "time to target s", "wall s", "model state MB (max rank)",
          "backend, launcher")
 
 
-NUMERIC = set(HEADS[1:10])
+NUMERIC = set(HEADS[1:11])
 
 
 def _cells(r: Row) -> list[str]:
     spread = (f"{fmt(r.throughput_median)} [{fmt(r.throughput_min)}-{fmt(r.throughput_max)}]"
               if r.throughput_median is not None else "-")
     wall = f"{r.wall_time_s:.0f}" if r.wall_time_s is not None else "-"
+    mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
     return [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, fmt(r.speedup),
-            fmt(r.efficiency), fmt(r.eval_accuracy), fmt(r.eval_loss),
+            fmt(r.efficiency), mfu, fmt(r.eval_accuracy), fmt(r.eval_loss),
             fmt(r.time_to_target_s), wall, fmt(r.model_state_mb), f"{r.backend}, {r.launcher}"]
 
 

@@ -1,7 +1,8 @@
 """A study's comparison as rows, one per variant, built only from what its child runs logged
 (tags, metrics, metric histories): runs finished/failed, the compared figure's median and
 min-max over repeats, speedup vs the baseline, scaling efficiency (speedup / ratio of resources:
-ranks x threads on CPU, ranks on GPU), final eval accuracy and loss, time to the target
+ranks x threads on CPU, ranks on GPU), MFU (how far from the devices' peak), final eval
+accuracy and loss, time to the target
 accuracy, wall time, and the backend and launcher that actually ran.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
            "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
-           "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision")
+           "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision", "mfu")
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Row:
     precision: str = "fp32"
     """The arithmetic the variant trained in (train.amp, or FSDP's mixed precision): a bf16
     variant may outrun fp32 on the same cores, which a layout cannot."""
+    mfu: float | None = None
+    """Median perf/mfu: how far the variant is from its devices' peak (training/mfu.py)."""
 
 
 def _median(values: list[float]) -> float | None:
@@ -148,7 +151,8 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
             _what_ran(runs, "ddplab.launcher"),
             _median([r.data.metrics["memory/model_state_mb_max"] for r in ok
                      if "memory/model_state_mb_max" in r.data.metrics]),
-            _precision(runs[0])))
+            _precision(runs[0]),
+            _median([r.data.metrics["perf/mfu"] for r in ok if "perf/mfu" in r.data.metrics])))
     return with_ratios(rows, baseline, mode)
 
 

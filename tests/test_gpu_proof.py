@@ -1,0 +1,106 @@
+"""The GPU proof kit, kept from rotting where there is no GPU: the kit is built for this Python,
+benchmarks/gpu_proof.sh installs it and ddplab into a temporary site exactly as on the GPU
+machine, and the proof runs with --device cpu --quick: every step with a CPU meaning must
+finish, the CUDA-only ones must be refused in ddplab's one line. Its store then comes home
+through ``ddplab import`` (twice: the second adds nothing). The unit tests below need no run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_peers  # noqa: E402
+
+
+@pytest.mark.e2e
+def test_the_proof_runs_every_cpu_step_and_refuses_the_cuda_ones_in_one_line(tmp_path):
+    kit, out = tmp_path / "kit", tmp_path / "proof"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    made = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_kit.py"), "--dest", str(kit),
+                           "--python-version", py], capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert "MiB" in made.stdout and not (kit / "torch").exists()
+    assert not list(kit.glob("torch-*.whl")) and list(kit.glob("mlflow_skinny-*.whl"))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": sys.executable,
+           "DDPLAB_GIT_SHA": "0123456789abcdef"}  # nothing of .venv's PATH: the kit's site only
+    proof = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), str(out), "--device",
+                            "cpu", "--quick", "--cores", "2", "--kit", str(kit)],
+                           capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert proof.returncode == 0, proof.stdout[-4000:] + proof.stderr[-2000:]
+    got = json.loads((out / "proof.json").read_text())
+    steps = got["steps"]
+    for name in ("quickstart-nccl", "nccl-2-ranks-1-gpu", "dp"):  # need CUDA: one line each
+        assert steps[name]["status"] == "refused in one line", steps[name]
+        assert "Traceback" not in (out / "logs" / f"{name}.log").read_text()
+    ran = [s for s in steps.values() if s["status"] == "ok"]
+    assert len(ran) == len(steps) - 3, {k: v["status"] for k, v in steps.items()}
+    runs = got["runs"]
+    assert runs and all(r["status"] == "FINISHED" for r in runs.values()), runs
+    by_step = {r["step"]: r for r in runs.values()}
+    for step in ("gpt", "gloo-2-ranks"):  # the GPT by its formula, the CNN by the flop counter
+        assert 0 < by_step[step]["mfu"] < 1, by_step[step]
+    assert by_step["resume"]["continues_run"] == steps["checkpoint"]["run_ids"][0]
+    pages = ["cpu-proof-proof.md", "cpu-proof-ch09-2-cores.md", "cpu-proof-peers.md"]
+    listed = subprocess.run(["tar", "tzf", str(out / "pages.tar.gz")], capture_output=True, text=True)
+    assert all(f"results/{p}" in listed.stdout for p in pages), listed.stdout
+    assert "| commit | 0123456789 |" in (out / "work" / "docs" / "results" / pages[0]).read_text()
+
+    store = f"sqlite:///{tmp_path / 'home.db'}"
+    imported = [subprocess.run([sys.executable, "-m", "ddplab", "import", str(out / "store.tar.gz"),
+                                "--tracking-uri", store], capture_output=True, text=True, timeout=300)
+                for _ in range(2)]
+    assert imported[0].returncode == 0, imported[0].stderr[-2000:]
+    total = len(runs) + 2  # the study's parent (in runs) had two children (1r-2t, 2r-1t): all come home
+    assert "run(s) into" in imported[0].stdout and "0 run(s)" in imported[1].stdout, imported
+    from mlflow import MlflowClient
+
+    home = MlflowClient(store)
+    copies = [r for e in home.search_experiments() for r in home.search_runs([e.experiment_id])]
+    assert len(copies) == total and all(r.info.status == "FINISHED" for r in copies)
+    gpt = next(r for r in copies if r.data.tags["ddplab.imported_from"] == steps["gpt"]["run_ids"][0])
+    assert gpt.data.metrics["perf/mfu"] == by_step["gpt"]["mfu"]
+    assert {a.path for a in home.list_artifacts(gpt.info.run_id)} >= {"config.yaml", "summary.json"}
+
+
+def test_fake_gpu_two_ranks_share_it_over_gloo_and_nccl_is_refused_in_one_line(monkeypatch):
+    """A fake GPU (none can run here): one visible device, two local ranks."""
+    from ddplab.distributed.choice import BackendError, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda", 1, "gloo") == torch.device("cuda", 0)
+    assert resolve_device("cuda", 0, "nccl") == torch.device("cuda", 0)
+    with pytest.raises(BackendError, match="NCCL cannot put two ranks on one GPU"):
+        resolve_device("cuda", 1, "nccl")
+
+
+def test_the_peers_page_is_rebuilt_from_a_cut_off_runs_log():
+    log = ("round 1 plain: samples_per_s 1,000.00, cpu_ms_per_step 4.00, job_cpu_s 10.00, "
+           "first_step_s 2.00, wall_s 5.00\n"
+           "round 1 ddplab: samples_per_s 900.00, cpu_ms_per_step 5.00, job_cpu_s 20.00, "
+           "first_step_s 3.00, wall_s 8.00\n"
+           "round 1 fabric: exit 1: ModuleNotFoundError\n")
+    rows, failed = bench_peers.from_log(log)
+    assert rows["ddplab"][0]["samples_per_s"] == 900.0 and "exit 1" in failed["fabric"]
+    assert failed["accelerate"].startswith("not measured")
+    page = bench_peers.table(rows, failed)
+    assert "| ddplab | 1 | 900.0 (0.90x) | 5.0 (1.25x) | 20.0 (2.00x) | 3.0 (1.50x) | 8.0 (1.60x) |" in page
+    assert "| accelerate | 0 | not measured" in page
+
+
+def test_the_kit_leaves_out_what_the_gpu_machine_has():
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_kit
+
+    for name in ("torch", "nvidia-cublas", "numpy", "matplotlib"):
+        assert gpu_kit.MACHINE_HAS.match(name), name
+    for name in ("mlflow-skinny", "sqlalchemy", "alembic"):
+        assert not gpu_kit.MACHINE_HAS.match(name) and name in gpu_kit.ROOTS
+    assert set(gpu_kit.ROOTS) <= set(gpu_kit.pins(REPO / "requirements.lock"))

@@ -1,0 +1,54 @@
+"""Unit: perf/mfu's arithmetic against hand-computed cases, and where its numbers come from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddplab.training import mfu
+from ddplab.workload.gpt import GPT
+
+
+def test_mfu_is_the_models_flops_per_second_over_the_peak():
+    basis = mfu.Basis(2e9, "given", 1e12, "table")
+    # 100 samples/s x 2 GFLOP a sample = 200 GFLOP/s of a 1 TFLOP/s peak
+    assert basis.mfu(100.0) == pytest.approx(0.2)
+    assert mfu.Basis(2e9, "given", 0.0, "none").mfu(100.0) == 0.0
+
+
+def test_the_gpt_is_counted_as_nanogpt_counts_it():
+    # vocab 16, seq 8, width 4, one layer. Parameters without the position table (8 x 4):
+    # token table 16x4 = 64 (tied to the head), layer norms 3 x (4+4) = 24, qkv 4x12+12 = 60,
+    # attention proj 4x4+4 = 20, MLP 4x16+16 = 80 and 16x4+4 = 68: N = 316.
+    # Per sequence: 8 x (6 x 316 + 12 x 1 layer x 4 wide x 8 tokens) = 8 x 2,280 = 18,240.
+    model = GPT(16, 8, n_layer=1, n_head=1, n_embd=4)
+    assert mfu.gpt_flops_per_sequence(model) == 18_240
+    flops, source = mfu.flops_per_sample(model, 0.0, None)
+    assert (flops, "GPT formula" in source) == (18_240, True)
+
+
+def test_any_other_model_is_counted_by_torchs_flop_counter_forward_times_three():
+    model = nn.Linear(10, 5, bias=False)  # one sample: 2 x 10 x 5 = 100 FLOPs forward
+    flops, source = mfu.flops_per_sample(model, 0.0, torch.zeros(10))
+    assert (flops, "flop_counter" in source) == (300.0, True)
+    assert model.weight.grad is None  # counted without touching the training state
+
+
+def test_a_given_count_wins_and_an_uncountable_sample_says_why():
+    assert mfu.flops_per_sample(nn.Linear(10, 5), 123.0, torch.zeros(10)) == (123.0, "model.flops_per_sample")
+    flops, why = mfu.flops_per_sample(nn.Linear(10, 5), 0.0, {"x": torch.zeros(10)})
+    assert flops == 0.0 and "model.flops_per_sample" in why
+
+
+@pytest.mark.parametrize("name, low, tflops", [
+    ("NVIDIA H100 80GB HBM3", True, 989.5), ("NVIDIA H100 80GB HBM3", False, 66.9),
+    ("NVIDIA H100 PCIe", True, 756.5), ("NVIDIA H200", True, 989.5), ("NVIDIA A100-SXM4-80GB", True, 312.0),
+    ("NVIDIA L4", False, 30.3), ("Tesla T4", True, 0.0)])
+def test_a_gpus_peak_comes_from_its_datasheet_by_name(name, low, tflops):
+    assert mfu.table_peak(name, low) == pytest.approx(tflops * 1e12)
+
+
+def test_a_cpu_peak_is_measured_with_the_processes_own_threads():
+    peak, source = mfu.job_peak(torch.device("cpu"), False, world_size=1)
+    assert peak > 1e8 and "measured" in source  # a 2-core machine does ~150 GFLOP/s fp32
