@@ -35,7 +35,7 @@ def _forward_dtype(amp: str) -> torch.dtype:
     model.classifier[-1].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
     s = state(model, amp=amp)
     x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
-    loop.micro_step(s, x, y, group_size=1, sync_grads=True)
+    loop.micro_step(s, s.batch((x, y)), group_size=1, sync_grads=True)
     assert model.classifier[-1].weight.grad is not None
     return seen[0]
 
@@ -48,9 +48,9 @@ def test_bf16_autocast_runs_the_forward_in_bf16_and_none_in_fp32():
 def test_channels_last_reaches_the_weights_and_the_batches():
     model = models.prepare(models.BookCNN(3, 8, 4), ModelConfig(channels_last=True), CPU)
     assert model.features[0].weight.is_contiguous(memory_format=torch.channels_last)
-    x, _ = state(model, channels_last=True).to_device(torch.randn(2, 3, 8, 8), torch.zeros(2))
+    x = state(model, channels_last=True).batch((torch.randn(2, 3, 8, 8), torch.zeros(2))).inputs
     assert x.is_contiguous(memory_format=torch.channels_last)
-    x, _ = state(model, channels_last=False).to_device(torch.randn(2, 3, 8, 8), torch.zeros(2))
+    x = state(model, channels_last=False).batch((torch.randn(2, 3, 8, 8), torch.zeros(2))).inputs
     assert not x.is_contiguous(memory_format=torch.channels_last)
 
 

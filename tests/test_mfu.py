@@ -30,14 +30,15 @@ def test_the_gpt_is_counted_as_nanogpt_counts_it():
 
 def test_any_other_model_is_counted_by_torchs_flop_counter_forward_times_three():
     model = nn.Linear(10, 5, bias=False)  # one sample: 2 x 10 x 5 = 100 FLOPs forward
-    flops, source = mfu.flops_per_sample(model, 0.0, torch.zeros(10))
+    flops, source = mfu.flops_per_sample(model, 0.0, torch.zeros(1, 10))
     assert (flops, "flop_counter" in source) == (300.0, True)
     assert model.weight.grad is None  # counted without touching the training state
 
 
 def test_a_given_count_wins_and_an_uncountable_sample_says_why():
-    assert mfu.flops_per_sample(nn.Linear(10, 5), 123.0, torch.zeros(10)) == (123.0, "model.flops_per_sample")
-    flops, why = mfu.flops_per_sample(nn.Linear(10, 5), 0.0, {"x": torch.zeros(10)})
+    given = mfu.flops_per_sample(nn.Linear(10, 5), 123.0, torch.zeros(1, 10))
+    assert given == (123.0, "model.flops_per_sample")
+    flops, why = mfu.flops_per_sample(nn.Linear(10, 5), 0.0, [torch.zeros(1, 10)])
     assert flops == 0.0 and "model.flops_per_sample" in why
 
 

@@ -28,7 +28,7 @@ from .errors import BadInput
 # Names the model registry (models.py) must provide; a unit test keeps the two in step.
 MODEL_NAMES = ("cnn", "resnet18", "resnet50") + tuple(f"efficientnet_b{i}" for i in range(8)) + ("gpt",)
 DATASETS = ("synthetic", "cifar10", "imagefolder", "tokens")
-LOSSES = ("cross_entropy", "mse")
+LOSSES = ("cross_entropy", "mse", "model")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("none", "cosine", "step")
 EVAL_METRICS = ("eval/loss", "eval/accuracy", "eval/perplexity")
@@ -120,6 +120,11 @@ class DataConfig:
     """Page-locked host memory for faster host-to-GPU copies (CUDA only)."""
     persistent_workers: bool = False
     """Keep loader workers alive between epochs (needs num_workers > 0)."""
+    input_keys: list[str] = field(default_factory=list)
+    """Dict samples (Hugging Face's style): the keys the model gets as keyword arguments; [] =
+    every key but data.target_key. (Samples of (input, target) ignore it.)"""
+    target_key: str = "labels"
+    """Dict samples: the key that holds the target."""
 
     def __post_init__(self) -> None:
         _check_part("dataset", self.dataset, DATASETS)
@@ -133,6 +138,11 @@ class DataConfig:
                 fail(name, getattr(self, name), "must be >= 1")
         if self.num_classes < 2:
             fail("num_classes", self.num_classes, "must be >= 2")
+        if not self.target_key:
+            fail("target_key", self.target_key, "must name the samples' target key (e.g. labels)")
+        if self.target_key in self.input_keys or "" in self.input_keys:
+            fail("input_keys", self.input_keys, f"must be keys other than data.target_key "
+                 f"({self.target_key!r}) and not empty")
         if self.num_workers < 0:
             fail("num_workers", self.num_workers, "must be >= 0")
         check_range(self, "noise", 0)
@@ -317,8 +327,10 @@ class TrainConfig:
     eval_every_steps: int = 0
     """Also evaluate every N optimizer steps (0 = off): finer eval curves for long epochs."""
     loss: str = "cross_entropy"
-    """cross_entropy (class logits, or (batch, seq, vocab) logits for tokens), mse, or your
-    own ``package.module:callable`` (outputs, targets) -> a scalar tensor."""
+    """cross_entropy (class logits, or (batch, seq, vocab) logits for tokens), mse, model (the
+    model's own: the target goes into its forward as ``labels=`` and its output's ``loss`` is
+    used; Hugging Face's models shift a causal LM's labels themselves), or your own
+    ``package.module:callable`` (outputs, targets) -> a scalar tensor."""
     metrics: list[MetricConfig] = field(default_factory=list)
     """Evaluation metrics of your own besides eval/loss and eval/accuracy (torchmetrics, by
     import path), e.g. ``[{name: f1, fn: "torchmetrics.classification:MulticlassF1Score",
@@ -341,6 +353,10 @@ class TrainConfig:
                 fail(name, getattr(self, name), "must be >= 0")
         check_range(self, "grad_clip", 0)
         check_range(self, "seed", 0, MAX_SEED)
+        if self.loss == "model" and self.metrics:
+            fail("metrics", [m.name for m in self.metrics], "not with train.loss model: the model "
+                 "aligns its labels itself (a causal LM shifts them), which a metric cannot know; "
+                 "use a loss of ddplab's or your own")
         names = [m.name for m in self.metrics]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup:

@@ -17,7 +17,7 @@ from typing import Any
 from ..config import ConfigError, ExperimentConfig, is_import_path
 from ..launchers import LaunchEnv
 from ..tracking import resolve_uri, uri_problem
-from ..workload import data, models, textdata, userparts
+from ..workload import batches, data, models, textdata, userparts
 from ..workload.userparts import Parts
 
 
@@ -197,12 +197,15 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"model.name: got {cfg.model.name!r}; the model has no trainable "
                           "parameters: nothing to train, nor for DDP to all-reduce")
-    x, y = _sample(cfg, sets)
+    shape = batches.Shape(tuple(cfg.data.input_keys), cfg.data.target_key, cfg.train.loss == "model")
+    batch = _sample(cfg, sets, shape)
+    y = batch.target
+    _copying_targets(cfg, batch)
     was_training = model.training
     with torch.enable_grad():  # a loss computed outside autograd must show here
         model.eval()
         outputs = _run(f"model.name: got {cfg.model.name!r}; its forward on a batch of "
-                       f"{len(y)} samples raised", lambda: model(x))
+                       f"{len(y)} samples raised", lambda: shape.forward(model, batch))
         loss = _run(f"train.loss: got {cfg.train.loss!r}; on the model's outputs it raised",
                     lambda: losses.get(cfg.train.loss, parts.loss)(outputs, y))
         pred = _run(f"model.name: got {cfg.model.name!r}; evaluation cannot read its output",
@@ -241,19 +244,39 @@ def _probe_metrics(cfg: ExperimentConfig, info: Any, pred: Any, y: Any) -> None:
                               "number (a 0-d tensor)") from None
 
 
-def _sample(cfg: ExperimentConfig, sets: Any) -> tuple[Any, Any]:
+def _sample(cfg: ExperimentConfig, sets: Any, shape: batches.Shape) -> batches.Batch:
     import torch
 
     try:
-        x, y = data.first_batch(sets)
+        raw = data.first_batch(sets)
     except Exception as e:  # noqa: BLE001 - the user's samples may not collate
         raise ConfigError(f"data.dataset: got {cfg.data.dataset!r}; its samples do not form a "
                           f"batch ({userparts.why(e)})") from None
-    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-        raise ConfigError(f"data.dataset: got {cfg.data.dataset!r}; a batch is ({type(x).__name__}, "
-                          f"{type(y).__name__}), expected (tensor, tensor): samples of "
-                          "(input, target) that are tensors or numbers")
-    return x, y
+    batch = shape.split(raw)
+    inputs = batch.inputs.values() if isinstance(batch.inputs, dict) else [batch.inputs]
+    if not (all(isinstance(v, torch.Tensor) for v in inputs) and isinstance(batch.target, torch.Tensor)):
+        what = ({k: type(v).__name__ for k, v in batch.inputs.items()}
+                if isinstance(batch.inputs, dict) else type(batch.inputs).__name__)
+        raise ConfigError(f"data.dataset: got {cfg.data.dataset!r}; a batch is ({what}, "
+                          f"{type(batch.target).__name__}), expected tensors: samples of "
+                          "(input, target), or dicts, of tensors or numbers")
+    return batch
+
+
+def _copying_targets(cfg: ExperimentConfig, batch: batches.Batch) -> None:
+    """Targets equal to the input ids are Hugging Face's causal-LM labels, unshifted: the model
+    shifts them when it computes its own loss. Under a loss of ddplab's each position would
+    learn to copy its own input, the loss falling to zero while nothing is learned."""
+    import torch
+
+    ids = batch.inputs.get("input_ids") if isinstance(batch.inputs, dict) else batch.inputs
+    if (cfg.train.loss in ("cross_entropy", "mse") and isinstance(ids, torch.Tensor)
+            and not ids.is_floating_point() and ids.shape == batch.target.shape
+            and torch.equal(ids, batch.target)):
+        raise ConfigError(f"train.loss: got {cfg.train.loss!r}; the targets equal the input ids "
+                          "(a causal LM's labels, unshifted), so every position would learn to copy "
+                          "its input: set train.loss: model (the model shifts them, as Hugging "
+                          "Face's do), or shift them yourself (target = next token)")
 
 
 def _run(prefix: str, fn: Any) -> Any:

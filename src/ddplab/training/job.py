@@ -21,7 +21,7 @@ from .. import config
 from ..distributed import host
 from ..distributed.layout import Layout
 from ..tracking import NullTracker, capsule
-from ..workload import data, losses, models, optim, userparts
+from ..workload import batches, data, losses, models, optim, userparts
 from ..workload.userparts import Parts
 from . import checkpoint, loop, mfu, strategy
 from .profiling import NoProfile
@@ -155,7 +155,8 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
         device=device, amp=cfg.train.amp, grad_accum=cfg.train.grad_accum_steps,
         grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last,
         loss=losses.get(cfg.train.loss, parts.loss),
-        metrics=userparts.build_metrics(cfg, info.model_kwargs(), device))
+        metrics=userparts.build_metrics(cfg, info.model_kwargs(), device),
+        shape=batches.Shape(tuple(cfg.data.input_keys), cfg.data.target_key, cfg.train.loss == "model"))
     if payload is not None:
         checkpoint.restore(state, payload, world_size)
     return state, ipex, basis
@@ -164,8 +165,8 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
 def _mfu_basis(cfg: config.ExperimentConfig, model: torch.nn.Module, loaders: data.Loaders,
                device: torch.device, world_size: int) -> mfu.Basis:
     """Counted on the bare model, before DDP or FSDP wraps (and shards) it."""
-    item = loaders.train.dataset[0]
-    sample = item[0] if isinstance(item, (tuple, list)) else item
+    one = loaders.train.collate_fn([loaders.train.dataset[0]])
+    sample = batches.Shape(tuple(cfg.data.input_keys), cfg.data.target_key).split(one).inputs
     low = cfg.train.amp != "none" or (cfg.dist.strategy == "fsdp"
                                       and cfg.dist.fsdp.mixed_precision == "bf16")
     return mfu.basis(model, cfg.model.flops_per_sample, sample, device, low, world_size)

@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from ..forensics.heartbeat import beat
+from ..workload import batches
 from ..workload.losses import Loss, cross_entropy, is_classification, prediction
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,6 +50,8 @@ class TrainState:
     loading its state (checkpoint._replay)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """train.metrics: name -> a metric object (update/compute/reset), evaluated with the rest."""
+    shape: batches.Shape = field(default_factory=batches.Shape)
+    """How a batch is read (pairs or dicts) and the model called (with labels= for its own loss)."""
     step: int = 0
     """Optimizer steps taken (the MLflow step of every metric)."""
     epoch: int = 0
@@ -61,10 +64,12 @@ class TrainState:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        x = x.to(self.device, non_blocking=True, memory_format=fmt)
-        return x, y.to(self.device, non_blocking=True)
+    def batch(self, raw: Any) -> batches.Batch:
+        """A collated batch from the loader, split and on this rank's device."""
+        return batches.to_device(self.shape.split(raw), self.device, self.channels_last)
+
+    def forward(self, model: nn.Module, batch: batches.Batch) -> Any:
+        return self.shape.forward(model, batch)
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def micro_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, group_size: int,
+def micro_step(state: TrainState, batch: batches.Batch, group_size: int,
                sync_grads: bool, forward_s: list[float] | None = None) -> torch.Tensor:
     """Forward and backward of one micro-batch; gradients are communicated (DDP's all-reduce,
     FSDP's reduce-scatter) only when ``sync_grads``. The forward's seconds go to ``forward_s``."""
@@ -97,12 +102,12 @@ def micro_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, group_size: 
         beat("forward")
         t0 = time.perf_counter()
         with state.autocast():
-            loss = state.loss(state.model(x), y)
+            loss = state.loss(state.forward(state.model, batch), batch.target)
         if forward_s is not None:
             forward_s.append(time.perf_counter() - t0)
         beat("backward")  # where DDP's gradient all-reduce waits for the other ranks
         state.scaler.scale(loss / group_size).backward()
-    return loss.detach() * y.shape[0]
+    return loss.detach() * batch.size
 
 
 def optimizer_step(state: TrainState) -> None:
@@ -122,7 +127,7 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
     """One pass over this rank's shard, yielding after every optimizer step."""
     state.model.train()
     n_micro = len(loader)
-    batches = iter(loader)
+    fetched = iter(loader)
     for start in range(0, n_micro, state.grad_accum):
         if max_steps and state.step >= max_steps:
             return
@@ -135,11 +140,11 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
             t_fetch = time.perf_counter()
             # record_function: the data wait, as profiles show it
             with record_function("ddplab/data"), _naming_the_sample(loader):
-                x, y = state.to_device(*next(batches))
+                batch = state.batch(next(fetched))
             data_time += time.perf_counter() - t_fetch
-            loss_sum += micro_step(state, x, y, group, sync_grads=i == group - 1,
+            loss_sum += micro_step(state, batch, group, sync_grads=i == group - 1,
                                    forward_s=forward_s)
-            samples += y.shape[0]
+            samples += batch.size
         optimizer_step(state)
         _sync(state.device)
         state.samples_in_epoch += samples
@@ -257,7 +262,7 @@ class EvalResult:
     """train.metrics' values, each computed over every rank's samples."""
 
 
-def _lockstep_batches(model: nn.Module, loader: DataLoader, state: TrainState) -> list[torch.Tensor]:
+def _lockstep_batches(model: nn.Module, loader: DataLoader, state: TrainState) -> list[batches.Batch]:
     """A sharded model (FSDP) all-gathers each block in every forward, so all ranks must run
     as many forwards; the unpadded shards may differ by a batch. A rank with fewer batches
     repeats a batch of its own that many times, uncounted. Empty for an unsharded model."""
@@ -268,8 +273,7 @@ def _lockstep_batches(model: nn.Module, loader: DataLoader, state: TrainState) -
     missing = int(most.item()) - len(loader)
     if not missing:
         return []
-    x, _ = loader.collate_fn([loader.dataset[0]])
-    return [state.to_device(x, torch.zeros(1))[0]] * missing
+    return [state.batch(loader.collate_fn([loader.dataset[0]]))] * missing
 
 
 @torch.no_grad()
@@ -286,26 +290,29 @@ def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalRes
     spare = _lockstep_batches(model, loader, state)
     for metric in state.metrics.values():  # an evaluation cut short (a signal) left state behind
         getattr(metric, "reset", lambda: None)()
-    for x, y in loader:
-        x, y = state.to_device(x, y)
+    for raw in loader:
+        batch = state.batch(raw)
+        y = batch.target
         with state.autocast():
-            outputs = model(x)
+            outputs = state.forward(model, batch)
         pred = prediction(outputs).float()  # a ModelOutput's .logits, a tuple's first, ...
         # A tensor output in float32 (autocast's half precision loses the loss' digits); any
         # other output as the model returned it, for a loss of your own that reads more of it.
         loss = state.loss(pred if isinstance(outputs, torch.Tensor) else outputs, y)
-        totals[0] += loss.double() * y.shape[0]
-        totals[2] += y.shape[0]
+        totals[0] += loss.double() * batch.size
+        totals[2] += batch.size
         for metric in state.metrics.values():
             metric.update(pred, y)
-        if is_classification(pred, y):
+        if state.shape.own_loss:
+            totals[4] += 1  # the model aligns its labels itself (a causal LM shifts them)
+        elif is_classification(pred, y):
             totals[1] += (pred.argmax(dim=-1) == y).sum()
             totals[3] += y.numel()
         else:
             totals[4] += 1
-    for x in spare:  # not counted: only so that every rank joins each all-gather
+    for b in spare:  # not counted: only so that every rank joins each all-gather
         with state.autocast():
-            model(x)
+            state.forward(model, b)
     dist.all_reduce(totals)
     loss_sum, correct, count, scored, other = totals.tolist()
     accuracy = correct / max(scored, 1) if not other else None

@@ -72,29 +72,35 @@ def gpt_flops_per_sequence(model: GPT) -> float:
     return t * (6 * n + 12 * layers * width * t)
 
 
-def counted_flops_per_sample(model: nn.Module, sample: Any) -> float:
-    """torch.utils.flop_counter on one sample's forward (batch of 1), x 3 for the backward."""
+def counted_flops_per_sample(model: nn.Module, inputs: Any) -> float:
+    """torch.utils.flop_counter on one sample's forward (a batch of 1: a tensor, or a dict of
+    keyword arguments), x 3 for the backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = sample.unsqueeze(0).to(next(model.parameters()).device)
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(x)
+            if isinstance(inputs, dict):
+                model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                         for k, v in inputs.items()})
+            else:
+                model(inputs.to(device))
     finally:
         model.train(was_training)
     return 3.0 * counter.get_total_flops()
 
 
 def flops_per_sample(model: nn.Module, given: float, sample: Any) -> tuple[float, str]:
-    """(FLOPs per training sample, where the figure comes from); (0, why) when unknown."""
+    """(FLOPs per training sample, where the figure comes from); (0, why) when unknown.
+    ``sample``: one sample's inputs as a batch of 1."""
     if given > 0:
         return given, "model.flops_per_sample"
     if isinstance(model, GPT):
         return float(gpt_flops_per_sequence(model)), "the GPT formula (nanoGPT's: 6N + attention)"
-    if not isinstance(sample, torch.Tensor):
-        return 0.0, "no count: a sample that is not one tensor (give model.flops_per_sample)"
+    if not isinstance(sample, (torch.Tensor, dict)):
+        return 0.0, "no count: inputs that are neither a tensor nor a dict (give model.flops_per_sample)"
     try:
         return counted_flops_per_sample(model, sample), "torch.utils.flop_counter (forward x 3)"
     except Exception as e:  # noqa: BLE001 - a model the counter cannot trace only loses perf/mfu

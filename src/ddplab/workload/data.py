@@ -229,8 +229,14 @@ def describe(cfg: DataConfig, train_set: Dataset) -> DataInfo:
 
 def _describe_own(cfg: DataConfig, train_set: Dataset) -> DataInfo:
     """A user's dataset: its attributes (classes, num_classes, vocab_size, ...) win; else the
-    first sample's shape; else data.* from the config."""
-    x = train_set[0][0]
+    first sample's shape; else data.* from the config. A dict sample is read by its inputs:
+    ``input_ids`` (Hugging Face's name), else the first input key."""
+    first = train_set[0]
+    if isinstance(first, dict):
+        keys = cfg.input_keys or [k for k in first if k != cfg.target_key]
+        x = first.get("input_ids", first[keys[0]]) if keys else None
+    else:
+        x = first[0]
 
     def attr(name: str, default: int) -> int:
         return int(getattr(train_set, name, default))

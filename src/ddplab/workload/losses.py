@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from . import batches
+
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -41,7 +43,8 @@ def mse(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(outputs, targets.to(outputs.dtype).reshape(outputs.shape))
 
 
-BUILT_IN: dict[str, Loss] = {"cross_entropy": cross_entropy, "mse": mse}
+BUILT_IN: dict[str, Loss] = {"cross_entropy": cross_entropy, "mse": mse,
+                             "model": batches.model_loss}
 
 
 def get(name: str, own: Loss | None = None) -> Loss:

@@ -78,8 +78,9 @@ def build(cfg: ModelConfig, info: DataInfo, own: Callable[..., Any] | None = Non
             raise ConfigError(f"model.name: unknown model {cfg.name!r}; choose one of: "
                              f"{', '.join(REGISTRY)}")
         return REGISTRY[cfg.name](info, cfg.args)
+    args = userparts.instantiate("model.args", cfg.args)
     model = userparts.call("model.name", cfg.name, own,
-                           userparts.offered(own, cfg.args, info.model_kwargs(),
+                           userparts.offered(own, args, info.model_kwargs(),
                                              userparts.THROUGH_KWARGS))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name: got {cfg.name!r}; it returned {type(model).__name__}, "

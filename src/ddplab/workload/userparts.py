@@ -148,6 +148,26 @@ def call(key: str, path: str, fn: Callable[..., Any], kwargs: dict[str, Any]) ->
         raise ConfigError(f"{key}: got {path!r}; calling it raised {why(e)}") from None
 
 
+TARGET = "_target_"
+
+
+def instantiate(key: str, value: Any) -> Any:
+    """Arguments that describe objects, built first (Hydra's ``_target_`` convention):
+    ``config: {_target_: "transformers:GPT2Config", n_layer: 2}`` is ``GPT2Config(n_layer=2)``,
+    so a class that takes a config object (every Hugging Face model) needs no wrapper."""
+    if isinstance(value, list):
+        return [instantiate(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    if not isinstance(value, dict):
+        return value
+    built = {k: instantiate(f"{key}.{k}", v) for k, v in value.items() if k != TARGET}
+    if TARGET not in value:
+        return built
+    where, path = f"{key}.{TARGET}", value[TARGET]
+    if not (isinstance(path, str) and is_import_path(path)):
+        raise ConfigError(f"{where}: got {path!r}; expected 'package.module:callable'")
+    return call(where, path, load_callable(where, path), built)
+
+
 # What a MODEL callable taking **kwargs gets without naming it: torchvision's and timm's model
 # builders take num_classes that way, and without it train a 1000-way head on 10 classes.
 THROUGH_KWARGS = ("num_classes",)
@@ -301,6 +321,9 @@ def _map_style(key: str, path: str, name: str, ds: Any) -> None:
         raise ConfigError(f"{key}: got {path!r}; reading its {name} dataset raised {why(e)}") from None
     if n < 1:
         raise ConfigError(f"{key}: got {path!r}; its {name} dataset is empty")
+    if isinstance(first, dict):  # Hugging Face's style: data.input_keys / data.target_key
+        return
     if not (isinstance(first, (tuple, list)) and len(first) == 2):
         raise ConfigError(f"{key}: got {path!r}; a sample of its {name} dataset is "
-                          f"{type(first).__name__}, expected (input, target)")
+                          f"{type(first).__name__}, expected (input, target) or a dict "
+                          "(data.input_keys, data.target_key)")
