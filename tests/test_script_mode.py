@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,9 @@ for step in range(8):
             raise ValueError(f"bad batch at step {step}")
         if a.fault == "sigkill":
             os.kill(os.getpid(), 9)
+        if a.fault == "hang":
+            print("rank 1 hangs", flush=True)
+            time.sleep(3600)
     track.log({"train/loss": loss.item()}, step=step)
 if rank == 0:
     import mlflow
@@ -177,6 +181,36 @@ def test_mlflow_and_track_land_in_the_one_run_and_a_rank_failure_is_named(tmp_pa
         if fault == "raise":  # the user's traceback, once, from their own file
             assert 'faulty.py", line' in error and "ddplab/scriptmode" not in error
     assert not [r for r in runs(store) if r.info.status == "RUNNING"]
+
+
+@pytest.mark.e2e
+def test_a_hung_script_stopped_by_its_launcher_says_where_each_rank_was(tmp_path, store):
+    """Rank 1 sleeps at step 5, rank 0 waits for it in DDP's all-reduce: nobody fails, so the
+    job only ends when it is stopped (here torchrun gets SIGTERM, as from Slurm or Kubernetes).
+    Each rank's stack, asked of the script before it is stopped, says where it was."""
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
+           "-m", "ddplab", "train", str(script), "--", "--fault", "hang"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(store), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "rank 1 hangs" in line:
+            break
+    time.sleep(2)  # rank 0 is in its all-reduce by now
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    (run,) = runs(store)
+    error = run.data.tags["ddplab.error"]
+    assert run.info.status in ("FAILED", "KILLED") and "while no rank had failed" in error, error
+    assert "rank 1 at faulty.py:" in error and "(stacks in forensics/)" in error, error
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    kept = {a.path for a in client.list_artifacts(run.info.run_id, "forensics")}
+    assert {"forensics/rank0.stack.txt", "forensics/rank1.stack.txt"} <= kept, kept
+    rank1 = Path(client.download_artifacts(run.info.run_id, "forensics/rank1.stack.txt", str(tmp_path)))
+    assert "sleep" in rank1.read_text() or 'faulty.py", line' in rank1.read_text()
 
 
 @pytest.mark.e2e

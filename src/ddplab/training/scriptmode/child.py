@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
+STACKS_ENV = "DDPLAB_SCRIPT_STACKS"
 T0_ENV = "DDPLAB_T0"
 STAND_IN = Path(__file__).parent / "stand_in"
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier",
@@ -94,6 +95,25 @@ def _observe(dist: Any) -> None:
             setattr(dist, name, timed(getattr(dist, name)))
 
 
+def _stacks_on_request() -> None:
+    """SIGUSR2 (and SIGTERM) write every thread's Python stack to $DDPLAB_SCRIPT_STACKS: the
+    supervisor asks before it stops the script (a peer failed, the launcher stops the job), so the run shows
+    where this rank was, also while it waits inside a C++ collective. faulthandler's handler is
+    C: nothing of the script's is needed."""
+    path = os.environ.get(STACKS_ENV)
+    if not path:
+        return
+    import faulthandler
+    import signal
+
+    stacks = open(path, "w")  # noqa: SIM115 - open for the process' life: the handler writes to it
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+    # torchrun stops a job by signalling each worker's whole process group, this process with
+    # its supervisor: the stacks are written first, then the signal does what it did (chain).
+    # A handler the script installs later replaces this one.
+    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
+
+
 def _ccl_stand_in() -> None:
     import importlib.util
 
@@ -106,6 +126,7 @@ def main(argv: list[str]) -> int:
     sys.argv = [str(script), *argv[1:]]
     sys.path[0] = str(script.parent)
     _ccl_stand_in()
+    _stacks_on_request()
     import torch.distributed as dist
 
     _observe(dist)

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -144,6 +145,7 @@ class Script:
         self.spool = spool.spool_dir(root, run.run_id, le.node_rank) if run.run_id else None
         self.report_file = Path(tempfile.mkstemp(prefix=f"ddplab-script-rank{le.rank}-",
                                                  suffix=".json")[1])
+        self.stack_file = self.report_file.with_suffix(".stack.txt")
         self.tails = (Tail(sys.stdout.buffer, s.log_tail_kb * 1024),
                       Tail(sys.stderr.buffer, s.log_tail_kb * 1024))
 
@@ -162,7 +164,8 @@ class Script:
         if self.cfg.dist.threads_per_rank != "auto":
             env["OMP_NUM_THREADS"] = str(self.cfg.dist.threads_per_rank)
         env.update({"PYTHONUNBUFFERED": "1", "DDPLAB_CHECKPOINT_DIR": str(self.ckpt_dir),
-                    "DDPLAB_SCRIPT_REPORT": str(self.report_file), "DDPLAB_T0": str(self.t0)})
+                    "DDPLAB_SCRIPT_REPORT": str(self.report_file), "DDPLAB_T0": str(self.t0),
+                    "DDPLAB_SCRIPT_STACKS": str(self.stack_file)})
         if self.run.run_id:
             env.update({"MLFLOW_RUN_ID": self.run.run_id, "MLFLOW_TRACKING_URI": self.run.uri,
                         "DDPLAB_SPOOL": str(self.spool)})
@@ -190,16 +193,46 @@ class Script:
                 # own failure, which its peer's error may have been reported before) is not.
                 if not stopped and self.meeting.peer_failed() and proc.poll() is None:
                     stopped = PEER_FAILED
+                    self._stacks(proc)
                     proc.terminate()
         except BaseException as e:
             stopped = type(e).__name__
             # Ctrl-C reached the script too (the terminal signals the whole process group):
             # it gets time to stop by itself before SIGTERM. Anything else is passed on.
             interrupted = isinstance(e, KeyboardInterrupt)
+            self._stacks(proc)
             _stop(proc, None if interrupted else signal.SIGTERM)
             self._end(proc, pumps, stopped)
             raise
         return self._end(proc, pumps, stopped)
+
+    def _stacks(self, proc: subprocess.Popen, wait_s: float = 2.0) -> None:
+        """Ask the running script for its stacks (child.py: SIGUSR2, faulthandler) before it
+        is stopped; wait until they are written."""
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(OSError):
+            proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                if "File " in self.stack_file.read_text():
+                    time.sleep(0.1)  # the rest of the threads
+                    return
+            time.sleep(0.05)
+
+    def where(self) -> str:
+        """'my_train.py:45 in <module>': the innermost frame of the script's own file in the
+        main thread's dumped stack, else the innermost frame ('' without a dump)."""
+        with contextlib.suppress(OSError):
+            text = self.stack_file.read_text()
+            main = text.split("Current thread", 1)[-1]
+            frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', main)
+            mine = [f for f in frames if Path(f[0]).name == self.path.name] or frames
+            if mine:
+                file, line, func = mine[0]
+                return f"{Path(file).name}:{line} in {func}"
+        return ""
 
     def _end(self, proc: subprocess.Popen, pumps: list[threading.Thread], stopped: str
              ) -> dict[str, Any]:
@@ -233,11 +266,15 @@ class Script:
         elif code:
             out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
         out["traceback"] = seen.get("traceback", "")[-6000:]
+        if stopped and self.where():
+            out["where"] = self.where()
         return out
 
     def _keep_logs(self) -> None:
         """Both tails into the run (logs/rank<r>.stdout.txt, ...) through the node's spool."""
         self.report_file.unlink(missing_ok=True)
+        stacks = self.stack_file.read_text() if self.stack_file.exists() else ""
+        self.stack_file.unlink(missing_ok=True)
         if self.spool is None:
             return
         files = self.spool / "files"
@@ -249,6 +286,11 @@ class Script:
                 kept.write_text(tail.text())
                 stream.append({"op": "file", "ts": spool.now_ms(), "path": str(kept),
                                "dir": "logs"})
+            if "File " in stacks:  # asked for before the script was stopped
+                kept = files / f"rank{self.le.rank}.stack.txt"
+                kept.write_text(stacks)
+                stream.append({"op": "file", "ts": spool.now_ms(), "path": str(kept),
+                               "dir": "forensics"})
             stream.close()
 
 
@@ -351,8 +393,10 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
     if own:
         first = own[0]
         others = [r for r in sorted(outcomes) if r != first["rank"] and outcomes[r]["failed"]]
+        waited = "; ".join(f"rank {r} at {outcomes[r]['where']}" for r in others
+                           if outcomes[r].get("where"))
         tail = (f"; then rank(s) {','.join(map(str, others))} failed or were stopped"
-                if others else "")
+                f"{f' ({waited}; stacks in forensics/)' if waited else ''}" if others else "")
         return ScriptFailed(f"the script failed on {_line(first)}{tail}", first["traceback"])
     missing = sorted(set(range(world)) - set(outcomes))
     if signal_e is None and not missing and all(not o["failed"] for o in outcomes.values()):
@@ -364,7 +408,10 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
                             "reporting (the rank's process killed outright: SIGKILL, the OOM "
                             "killer?)")
     why = str(signal_e).split(" (")[0] if signal_e is not None else "a peer was stopped"
-    return ScriptStopped(f"stopped ({why}) while no rank had failed: the job was stopped")
+    waited = "; ".join(f"rank {r} at {o['where']}" for r, o in sorted(outcomes.items())
+                       if o.get("where"))
+    return ScriptStopped(f"stopped ({why}) while no rank had failed: the job was stopped"
+                         f"{f'; {waited} (stacks in forensics/)' if waited else ''}")
 
 
 def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script: Script,
