@@ -162,10 +162,19 @@ def run_step(step: Step, a: argparse.Namespace, out: Path, env: dict[str, str]) 
     with log.open("w") as f:
         f.write(f"$ {' '.join(step.argv)}\n")
         f.flush()
+        proc = subprocess.Popen(step.argv, cwd=out / "work", env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
         try:
-            code = subprocess.run(step.argv, cwd=out / "work", env=env, stdout=f,
-                                  stderr=subprocess.STDOUT, timeout=step.timeout_s).returncode
+            code = proc.wait(timeout=step.timeout_s)
         except subprocess.TimeoutExpired:
+            # SIGTERM as a scheduler would send it: ddplab ends its runs KILLED, leaves none
+            # RUNNING (a SIGKILL, subprocess.run's, left a study's parent RUNNING on the H100)
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             code = 124
     text = log.read_text(errors="replace")
     wall = time.perf_counter() - t0
