@@ -169,7 +169,9 @@ def _mfu_basis(cfg: config.ExperimentConfig, model: torch.nn.Module, loaders: da
     sample = batches.Shape(tuple(cfg.data.input_keys), cfg.data.target_key).split(one).inputs
     low = cfg.train.amp != "none" or (cfg.dist.strategy == "fsdp"
                                       and cfg.dist.fsdp.mixed_precision == "bf16")
-    return mfu.basis(model, cfg.model.flops_per_sample, sample, device, low, world_size)
+    dp = cfg.dist.strategy == "dp" and device.type == "cuda"
+    return mfu.basis(model, cfg.model.flops_per_sample, sample, device, low, world_size,
+                     torch.cuda.device_count() if dp else 1)
 
 
 def record_start(job: Job) -> None:

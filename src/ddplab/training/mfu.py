@@ -137,9 +137,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def job_peak(device: torch.device, low_precision: bool, world_size: int) -> tuple[float, str]:
+def job_peak(device: torch.device, low_precision: bool, world_size: int,
+             gpus_per_rank: int = 1) -> tuple[float, str]:
     """Collective (every rank calls it): the job's peak FLOP/s and where it comes from. GPUs
-    count once each, however many ranks share one; CPU ranks measure at the same time."""
+    count once each, however many ranks share one; CPU ranks measure at the same time.
+    ``gpus_per_rank``: dist.strategy dp spreads each rank's batch over all the node's GPUs."""
     dtype = torch.bfloat16 if low_precision else torch.float32
     precision = "bf16" if low_precision else "fp32"
     if device.type == "cuda":
@@ -148,6 +150,7 @@ def job_peak(device: torch.device, low_precision: bool, world_size: int) -> tupl
         source = f"{name} {precision} dense, from the datasheet table" if mine else ""
         if not mine:
             mine, source = measure_matmul(device, dtype), f"{name} {precision} matmul, measured"
+        mine *= gpus_per_rank
         where = f"{socket.gethostname()}:{device.index}"
     else:
         mine, where = measure_matmul(device, dtype), f"rank{dist.get_rank() if world_size > 1 else 0}"
@@ -160,8 +163,8 @@ def job_peak(device: torch.device, low_precision: bool, world_size: int) -> tupl
 
 
 def basis(model: nn.Module, given: float, sample: Any, device: torch.device,
-          low_precision: bool, world_size: int) -> Basis:
+          low_precision: bool, world_size: int, gpus_per_rank: int = 1) -> Basis:
     """Collective. FLOPs per sample 0 when unknown: the tags say why, and no perf/mfu."""
     flops, source = flops_per_sample(model, given, sample)
-    peak, peak_source = job_peak(device, low_precision, world_size)
+    peak, peak_source = job_peak(device, low_precision, world_size, gpus_per_rank)
     return Basis(flops, source, peak, peak_source)
