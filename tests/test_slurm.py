@@ -31,15 +31,20 @@ def cluster(compose_factory, **env: str):  # noqa: F811 - the fixture, passed on
     return c
 
 
-def sbatch(c) -> subprocess.Popen:
+# The scancelled and the killed job must still be running when they are stopped: the cluster's
+# quickstart ended between its first delivered train/loss and the kill once (CI, FINISHED).
+LONG = "train.epochs=40"
+
+
+def sbatch(c, more: str = "") -> subprocess.Popen:
     """`sbatch --wait slurm/cpu.sbatch` as user ddplab on the running cluster's login node, as
     compose/slurm.yml's header tells a user to submit more jobs (the job gets the environment
     compose gave the cluster, DDPLAB_SET's data sizes included). Not resumed: the quickstart's
     last checkpoint on this cluster is another layout's. On gloo, as the cluster's default (its
     BACKEND here is ccl): a dead peer closes gloo's sockets at once, while oneCCL waits for it
     until dist.timeout_s."""
-    submit = ('BACKEND=gloo DDPLAB_SET="$DDPLAB_SET checkpoint.resume=never" exec sbatch --wait '
-              "--output=/jobs/ddplab-%j.out slurm/cpu.sbatch experiments/quickstart.yaml")
+    submit = (f'BACKEND=gloo DDPLAB_SET="$DDPLAB_SET checkpoint.resume=never {more}" exec sbatch '
+              "--wait --output=/jobs/ddplab-%j.out slurm/cpu.sbatch experiments/quickstart.yaml")
     return subprocess.Popen([*c.cmd, "exec", "-T", "-u", "ddplab", "-w", "/workspace",
                              "slurmctld", "sh", "-c", submit],
                             env=c.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -62,7 +67,7 @@ def scancel_then_kill_a_node(c) -> None:
     the run FAILED ("terminated by SIGTERM") and the delivery process outlives them to send
     that; then a node killed mid-job fails the next job in bounded time."""
     before = {r["info"]["run_id"] for r in c.runs()}
-    job = sbatch(c)
+    job = sbatch(c, LONG)
     wait_new_run(c, before, lambda r: "train/loss" in metrics(r), 400)
     t0 = time.monotonic()
     assert exec_in(c, "slurmctld", "scancel -u ddplab").returncode == 0
@@ -74,7 +79,7 @@ def scancel_then_kill_a_node(c) -> None:
     assert job.wait(timeout=60) != 0
 
     before = {r["info"]["run_id"] for r in c.runs()}
-    job = sbatch(c)
+    job = sbatch(c, LONG)
     wait_new_run(c, before, lambda r: "train/loss" in metrics(r), 400)
     victim = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
                  "--filter", "label=com.docker.compose.service=node2"]).stdout.split()
