@@ -197,7 +197,7 @@ def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"model.name: got {cfg.model.name!r}; the model has no trainable "
                           "parameters: nothing to train, nor for DDP to all-reduce")
-    shape = batches.Shape(tuple(cfg.data.input_keys), cfg.data.target_key, cfg.train.loss == "model")
+    shape = batches.Shape.of(cfg)
     batch = _sample(cfg, sets, shape)
     y = batch.target
     _copying_targets(cfg, batch)

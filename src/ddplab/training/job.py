@@ -156,7 +156,7 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
         grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last,
         loss=losses.get(cfg.train.loss, parts.loss),
         metrics=userparts.build_metrics(cfg, info.model_kwargs(), device),
-        shape=batches.Shape(tuple(cfg.data.input_keys), cfg.data.target_key, cfg.train.loss == "model"))
+        shape=batches.Shape.of(cfg))
     if payload is not None:
         checkpoint.restore(state, payload, world_size)
     return state, ipex, basis
@@ -166,7 +166,7 @@ def _mfu_basis(cfg: config.ExperimentConfig, model: torch.nn.Module, loaders: da
                device: torch.device, world_size: int) -> mfu.Basis:
     """Counted on the bare model, before DDP or FSDP wraps (and shards) it."""
     one = loaders.train.collate_fn([loaders.train.dataset[0]])
-    sample = batches.Shape(tuple(cfg.data.input_keys), cfg.data.target_key).split(one).inputs
+    sample = batches.Shape.of(cfg).split(one).inputs
     low = cfg.train.amp != "none" or (cfg.dist.strategy == "fsdp"
                                       and cfg.dist.fsdp.mixed_precision == "bf16")
     dp = cfg.dist.strategy == "dp" and device.type == "cuda"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from ..config import ConfigError, ExperimentConfig
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
 
@@ -37,6 +37,10 @@ class Shape:
     input_keys: tuple[str, ...] = ()
     target_key: str = "labels"
     own_loss: bool = False
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> Shape:
+        return cls(tuple(cfg.data.input_keys), cfg.data.target_key, cfg.train.loss == "model")
 
     def split(self, raw: Any) -> Batch:
         """A collated batch as (inputs, target)."""

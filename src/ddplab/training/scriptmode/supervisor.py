@@ -266,8 +266,8 @@ class Script:
         elif code:
             out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
         out["traceback"] = seen.get("traceback", "")[-6000:]
-        if stopped and self.where():
-            out["where"] = self.where()
+        if stopped and (where := self.where()):
+            out["where"] = where
         return out
 
     def _keep_logs(self) -> None:
