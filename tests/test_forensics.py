@@ -56,13 +56,19 @@ def test_a_rank_asleep_in_its_dataset_is_named_with_every_ranks_stack_before_the
     assert took < 8 + 60, f"{took:.0f} s: not within dist.hang_after_s + 60 (timeout_s is 300)"
     error = run.data.tags["ddplab.error"]
     assert error.startswith(f"rank 1 (host {HOST}) stopped at step 7 in data loading "), error
-    assert error.endswith("; rank 0 waits in backward (gradient all-reduce)"), error
+    # The Flight Recorder (gloo's, read through the rank's FIFO while it waits in the
+    # collective) names the all-reduce rank 0 is in, and rank 1 as the one that never entered it.
+    assert re.search(r"; rank 0 waits in backward \(gradient all-reduce\); Flight Recorder: rank 0 "
+                     r"in collective #\d+ \(gloo:all_reduce\), which rank 1 never entered$",
+                     error), error
     assert run.data.tags["ddplab.verdict"] == error
     from mlflow import MlflowClient
 
     client = MlflowClient(store)
     stacks = {a.path for a in client.list_artifacts(run.info.run_id, "forensics/node0")}
-    assert {"forensics/node0/rank-0.stack.txt", "forensics/node0/rank-1.stack.txt"} <= stacks
+    assert {"forensics/node0/rank-0.stack.txt", "forensics/node0/rank-1.stack.txt",
+            "forensics/node0/rank-0.flight-recorder.json",
+            "forensics/node0/rank-1.flight-recorder.json"} <= stacks
     rank1 = Path(client.download_artifacts(run.info.run_id, "forensics/node0/rank-1.stack.txt",
                                            str(tmp_path))).read_text()
     assert "in go_wrong" in rank1 and "in __getitem__" in rank1, rank1  # where it sleeps
@@ -128,6 +134,14 @@ def test_a_hang_across_nodes_names_the_rank_behind_and_who_waits_where():
     assert verdict(endings, 4, now=235.0) == (
         "rank 1 (host node-2) stopped at step 37 in data loading 140 s ago; ranks 0,2,3 wait in "
         "backward (gradient all-reduce)")
+    # With their Flight Recorders: ranks 0,2,3 in collective 75, which rank 1 never entered.
+    fr = {0: (75, 74, "gloo:all_reduce"), 1: (74, 74, ""), 2: (75, 74, "gloo:all_reduce"),
+          3: (75, 74, "gloo:all_reduce")}
+    endings = [Ending(e.rank, e.step, e.phase, e.time, e.what, e.detail, e.host, *fr[e.rank])
+               for e in endings]
+    assert verdict(endings, 4, now=235.0).endswith(
+        "backward (gradient all-reduce); Flight Recorder: ranks 0,2,3 in collective #75 "
+        "(gloo:all_reduce), which rank 1 never entered")
 
 
 def test_a_lost_node_is_the_cause_when_the_others_only_saw_it_go():
@@ -147,11 +161,15 @@ def test_a_node_that_reports_nothing_is_named():
 
 def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     """A real process beating as rank 1, then stuck in a loop: past hang_after_s the watch has
-    its stack (SIGUSR2, answered at C level while Python spins) and SIGKILLs it."""
+    its stack (SIGUSR2, answered at C level while Python spins) and its flight records (the
+    heartbeat's thread, which gets the GIL from the spinning loop), then SIGKILLs it."""
     from ddplab.forensics.watch import Watch
 
-    code = ("import sys\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
-            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2)\nheartbeat.beat('data loading', 3)\n"
+    records = {"pg_status": {"0": {"last_enqueued_collective": "9", "last_completed_collective": "8"}},
+               "entries": [{"pg_id": 0, "collective_seq_id": 9, "profiling_name": "gloo:broadcast"}]}
+    code = ("import json, sys\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2, lambda: json.dumps({records!r}).encode())\n"
+            "heartbeat.beat('data loading', 3)\n"
             "heartbeat.beat('forward')\n"
             "def stuck_in_the_forward():\n    while True:\n        pass\nstuck_in_the_forward()\n")
     proc = subprocess.Popen([sys.executable, "-c", code])
@@ -164,6 +182,7 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     assert proc.wait(timeout=30) == -9  # SIGKILL: a rank in a collective hears nothing else
     (ending,) = watch.endings()
     assert (ending.rank, ending.step, ending.phase, ending.what) == (1, 3, "forward", "stopped")
+    assert (ending.entered, ending.finished, ending.waits_in) == (9, 8, "gloo:broadcast")
     stack = (tmp_path / "rank-1.stack.txt").read_text()
     assert "in stuck_in_the_forward" in stack, stack
     assert verdict(watch.endings(), 1).startswith("rank 1 (host h) stopped at step 3 in forward ")

@@ -72,6 +72,27 @@ def init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int) -> str:
             f"they never came ({type(e).__name__}: {first})")
 
 
+FLIGHT_RECORDER_ENTRIES = "2000"
+
+
+def record_collectives(environ: dict[str, str] | os._Environ[str]) -> None:
+    """PyTorch's Flight Recorder on for the process groups to come: each rank keeps its last
+    2,000 collectives (what it entered, what finished), read on a hang (``flight_records``).
+    Before the first process group, which reads it; a size the user set (0: off) stays."""
+    environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+
+
+def flight_records() -> bytes:
+    """This rank's Flight Recorder as JSON: NCCL's own on a CUDA job (it keeps it apart), else
+    the one gloo writes into. Called from the heartbeat's thread while the main thread may be
+    blocked in a collective."""
+    from torch._C import _distributed_c10d as c10d  # (its stubs lack the dumps: getattr)
+
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    dump = getattr(c10d, "_dump_nccl_trace_json" if nccl else "_dump_fr_trace_json")
+    return dump(includeCollectives=True, onlyActive=False)
+
+
 def finish_together() -> None:
     """The last collective of a job: every rank waits here until all are done."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -17,7 +17,13 @@ from ..config import DistConfig
 from ..launchers import LaunchEnv
 from .choice import BackendChoice, BackendError, agree, import_ccl, resolve, resolve_device
 from .cpu import apply_cpu_layout, cores_per_rank
-from .group import destroy_process_group, init_failure, init_process_group, rendezvous_store
+from .group import (
+    destroy_process_group,
+    init_failure,
+    init_process_group,
+    record_collectives,
+    rendezvous_store,
+)
 from .oneccl import apply_ccl_env
 
 
@@ -57,6 +63,8 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     ccl_env = apply_ccl_env(le, os.environ, impl) if impl else {}
     threads = torch.get_num_threads()
     pinned: list[int] = []
+    if cfg.hang_after_s > 0:  # the hang watch reads it (forensics/)
+        record_collectives(os.environ)
     if device.type == "cpu":
         threads, pinned = apply_cpu_layout(cfg, le, choice.name)
     else:

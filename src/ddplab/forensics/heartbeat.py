@@ -5,7 +5,10 @@ memory: no system call, no network call, nothing on the training path that could
 The rank also answers SIGUSR2 with every thread's Python stack (faulthandler, at C level, so
 also while blocked in a collective), and a fatal signal (SIGSEGV, SIGABRT...) with its stack,
 into files the watch collects. SIGUSR2, not SIGUSR1: Slurm's ``--signal`` and Lightning use
-SIGUSR1 for their own warnings.
+SIGUSR1 for their own warnings. And a byte written into its FIFO (``rank-R.flight-recorder.fifo``)
+with PyTorch's Flight Recorder: the collectives this rank entered and finished. That one is a
+thread, not a signal handler: a rank blocked in a collective never runs a Python signal handler,
+but it does not hold the GIL either.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import mmap
 import os
 import signal
 import struct
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -44,6 +49,31 @@ def error_path(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank}.error.txt"
 
 
+def flight_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}.flight-recorder.json"
+
+
+def fifo_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}.flight-recorder.fifo"
+
+
+DUMP, QUIT = b"d", b"q"
+"""What the watch (a dump) and the rank's own ending (quit) write into the FIFO."""
+
+
+def ask(fifo: Path, request: bytes) -> bool:
+    """One request into a rank's FIFO; False when nobody listens (the rank is gone)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader; ENOENT: never made
+        return False
+    try:
+        os.write(fd, request)
+    finally:
+        os.close(fd)
+    return True
+
+
 class Heartbeat:
     """This rank's heartbeat file, mapped once; ``beat`` rewrites it in place."""
 
@@ -57,6 +87,7 @@ class Heartbeat:
         self._map = mmap.mmap(self._file.fileno(), RECORD.size)
         self._stacks: list[IO[str]] = []
         self._faulthandler_was_on = faulthandler.is_enabled()
+        self._fifo: Path | None = None
         error_path(directory, rank).unlink(missing_ok=True)  # an earlier attempt's
         self.beat("setup")
 
@@ -75,6 +106,17 @@ class Heartbeat:
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
         faulthandler.enable(file=crash, all_threads=True)
 
+    def answer_flight_requests(self, records: Callable[[], bytes]) -> None:
+        """DUMP in the FIFO -> ``records()`` (the Flight Recorder's JSON) into
+        rank-R.flight-recorder.json; QUIT (this rank's own ending) ends the thread."""
+        fifo = fifo_path(self.directory, self.rank)
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo, 0o600)
+        self._fifo = fifo
+        out = flight_path(self.directory, self.rank)
+        threading.Thread(target=_serve, args=(fifo, out, records), daemon=True,
+                         name="ddplab-flight-recorder").start()
+
     def failed(self, error: str) -> None:
         """This rank ends on an exception: where it was (phase, step) when it was raised, and
         the error, kept for the watch; then its phase says ``failed``."""
@@ -86,6 +128,9 @@ class Heartbeat:
 
     def close(self, phase: str = "done") -> None:
         self.beat(phase)
+        if self._fifo is not None:
+            ask(self._fifo, QUIT)
+            self._fifo.unlink(missing_ok=True)
         with contextlib.suppress(ValueError, RuntimeError):
             faulthandler.unregister(STACK_SIGNAL)
             faulthandler.disable()
@@ -95,6 +140,22 @@ class Heartbeat:
             f.close()
         self._map.close()
         self._file.close()
+
+
+def _serve(fifo: Path, out: Path, records: Callable[[], bytes]) -> None:
+    while True:
+        try:
+            with fifo.open("rb") as f:  # waits (without the GIL) for the watch or the ending
+                request = f.read(1)
+        except OSError:
+            return
+        if request != DUMP:
+            return
+        try:
+            out.write_bytes(records())
+        except Exception as e:  # noqa: BLE001 - forensics must not end the rank; say why
+            with contextlib.suppress(OSError):
+                out.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
 
 
 class _Off:
@@ -112,14 +173,17 @@ class _Off:
 _current: Heartbeat | _Off = _Off()
 
 
-def start(directory: Path, rank: int, world_size: int) -> None:
+def start(directory: Path, rank: int, world_size: int,
+          flight_records: Callable[[], bytes] | None = None) -> None:
     """This rank's heartbeat, which ``beat()`` then writes (the loop calls it, not a handle).
-    A heartbeat that cannot be made (a full disk) is left off, saying so: it must never be what
-    stops a job."""
+    ``flight_records``: the Flight Recorder's JSON, asked for on a hang. A heartbeat that
+    cannot be made (a full disk) is left off, saying so: it must never be what stops a job."""
     global _current
     try:
         hb = Heartbeat(directory, rank, world_size)
         hb.answer_stack_requests()
+        if flight_records is not None:
+            hb.answer_flight_requests(flight_records)
     except (OSError, ValueError) as e:
         from ..log import logger
 

@@ -4,8 +4,10 @@ which rank failed first and how. Imports nothing of torch or MLflow.
 
 A hang: a live rank's heartbeat older than ``dist.hang_after_s`` (three times that in set-up,
 evaluation and checkpoints, which are longer). The watch then asks every rank of its node for
-its stack (SIGUSR2), kills them (a rank blocked in a collective never reaches a Python signal
-handler: only SIGKILL ends it before the collective timeout) and keeps the verdict. The rank
+its stack (SIGUSR2) and its Flight Recorder (which collective it waits in, the last one it
+finished: the rank that never entered the collective the others wait in is named), kills them
+(a rank blocked in a collective never reaches a Python signal handler: only SIGKILL ends it
+before the collective timeout) and keeps the verdict. The rank
 that stopped is the one furthest behind; the others wait for it, in their phase. Furthest
 behind: the lowest step, then the earliest phase of a step (data loading, forward, backward,
 optimizer, evaluation, checkpoint: the others reach the backward's collective and wait there),
@@ -26,7 +28,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .heartbeat import PHASES, RECORD, STACK_SIGNAL, crash_path, error_path, stack_path
+from .heartbeat import (
+    DUMP,
+    PHASES,
+    RECORD,
+    STACK_SIGNAL,
+    ask,
+    crash_path,
+    error_path,
+    fifo_path,
+    flight_path,
+    stack_path,
+)
 
 LONG_PHASES = ("setup", "evaluation", "checkpoint")
 """Phases allowed three times ``dist.hang_after_s``."""
@@ -58,6 +71,13 @@ class Ending:
     "done"."""
     detail: str = ""
     host: str = ""
+    entered: int = -1
+    """The Flight Recorder's newest collective this rank entered (its sequence number in the
+    default process group), -1 when unknown."""
+    finished: int = -1
+    """... and the newest it saw finished: below ``entered``, the rank waits in that one."""
+    waits_in: str = ""
+    """The collective it waits in (``gloo:all_reduce``), when it does."""
 
 
 def read(directory: Path) -> list[Beat]:
@@ -112,7 +132,8 @@ class Watch:
         endings = [Ending(b.rank, b.step, b.phase, b.time,
                           "stopped" if b is behind else "waits",
                           f"last heartbeat {now - b.time:.0f} s before the watch stopped the job",
-                          self.host) for b in live]
+                          self.host, *collectives(flight_path(self.directory, b.rank)))
+                   for b in live]
         for b in live:
             try:
                 os.kill(b.pid, signal.SIGKILL)
@@ -144,21 +165,41 @@ class Watch:
 
     def files(self) -> list[Path]:
         """The stacks, crash dumps and errors its ranks left (the run's forensics/)."""
-        return sorted(p for p in self.directory.glob("rank-*.txt") if p.stat().st_size)
+        return sorted(p for pattern in ("rank-*.txt", "rank-*.flight-recorder.json")
+                      for p in self.directory.glob(pattern) if p.stat().st_size)
 
 
 def collect_stacks(directory: Path, ranks: list[Beat], wait_s: float = 5.0) -> None:
+    """Every rank's stack (SIGUSR2) and Flight Recorder (its FIFO), waited for together."""
+    wanted = []
     for b in ranks:
         try:
             os.kill(b.pid, STACK_SIGNAL)
         except ProcessLookupError:
             continue
+        wanted.append(stack_path(directory, b.rank))
+        flight_path(directory, b.rank).unlink(missing_ok=True)  # a restarted attempt's
+        if ask(fifo_path(directory, b.rank), DUMP):
+            wanted.append(flight_path(directory, b.rank))
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not all(
-            stack_path(directory, b.rank).exists() and stack_path(directory, b.rank).stat().st_size
-            for b in ranks):
+    while time.monotonic() < deadline and not all(p.exists() and p.stat().st_size for p in wanted):
         time.sleep(0.1)
     time.sleep(0.2)  # the last thread's lines
+
+
+def collectives(path: Path) -> tuple[int, int, str]:
+    """(entered, finished, waits_in) from a rank's Flight Recorder dump (PyTorch's JSON: the
+    default group's ``pg_status`` and its entries); (-1, -1, "") without one."""
+    try:
+        fr = json.loads(path.read_text())
+        status = fr["pg_status"]["0"]
+        entered, finished = int(status["last_enqueued_collective"]), int(
+            status["last_completed_collective"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1, -1, ""
+    op = next((e.get("profiling_name", "") for e in reversed(fr.get("entries", []))
+               if e.get("pg_id") == 0 and e.get("collective_seq_id") == entered), "")
+    return entered, finished, op if entered > finished else ""
 
 
 def _read(path: Path) -> str:
@@ -214,7 +255,23 @@ def _hang_line(stopped: Ending, waiting: list[Ending], now: float | None) -> str
         by_phase.setdefault(WAITS_IN.get(e.phase, e.phase), []).append(e.rank)
     waits = "; ".join(f"{_ranks(sorted(r))} wait{'s' if len(r) == 1 else ''} in {p}"
                       for p, r in by_phase.items())
-    return line + (f"; {waits}" if waits else "")
+    return line + (f"; {waits}" if waits else "") + _never_entered([stopped, *waiting])
+
+
+def _never_entered(ranks: list[Ending]) -> str:
+    """What the Flight Recorder adds: the collective the waiting ranks are in, and the ranks
+    that never entered it (where they are: the heartbeat's phase above)."""
+    waiting = [e for e in ranks if e.waits_in]
+    if not waiting:
+        return ""
+    seq = max(e.entered for e in waiting)
+    absent = sorted(e.rank for e in ranks if 0 <= e.entered < seq)
+    if not absent:
+        return ""
+    inside = sorted(e.rank for e in waiting if e.entered == seq)
+    op = next(e.waits_in for e in waiting if e.entered == seq)
+    return (f"; Flight Recorder: {_ranks(inside)} in collective #{seq} ({op}), which "
+            f"{_ranks(absent)} never entered")
 
 
 def _how(e: Ending) -> str:

@@ -88,7 +88,8 @@ def diagnose(run_id: str) -> int:
         for ending in from_json(tags[key]):
             first = ending.detail.splitlines()[0][:160] if ending.detail else ""
             print(f"  rank {ending.rank} ({ending.host}, {key.removeprefix(TAG)}): {ending.what} "
-                  f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else ""))
+                  f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else "")
+                  + _collective(ending))
     files = _artifacts(client, run_id, "forensics")
     if files:
         root = run.info.artifact_uri.rstrip("/")
@@ -96,6 +97,13 @@ def diagnose(run_id: str) -> int:
         for path in files:
             print(f"  {root}/{path}")
     return 0
+
+
+def _collective(e: Ending) -> str:
+    """What its Flight Recorder said, when the watch read one."""
+    if e.waits_in:
+        return f"; in collective #{e.entered} ({e.waits_in}), #{e.finished} finished"
+    return f"; in no collective, #{e.finished} finished" if e.entered >= 0 else ""
 
 
 def _artifacts(client: Any, run_id: str, path: str) -> list[str]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..distributed.group import flight_records
 from ..forensics import heartbeat
 from ..launchers import LaunchEnv
 from ..log import logger
@@ -60,7 +61,7 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     run.delivery = delivery
     if beats and ref.run_id:
         heartbeat.start(forensics_dir(spool.spool_dir(spool_root, ref.run_id, le.node_rank)),
-                        le.rank, le.world_size)
+                        le.rank, le.world_size, flight_records)
     before = _user_code_logs_here(run)
     status, error = "FAILED", ""
     try:
