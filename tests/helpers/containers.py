@@ -74,6 +74,9 @@ class Compose:
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")},
                     "NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc), "SLOTS": str(nproc),
                     "MLFLOW_PORT": str(self.port),
+                    # One server worker: a test's stack has one client at a time, and each
+                    # worker's start-up (importing MLflow) is CPU that CI's 2 cores lack.
+                    "MLFLOW_WORKERS": "1",
                     "COMPOSE_PROJECT_NAME": self.project, **(extra_env or {})}
         self.cmd = ["docker", "compose", "-f", str(REPO / "compose" / file)]
         self.proc: subprocess.Popen | None = None
@@ -161,3 +164,23 @@ def finished(run: dict) -> bool:
 
 def exec_in(c: Compose, service: str, script: str) -> subprocess.CompletedProcess:
     return sh([*c.cmd, "exec", "-T", service, "sh", "-c", script], env=c.env, cwd=REPO)
+
+
+def metric_steps(c: Compose, run_id: str, key: str) -> list[int]:
+    h = rest(c.base, f"/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key={key}",
+             login=c.login())["metrics"]
+    return sorted(m["step"] for m in h)
+
+
+def train_again(c: Compose, *services: str) -> dict:
+    """A new job on a running stack (its services started again with c.env), once its run
+    has logged a training loss."""
+    before = {r["info"]["run_id"] for r in c.runs()}
+    again = sh([*c.cmd, "up", "-d", "--no-deps", *services], env=c.env, cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    deadline = time.monotonic() + 400
+    while not (new := [r for r in c.runs() if r["info"]["run_id"] not in before
+               and "train/loss" in metrics(r)]):
+        assert time.monotonic() < deadline, c.logs()[-4000:]
+        time.sleep(2)
+    return new[0]

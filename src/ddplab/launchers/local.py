@@ -6,8 +6,8 @@
 Everything that can be known before the ranks start (the config, the script, the layout, the
 backend on this machine, the tracking store and its login, the folders) is checked here, once:
 a refusal is ONE line and exit 2, instead of one line per rank wrapped in torchrun's failure
-banner and its traceback. Then this process becomes ``torchrun --standalone`` with the same
-arguments (exec: signals and the exit code are torchrun's own).
+banner and its traceback. Then this process runs ``torchrun --standalone`` with the same
+arguments (torchrun's own ``main``: its signals, output and exit code).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
@@ -60,19 +61,28 @@ def _ccl_impl() -> str | None:
     return impl.name if impl else None
 
 
-def torchrun_argv(a: argparse.Namespace) -> list[str]:
+def torchrun_args(a: argparse.Namespace) -> list[str]:
+    """torchrun's own arguments for this job (what ``torchrun`` would be typed with)."""
     sets = [x for s in a.overrides for x in ("--set", s)]
     out = ["--summary-out", a.summary_out] if a.summary_out else []
     rest = ["--", *a.script_args] if a.script_args else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={a.nproc_per_node}", "-m", "ddplab", "train", a.experiment,
-            *sets, *out, *rest]
+    return ["--standalone", f"--nproc-per-node={a.nproc_per_node}", "-m", "ddplab", "train",
+            a.experiment, *sets, *out, *rest]
 
 
 def run(a: argparse.Namespace) -> int:
+    """The preflight, then torchrun's own ``main`` in this process. In this process, not a new
+    one: torch is imported already, and importing it again cost each job ~2 s of CPU before its
+    ranks started (bench-startup). torchrun's signals, output and exit code stay its own: what
+    it raises is printed as a torchrun would print it, exit 1."""
     preflight(a)
-    argv = torchrun_argv(a)
+    from torch.distributed.run import main as torchrun
+
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os.execv(argv[0], argv)  # noqa: S606 - torchrun, with the arguments the user gave
-    return 0  # not reached
+    try:
+        torchrun(torchrun_args(a))
+    except Exception:  # noqa: BLE001 - a rank failed (ChildFailedError) or a signal stopped it
+        traceback.print_exc()
+        return 1
+    return 0
