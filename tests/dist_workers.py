@@ -51,9 +51,25 @@ def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int
                   steps: int, knobs: dict | None = None, name: str = "gloo") -> None:
     """k optimizer steps of the book CNN with per-rank batch global/(world*accum); ``knobs``
     are DistConfig fields (DDP's knobs, the gradient hook); ``name`` the backend."""
+    _group(rank, world, tmp, name)
+    torch.save(_k_steps(rank, world, global_batch, accum, steps, knobs), Path(tmp) / f"rank{rank}.pt")
+    _finish()
+
+
+def train_k_steps_each(rank: int, world: int, tmp: str, global_batch: int, steps: int,
+                       settings: list[dict]) -> None:
+    """``train_k_steps`` once per DDP setting in ``settings``, one after the other in one process
+    group (each a fresh model): rank<r>.pt holds the list, in that order."""
+    _group(rank, world, tmp)
+    out = [_k_steps(rank, world, global_batch, 1, steps, knobs) for knobs in settings]
+    torch.save(out, Path(tmp) / f"rank{rank}.pt")
+    _finish()
+
+
+def _k_steps(rank: int, world: int, global_batch: int, accum: int, steps: int,
+             knobs: dict | None) -> dict:
     from ddplab.config import DistConfig
 
-    _group(rank, world, tmp, name)
     torch.manual_seed(0)
     data = SyntheticImages(global_batch * steps, SIZE, 3, CLASSES, 1.0, seed=0)
     # Unshuffled: step s of rank r holds samples r, r+world, ... of global batch s, so the
@@ -69,10 +85,13 @@ def train_k_steps(rank: int, world: int, tmp: str, global_batch: int, accum: int
         scaler=torch.amp.GradScaler("cpu", enabled=False), device=torch.device("cpu"),
         grad_accum=accum)
     losses = [float(r.loss_sum) / r.samples for r in loop.train_epoch(state, loader)]
-    torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "steps": state.step, "losses": losses}, Path(tmp) / f"rank{rank}.pt")
+    out = {"params": [p.detach().clone() for p in model.parameters()], "steps": state.step,
+           "losses": losses}
     del state, model, opt
-    _finish()
+    import gc
+
+    gc.collect()  # DDP's reducer (and its hook's state) goes before the next model's
+    return out
 
 
 def _plain():

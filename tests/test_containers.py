@@ -181,35 +181,16 @@ def test_compose_keeps_the_experiments_backend_unless_backend_is_set(file, servi
     assert "dist.backend=gloo" in ddplab_set("gloo")[0]
 
 
-def test_compose_multinode_runs_the_books_script_as_one_run(compose_factory):
-    """Script mode across containers: the book's chapter 9 gloo script, unchanged but for its
-    --synthetic flag, as EXPERIMENT; one FINISHED run with both nodes' system metrics and every
-    rank's logs."""
-    c = compose_factory(2, 1, EXPERIMENT="experiments/scripts/gloo_distributed-cnn_cifar10.py",
-                        DDPLAB_SET="script.flags.synthetic=128")
-    c.up()
-    run = c.wait_run(finished, timeout=600)
-    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
-    t, m = tags(run), metrics(run)
-    assert t["ddplab.mode"] == "script" and t["ddplab.backend"] == "gloo"
-    assert t["ddplab.world_size"] == "2" and len(t["ddplab.hosts"].split(",")) == 2
-    for node in range(2):
-        assert any(k.startswith(f"system/node{node}/") for k in m), sorted(m)
-    arts = rest(c.base, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}&path=logs",
-                login=c.login())
-    assert {f["path"] for f in arts.get("files", [])} >= {"logs/rank0.stdout.txt",
-                                                         "logs/rank1.stdout.txt"}
-    assert len(c.runs()) == 1
-    assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
-
-
-def test_compose_multinode_2x2_on_ddplabs_ccl_gives_one_run_across_containers(compose_factory):
+def test_compose_multinode_2x2_on_ddplabs_ccl_then_the_books_script_as_one_run_each(compose_factory):
     """`docker compose -f compose/multinode.yml up` with 2 containers x 2 ranks on ccl, the layout
     that hung in oneCCL's first broadcast until ddplab stopped telling oneCCL the true ranks per
     host across nodes (distributed/oneccl.py, ccl_env_defaults): ofi, libfabric's tcp provider between the
     containers, the key-value store's address passed through the c10d Store. One FINISHED run of
     world size 4 with every node's system metrics. (2 x 1 runs as typed in test_compose_fresh,
-    with the team server's checks; one 2 x 2 job, not one per backend: each cost ~50 s of CI.)"""
+    with the team server's checks; one 2 x 2 job, not one per backend: each cost ~50 s of CI.)
+    Then, on the same stack (a stack of its own cost ~20 s of CI), script mode across
+    containers: the book's chapter 9 gloo script, unchanged but for its --synthetic flag, as
+    EXPERIMENT on 2 x 1: one FINISHED run with both nodes' system metrics and every rank's logs."""
     c = compose_factory(2, 2, DDPLAB_SET="dist.backend=ccl data.train_samples=2048")  # the user's wins
     c.up()
     run = c.wait_run(finished, timeout=600)
@@ -221,4 +202,22 @@ def test_compose_multinode_2x2_on_ddplabs_ccl_gives_one_run_across_containers(co
         assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in m), sorted(m)
     assert m["eval/accuracy"] > 0.3  # the collectives summed the right gradients
     assert len(c.runs()) == 1  # one job, one run
+    assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
+
+    c.env.update(NPROC_PER_NODE="1", EXPERIMENT="experiments/scripts/gloo_distributed-cnn_cifar10.py",
+                 DDPLAB_SET="script.flags.synthetic=128")
+    again = sh([*c.cmd, "up", "-d", "--no-deps", c.service], env=c.env, cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    run = c.wait_run(lambda r: tags(r).get("ddplab.mode") == "script" and finished(r), timeout=600)
+    assert run["info"]["status"] == "FINISHED", c.logs()[-4000:]
+    t, m = tags(run), metrics(run)
+    assert t["ddplab.backend"] == "gloo" and t["ddplab.world_size"] == "2"
+    assert len(t["ddplab.hosts"].split(",")) == 2
+    for node in range(2):
+        assert any(k.startswith(f"system/node{node}/") for k in m), sorted(m)
+    arts = rest(c.base, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}&path=logs",
+                login=c.login())
+    assert {f["path"] for f in arts.get("files", [])} >= {"logs/rank0.stdout.txt",
+                                                         "logs/rank1.stdout.txt"}
+    assert len(c.runs()) == 2
     assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]

@@ -339,6 +339,9 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 # Every rank stays until all have reported: a node's delivery takes its ranks'
                 # logs, and the store rank 0 may host must outlive the others' last look at it.
                 everyone = meeting.wait_all() if le.is_rank0 or not own["failed"] else {}
+                # Inside the try: torchrun's SIGTERM (a peer's failure ended its process) can
+                # come while rank 0 waits here for the others to leave; the cause is the peer's.
+                meeting.leave()
             except BaseException as e:  # a signal (torchrun stopping us once a peer failed)
                 if not le.is_rank0:
                     raise
@@ -346,7 +349,6 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 _record_end(run, script, everyone)
                 raise (_verdict(everyone, le.world_size, e)
                        or ScriptStopped(f"stopped ({type(e).__name__})")) from None
-            meeting.leave()
             if le.is_rank0:
                 _record_end(run, script, everyone)
                 _summary(summary_out, run, script, everyone)
