@@ -150,6 +150,9 @@ def test_compose_mpi_up_as_typed_then_2x2_on_ccl_then_only_its_keys_are_trusted_
     closes gloo's sockets at once, while oneCCL waits for it until dist.timeout_s."""
     c = up_as_typed(compose_factory, fresh_images, "mpi.yml")
     assert_as_typed(c, c.wait_run(finished, timeout=1800), "mpi.yml", fresh_images)
+    # The workers stop once their job ends; the next `up` must find them stopped (one still
+    # stopping is left out of it: CI saw the next job wait for a worker that never came).
+    assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
 
     c.env.update(SLOTS="2", NPROC_PER_NODE="2",
                  DDPLAB_SET="dist.backend=ccl data.train_samples=2048 checkpoint.resume=never")
@@ -161,7 +164,9 @@ def test_compose_mpi_up_as_typed_then_2x2_on_ccl_then_only_its_keys_are_trusted_
     assert (t["ddplab.backend"], t["ddplab.backend_requested"]) == ("ccl", "ccl")
     assert len(t["ddplab.hosts"].split(",")) == 2
     assert t["ddplab.image"] == fresh_images["DDPLAB_MPI_IMAGE"]
-    assert wait_exits(c, "launcher", 1, time.monotonic() + 120) == [0]
+    deadline = time.monotonic() + 120
+    assert wait_exits(c, "launcher", 1, deadline) == [0]
+    assert wait_exits(c, c.service, 2, deadline) == [0, 0]  # workers stop at the end
 
     c.env.update(SLOTS="1", NPROC_PER_NODE="1", DDPLAB_SET="train.epochs=20 checkpoint.resume=never")
     run = train_again(c, "launcher", c.service)

@@ -151,11 +151,14 @@ def _serve(fifo: Path, out: Path, records: Callable[[], bytes]) -> None:
             return
         if request != DUMP:
             return
+        part = out.with_name(out.name + ".part")  # renamed whole: the watch never reads half
         try:
-            out.write_bytes(records())
+            part.write_bytes(records())
         except Exception as e:  # noqa: BLE001 - forensics must not end the rank; say why
             with contextlib.suppress(OSError):
-                out.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+                part.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        with contextlib.suppress(OSError):
+            part.replace(out)
 
 
 class _Off:
