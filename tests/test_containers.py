@@ -215,9 +215,11 @@ def test_compose_multinode_2x2_on_ddplabs_ccl_then_the_books_script_as_one_run_e
     assert len(t["ddplab.hosts"].split(",")) == 2
     for node in range(2):
         assert any(k.startswith(f"system/node{node}/") for k in m), sorted(m)
+    # Each node's delivery sends its rank's log as the node ends: read them once both have
+    # (CI saw rank 1's not there yet when the run had just FINISHED).
+    assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
     arts = rest(c.base, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}&path=logs",
                 login=c.login())
     assert {f["path"] for f in arts.get("files", [])} >= {"logs/rank0.stdout.txt",
                                                          "logs/rank1.stdout.txt"}
     assert len(c.runs()) == 2
-    assert wait_exits(c, c.service, 2, time.monotonic() + 120) == [0, 0]
