@@ -342,6 +342,11 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 # Inside the try: torchrun's SIGTERM (a peer's failure ended its process) can
                 # come while rank 0 waits here for the others to leave; the cause is the peer's.
                 meeting.leave()
+                if le.is_rank0:
+                    # Every rank has reported: the verdict comes from their reports. A SIGTERM
+                    # from here on only follows a peer's failure already in them, and must not
+                    # cut the verdict short (seen in CI: "Terminated" instead of the peer).
+                    signals.shield()
             except BaseException as e:  # a signal (torchrun stopping us once a peer failed)
                 if not le.is_rank0:
                     raise
