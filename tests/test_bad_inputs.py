@@ -473,3 +473,27 @@ def test_every_subcommand_has_a_handler():
     args = cli._parser().parse_args(["bench", "collectives", "--backend", "gloo"])
     assert args.func is cli._bench
     assert cli._parser().parse_args(["study", "run", "s.yaml"]).func is cli._study
+
+
+def test_the_launchers_optimizer_check_refuses_bad_args_without_importing_dynamo():
+    """`ddplab run` and a study check optim.args on a stand-in optimizer before any rank
+    starts; that check must not import torch._dynamo (1.6 s of CPU on every job's way to its
+    first step), and must still refuse what the optimizer refuses."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ddplab.config import ConfigError, ExperimentConfig, OptimConfig\n"
+        "from ddplab.training import checks\n"
+        "checks._optimizer(ExperimentConfig(optim=OptimConfig(name='adamw')), trains_here=False)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the check imported torch._dynamo'\n"
+        "try:\n"
+        "    checks._optimizer(ExperimentConfig(optim=OptimConfig(name='adamw', args={'betas': (2, 0)})),"
+        " trains_here=False)\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused them" in out.stdout and "beta" in out.stdout, out.stdout
