@@ -1,9 +1,10 @@
 """Container tier: `docker compose -f compose/<file>.yml up` exactly as a user types it on a
 machine that has none of the images, no `make` first. Compose must build what it needs and run
 the job to one FINISHED run, and the job must print an address the user's browser can open.
-Then, on the same stack (a stack of its own cost ~40 s of CI each), what the team server and
-Open MPI's launcher must hold: the login, a server restart mid-job that loses nothing, a wrong
-password refused in one line, ssh trust of only the job's keys, a killed node or worker.
+Then, on the same stack (a stack of its own cost 40-60 s of CI each), what the team server,
+Open MPI's launcher and Slurm must hold: the login, a server restart mid-job that loses
+nothing, a wrong password refused in one line, ssh trust of only the job's keys, 2 x 2 on
+ddplab's ccl, a study of Slurm jobs, scancel, a killed node or worker.
 
 The images get names no one has built (DDPLAB_*_IMAGE), so the build path runs even where
 `make images` ran before; Docker's build cache keeps that fast after the first time. The
@@ -12,6 +13,7 @@ images are removed afterwards.
 
 from __future__ import annotations
 
+import subprocess
 import time
 import urllib.error
 import uuid
@@ -193,8 +195,122 @@ def test_compose_mpi_up_as_typed_then_2x2_on_ccl_then_only_its_keys_are_trusted_
     assert time.monotonic() - t0 < 240  # Open MPI is fail-stop: no hang
 
 
-def test_compose_slurm_up_as_typed_builds_its_images_and_runs_the_job(compose_factory, fresh_images):
-    """slurm.yml as typed: the cluster's submit service runs `sbatch slurm/cpu.sbatch` (the
-    cluster's other checks run in tests/test_slurm.py, on `make images`' images)."""
+def test_compose_slurm_up_as_typed_then_2x2_on_ccl_a_study_scancel_and_a_killed_node(
+        compose_factory, fresh_images):
+    """slurm.yml as typed: the cluster's submit service runs `sbatch slurm/cpu.sbatch`. Then, on
+    the same cluster (a cluster of its own cost ~60 s of CI), as a user on its login node:
+    `sbatch` of 2 tasks on each of 2 nodes on ddplab's ccl (the layout that hung in oneCCL's
+    first broadcast before ddplab told it each rank is alone on its host); `ddplab study run`,
+    each variant an `sbatch --wait` job into its own child run of the study's parent run; then
+    a job scancelled and a job whose node is killed."""
     c = up_as_typed(compose_factory, fresh_images, "slurm.yml")
     assert_as_typed(c, c.wait_run(finished, timeout=1800), "slurm.yml", fresh_images)
+    out = c.up_output()
+    assert "submitting as ddplab" in out and "job 1 ended with exit code 0" in out
+
+    # The nodes have 2 CPUs (SLURM_CPUS' default): 2 tasks of 1 CPU each on both. The global
+    # batch of the 2x1 job (64 = 4 ranks x 16) on a third more data than the quickstart's
+    # reduced size: at 32 per rank, 4 ranks took 32 steps and reached 0.29, below the check.
+    before = {r["info"]["run_id"] for r in c.runs()}
+    job = sbatch(c, "data.train_samples=2048 data.eval_samples=512 train.epochs=2 "
+                 "data.batch_size=16", backend="ccl", args="--ntasks-per-node=2 --cpus-per-task=1")
+    assert job.wait(timeout=600) == 0, (job.stderr.read() if job.stderr else "") + c.logs()[-3000:]
+    run = wait_new_run(c, before, finished, 60)
+    t = tags(run)
+    assert run["info"]["status"] == "FINISHED"
+    assert (t["ddplab.launcher"], t["ddplab.world_size"], t["ddplab.nnodes"]) == ("slurm", "4", "2")
+    assert (t["ddplab.backend"], t["ddplab.ccl_impl"]) == ("ccl", "ddplab")
+    assert sorted(t["ddplab.hosts"].split(",")) == ["node1", "node2"]  # two hosts
+    assert t["ddplab.slurm_job_id"] == "2" and t["ddplab.slurm_nodelist"] == "node[1-2]"
+    name = t["mlflow.runName"]
+    assert name.startswith("quickstart ccl 2n x 2r x ") and name.endswith("t slurm"), name
+    assert metrics(run)["eval/accuracy"] > 0.3
+
+    # The study, as a user on the login node types it: their own environment, not the one the
+    # cluster's services were given (compose hands BACKEND and DDPLAB_SET to every service).
+    script = (f"cat > /jobs/study.yaml <<'EOF'\n{STUDY}\nEOF\n"
+              "cd /workspace && env -u BACKEND DDPLAB_SET='dist.threads_per_rank=1 "
+              "dist.timeout_s=120 tracking.wait_s=60' ddplab study run /jobs/study.yaml --repeats 1")
+    out = sh([*c.cmd, "exec", "-T", "-u", "ddplab", "slurmctld", "bash", "-c", script],
+             env=c.env, cwd=REPO, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    children = [r for r in c.runs() if tags(r).get("ddplab.variant")]
+    assert sorted(tags(r)["ddplab.variant"] for r in children) == ["1x1", "2x1"]
+    for r in children:
+        t = tags(r)
+        assert r["info"]["status"] == "FINISHED" and t["ddplab.launcher"] == "slurm"
+        assert t["ddplab.nnodes"] == ("2" if t["ddplab.variant"] == "2x1" else "1")
+        assert t["ddplab.slurm_job_id"] and t["mlflow.parentRunId"]
+    assert "2x1" in out.stdout and "1x1" in out.stdout  # the report's table
+    assert "http://mlflow:5000/#" not in out.stdout  # only addresses the browser can open
+    scancel_then_kill_a_node(c)
+
+
+# The scancelled and the killed job must still be running when they are stopped: the cluster's
+# quickstart ended between its first delivered train/loss and the kill once (CI, FINISHED).
+LONG = "train.epochs=40"
+
+# The template asks 2 CPUs a task: on the 2-CPU nodes, one task a node.
+STUDY = """
+name: slurm-layouts
+experiment: /workspace/experiments/quickstart.yaml
+set: {data.train_samples: 1536, data.eval_samples: 512, train.epochs: 2}
+baseline: 2x1
+variants:
+  - {name: 2x1, nnodes: 2, nproc: 1, launcher: slurm}
+  - {name: 1x1, nnodes: 1, nproc: 1, launcher: slurm}
+"""
+
+
+def sbatch(c: Compose, more: str = "", backend: str = "gloo", args: str = "") -> subprocess.Popen:
+    """`sbatch --wait slurm/cpu.sbatch` as user ddplab on the running cluster's login node, as
+    compose/slurm.yml's header tells a user to submit more jobs (the job gets the environment
+    compose gave the cluster). Not resumed: the cluster's last checkpoint is another layout's.
+    On gloo by default: a dead peer closes gloo's sockets at once, while oneCCL waits for it
+    until dist.timeout_s."""
+    submit = (f'BACKEND={backend} DDPLAB_SET="$DDPLAB_SET checkpoint.resume=never {more}" exec '
+              f"sbatch --wait {args} --output=/jobs/ddplab-%j.out slurm/cpu.sbatch "
+              "experiments/quickstart.yaml")
+    return subprocess.Popen([*c.cmd, "exec", "-T", "-u", "ddplab", "-w", "/workspace",
+                             "slurmctld", "sh", "-c", submit],
+                            env=c.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_new_run(c: Compose, before: set[str], predicate, timeout: float) -> dict:
+    """The newest run not in ``before``, once it satisfies ``predicate``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = [r for r in c.runs() if r["info"]["run_id"] not in before]
+        if new and predicate(new[0]):
+            return new[0]
+        time.sleep(2)
+    raise AssertionError(f"no new run within {timeout:.0f} s:\n{c.logs()[-3000:]}")
+
+
+def scancel_then_kill_a_node(c: Compose) -> None:
+    """On a running cluster: scancel sends SIGTERM to every process of a job, so its ranks end
+    the run FAILED ("terminated by SIGTERM") and the delivery process outlives them to send
+    that; then a node killed mid-job fails the next job in bounded time."""
+    before = {r["info"]["run_id"] for r in c.runs()}
+    job = sbatch(c, LONG)
+    wait_new_run(c, before, lambda r: "train/loss" in metrics(r), 400)
+    t0 = time.monotonic()
+    assert exec_in(c, "slurmctld", "scancel -u ddplab").returncode == 0
+    run = wait_new_run(c, before, finished, 60)
+    assert run["info"]["status"] == "FAILED" and time.monotonic() - t0 < 60
+    assert "SIGTERM" in tags(run)["ddplab.error"]
+    time.sleep(5)
+    assert wait_new_run(c, before, finished, 10)["info"]["status"] == "FAILED"  # and it stays so
+    assert job.wait(timeout=60) != 0
+
+    before = {r["info"]["run_id"] for r in c.runs()}
+    job = sbatch(c, LONG)
+    wait_new_run(c, before, lambda r: "train/loss" in metrics(r), 400)
+    victim = sh(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={c.project}",
+                 "--filter", "label=com.docker.compose.service=node2"]).stdout.split()
+    t0 = time.monotonic()
+    sh(["docker", "kill", *victim])  # rank 1 (node1, the first host, holds rank 0)
+    run = wait_new_run(c, before, finished, 180)
+    assert run["info"]["status"] == "FAILED" and time.monotonic() - t0 < 180
+    assert job.wait(timeout=max(1.0, t0 + 180 - time.monotonic())) != 0
