@@ -190,8 +190,10 @@ def test_a_failed_build_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
 @pytest.mark.e2e
 def test_make_run_on_ccl_gives_a_finished_run_that_says_which_ccl(tmp_path):
     """The issue's command, `make run ARGS="--set dist.backend=ccl"`, after make setup-ccl:
-    one FINISHED run of 2 ranks on real oneCCL, tagged with which implementation ran."""
+    one FINISHED run of 2 ranks on real oneCCL, tagged with which implementation ran, and its
+    ranks' shared memory given back (a failed job's: test_a_ccl_job_gives_its_shared_memory_back)."""
     built()
+    before = shm_regions()
     repo = fresh_copy(tmp_path / "clone")
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {k: v for k, v in job_env(store).items() if not k.startswith(("MAKE", "MFLAGS"))}
@@ -208,6 +210,7 @@ def test_make_run_on_ccl_gives_a_finished_run_that_says_which_ccl(tmp_path):
         "ccl", "ddplab", "2")
     assert "oneCCL 2022.2.0" in tags["ddplab.backend_reason"]
     assert tags["ddplab.version.ddplab_ccl"].startswith("oneccl 2022.2.0")
+    assert shm_regions() - before == set()  # each rank's libfabric shm region is gone
 
 
 def shm_regions() -> set[str]:
@@ -240,7 +243,7 @@ def test_release_takes_only_this_process_regions_and_doctor_counts_the_orphans(t
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("outcome, extra", [
-    ("finished", []),
+    # A finished job's: test_make_run_on_ccl_gives_a_finished_run_that_says_which_ccl checks it.
     ("failed", ["--set", "data.dataset=cifar10", "--set", "data.root=nodata",
                 "--set", "data.download=true"]),  # fails after the ranks connected
 ])

@@ -21,7 +21,7 @@ def ref(tmp_path_factory) -> dict:
     return reference(tmp_path_factory.mktemp("ref"), GLOBAL_BATCH, STEPS)
 
 
-@pytest.mark.parametrize("world, accum", [(2, 1), (3, 1), (2, 2)])
+@pytest.mark.parametrize("world, accum", [(3, 1), (2, 2)])
 def test_ddp_matches_one_rank_with_the_global_batch(tmp_path, ref, world, accum):
     """N ranks x per-rank batch B/(N*accum) reach the parameters of 1 rank with batch B after
     k steps. Tolerance: rtol 1e-4, atol 1e-6 - float32 sums in another order, nothing more
@@ -88,7 +88,8 @@ def _rel_distance(a: list, b: list) -> float:
 # DDP setting -> the exact run's parameters expected (True), or close but not equal: the upper
 # bound of the relative distance. Measured: fp16 8.1e-6, bf16 6.2e-5, PowerSGD 5.7e-3; exact
 # runs 1.1e-8, so a hook that silently did nothing would fail the lower bound (1e-7).
-KNOBS = [({"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}, True),  # many tiny buckets
+KNOBS = [({}, True),  # DDP as it comes, 2 ranks x 1 (the layouts test below: 3 x 1, 2 x 2)
+         ({"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}, True),  # many tiny buckets
          ({"static_graph": True, "find_unused_parameters": False}, True),
          ({"comm_hook": "fp16"}, 1e-4), ({"comm_hook": "bf16"}, 1e-3),
          ({"comm_hook": "powersgd"}, 0.05)]
@@ -98,7 +99,8 @@ def test_ddp_knobs_and_gradient_hooks_on_gloo(tmp_path, ref):
     """DDP's knobs change how gradients travel, not what they sum to; the hooks compress them
     (fp16/bf16: rounded, so close to the exact run but not equal; PowerSGD: a low-rank
     approximation after its 2 exact steps), and every one works on gloo/CPU. The five settings
-    train one after the other in one 2-rank process group (five groups cost ~50 s of CI)."""
+    train one after the other in one 2-rank process group (a group each cost ~10 s of CI),
+    the first with DDP's defaults."""
     ranks = spawn(dist_workers.train_k_steps_each, 2, tmp_path, GLOBAL_BATCH, STEPS,
                   [knobs for knobs, _ in KNOBS])
     for (knobs, expect), r0, r1 in zip(KNOBS, ranks[0], ranks[1], strict=True):

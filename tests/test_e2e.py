@@ -89,11 +89,19 @@ def _start_torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> subproce
 
 
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    """Every 0.5 s: each look at the store is a new MLflow client and its searches, and the
+    jobs waited on run for seconds after what is waited for, so 0.2 s bought nothing."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
+        time.sleep(0.5)
+
+
+def _logged_a_loss(store: str) -> bool:
+    """The job's run is in the store with a train/loss (one search per look)."""
+    found = runs(store)
+    return bool(found) and "train/loss" in found[0].data.metrics
 
 
 def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
@@ -142,7 +150,7 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
 def test_sigkill_of_rank0_still_ends_the_run_failed(tmp_path, store):
     """Global rank 0 owns the run and dies without a word; a survivor must end the run."""
     proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
-    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    _wait_for(lambda: _logged_a_loss(store), 120, proc)
     victim = _rank_pid(psutil.Process(proc.pid), "0")
     assert victim
     os.kill(victim, signal.SIGKILL)
@@ -167,7 +175,7 @@ def test_a_lone_process_killed_outright_does_not_leave_its_run_running(tmp_path,
     """No launcher, no peer to watch it: SIGKILL (the OOM killer) used to leave the run RUNNING
     for good. Its node's delivery process sees its parent gone and ends the run FAILED."""
     proc = _start_lone([QUICKSTART, "--set", "train.epochs=20"], tmp_path, job_env(store))
-    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    _wait_for(lambda: _logged_a_loss(store), 120, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     t0 = time.monotonic()
@@ -187,7 +195,7 @@ def test_a_killed_delivery_process_is_named_and_nothing_is_lost(tmp_path, store)
                         "--set", "data.batch_size=64", "--set", "train.log_every=1",
                         "--set", "tracking.system_metrics=false"],
                        tmp_path, job_env(store))
-    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    _wait_for(lambda: _logged_a_loss(store), 120, proc)
     (delivery,) = [c for c in psutil.Process(proc.pid).children(recursive=True)
                    if "ddplab.tracking.delivery" in " ".join(c.cmdline())]
     delivery.kill()
@@ -202,7 +210,7 @@ def test_a_killed_delivery_process_is_named_and_nothing_is_lost(tmp_path, store)
 
 def test_ctrl_c_ends_the_run_killed(tmp_path, store):
     proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
-    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    _wait_for(lambda: _logged_a_loss(store), 120, proc)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
     proc.wait(timeout=90)
     (run,) = runs(store)
@@ -211,7 +219,7 @@ def test_ctrl_c_ends_the_run_killed(tmp_path, store):
 
 def test_a_closed_terminal_sighup_ends_the_run_killed_not_running(tmp_path, store):
     proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
-    _wait_for(lambda: bool(runs(store)) and "train/loss" in runs(store)[0].data.metrics, 120, proc)
+    _wait_for(lambda: _logged_a_loss(store), 120, proc)
     os.kill(proc.pid, signal.SIGHUP)  # torchrun passes it to the ranks (an ssh session closing)
     proc.wait(timeout=90)
     (run,) = runs(store)

@@ -45,22 +45,51 @@ def one_line(out: subprocess.CompletedProcess, code: int, says: str) -> None:
 STUDY = REPO / "experiments" / "studies" / "ch09-bf16.yaml"
 
 
-@pytest.mark.parametrize("uri, says", [
+COMMANDS = [["study", "run", str(STUDY)], ["report", "abc"], ["reproduce", "abc"],
+            ["bench", "collectives"], ["train", QUICKSTART]]
+BAD_URIS = [
     ("garbage://x", "use a tracking server"),
     ("sqlite://", "an in-memory SQLite store vanishes"),
     ("file:///tmp/nowhere-mlruns", "MLflow 3 refuses the file store"),
     ("postgresql://u:p@127.0.0.1/db", "postgresql needs its driver"),
-])
-@pytest.mark.parametrize("command", [["study", "run", str(STUDY)], ["report", "abc"],
-                                     ["reproduce", "abc"], ["bench", "collectives"],
-                                     ["train", QUICKSTART]])
-def test_a_bad_tracking_uri_is_one_line_for_every_command(tmp_path, uri, says, command):
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_a_bad_tracking_uri_is_one_line_for_every_command(tmp_path, command):
+    """The real program, once per command, with the URI that holds a password: exit 2, one
+    line, the password masked. The other bad URIs: the test below, in-process."""
     from ddplab.logins import mask
 
+    uri, says = BAD_URIS[-1]
     out = ddplab(command, tmp_path, uri, timeout=120)
     # A password in the URI is shown masked (postgresql://u:***@...), never as given.
     one_line(out, 2, f"MLFLOW_TRACKING_URI: got {mask(uri)!r}; {says}")
     assert ":p@" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("uri, says", BAD_URIS[:-1], ids=[u for u, _ in BAD_URIS[:-1]])
+def test_every_command_names_each_bad_tracking_uri_in_one_line(tmp_path, monkeypatch, capsys,
+                                                               uri, says):
+    """Every command x every other bad URI through the CLI's main, in-process (a real process
+    each cost ~2-6 s of CPU; the test above runs the real program once per command)."""
+    from ddplab import cli
+
+    for name in list(os.environ):
+        if name.startswith(("MLFLOW_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_",
+                            "SLURM_", "PET_", "TORCHELASTIC", "DDPLAB_SET")):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    for command in COMMANDS:
+        code = cli.main(list(command))
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.strip() and "Warning" not in x
+                 and not x.startswith(("  ", "[ddplab] checks: still "))]
+        assert code == 2 and "Traceback" not in err, (command, err[-2000:])
+        assert len(lines) == 1 and f"MLFLOW_TRACKING_URI: got {uri!r}; {says}" in lines[0], (
+            command, err[-2000:])
+    assert not list(tmp_path.iterdir())  # no store, no checkpoints, no results
 
 
 def test_sync_checks_its_tracking_uri_too(tmp_path):
@@ -80,13 +109,18 @@ def test_a_run_id_that_names_no_run_is_one_line_and_no_run(tmp_path, store):
 
 
 def test_two_jobs_started_together_on_a_fresh_store_both_finish(tmp_path, store):
+    """...and `ddplab report` of one of them, no study's parent, is bad input."""
     args = [str(BIN / "ddplab"), "train", QUICKSTART, *QUICK, "--set", "train.max_steps=2"]
     procs = [subprocess.Popen([*args, "--set", f"checkpoint.dir={tmp_path / f'ck{i}'}"],
                               cwd=tmp_path, env=job_env(store), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-1500:] for o in outs)
-    assert sorted(r.info.status for r in runs(store)) == ["FINISHED", "FINISHED"]
+    finished = runs(store)
+    assert sorted(r.info.status for r in finished) == ["FINISHED", "FINISHED"]
+    # `ddplab report` of a run that is no study's parent: bad input, one line.
+    one_line(ddplab(["report", finished[0].info.run_id], tmp_path, store), 2,
+             "is not a study's parent run")
 
 
 def test_a_checkpoint_dir_that_cannot_be_written_is_one_line(tmp_path, store):
@@ -293,10 +327,19 @@ def study_runs(store: str) -> list:
 
 
 def test_a_study_rerun_with_other_settings_refuses_and_fresh_starts_anew(tmp_path, store):
-    path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1}])
-    assert ddplab(["study", "run", str(path)], tmp_path, store).returncode == 0
+    """One study for both: its strings stay strings (a YAML-looking "speed: fast" is not read
+    back as a mapping), a rerun with other settings is refused, a bad DDPLAB_SET names itself,
+    and --fresh starts anew."""
+    path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1}],
+                      set={**TINY, "description": "speed: fast", "train.max_steps": 2})
+    first = ddplab(["study", "run", str(path)], tmp_path, store)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (child,) = study_runs(store)
+    assert child.data.params["description"] == "speed: fast"  # not read back as a mapping
     changed = ddplab(["study", "run", str(path), "--set", "optim.lr=0.5"], tmp_path, store)
     one_line(changed, 2, "the study's set changed since its parent run")
+    bad = ddplab(["study", "run", str(path), "--fresh"], tmp_path, store, DDPLAB_SET="train.epochs=x")
+    one_line(bad, 2, "DDPLAB_SET 'train.epochs=x': train.epochs: got 'x'")
     fresh = ddplab(["study", "run", str(path), "--set", "optim.lr=0.5", "--fresh"], tmp_path, store)
     assert fresh.returncode == 0 and "already FINISHED" not in fresh.stdout, fresh.stderr[-2000:]
     assert sorted(r.data.params["optim.lr"] for r in study_runs(store)) == ["0.01", "0.5"]
@@ -308,24 +351,6 @@ def test_a_study_variant_that_cannot_run_here_stops_it_before_any_run(tmp_path, 
     one_line(ddplab(["study", "run", str(path)], tmp_path, store), 2,
              "variant half: train.amp: got 'fp16'; fp16 needs a CUDA device")
     assert runs(store) == []
-
-
-def test_study_strings_stay_strings_and_ddplab_set_errors_name_it(tmp_path, store):
-    path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1}],
-                      set={**TINY, "description": "speed: fast", "train.max_steps": 2})
-    out = ddplab(["study", "run", str(path)], tmp_path, store)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (child,) = study_runs(store)
-    assert child.data.params["description"] == "speed: fast"  # not read back as a mapping
-    bad = ddplab(["study", "run", str(path), "--fresh"], tmp_path, store, DDPLAB_SET="train.epochs=x")
-    one_line(bad, 2, "DDPLAB_SET 'train.epochs=x': train.epochs: got 'x'")
-
-
-def test_report_of_a_run_that_is_no_study_is_bad_input(tmp_path, store):
-    assert ddplab(["train", QUICKSTART, *QUICK, "--set", "train.max_steps=2"], tmp_path,
-                  store).returncode == 0
-    (run,) = runs(store)
-    one_line(ddplab(["report", run.info.run_id], tmp_path, store), 2, "is not a study's parent run")
 
 
 def test_a_page_of_a_study_still_running_is_refused(tmp_path, store):
@@ -345,9 +370,10 @@ def test_a_study_whose_server_dies_stops_with_one_line_and_a_rerun_leaves_nothin
     server.start()
     # The server dies as the first job's training starts (its spool appears); the job keeps
     # its records in the spool and gives up on delivering after 5 s instead of 60.
-    # One variant: the rerun's point is the killed job's run (a second variant only added a job).
+    # One variant: the rerun's point is the killed job's run (a second variant only added a job);
+    # of one rank: nothing here is about several ranks (a second rank only added a process).
     path = tiny_study(tmp_path, set={**TINY, "train.epochs": 6, "tracking.delivery_timeout_s": 5},
-                      variants=[{"name": "one", "nproc": 2}])
+                      variants=[{"name": "one", "nproc": 1}])
     proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
                             env=job_env(server.uri), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -85,6 +85,7 @@ def _losses(store, run):
 
 @pytest.mark.distributed
 def test_zero_and_fsdp_train_as_ddp_does_and_fsdp_holds_half_the_state(tmp_path, store):
+    """...and the fsdp job's checkpoint of 2 ranks resumes on 1 ddp rank and exports."""
     made = {s: _train(tmp_path, store, s) for s in ("ddp", "zero", "fsdp")}
     ddp = _losses(store, made["ddp"])
     assert len(ddp) == 8
@@ -96,10 +97,8 @@ def test_zero_and_fsdp_train_as_ddp_does_and_fsdp_holds_half_the_state(tmp_path,
     assert all(r.data.metrics["memory/peak_rss_mb"] > 100 for r in made.values())
     assert made["fsdp"].data.params["dist.strategy"] == "fsdp"
 
-
-@pytest.mark.distributed
-def test_an_fsdp_checkpoint_of_2_ranks_resumes_on_1_ddp_rank_and_exports(tmp_path, store):
-    _train(tmp_path, store, "fsdp")
+    # The fsdp job's checkpoint of 2 ranks resumes on 1 ddp rank and exports (one fsdp job for
+    # both: the same job, trained again, was this part's own test).
     (saved,) = sorted((tmp_path / "fsdp").glob("quickstart/*/step-*.pt"))
     # Half the ranks with the same per-rank batch would halve the global batch: refused.
     refused = ddplab(["train", QUICKSTART, *QUICK, "--set", f"checkpoint.resume={saved}",
