@@ -7,7 +7,7 @@
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
     ddplab sync [PATH ...]                        # deliver what a tracking outage left behind
     ddplab import STORE.tar.gz                    # runs from another machine's store, into this one
-    ddplab study run STUDY.yaml [--dry-run] [--fresh] [--set ...]   # a grid of jobs, one report
+    ddplab study run STUDY.yaml [--dry-run] [--fresh] [--repeats N] [--variants A,B] [--set ...]
     ddplab report PARENT_RUN_ID [--page NAME]     # a study's report, rebuilt from the store
     ddplab reproduce RUN_ID [--strict]            # re-run a recorded run and compare
     ddplab diagnose RUN_ID                        # why a job failed or hung: rank, step, stacks
@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     sr.add_argument("--fresh", action="store_true", help="start a new parent run, re-run all")
     sr.add_argument("--repeats", type=int, default=0, metavar="N",
                     help="run each variant N times instead of the file's repeats (a quick look)")
+    sr.add_argument("--variants", default="", metavar="A,B",
+                    help="run only these variants, by name (the baseline stays if among them)")
     rp = sub.add_parser("report", help="rebuild a study's report from its parent run")
     rp.add_argument("parent_run_id")
     rp.add_argument("--page", default="", metavar="NAME",
@@ -294,7 +296,8 @@ def _study(args: argparse.Namespace) -> int:
     from . import study
 
     if args.command == "study":
-        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run, args.repeats)
+        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run, args.repeats,
+                               args.variants)
     if args.command == "report":
         return study.show_report(args.parent_run_id, args.page)
     from .study.reproduce import reproduce

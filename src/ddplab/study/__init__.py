@@ -9,7 +9,8 @@ import os
 from ..errors import DdplabError
 
 
-def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0) -> int:
+def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0,
+              variants: str = "") -> int:
     # MLflow prints "View run at <tracking URI>" when a run ends: on a cluster an in-network
     # name the browser cannot open. The study prints each address itself (DDPLAB_UI_URL).
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -32,6 +33,8 @@ def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: i
                           f"{spec.MAX_REPEATS}] (0 = the file's)")
     if repeats:
         study = dataclasses.replace(study, repeats=repeats)
+    if variants:
+        study = spec.only(study, variants)
     resolved = yaml.safe_dump({
         "name": study.name, "experiment": str(study.experiment), "set": study.set,
         "repeats": study.repeats, "baseline": study.baseline,

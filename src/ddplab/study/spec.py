@@ -24,6 +24,7 @@ study before any job starts).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import typing
 from collections.abc import Sequence
@@ -247,3 +248,18 @@ def _metric(f: StudyFile, script: bool) -> tuple[str, str]:
 def load_study(path: str | Path, extra: Sequence[Override] = ()) -> Study:
     p = Path(path)
     return parse(p, read_yaml_file(p, "study"), list(extra))
+
+
+def only(study: Study, names: str) -> Study:
+    """``study run --variants a,b``: those variants alone (a quick look, or a rerun of some).
+    The baseline stays when it is among them; otherwise the first of them is the baseline."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = [v.name for v in study.variants]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        raise ConfigError(f"--variants: got {names!r}; must name variants of {study.path}, "
+                          f"comma-separated: {', '.join(known)}")
+    chosen = tuple(v for v in study.variants if v.name in wanted)
+    baseline = study.baseline if study.baseline in wanted else chosen[0].name
+    return dataclasses.replace(study, variants=chosen, baseline=baseline)
+
