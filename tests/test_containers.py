@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, runs
-from tests.helpers import free_port
+from tests.helpers import faulty_experiment, free_port
 from tests.helpers.containers import (
     CPU_IMAGE,
     MLFLOW_IMAGE,
@@ -181,7 +181,8 @@ def test_compose_keeps_the_experiments_backend_unless_backend_is_set(file, servi
     assert "dist.backend=gloo" in ddplab_set("gloo")[0]
 
 
-def test_compose_multinode_2x2_on_ddplabs_ccl_then_the_books_script_as_one_run_each(compose_factory):
+def test_compose_multinode_2x2_on_ddplabs_ccl_then_the_books_script_then_a_hang_across_nodes(
+        compose_factory, tmp_path):
     """`docker compose -f compose/multinode.yml up` with 2 containers x 2 ranks on ccl, the layout
     that hung in oneCCL's first broadcast until ddplab stopped telling oneCCL the true ranks per
     host across nodes (distributed/oneccl.py, ccl_env_defaults): ofi, libfabric's tcp provider between the
@@ -190,7 +191,9 @@ def test_compose_multinode_2x2_on_ddplabs_ccl_then_the_books_script_as_one_run_e
     with the team server's checks; one 2 x 2 job, not one per backend: each cost ~50 s of CI.)
     Then, on the same stack (a stack of its own cost ~20 s of CI), script mode across
     containers: the book's chapter 9 gloo script, unchanged but for its --synthetic flag, as
-    EXPERIMENT on 2 x 1: one FINISHED run with both nodes' system metrics and every rank's logs."""
+    EXPERIMENT on 2 x 1: one FINISHED run with both nodes' system metrics and every rank's logs.
+    Last, a hang across the containers: the user's dataset sleeps on rank 1, alone on the other
+    node, at step 7; the run says so in one line, with each node's stacks."""
     c = compose_factory(2, 2, DDPLAB_SET="dist.backend=ccl data.train_samples=2048")  # the user's wins
     c.up()
     run = c.wait_run(finished, timeout=600)
@@ -223,3 +226,45 @@ def test_compose_multinode_2x2_on_ddplabs_ccl_then_the_books_script_as_one_run_e
     assert {f["path"] for f in arts.get("files", [])} >= {"logs/rank0.stdout.txt",
                                                          "logs/rank1.stdout.txt"}
     assert len(c.runs()) == 2
+    assert_a_hang_across_nodes_is_named(c, tmp_path)
+
+
+def assert_a_hang_across_nodes_is_named(c, tmp_path: Path) -> None:
+    """Each node's watch (in its delivery process) sees its own rank's heartbeat stop past
+    dist.hang_after_s (8 s), takes that rank's stack and ends it; rank 0's node reads the other
+    node's endings from the run and names the rank behind and its host, long before
+    dist.timeout_s (120 s here). The experiment's files are copied into the node containers,
+    as a user's own files reach a node (the image holds only ddplab's experiments)."""
+    folder = tmp_path / "faulty"
+    folder.mkdir()
+    faulty_experiment(folder, fault="sleep", step=7)
+    c.env.update(EXPERIMENT="faulty/faulty.yaml", DDPLAB_SET="")
+    created = sh([*c.cmd, "up", "--no-start", "--no-deps", c.service], env=c.env, cwd=REPO)
+    assert created.returncode == 0, created.stderr
+    ids = sh(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={c.project}",
+              "--filter", f"label=com.docker.compose.service={c.service}"]).stdout.split()
+    assert len(ids) == 2, ids
+    for i in ids:
+        copied = sh(["docker", "cp", f"{folder}/.", f"{i}:/workspace/faulty"])
+        assert copied.returncode == 0, copied.stderr
+    before = {r["info"]["run_id"] for r in c.runs()}
+    started = sh([*c.cmd, "start", c.service], env=c.env, cwd=REPO)
+    assert started.returncode == 0, started.stderr
+    run = c.wait_run(lambda r: r["info"]["run_id"] not in before and "train/loss" in metrics(r),
+                     timeout=400)
+    t0 = time.monotonic()  # training: rank 1 stops at step 7, a few seconds on
+    run = c.wait_run(lambda r: r["info"]["run_id"] not in before and finished(r), timeout=240)
+    assert run["info"]["status"] == "FAILED" and time.monotonic() - t0 < 8 + 60, c.logs()[-4000:]
+    t = tags(run)
+    (other,) = [h for h in t["ddplab.hosts"].split(",") if h != t["ddplab.rank0_host"]]
+    error = t["ddplab.error"]
+    assert error.startswith(f"rank 1 (host {other}) stopped at step 7 in data loading "), error
+    assert "rank 0 waits in backward (gradient all-reduce)" in error, error
+    found = set()
+    for node in ("node0", "node1"):
+        listed = rest(c.base, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}"
+                              f"&path=forensics/{node}", login=c.login())
+        found |= {f["path"] for f in listed.get("files", [])}
+    assert {"forensics/node0/rank-0.stack.txt", "forensics/node1/rank-1.stack.txt"} <= found, found
+    codes = wait_exits(c, c.service, 2, time.monotonic() + 120)
+    assert len(codes) == 2 and all(code != 0 for code in codes), codes

@@ -6,7 +6,6 @@ purpose on rank 1 at one step, under real torchrun with 2 ranks."""
 from __future__ import annotations
 
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -15,25 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ddplab.forensics.watch import Ending, verdict
-from tests.conftest import REPO, job_env, runs
+from tests.conftest import job_env, runs
+from tests.helpers import faulty_experiment
 
 BIN = Path(sys.executable).parent
 HOST = socket.gethostname()
-
-
-def faulty_experiment(tmp_path: Path) -> Path:
-    for f in (REPO / "experiments" / "examples" / "spirals.py",
-              REPO / "tests" / "data" / "faulty" / "faulty.py"):
-        shutil.copy(f, tmp_path / f.name)
-    exp = tmp_path / "faulty.yaml"
-    exp.write_text(yaml.safe_dump({
-        "name": "faulty", "data": {"dataset": "faulty:make_data", "batch_size": 32, "num_workers": 0},
-        "model": {"name": "faulty:Model"}, "train": {"epochs": 2, "log_every": 2},
-        "tracking": {"system_metrics": False}, "dist": {"hang_after_s": 8, "timeout_s": 300}}))
-    return exp
 
 
 def run_faulty(tmp_path: Path, store: str, fault: str, where: str = "data", step: int = 5):
@@ -127,7 +114,9 @@ def test_the_first_real_failure_is_the_cause_and_a_peers_sigterm_is_not():
 
 
 def test_a_hang_across_nodes_names_the_rank_behind_and_who_waits_where():
-    endings = [Ending(0, 37, "backward", 100.0, "waits", "", "node-1"),
+    """Each node's watch names the rank furthest behind OF ITS OWN stopped (node-1's rank 0
+    here, the compose job's case): the verdict ranks them over all nodes."""
+    endings = [Ending(0, 37, "backward", 100.0, "stopped", "", "node-1"),
                Ending(1, 37, "data loading", 95.0, "stopped", "", "node-2"),
                Ending(2, 37, "backward", 100.5, "waits", "", "node-2"),
                Ending(3, 37, "backward", 100.2, "waits", "", "node-1")]

@@ -117,3 +117,50 @@ def test_layout_properties():
 def test_incomplete_or_contradictory_variables(env, message):
     with pytest.raises(LaunchError, match=message):
         LaunchEnv.from_environ(env)
+
+
+# ---- outlive: a container's first process waits for what its command left running ----
+
+def outlive(script: str, tmp_path, bound: str = "30", **popen):
+    import subprocess
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "DDPLAB_OUTLIVE_S": bound}
+    return subprocess.Popen([sys.executable, "-m", "ddplab.launchers.outlive", "sh", "-c", script],
+                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_outlive_waits_for_an_orphan_of_its_command_then_exits_with_the_commands_code(tmp_path):
+    """The command leaves a process of its own session behind (as local rank 0 leaves its
+    node's delivery process) and exits 3: the orphan finishes its work before outlive ends."""
+    proc = outlive("setsid sh -c 'sleep 2; echo delivered > end' & exit 3", tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert (tmp_path / "end").read_text() == "delivered\n"
+    assert "waiting for what it left running" in err
+
+
+def test_outlive_is_bounded_and_forwards_a_stop_to_its_command(tmp_path):
+    import signal
+    import time
+
+    t0 = time.monotonic()
+    proc = outlive("setsid sleep 60 >/dev/null 2>&1 & exit 0", tmp_path, bound="1")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and time.monotonic() - t0 < 15, err
+    assert "still running after 1 s; leaving it" in err
+    # docker stop's SIGTERM reaches the command (a shell: it exits 128 + 15); nothing left.
+    proc = outlive("trap 'exit 143' TERM; echo ready > up; while :; do sleep 0.1; done", tmp_path)
+    while not (tmp_path / "up").exists():
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "waiting" not in err, err
+
+
+def test_outlive_says_a_bad_bound_in_one_line(tmp_path):
+    proc = outlive("exit 0", tmp_path, bound="soon")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert err.strip() == "ddplab: DDPLAB_OUTLIVE_S: got 'soon'; expected seconds (a number >= 0)"

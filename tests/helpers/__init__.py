@@ -27,6 +27,24 @@ ADMIN_PASSWORD = secrets.token_urlsafe(18)
 LOSS_LINE = re.compile(r"step (\d+)/\d+ loss (\d+\.\d+)")
 
 
+def faulty_experiment(folder: Path, **fault: object) -> Path:
+    """faulty.yaml in ``folder``, beside its parts (tests/data/faulty/faulty.py, the spirals
+    example): 2 epochs of spirals that go wrong on rank 1 as the FAULT* environment says, or as
+    ``fault`` says (its data.args, where no environment reaches the ranks: a compose node)."""
+    import yaml
+
+    for f in (REPO / "experiments" / "examples" / "spirals.py",
+              REPO / "tests" / "data" / "faulty" / "faulty.py"):
+        shutil.copy(f, folder / f.name)
+    data = {"dataset": "faulty:make_data", "batch_size": 32, "num_workers": 0}
+    exp = folder / "faulty.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "faulty", "data": {**data, "args": fault} if fault else data,
+        "model": {"name": "faulty:Model"}, "train": {"epochs": 2, "log_every": 2},
+        "tracking": {"system_metrics": False}, "dist": {"hang_after_s": 8, "timeout_s": 300}}))
+    return exp
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -103,6 +103,11 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def behind_key(b: Beat | Ending) -> tuple[int, int, float]:
+    """Furthest behind first: the lowest step, the earliest phase of it, the oldest heartbeat."""
+    return b.step, PHASES.index(b.phase) if b.phase in PHASES else len(PHASES), b.time
+
+
 def limit(phase: str, hang_after_s: float) -> float:
     return hang_after_s * (3 if phase in LONG_PHASES else 1)
 
@@ -128,7 +133,7 @@ class Watch:
     def _stop(self, beats: list[Beat], live: list[Beat], now: float) -> list[Ending]:
         """Every live rank's stack, then an end to them; the endings say who stopped where."""
         collect_stacks(self.directory, live)
-        behind = min(live, key=lambda b: (b.step, PHASES.index(b.phase), b.time))
+        behind = min(live, key=behind_key)
         endings = [Ending(b.rank, b.step, b.phase, b.time,
                           "stopped" if b is behind else "waits",
                           f"last heartbeat {now - b.time:.0f} s before the watch stopped the job",
@@ -219,9 +224,12 @@ SECONDARY = ("terminated by SIG", "interrupted (SIGINT", "DistBackendError", "Co
 def verdict(endings: list[Ending], world_size: int, now: float | None = None) -> str:
     """The one line: who stopped or failed first, where, and what the others did. "" when no
     rank failed (every one done, or stopped by Ctrl-C)."""
-    stopped = [e for e in endings if e.what == "stopped"]
-    if stopped:
-        return _hang_line(stopped[0], [e for e in endings if e.what == "waits"], now)
+    # Each node's watch sees only its own ranks, and names one of them stopped: across nodes,
+    # the rank behind is the one furthest behind of all (the others wait for it).
+    hung = [e for e in endings if e.what in ("stopped", "waits")]
+    if any(e.what == "stopped" for e in hung):
+        behind = min(hung, key=behind_key)
+        return _hang_line(behind, [e for e in hung if e is not behind], now)
     failed = [e for e in endings if e.what in ("failed", "died")]
     causes = [e for e in failed if e.what == "died" or not _secondary(e.detail)]
     missing = sorted(set(range(world_size)) - {e.rank for e in endings})

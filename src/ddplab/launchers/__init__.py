@@ -6,6 +6,8 @@
                 its peers and runs torchrun
     mpi         ``ddplab mpi worker/launch``: Open MPI over ssh between containers or pods
     local       ``ddplab run``: N ranks on this machine by torchrun, after a one-process preflight
+    outlive     a container's first process: its command, then what the command left running
+                (the node's tracking delivery) until it ends
 """
 
 from .detect import LaunchEnv, LaunchError

@@ -1,6 +1,7 @@
 """A user's experiment that goes wrong on purpose, on one rank at one step (tests/test_forensics.py):
 FAULT=sleep|spin|kill|segv|raise at FAULT_STEP (5), or slow (50 ms more every step); FAULT_RANK
-(1), FAULT_WHERE=data|forward."""
+(1), FAULT_WHERE=data|forward. Where no environment reaches the ranks (a compose node), the
+experiment's data.args say it: {fault: sleep, step: 7}."""
 
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ class Faulty(Spirals):
         return super().__getitem__(i)
 
 
-def make_data(seed: int = 0) -> tuple[Faulty, Faulty]:
+def make_data(seed: int = 0, fault: str = "", step: int = 5) -> tuple[Faulty, Faulty]:
+    global FAULT, STEP
+    if fault:
+        FAULT, STEP = fault, step
     return Faulty(1024, 3, 0.02, seed), Faulty(256, 3, 0.02, seed + 1)
 
 
