@@ -164,3 +164,19 @@ def test_outlive_says_a_bad_bound_in_one_line(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert err.strip() == "ddplab: DDPLAB_OUTLIVE_S: got 'soon'; expected seconds (a number >= 0)"
+
+
+def test_outlive_on_a_terminal_only_runs_the_command(tmp_path):
+    """docker run -it: the terminal's Ctrl-C reaches the command's group itself, so outlive
+    becomes the command (the same process) instead of forwarding it a second one."""
+    import os
+    import pty
+
+    main, terminal = pty.openpty()
+    try:
+        proc = outlive("echo $$ > pid", tmp_path, stdin=terminal)
+        proc.communicate(timeout=30)
+    finally:
+        os.close(main)
+        os.close(terminal)
+    assert proc.returncode == 0 and int((tmp_path / "pid").read_text()) == proc.pid

@@ -8,7 +8,7 @@ on as an orphan; in a container it did not: the container ends when its first pr
 compose job stayed RUNNING with no verdict. The image's entrypoint runs the command under this
 process instead: it becomes the orphans' parent (it is PID 1, or a child subreaper elsewhere),
 forwards the signals meant for the command, and once the command ends, waits (bounded) for
-the orphans to end on their own.
+the orphans to end on their own. Interactive (a terminal on stdin), it only runs the command.
 
     python -m ddplab.launchers.outlive COMMAND [ARG ...]
 """
@@ -58,6 +58,10 @@ def exit_code(returncode: int) -> int:
 
 
 def run(argv: list[str], bound_s: float) -> int:
+    if os.isatty(0):
+        # Interactive (docker run -it): the terminal signals the command's process group, this
+        # process included; forwarding would signal the command twice. The command runs as is.
+        os.execvp(argv[0], argv)
     subreaper()
     try:
         child = subprocess.Popen(argv)
