@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,6 +122,9 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     rejected = [p.read_text()[-2000:] for p in (tmp_path / "ck").rglob("rejected.jsonl")]
     assert failed.info.status == "FAILED" and failed.data.tags.get("ddplab.error"), (
         f"{failed.data.tags}\nrejected by the store: {rejected}\n{proc.stdout.read()[-4000:]}")
+    # The cause is the rank that vanished, not what rank 0 saw of it (a closed connection).
+    assert re.match(r"rank 1 \(host .+\) died outright .* at step \d+ in [a-z ]+; rank 0 "
+                    r"stopped after it", failed.data.tags["ddplab.error"]), failed.data.tags
 
     # A resume that would change what the run computes is refused, and the run is untouched.
     changed = ddplab(["train", *args, "--set", "optim.lr=0.05"], tmp_path, env, nproc=2)

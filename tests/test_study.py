@@ -287,8 +287,10 @@ SHIPPED = sorted(p.name for p in (REPO / "experiments" / "studies").glob("*.yaml
 # resolved, planned and checked below without running: its variants' features (strategies,
 # bf16, ccl, the GPT, compose) have their own tests, and running all of them cost ~7 min of CI.
 RUN_FOR_REAL = ("ch09-threads-vs-processes.yaml", "script-lr-layouts.yaml")
-# Both layouts and both learning rates of the script's grid, in two jobs of its four.
-SOME_VARIANTS = {"script-lr-layouts.yaml": "1r-2t-lr0.05,2r-1t-lr0.2"}
+# Both layouts and both learning rates of the script's grid, in two jobs of its four; chapter
+# 9's threads and its ccl processes (its gloo processes are every other test's job).
+SOME_VARIANTS = {"script-lr-layouts.yaml": "1r-2t-lr0.05,2r-1t-lr0.2",
+                 "ch09-threads-vs-processes.yaml": "1r-2t,2r-1t-ccl"}
 
 
 @pytest.mark.parametrize("shipped", SHIPPED)
