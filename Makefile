@@ -106,6 +106,9 @@ study: $(STAMP) ## Run a study (STUDY=file): its jobs, one parent run, the repor
 bench: $(STAMP) ## Benchmarks (prints ratios measured side by side)
 	$(BIN)/python benchmarks/bench_core.py $(ARGS)
 
+bench-script: $(STAMP) ## Script mode's observation against plain torchrun on the book's chapter 9 script (steady step time, interleaved): docs/results/bench-script.md
+	$(BIN)/python benchmarks/bench_script.py $(ARGS)
+
 bench-startup: $(STAMP) ## What tracking adds to a short job's set-up and teardown (tracked vs untracked, interleaved)
 	$(BIN)/python benchmarks/bench_startup.py $(ARGS)
 

@@ -287,6 +287,20 @@ def pack(out: Path) -> None:
     tar("pages.tar.gz", [(out / "work" / "docs" / "results", "results")])
 
 
+def out_problem(out: Path) -> str:
+    """Why OUT cannot hold the proof (its logs, store, work folders), "" when it can (then
+    they are made)."""
+    if out.exists() and not out.is_dir():
+        return ("an existing file; allowed: a folder (new or existing) for the proof's logs, "
+                "store and pages")
+    try:
+        for d in ("logs", "store", "work"):
+            (out / d).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot make it ({e.strerror or e}); allowed: a folder that can be made and written"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -299,9 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=int, default=480,
                     help="stop starting steps after this long, so the results are still packed")
     a = ap.parse_args(argv)
-    out = Path(a.out).resolve()
-    for d in ("logs", "store", "work"):
-        (out / d).mkdir(parents=True, exist_ok=True)
+    out = Path(a.out).resolve()  # relative to where it runs (gpu_proof.sh passes it absolute)
+    problem = out_problem(out)
+    if problem:
+        print(f"gpu_proof: OUT: got {str(out)!r}: {problem}", file=sys.stderr, flush=True)
+        return 2
     uri = f"sqlite:///{out / 'store' / 'mlflow.db'}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1"}
     info = machine()

@@ -6,17 +6,32 @@
 # records) into a temporary site, then runs benchmarks/gpu_proof.py with an embedded MLflow
 # store under OUT. Nothing outside OUT and the temporary site is written.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+# OUT and --kit are where the user stands (the shell's working directory), made absolute before
+# the cd below: a relative OUT lands beside the user, never inside the checkout unless asked.
+here=$PWD
+absolute() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s' "$here/$1" ;; esac; }
 out=${1:?usage: gpu_proof.sh OUT [--device cuda|cpu] [--quick] [--kit DIR]}
 shift
-kit=.gpu-kit
+out=$(absolute "$out")
+kit=
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --kit) kit=$2; shift 2 ;;
+    --kit) kit=$(absolute "${2:?--kit needs a folder}"); shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done
+# A bad OUT is one line now, not a traceback after minutes of installing.
+if [ -e "$out" ] && [ ! -d "$out" ]; then
+  echo "gpu_proof: OUT: got '$out': an existing file; allowed: a folder (new or existing) for the proof's logs, store and pages" >&2
+  exit 2
+fi
+if ! made=$(mkdir -p -- "$out" 2>&1); then
+  echo "gpu_proof: OUT: got '$out': cannot make it (${made##*: }); allowed: a folder that can be made and written" >&2
+  exit 2
+fi
+cd "$(dirname "$0")/.." || exit 2
+kit=${kit:-$PWD/.gpu-kit}
 py=${PYTHON:-python3}
 if ! ls "$kit"/*.whl >/dev/null 2>&1; then
   echo "gpu_proof: no wheels in $kit: run 'make gpu-kit' where PyPI is reachable, and bring $kit along" >&2

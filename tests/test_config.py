@@ -99,8 +99,9 @@ def test_env_overrides_sit_between_file_and_command_line(tmp_path):
 
     env = {"DDPLAB_SET": "train.epochs=5  optim.lr=0.2"}
     p = write(tmp_path, "train:\n  epochs: 2\n")
-    cfg = load(p, env_overrides(env) + ["optim.lr=0.3"])
+    cfg = load(p, ["optim.lr=0.3"], environ=env)  # load reads DDPLAB_SET itself
     assert (cfg.train.epochs, cfg.optim.lr) == (5, 0.3)
+    assert env_overrides(env) == [("DDPLAB_SET", "train.epochs=5"), ("DDPLAB_SET", "optim.lr=0.2")]
     assert env_overrides({}) == []
 
 

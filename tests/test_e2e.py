@@ -32,18 +32,25 @@ REQUIRED_METRICS = ("train/loss", "train/samples_per_s", "train/step_time_s", "e
 def test_make_run_gives_one_finished_run_with_everything(tmp_path):
     """`make run` in a fresh copy: one FINISHED run, world size 2, tags, metrics, artifacts, in
     the embedded store at the copy's root. Uses this checkout's venv (CI built it with
-    `make setup` from a fresh clone moments before)."""
+    `make setup` from a fresh clone moments before). With DDPLAB_SET and --set on one key and
+    DDPLAB_SET alone on another, neither changing the job: every rank reads DDPLAB_SET from its
+    environment and --set wins (`ddplab run` once put DDPLAB_SET's items into torchrun's argv,
+    and every rank refused them: issue 51)."""
     repo = fresh_copy(tmp_path / "clone")
     env = {k: v for k, v in job_env("").items() if not k.startswith(("MLFLOW_", "MAKE", "MFLAGS"))}
+    env["DDPLAB_SET"] = "checkpoint.keep=2 data.eval_batch_size=128"
     venv = Path(sys.executable).parent.parent
     # -o: the venv is set up already; never let the copy re-point its editable install.
-    out = subprocess.run(["make", "-o", f"{venv}/.ddplab-setup", "run", f"VENV={venv}"], cwd=repo,
+    out = subprocess.run(["make", "-o", f"{venv}/.ddplab-setup", "run", f"VENV={venv}",
+                          "ARGS=--set data.eval_batch_size=512"], cwd=repo,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     store = f"sqlite:///{repo / 'mlflow.db'}"
     (run,) = runs(store)
     assert f"MLflow run {run.info.run_id} FINISHED" in out.stderr
     assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert (params["checkpoint.keep"], params["data.eval_batch_size"]) == ("2", "512"), params
     tags, metrics = run.data.tags, run.data.metrics
     assert all(t in tags for t in REQUIRED_TAGS), set(REQUIRED_TAGS) - set(tags)
     assert (tags["ddplab.world_size"], tags["ddplab.nproc_per_node"], tags["ddplab.nnodes"]) == (

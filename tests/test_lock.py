@@ -98,3 +98,13 @@ def test_a_study_report_warns_when_variants_ran_different_environments():
     assert len(warned) == 2 and "different torch (ddplab.torch_build): 2.14.1+cu130: native; " \
         "2.7.1+cpu: image" in warned[0]
 
+
+
+def test_runs_record_this_checkouts_lock_digest():
+    """``ddplab.lock`` of a native run is the digest the repository's lock opens with, never
+    'unknown' (the lookup once pointed at src/requirements.lock: issue 50)."""
+    from ddplab.tracking import capsule
+
+    first = (REPO / "requirements.lock").read_text().splitlines()[0]
+    assert capsule.lock_digest() == first.removeprefix(DIGEST_PREFIX)[:16] != "unknown"
+    assert capsule.LOCK_FILES[0] == REPO / "requirements.lock"

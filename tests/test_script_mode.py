@@ -159,6 +159,32 @@ def test_the_books_gloo_script_unchanged_is_one_finished_run(tmp_path, store):
     assert "Worker 1 - Epoch [5/5]" in logs["rank1.stdout.txt"]
     assert "Accuracy of the network" in logs["rank0.stdout.txt"]  # the script's own eval
     assert "Accuracy of the network" in res.stdout  # and still on the console
+    _observed_like_ddplabs_loop(store, run, logs["rank0.stdout.txt"], res.stdout + res.stderr)
+
+
+def _observed_like_ddplabs_loop(store: str, run, printed: str, console: str) -> None:
+    """The book's script logs nothing: its training figures come from observing it."""
+    import re
+
+    from mlflow import MlflowClient
+
+    client, metrics = MlflowClient(store), run.data.metrics
+    ends = {m.step for m in client.get_metric_history(run.info.run_id, "epoch/time_s")}
+    losses = sorted((m.step, m.value) for m in client.get_metric_history(
+        run.info.run_id, "train/loss") if m.step in ends)
+    said = [float(x) for x in re.findall(r"Worker 0 - Epoch \[\d+/5\], Loss: ([0-9.]+)", printed)]
+    assert len(said) == 5 and [round(v, 4) for _, v in losses] == said, (losses, said)
+    assert metrics["epoch/epoch"] == 5
+    # 128 samples over 2 ranks in batches of 32: 2 steps per epoch, 10 in all, 5 x 128 samples.
+    assert max(ends) == 10 and len(ends) == 5
+    assert 0 < metrics["perf/mfu"] < 1 and metrics["perf/samples_per_s"] > 0
+    per_rank = metrics["train/rank0_samples_per_s"] + metrics["train/rank1_samples_per_s"]
+    assert metrics["perf/samples_per_s"] == pytest.approx(per_rank, rel=1e-3)
+    assert {"train/step_time_s", "train/data_wait_frac", "train/rank1_busy_s",
+            "memory/peak_rss_mb"} <= set(metrics)
+    summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json")).read_text())
+    assert summary["steps"] == 10 and summary["samples"] == 640 and summary["epoch_steps"] == [2] * 5
+    assert "done in " in console and "10 steps, train/loss" in console
 
 
 @pytest.mark.e2e
@@ -227,6 +253,68 @@ def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp
     assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
     assert "resuming from epoch 2" in again.stdout
     assert run.data.tags["ddplab.resumed_from"] == run.info.run_id
+
+
+# A plain DDP script that logs nothing, whose rank 1 loads its data slowly (or hangs there).
+SLOW_DATA = '''
+import argparse, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+p = argparse.ArgumentParser()
+p.add_argument("--fault", default="slow")
+a = p.parse_args()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+class Data(Dataset):
+    fetched = 0
+    def __len__(self):
+        return 2 * 8 * 16
+    def __getitem__(self, i):
+        Data.fetched += 1
+        if rank == 1 and a.fault == "slow" and Data.fetched % 8 == 1:
+            time.sleep(0.05)  # 50 ms per batch of 8
+        if rank == 1 and a.fault == "hang" and Data.fetched == 6 * 8 + 1:
+            print("rank 1 hangs loading step 7's batch", flush=True)
+            time.sleep(3600)
+        return torch.randn(16), torch.randn(1)
+loader = DataLoader(Data(), batch_size=8, sampler=DistributedSampler(Data()))
+model = DDP(torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for epoch in range(1):
+    loader.sampler.set_epoch(epoch)
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+print(f"rank {rank} loss {loss.item():.4f}")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.e2e
+def test_a_slow_ranks_data_is_named_the_straggler_and_its_hang_by_rank_phase_and_step(tmp_path,
+                                                                                        store):
+    """Observed without a line of ddplab in the script: the straggler from data wait and
+    forward (not step time, which DDP's all-reduce evens out), and a hang from the phases'
+    heartbeats, as for ddplab's own loop."""
+    script = tmp_path / "slow_data.py"
+    script.write_text(SLOW_DATA)
+    slow = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    assert slow.returncode == 0, slow.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED"
+    named = run.data.tags["ddplab.straggler"]
+    assert named.startswith("rank 1 (host ") and "data loading and forward" in named, named
+    assert "warning: rank 1 (host " in slow.stdout + slow.stderr
+    assert run.data.metrics["train/rank1_busy_s"] > 0.04 > run.data.metrics["train/rank0_busy_s"]
+    hang = ddplab(["train", str(script), "--set", "dist.hang_after_s=4", "--set",
+                   "checkpoint.resume=never", "--", "--fault", "hang"], tmp_path,
+                  job_env(store), nproc=2)
+    assert hang.returncode != 0
+    hung = next(r for r in runs(store) if r.info.run_id != run.info.run_id)
+    assert hung.info.status == "FAILED"
+    verdict = hung.data.tags["ddplab.verdict"]
+    assert verdict.startswith("rank 1 (host ") and "at step 7 in data loading" in verdict, verdict
+    assert "rank 0 waits in backward" in verdict, verdict
 
 
 RESTARTED = '''

@@ -150,7 +150,7 @@ def _delivery_first(args: argparse.Namespace) -> None:
     """A tracked job's node leader starts its delivery process before anything imports torch,
     so MLflow's start-up there runs beside the ranks' own (tracking/delivery.py, prestart).
     Anything wrong is left to the job itself, which says it in its own order."""
-    from .config import env_overrides, load
+    from .config import load
     from .credentials import from_files
     from .launchers import LaunchEnv
     from .logins import from_uri
@@ -162,7 +162,7 @@ def _delivery_first(args: argparse.Namespace) -> None:
         # delivery process must inherit; this process's environment is left as it was.
         from_files()
         from_uri()
-        cfg = load(args.experiment, env_overrides() + args.overrides, args.script_args)
+        cfg = load(args.experiment, args.overrides, args.script_args, environ=os.environ)
         env = dict(os.environ)
         le = LaunchEnv.from_environ(os.environ)
     except Exception:  # noqa: BLE001 - see above
@@ -205,15 +205,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    """One parsed command, by its handler; bad input is exit 2 with one line."""
-    from .config import env_overrides
+    """One parsed command, by its handler; bad input is exit 2 with one line. ``args.overrides``
+    stays the command line's own ``--set`` values: ``config.load`` reads ``DDPLAB_SET`` itself
+    (defaults < file < DDPLAB_SET < --set), and a launcher passes on only the ``--set`` values
+    (its ranks inherit DDPLAB_SET)."""
     from .credentials import from_files
     from .errors import DdplabError
     from .logins import from_uri
 
     try:
-        if hasattr(args, "overrides"):
-            args.overrides = env_overrides() + args.overrides
         from_files()  # before any launcher copies the environment to the ranks
         from_uri()  # a login in MLFLOW_TRACKING_URI: out of the URI, into the credentials
         return args.func(args)
@@ -256,7 +256,7 @@ def _raised_in_user_code(e: BaseException) -> str:
 def _config(args: argparse.Namespace) -> int:
     from .config import load
 
-    print(load(args.experiment, args.overrides).to_yaml(), end="")
+    print(load(args.experiment, args.overrides, environ=os.environ).to_yaml(), end="")
     return 0
 
 
@@ -296,8 +296,12 @@ def _study(args: argparse.Namespace) -> int:
     from . import study
 
     if args.command == "study":
-        return study.run_study(args.study, args.overrides, args.fresh, args.dry_run, args.repeats,
-                               args.variants)
+        from .config import env_overrides
+
+        # A study layers its own sets: study < variant < DDPLAB_SET < --set, every job given
+        # them as --set (study/spec.py), so DDPLAB_SET's items go in, below the command line's.
+        return study.run_study(args.study, env_overrides(os.environ) + args.overrides, args.fresh,
+                               args.dry_run, args.repeats, args.variants)
     if args.command == "report":
         return study.show_report(args.parent_run_id, args.page)
     from .study.reproduce import reproduce

@@ -1,22 +1,26 @@
 """Typed experiment schema: load a YAML file, apply ``--set`` overrides, validate.
 
-One precedence rule: field defaults < experiment file < ``$DDPLAB_SET`` < ``--set key.sub=value``.
-``DDPLAB_SET`` holds whitespace-separated ``key=value`` items, for containers and manifests
-whose command line is fixed (``DDPLAB_SET="train.epochs=2 data.batch_size=64"``).
-Every error names where the bad value came from (the file or ``--set``), the dotted key,
-the value and what is allowed. Imports nothing heavy: ``ddplab --help`` and config errors
-must be instant.
+One precedence rule, applied by ``load`` alone: field defaults < experiment file <
+``$DDPLAB_SET`` < ``--set key.sub=value``. ``DDPLAB_SET`` holds whitespace-separated
+``key=value`` items, for containers and manifests whose command line is fixed
+(``DDPLAB_SET="train.epochs=2 data.batch_size=64"``); ``load`` reads it from the environment
+it is given, so a launcher passes on only the user's own ``--set`` and each rank reads
+``DDPLAB_SET`` from the environment it inherited. Every error names where the bad value came
+from (the file, ``--set`` or ``DDPLAB_SET``), the dotted key, the value and what is allowed.
+Imports nothing heavy: ``ddplab --help`` and config errors must be instant.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
 import math
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
@@ -541,6 +545,15 @@ class ScriptConfig:
     log_tail_kb: int = 512
     """Each rank's stdout and stderr become artifacts of the run (``logs/``); the last this
     many KiB of each are kept."""
+    observe: bool = True
+    """Observe the script's training through public torch hooks, nothing edited: its steps
+    (optimizer steps), loss (the tensor ``.backward()`` is called on), samples, epochs
+    (``DistributedSampler.set_epoch``), per-rank phase times, FLOPs; recorded under the names
+    ddplab's own loop uses (``train/loss``, ``perf/samples_per_s``, ``perf/mfu``...), and a
+    hang named by rank, phase and step. ``false``: the script runs with no hook at all."""
+    flops_per_sample: float = 0.0
+    """The model's training FLOPs per sample for ``perf/mfu``; 0 = counted by
+    ``torch.utils.flop_counter`` on one sample of an early step's batch, x 3."""
 
     def __post_init__(self) -> None:
         for name in self.flags:
@@ -551,6 +564,8 @@ class ScriptConfig:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                 fail(f"env.{name}", value, "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
         check_range(self, "log_tail_kb", 1, 1 << 20)
+        if self.flops_per_sample < 0:
+            fail("flops_per_sample", self.flops_per_sample, "FLOPs per sample >= 0 (0 = counted)")
 
     def argv(self) -> list[str]:
         """The script's arguments: ``args``, then ``flags`` (replacing the same flag in args)."""
@@ -708,12 +723,18 @@ def _what(section: type) -> str:
     return str(getattr(section, "WHAT", f"a mapping of {section.__name__} keys"))
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A section's annotations, resolved once (a study resolves every variant's config)."""
+    return typing.get_type_hints(cls)
+
+
 def from_mapping(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     """The one schema engine (experiments and study files): a dataclass from a plain mapping,
     each value checked against its annotation (bool is never a number, a number never a flag),
     an unknown key named with the allowed ones, and the class's own ``__post_init__`` checks;
     every error one ConfigError line "key: got value; what is allowed"."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for k in raw:
         if k not in names:
@@ -727,9 +748,73 @@ def from_mapping(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
         raise
 
 
+MAX_YAML_NODES = 100_000
+"""What one YAML document ddplab reads from a user (an experiment, a study, a ``--set`` value)
+may expand to, counted as it is composed: every scalar, list and mapping, and each alias as
+the whole node it repeats. An experiment is ~100 nodes, a study of 1,000 variants ~10,000; a
+1 KB "billion laughs" (aliases of aliases) would be 10^9 and keep everything after it busy
+for hours. ``DDPLAB_MAX_YAML_NODES`` raises it."""
+MAX_YAML_NODES_VAR = "DDPLAB_MAX_YAML_NODES"
+
+
+class YAMLTooBig(yaml.YAMLError):
+    """A YAML document over the node bound, or an alias inside the node it names: one line."""
+
+    def __init__(self, what: str, allowed: str, mark: Any = None) -> None:
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        super().__init__(what.format(where=where) + f"; allowed: {allowed}")
+
+
+def max_yaml_nodes() -> int:
+    """The bound: $DDPLAB_MAX_YAML_NODES, else MAX_YAML_NODES."""
+    import os
+
+    text = os.environ.get(MAX_YAML_NODES_VAR, "").strip()
+    if not text:
+        return MAX_YAML_NODES
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"environment: {MAX_YAML_NODES_VAR}: got {text!r}; a whole number "
+                          f">= 1 (nodes a YAML document may expand to; default {MAX_YAML_NODES})")
+    return int(text)
+
+
 class _Loader(yaml.SafeLoader):
     """YAML with YAML 1.2's floats: ``1e-3`` is a float (YAML 1.1, PyYAML's default, reads a
-    float without a dot as a string)."""
+    float without a dot as a string); and bounded: the document's nodes are counted while it is
+    composed, an alias counting as the whole node it names, and a document over
+    :func:`max_yaml_nodes` is refused at once (PyYAML's SafeLoader bounds no alias), as is an
+    alias inside the node it names (a structure without end)."""
+
+    limit = MAX_YAML_NODES
+
+    def compose_document(self) -> Any:
+        self.nodes = 0
+        return super().compose_document()
+
+    def _count(self, n: int, mark: Any) -> None:
+        self.nodes = getattr(self, "nodes", 0) + n
+        if self.nodes > self.limit:
+            raise YAMLTooBig(f"the YAML expands to over {self.limit} nodes{{where}} (an alias "
+                             "counts as all it names)", f"at most {self.limit} nodes a document; "
+                             f"{MAX_YAML_NODES_VAR}=N allows more", mark)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            named = self.anchors.get(event.anchor)
+            if named is not None:  # an undefined alias is PyYAML's own error
+                size = getattr(named, "ddplab_size", None)
+                if size is None:
+                    raise YAMLTooBig(f"the alias *{event.anchor}{{where}} is inside the node it "
+                                     "names (a structure without end)", "aliases of nodes complete "
+                                     "before them", event.start_mark)
+                self._count(size, event.start_mark)
+            return super().compose_node(parent, index)
+        before = getattr(self, "nodes", 0)
+        self._count(1, self.peek_event().start_mark)
+        node = super().compose_node(parent, index)
+        node.ddplab_size = self.nodes - before
+        return node
 
 
 _Loader.add_implicit_resolver(
@@ -743,7 +828,17 @@ _Loader.add_implicit_resolver(
 
 
 def _read_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    """YAML from a user, bounded (_Loader); YAMLTooBig when over the bound, nested too deep
+    for the parser included."""
+    loader = _Loader(text)
+    loader.limit = max_yaml_nodes()
+    try:
+        return loader.get_single_data()
+    except RecursionError:
+        raise YAMLTooBig("the YAML is nested too deeply (lists or mappings within each other)",
+                         "a few hundred levels") from None
+    finally:
+        loader.dispose()
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -761,6 +856,11 @@ def _source(item: Override) -> tuple[str, str]:
     return item if isinstance(item, tuple) else ("--set", item)
 
 
+def _short(text: str, most: int = 120) -> str:
+    """A long value named in a refusal: its start and its length (a 1 KB alias bomb is no line)."""
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
 def parse_override(item: Override) -> tuple[list[str], Any]:
     """``"train.epochs=3"`` -> (["train", "epochs"], 3); the value is read as YAML."""
     source, text_item = _source(item)
@@ -769,6 +869,8 @@ def parse_override(item: Override) -> tuple[list[str], Any]:
         raise ConfigError(f"{source} {text_item!r}: expected key.sub=value, e.g. train.epochs=3")
     try:
         value = _read_yaml(text) if text.strip() else ""
+    except YAMLTooBig as e:
+        raise ConfigError(f"{source} {_short(text_item)!r}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} {text_item!r}: value is not valid YAML ({_yaml_problem(e)})") \
             from None
@@ -785,8 +887,9 @@ def _apply(raw: dict[str, Any], path: list[str], value: Any, origin: str) -> Non
     node[path[-1]] = value
 
 
-def env_overrides(env: dict[str, str] | None = None) -> list[Override]:
-    """The ``DDPLAB_SET`` items, which come before (so lose to) command-line ``--set``."""
+def env_overrides(env: Mapping[str, str] | None = None) -> list[Override]:
+    """The ``DDPLAB_SET`` items of ``env`` (this process's environment when None), each tagged
+    with its source; ``load`` applies them before (so they lose to) command-line ``--set``."""
     import os
     import shlex
 
@@ -805,11 +908,13 @@ def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"{p}: {kind} file not found")
     try:
-        loaded = _read_yaml(p.read_text(encoding="utf-8"))
+        loaded = _read_yaml_once(p.read_text(encoding="utf-8"), max_yaml_nodes())
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a text file (a {kind} is UTF-8 YAML)") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot be read ({e.strerror})") from None
+    except YAMLTooBig as e:
+        raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)})") from None
     if loaded is not None and not isinstance(loaded, dict):
@@ -817,11 +922,28 @@ def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
     return loaded or {}
 
 
-def load(path: str | Path | None, overrides: Sequence[Override] = (),
-         script_args: list[str] | None = None) -> ExperimentConfig:
-    """defaults < file < overrides, validated; errors are ConfigError naming the source
-    (the file, ``--set`` or ``DDPLAB_SET``) and the key. Callers put ``env_overrides()`` first
-    in ``overrides`` to honour $DDPLAB_SET."""
+def _read_yaml_once(text: str, limit: int) -> Any:
+    """A file's YAML, parsed once per text (and bound), a fresh copy each call: a study resolves
+    its experiment once per variant, and 1,000 parses of pure-Python YAML were 15 s before the
+    plan's first line."""
+    return copy.deepcopy(_parsed(text, limit))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(text: str, limit: int) -> Any:
+    return _read_yaml(text)
+
+
+def load(path: str | Path | None, sets: Sequence[Override] = (),
+         script_args: list[str] | None = None, *,
+         environ: Mapping[str, str] | None = None) -> ExperimentConfig:
+    """The one precedence rule: field defaults < the file < ``DDPLAB_SET`` of ``environ`` (this
+    process's environment when None) < ``sets`` (``--set``, in order: later wins), validated.
+    Callers pass the command line's ``--set`` values, and ``DDPLAB_SET`` only by ``environ`` (a
+    study alone re-applies its items, above its variants' own sets: study/spec.py).
+    Errors are one ConfigError line naming the source (the file, ``--set`` or ``DDPLAB_SET``),
+    the key, the value and what is allowed."""
+    overrides = [*env_overrides(environ), *sets]
     raw = _read_experiment(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "defaults"
     overridden = {}

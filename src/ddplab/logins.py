@@ -13,26 +13,49 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import MutableMapping
-from urllib.parse import unquote, urlsplit, urlunsplit
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+from urllib.parse import unquote
 
 CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-_PASSWORD_IN_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):[^@\s/]+@")
+# A URL's login, the one rule mask and split_login share: after "scheme://", the user runs to the
+# first ':' (no '/', no whitespace), and the password from there to the LAST '@' before the host,
+# so a password may hold '@', ':', '/', '#', '?', '%', quotes... (``http://u:s3cr@t:pa/ss@host``).
+# Within text, a URL ends at whitespace: the password ends at the last '@' of its word. A later
+# '@' in the same word (``http://host:5000/x@y``) is taken for the login's end too: masked more
+# than needed, never less.
+_PASSWORD_IN_URL = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*://[^:/\s]*):\S+@")
 
 
 def mask(text: str) -> str:
-    """``text`` with every URL's password shown as ``***`` (``postgresql://u:***@db/x``)."""
-    return _PASSWORD_IN_URL.sub(r"\1:***@", text) if "@" in text else text
+    """``text`` with every URL's password shown as ``***`` (``postgresql://u:***@db/x``): THE
+    credential filter of everything ddplab prints or records (the logger, the environment
+    capture, the spool's records, the recorded config, a study's commands and files)."""
+    return _PASSWORD_IN_URL.sub(r"\1:***@", text) if "@" in text and "://" in text else text
+
+
+def masked(value: Any) -> Any:
+    """``value`` with :func:`mask` applied to every string in it (keys too), through mappings,
+    lists and tuples: a record masked field by field, so its structure (JSON, YAML) stays."""
+    if isinstance(value, str):
+        return mask(value)
+    if isinstance(value, Mapping):
+        return {masked(k): masked(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [masked(v) for v in value]
+    return value
 
 
 def split_login(uri: str) -> tuple[str, str, str]:
-    """(the URI without its login, user, password) for an http(s) URI with one; else (uri, "", "")."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+    """(the URI without its login, user, password) for an http(s) URI with one; else (uri, "", "").
+    The login ends at the LAST '@' (the password may hold '@', '/', ':'...; percent-encoded
+    characters are decoded), as for :func:`mask`."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme.lower() not in ("http", "https") or "@" not in rest:
         return uri, "", ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return (urlunsplit(parts._replace(netloc=host)), unquote(parts.username or ""),
-            unquote(parts.password or ""))
+    login, _, host = rest.rpartition("@")
+    user, _, password = login.partition(":")
+    return f"{scheme}://{host}", unquote(user), unquote(password)
 
 
 def take_login(uri: str, env: MutableMapping[str, str] | None = None) -> str:

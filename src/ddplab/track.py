@@ -30,6 +30,9 @@ STREAM = "track"
 _sink: Any = None
 """ddplab's own loop registers rank 0's tracker here (use()); script mode writes the spool."""
 _steps = {"n": 0}
+logged: set[str] = set()
+"""Metric names this process's code logged itself: script mode's observation never writes
+these (training/scriptmode/observe.py)."""
 
 
 def use(tracker: Any) -> None:
@@ -72,6 +75,7 @@ def _named(values: dict[str, Any], all_ranks: bool) -> dict[str, Any] | None:
 def log(metrics: dict[str, float], step: int | None = None, all_ranks: bool = False) -> None:
     """Metrics at ``step`` (default: one more than the last call's)."""
     named = _named(metrics, all_ranks)
+    logged.update(metrics)
     step = _steps["n"] if step is None else int(step)
     _steps["n"] = step + 1
     if named is None:

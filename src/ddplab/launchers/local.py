@@ -41,7 +41,7 @@ def preflight(a: argparse.Namespace) -> None:
 
     if a.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: got {a.nproc_per_node}; must be >= 1")
-    cfg = config.load(a.experiment, a.overrides, a.script_args)
+    cfg = config.load(a.experiment, a.overrides, a.script_args, environ=os.environ)
     n = a.nproc_per_node
     le = LaunchEnv("torchrun", 0, n, 0, n, 0, "127.0.0.1", 29500)
     if cfg.script.path:
@@ -62,7 +62,9 @@ def _ccl_impl() -> str | None:
 
 
 def torchrun_args(a: argparse.Namespace) -> list[str]:
-    """torchrun's own arguments for this job (what ``torchrun`` would be typed with)."""
+    """torchrun's own arguments for this job (what ``torchrun`` would be typed with): the
+    user's own ``--set`` values only; every rank reads ``DDPLAB_SET`` from the environment it
+    inherits (config.load), so nothing is applied twice."""
     sets = [x for s in a.overrides for x in ("--set", s)]
     out = ["--summary-out", a.summary_out] if a.summary_out else []
     rest = ["--", *a.script_args] if a.script_args else []

@@ -1,6 +1,8 @@
 """A study's plots (PNG, matplotlib): throughput with its spread over repeats, speedup vs
 resources or the ratio to the baseline, model state vs throughput, and loss/accuracy curves
-over steps and time from the runs' metric histories.
+over steps and time from the runs' metric histories. A compared metric other than throughput is
+drawn as itself (compared.png: its median and min-max per variant, its direction in the title),
+with no speedup, ratio or memory-vs-throughput chart.
 """
 
 from __future__ import annotations
@@ -8,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .table import Row, by_name, fmt
+from .spec import better
+from .table import Row, by_name, fmt, is_throughput
 
 PLOTS = {"throughput.png", "speedup.png", "throughput_ratio.png", "loss_vs_step.png",
-         "loss_vs_time.png", "accuracy_vs_time.png", "memory_vs_throughput.png"}
+         "loss_vs_time.png", "accuracy_vs_time.png", "memory_vs_throughput.png", "compared.png"}
 
 
 STYLES = ("-", "--", ":", "-.")
@@ -38,9 +41,15 @@ def plots(client: Any, rows: list[Row], by_variant: dict[str, list[Any]], out: P
         made.append(out / name)
 
     measured = [r for r in rows if r.throughput_median is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    _throughput(ax, measured)
-    save(fig, "throughput.png")
+    if rows and not is_throughput(rows[0].metric):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        _compared(ax, measured, rows[0].metric, rows[0].metric_mode, by_name(measured, baseline))
+        save(fig, "compared.png")
+        measured = []  # none of throughput's own charts
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        _throughput(ax, measured)
+        save(fig, "throughput.png")
     scaled = [r for r in measured if r.speedup is not None]
     if len({r.resources for r in scaled}) > 1:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -84,6 +93,22 @@ def _throughput(ax: Any, measured: list[Row]) -> None:
     _label_bars(ax, mids, [fmt(mid) for mid in mids])
     ax.set_ylabel("samples/s (perf/samples_per_s)")
     ax.set_title(f"Throughput per variant: median of {_repeats(measured)}, bars min-max")
+
+
+def _compared(ax: Any, measured: list[Row], metric: str, mode: str, base: Row | None) -> None:
+    spreads = [_spread(r) for r in measured]
+    mids = [mid for _, mid, _ in spreads]
+    ax.bar([r.variant for r in measured], mids,
+           yerr=[[mid - low for low, mid, _ in spreads],
+                 [high - mid for _, mid, high in spreads]], capsize=4, color="#4c72b0")
+    if base is not None and base.throughput_median is not None:
+        ax.axhline(base.throughput_median, color="grey", linestyle="--", linewidth=1,
+                   label=f"baseline {base.variant}")
+        ax.legend(fontsize=8)
+    _label_bars(ax, mids, [fmt(mid) for mid in mids])
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} per variant ({better(mode)}): median of {_repeats(measured)}, "
+                 "bars min-max")
 
 
 def _label_bars(ax: Any, heights: list[float], texts: list[str]) -> None:

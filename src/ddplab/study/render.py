@@ -12,14 +12,27 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .table import COLUMNS, Row, fmt
+from .spec import better
+from .table import COLUMNS, THROUGHPUT, Row, fmt, is_throughput
 
 HEADS = ("variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency", "MFU",
          "eval acc", "eval loss", "time to target s", "wall s", "model state MB (max rank)",
          "backend, launcher")
+"""The heads for throughput; another compared metric's replace its three (heads())."""
 
 
-NUMERIC = set(HEADS[1:11])
+def heads(metric: str = THROUGHPUT, mode: str = "max") -> tuple[str, ...]:
+    """The table's heads: a compared metric other than throughput is its own column, named and
+    with its direction ("val/loss median [min-max], lower is better"), then its change vs the
+    baseline; speedup and efficiency are throughput's alone."""
+    if is_throughput(metric):
+        return HEADS
+    return (HEADS[0], HEADS[1], f"{metric} median [min-max], {better(mode)}", "vs baseline",
+            "", *HEADS[5:])
+
+
+def _numeric(metric: str, mode: str) -> set[str]:
+    return set(heads(metric, mode)[1:11]) - {""}
 
 
 def _cells(r: Row) -> list[str]:
@@ -27,22 +40,32 @@ def _cells(r: Row) -> list[str]:
               if r.throughput_median is not None else "-")
     wall = f"{r.wall_time_s:.0f}" if r.wall_time_s is not None else "-"
     mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
-    return [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, fmt(r.speedup),
-            fmt(r.efficiency), mfu, fmt(r.eval_accuracy), fmt(r.eval_loss),
+    if is_throughput(r.metric):
+        ratio, efficiency = fmt(r.speedup), fmt(r.efficiency)
+    else:
+        ratio, efficiency = (f"{r.change:+.1%}" if r.change is not None else "-"), "-"
+    return [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, ratio,
+            efficiency, mfu, fmt(r.eval_accuracy), fmt(r.eval_loss),
             fmt(r.time_to_target_s), wall, fmt(r.model_state_mb), f"{r.backend}, {r.launcher}"]
+
+
+def _figure(rows: list[Row]) -> tuple[str, str]:
+    return (rows[0].metric, rows[0].metric_mode) if rows else (THROUGHPUT, "max")
 
 
 def grid(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     """The table's heads and cells, without the columns no variant has a value in (no target
-    accuracy: no "time to target"), so it stays narrow enough for MLflow's artifact pane."""
+    accuracy: no "time to target"; no efficiency but for throughput), so it stays narrow enough
+    for MLflow's artifact pane."""
+    names = heads(*_figure(rows))
     cells = [_cells(r) for r in rows]
-    keep = [i for i in range(len(HEADS)) if i == 0 or any(c[i] != "-" for c in cells)]
-    return [HEADS[i] for i in keep], [[c[i] for i in keep] for c in cells]
+    keep = [i for i in range(len(names)) if i == 0 or any(c[i] != "-" for c in cells)]
+    return [names[i] for i in keep], [[c[i] for i in keep] for c in cells]
 
 
 def markdown(rows: list[Row], title: str, notes: list[str]) -> str:
-    heads, cells = grid(rows)
-    lines = [f"# {title}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    names, cells = grid(rows)
+    lines = [f"# {title}", "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
     return "\n".join(lines + [""] + notes) + "\n"
 
@@ -55,11 +78,12 @@ def html(md_rows: list[Row], title: str, notes: list[str], pngs: list[Path]) -> 
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("ddplab.study", "templates"),
                              autoescape=True, trim_blocks=True, keep_trailing_newline=True)
-    heads, cells = grid(md_rows)
+    names, cells = grid(md_rows)
     images = [{"stem": p.stem, "name": p.name, "data": base64.b64encode(p.read_bytes()).decode()}
               for p in pngs]
     return env.get_template("report.html.j2").render(
-        title=title, heads=heads, cells=cells, numeric=NUMERIC, zip=zip, images=images,
+        title=title, heads=names, cells=cells, numeric=_numeric(*_figure(md_rows)), zip=zip,
+        images=images,
         verdicts=[n for n in notes if n.startswith("Verdict:")],
         warnings=[n for n in notes if n.startswith("WARNING:")],
         notes=[n for n in notes if not n.startswith(("Verdict:", "WARNING:"))])
@@ -77,14 +101,20 @@ def results_csv(rows: list[Row]) -> str:
 def print_table(rows: list[Row], title: str, console: Any) -> None:
     from rich.table import Table
 
+    metric, mode = _figure(rows)
+    throughput = is_throughput(metric)
     t = Table(title=title)
     memory = any(r.model_state_mb is not None for r in rows)
-    for c in ("variant", "ok/all", "samples/s", "speedup", "efficiency", "eval acc", "wall s",
+    figure = ("samples/s", "speedup", "efficiency") if throughput else (
+        f"{metric} ({better(mode)})", "vs baseline")
+    for c in ("variant", "ok/all", *figure, "eval acc", "wall s",
               *(["state MB"] if memory else []), "backend", "launcher"):
         t.add_column(c)
     for r in rows:
+        ratios = (fmt(r.speedup), fmt(r.efficiency)) if throughput else (
+            f"{r.change:+.1%}" if r.change is not None else "-",)
         t.add_row(r.variant, f"{r.runs - r.failed}/{r.runs}", fmt(r.throughput_median),
-                  fmt(r.speedup), fmt(r.efficiency), fmt(r.eval_accuracy),
+                  *ratios, fmt(r.eval_accuracy),
                   fmt(r.wall_time_s), *([fmt(r.model_state_mb)] if memory else []),
                   r.backend, r.launcher)
     console.print(t)

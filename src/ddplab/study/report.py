@@ -12,7 +12,16 @@ from typing import Any
 
 from .plots import PLOTS, plots
 from .render import html, markdown, print_table, results_csv
-from .table import Row, environment_warnings, latest_per_job, straggler_warnings, table
+from .spec import better, inferred_mode
+from .table import (
+    THROUGHPUT,
+    Row,
+    environment_warnings,
+    is_throughput,
+    latest_per_job,
+    straggler_warnings,
+    table,
+)
 from .verdict import Verdict, judge
 
 
@@ -28,8 +37,10 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
     order = [v.name for v in study.variants] if study else []
     baseline = study.baseline if study else tags.get("ddplab.study_baseline", "")
     target = study.target_accuracy if study else float(tags.get("ddplab.study_target", 0) or 0)
-    metric = study.metric if study else tags.get("ddplab.study_metric", "perf/samples_per_s")
-    mode = study.metric_mode if study else tags.get("ddplab.study_metric_mode", "max")
+    metric = study.metric if study else tags.get("ddplab.study_metric", THROUGHPUT)
+    # A parent recorded before the mode was: the rule the study file would have used.
+    mode = study.metric_mode if study else (tags.get("ddplab.study_metric_mode")
+                                            or inferred_mode(metric) or "max")
     if study:
         client.set_tag(parent_id, "ddplab.study_baseline", baseline)
         client.set_tag(parent_id, "ddplab.study_target", str(target))
@@ -42,14 +53,15 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
     single = _single_epoch(children)
     steady = ("its log intervals after the first (one epoch)" if single
               else "the epochs after the first")
-    figure = (f"Throughput: perf/samples_per_s of each finished run ({steady}); speedup = "
-              "median / the baseline's median" if metric == "perf/samples_per_s" else
-              f"Compared figure (the throughput columns): {metric} of each finished run, "
-              f"{'lower' if mode == 'min' else 'higher'} is better; speedup = "
-              + ("the baseline's median / this median" if mode == "min"
-                 else "median / the baseline's median"))
-    notes = [f"Baseline: {baseline}. {figure}; efficiency = speedup / (resources / the "
-             "baseline's resources: ranks x threads on CPU, GPUs on CUDA)."]
+    if is_throughput(metric):
+        notes = [f"Baseline: {baseline}. Throughput: perf/samples_per_s of each finished run "
+                 f"({steady}), {better(mode)}; speedup = median / the baseline's median; "
+                 "efficiency = speedup / (resources / the baseline's resources: ranks x threads "
+                 "on CPU, GPUs on CUDA)."]
+    else:
+        notes = [f"Baseline: {baseline}. Compared: {metric}, {better(mode)} (metric_mode "
+                 f"{mode}): the last value each finished run logged, median and min-max over "
+                 "the repeats; vs baseline = (median - the baseline's median) / the baseline's."]
     if target:
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
@@ -116,8 +128,12 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
     metrics, the best variant, the verdict (also its description), the fixed settings."""
     metrics = {}
     for r in rows:
-        for key, value in (("samples_per_s_median", r.throughput_median), ("speedup", r.speedup),
-                           ("efficiency", r.efficiency), ("eval_accuracy", r.eval_accuracy),
+        # Throughput as samples_per_s_median (the study view's columns); another metric under
+        # its own name, with its change vs the baseline: never as a speed.
+        figure = (("samples_per_s_median", r.throughput_median), ("speedup", r.speedup),
+                  ("efficiency", r.efficiency)) if is_throughput(r.metric) else (
+                  (f"{r.metric}_median", r.throughput_median), ("vs_baseline", r.change))
+        for key, value in (*figure, ("eval_accuracy", r.eval_accuracy),
                            ("model_state_mb", r.model_state_mb)):
             if value is not None:
                 metrics[f"study/{r.variant}/{key}"] = round(float(value), 4)

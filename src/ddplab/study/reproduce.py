@@ -7,22 +7,28 @@ ranks per node, nodes, launcher, backend, threads), git sha and package versions
 on this host into a new run in the same experiment; then it compares the two ``train/loss``
 series step by step and the final eval metrics:
 
-    bitwise            every value identical
-    within_tolerance   every value within a relative 1e-4 (the reduction order changed)
-    differs            anything else
+    bitwise                     every value identical
+    within_tolerance            every value within a relative 1e-4 (the reduction order changed)
+    differs                     anything else (a value missing on one side; the job failed)
+    nothing logged to compare   the run logged nothing to compare, timings at most (exit 0)
 
 A script-mode run (``ddplab train my_train.py``) is reproduced the same way: its script and
-arguments run again, and every metric the script logged is compared (not ``perf/`` times nor
-``system/`` samples); a script whose file changed since the run is named (``--strict``: refused).
+arguments run again, and every metric the script logged is compared (``train/loss`` too, which
+ddplab observes for scripts) but its timings (:func:`is_timing`: ``perf/``, ``system/``,
+``*_runtime``, ``*_per_second``...: a seeded Hugging Face Trainer's loss comes back bitwise, its
+``train_runtime`` never does); a script whose file changed since the run is named (``--strict``:
+refused).
 
 The new run carries ``ddplab.reproduces=<run id>``, ``ddplab.reproduce.verdict`` and the
-artifact ``reproduce/differences.csv``. Exit 0 unless the verdict is ``differs`` (1).
+artifact ``reproduce/differences.csv`` (timings too, marked not compared). Exit 0 unless the
+verdict is ``differs`` (1).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +40,23 @@ from ..log import logger
 
 RTOL = 1e-4
 COMPARED = ("train/loss", "eval/loss", "eval/accuracy")
+NOTHING = "nothing logged to compare"
+"""The verdict of a run that logged no value but timings: it did not differ (exit 0)."""
+
+_TIMING = re.compile(r"^(perf|system|memory)/|_runtime$|_per_second$|_per_s$|_time|(^|/)time"
+                     r"|_busy_s$|_wait_frac$")
+
+
+def is_timing(metric: str) -> bool:
+    """Whether ``metric`` is a timing: how long or how fast, which no rerun repeats however
+    deterministic the arithmetic, so reproduce reports it and never compares it. The one rule:
+    a name under ``perf/``, ``system/`` or ``memory/`` (ddplab's throughput, wall time, MFU; the
+    machine's samples; what the allocator held), or ending in ``_runtime``, ``_per_second`` or
+    ``_per_s``, or with ``_time`` or a ``time`` segment in it (Hugging Face Trainer's
+    ``train_runtime``, ``train_samples_per_second``, ``eval_steps_per_second``; a script's
+    ``epoch_time_s``; ``epoch/time_s``), or a rank's share of its step
+    (``train/rank<r>_busy_s``, ``train/data_wait_frac``)."""
+    return bool(_TIMING.search(metric))
 
 
 def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
@@ -41,20 +64,35 @@ def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
 
 
 def compared_keys(run: Any) -> tuple[str, ...]:
-    """ddplab's loop: its loss and eval metrics; a script: whatever the script logged."""
+    """ddplab's loop: its loss and eval metrics; a script: whatever the script logged (and
+    ddplab observed: train/loss), but timings."""
     if run.data.tags.get("ddplab.mode") != "script":
         return COMPARED
-    return tuple(sorted(k for k in run.data.metrics if not k.startswith(("system/", "perf/"))))
+    return tuple(sorted(k for k in run.data.metrics if not is_timing(k)))
 
 
-def compare(client: Any, original: str, new: str, keys: tuple[str, ...] = COMPARED
-            ) -> tuple[str, list[tuple[str, int, float, float]]]:
-    """The verdict and every (metric, step, original, new) compared."""
+def timing_keys(run: Any) -> tuple[str, ...]:
+    """The run's timings (is_timing): reported beside the comparison, never in it."""
+    return tuple(sorted(k for k in run.data.metrics if is_timing(k)))
+
+
+def _rows(client: Any, original: str, new: str, keys: tuple[str, ...]
+          ) -> list[tuple[str, int, float, float]]:
     rows: list[tuple[str, int, float, float]] = []
     for key in keys:
         a, b = _series(client, original, key), _series(client, new, key)
         rows += [(key, s, a.get(s, math.nan), b.get(s, math.nan)) for s in sorted(set(a) | set(b))]
-    if not rows or any(math.isnan(x) or math.isnan(y) for _, _, x, y in rows):
+    return rows
+
+
+def compare(client: Any, original: str, new: str, keys: tuple[str, ...] = COMPARED
+            ) -> tuple[str, list[tuple[str, int, float, float]]]:
+    """The verdict and every (metric, step, original, new) compared; a timing among ``keys``
+    is not compared (is_timing), and nothing left to compare is :data:`NOTHING`."""
+    rows = _rows(client, original, new, tuple(k for k in keys if not is_timing(k)))
+    if not rows:
+        return NOTHING, rows
+    if any(math.isnan(x) or math.isnan(y) for _, _, x, y in rows):
         return "differs", rows
     if all(x == y for _, _, x, y in rows):
         return "bitwise", rows
@@ -196,15 +234,25 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
 
 
 def _judge(client: Any, run: Any, new: str, code: int) -> int:
-    """Record and print the verdict on the new run; exit 1 when it differs."""
+    """Record and print the verdict on the new run; exit 1 when it differs (or the job
+    failed). Timings are in differences.csv and counted in the line, never compared."""
     run_id = run.info.run_id
     verdict, rows = compare(client, run_id, new, compared_keys(run)) if code == 0 \
         else ("differs", [])
+    timings = _rows(client, run_id, new, timing_keys(run)) if code == 0 else []
     client.set_tag(new, "ddplab.reproduce.verdict", verdict)
-    lines = ["metric,step,original,new,abs_diff"] + [
-        f"{k},{s},{a!r},{b!r},{abs(a - b)!r}" for k, s, a, b in rows]
+    lines = ["metric,step,original,new,abs_diff,compared"] + [
+        f"{k},{s},{a!r},{b!r},{abs(a - b)!r},{said}"
+        for said, found in (("yes", rows), ("no: a timing", timings)) for k, s, a, b in found]
     client.log_text(new, "\n".join(lines) + "\n", "reproduce/differences.csv")
     worst = max((abs(a - b) for _, _, a, b in rows if not math.isnan(a - b)), default=0.0)
-    print(f"reproduce {run_id} -> {new}: {verdict} ({len(rows)} values compared, largest "
-          f"difference {worst:.3g}{', the job exited ' + str(code) if code else ''})")
+    reported = f"; {len(timings)} timing values reported, not compared" if timings else ""
+    exited = f", the job exited {code}" if code else ""
+    if verdict == NOTHING:
+        what = (f"only timings, {len(timings)} values reported in reproduce/differences.csv, "
+                "never compared" if timings else "no metric reproduce compares")
+        print(f"reproduce {run_id} -> {new}: {NOTHING} (the run logged {what})")
+    else:
+        print(f"reproduce {run_id} -> {new}: {verdict} ({len(rows)} values compared, largest "
+              f"difference {worst:.3g}{reported}{exited})")
     return 0 if verdict != "differs" else 1

@@ -266,6 +266,7 @@ class Tracker:
                 self.client.set_tag(run_id, k, v)
             self._end_stale_children(run_id)
             return run_id
+        from ..logins import mask
         from ..tracking import capsule
 
         tags = {**digest, "ddplab.study": self.study.name, "ddplab.study_role": PARENT,
@@ -273,7 +274,7 @@ class Tracker:
                 "ddplab.host": socket.gethostname(), "ddplab.study_command": typed_command(),
                 "mlflow.note.content": self.study.description or f"study {self.study.name}"}
         run = self.client.create_run(self.exp_id, run_name=f"study {self.study.name}", tags=tags)
-        self.client.log_text(run.info.run_id, resolved, "study.yaml")
+        self.client.log_text(run.info.run_id, mask(resolved), "study.yaml")
         return run.info.run_id
 
     def _same_settings(self, parent: Any, digest: dict[str, str]) -> None:
@@ -375,15 +376,21 @@ def make_console() -> Any:
 
 
 def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> int:
+    from ..logins import mask
+
     console = make_console()
     plan = study.plan()
     if dry_run:
         console.print(f"study {study.name}: {len(plan)} jobs ({len(study.variants)} variants x "
                       f"{study.repeats} repeats), nothing run (--dry-run)")
+        console.print(f"compares {study.direction}; baseline {study.baseline}", soft_wrap=True)
         for v, r in plan:
             env = (" ".join(f"{k}={shlex.quote(x)}" for k, x in compose_env(study, v, r, uri).items())
                    + " " if v.launcher in COMPOSE else "")
-            console.print(f"  {v.name} r{r}: {env}{' '.join(command(study, v, r))}", soft_wrap=True)
+            # Through the one credential filter: a URL's password in a set (a database URI's,
+            # which no job takes out) is printed as ***.
+            console.print(mask(f"  {v.name} r{r}: {env}{' '.join(command(study, v, r))}"),
+                          soft_wrap=True, markup=False)
         return 0
     check_launchers(study, uri)
     check_variants(study)
@@ -399,6 +406,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     save_study_view(tracker.client, tracker.exp_id, [v.name for v in study.variants])
     console.print(f"study {study.name}: parent run {parent_id}; its jobs, one row each, as "
                   f"they finish{ui_address(uri, tracker.exp_id, view=STUDY_VIEW)}", soft_wrap=True)
+    console.print(f"compares {study.direction}; baseline {study.baseline}", soft_wrap=True)
     status = "FAILED"
     try:
         _stop_on_termination()
@@ -475,8 +483,23 @@ def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
                                          f"its output: {log}")
     done = tracker.client.get_run(run_id)
     tracker.name_child(run_id, v, r, done.data.tags)
-    m = done.data.metrics
-    speed = m.get("perf/samples_per_s", m.get("train/samples_per_s", 0.0))
     line = (f"{v.name} r{r}: {status} in {time.monotonic() - t0:.0f} s, "
-            f"{speed:,.0f} samples/s, eval accuracy {m.get('eval/accuracy', float('nan')):.4f}")
+            f"{job_figures(study, done.data.metrics)}")
     return line if status == "FINISHED" else f"{line} (exit {code}; log {log})"
+
+
+def job_figures(study: Study, m: dict[str, float]) -> str:
+    """What a job's result line says of it: the compared figure (throughput in samples/s,
+    another metric by its name), and eval accuracy where the job logged one; what it did not
+    log is said, never shown as 0 or nan (a script logs neither samples/s nor eval/accuracy)."""
+    from .table import is_throughput
+
+    value = m.get(study.metric)
+    if is_throughput(study.metric):
+        value = m.get("train/samples_per_s") if value is None else value  # a job that died early
+        said = f"{value:,.0f} samples/s" if value is not None else "no samples/s logged"
+    else:
+        said = f"{study.metric} {value:.4g}" if value is not None else f"{study.metric} not logged"
+    if "eval/accuracy" in m and study.metric != "eval/accuracy":
+        said += f", eval accuracy {m['eval/accuracy']:.4f}"
+    return said

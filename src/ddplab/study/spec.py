@@ -9,12 +9,14 @@
       - {name: 1x2, nproc: 1, set: {dist.threads_per_rank: 2}}
       - {name: 2x1, nproc: 2, set: {dist.threads_per_rank: 1}}
     grid: {nproc: [1, 2], dist.backend: [gloo, ccl]}   # a cross product, names generated
-    metric: train/loss                   # the figure compared (default below), min or max:
-    metric_mode: min                     #   "max" for a rate, "min" for a loss or a time
+    metric: val/loss                     # the figure compared (default below)
+    metric_mode: min                     # max: higher is better; min: lower (else from its name)
 
 The compared figure is ``perf/samples_per_s`` for ddplab's own loop; a study over a script
 (``experiment: ../scripts/my_train.py``) compares a metric the script logs (``metric``), or its
-wall time (``perf/wall_s``, lower is better) when none is named.
+wall time (``perf/wall_s``, lower is better) when none is named. Whether higher or lower is
+better is ``metric_mode``, else :func:`inferred_mode` from the metric's name (one rule), else the
+study is refused. Only throughput (``perf/samples_per_s``) has a speedup and an efficiency.
 
 Validated by the experiments' own schema engine (``config.from_mapping`` over
 :class:`StudyFile`): every error is one line naming the file, the key, the value and what is
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +53,10 @@ Launcher = Literal["torchrun", "mpirun", "compose", "compose-mpi", "slurm"]
 LAUNCHERS: tuple[str, ...] = typing.get_args(Launcher)
 LAYOUT_KEYS = ("nproc", "nnodes", "launcher")
 MAX_REPEATS, MAX_RANKS = 1000, 65536
+MAX_JOBS, MOST_JOBS = 1000, 10**6
+"""A study's jobs (variants x repeats) are bounded before anything is planned: ``max_jobs`` in
+the study file (default MAX_JOBS, at most MOST_JOBS) raises it. A grid is counted as the
+product of its axes, never expanded to be counted (100 x 100 x 100 values are 10^6 jobs)."""
 
 
 # ---- the study file as written: checked by the experiments' own schema engine ----
@@ -96,14 +104,22 @@ class StudyFile:
     grid: dict[str, Any] = field(default_factory=dict)
     metric: str | None = None
     metric_mode: Literal["max", "min"] | None = None
+    max_jobs: int = MAX_JOBS
 
     def __post_init__(self) -> None:
         _named(self.name)
         _count(self, "repeats", MAX_REPEATS)
+        _count(self, "max_jobs", MOST_JOBS)
         check_range(self, "target_accuracy", 0, 1)
         for k, values in self.grid.items():
             if not isinstance(values, list) or not values:
                 fail(f"grid.{k}", values, "must be a non-empty list of values")
+        axes = [len(values) for values in self.grid.values()]
+        grid = math.prod(axes) if axes else 0
+        if (len(self.variants) + grid) * self.repeats > self.max_jobs:
+            key, got = ("grid", f"{' x '.join(map(str, axes))} = {grid} variants") if grid else \
+                ("variants", f"{len(self.variants)} variants")
+            fail(key, got, too_many(len(self.variants) + grid, self.repeats, self.max_jobs))
         if self.metric is not None and not (self.metric.strip() and len(self.metric) <= 250):
             fail("metric", self.metric, "must be the name of a metric the jobs log, e.g. "
                                         "train/loss or perf/samples_per_s")
@@ -139,9 +155,23 @@ class Study:
     extra: tuple[Override, ...] = ()
     """``$DDPLAB_SET`` and ``ddplab study run FILE --set k=v``: every variant, last."""
     metric: str = "perf/samples_per_s"
-    """The figure the report compares (speedup, verdict)."""
+    """The figure the report compares (its table's column, the verdict, the best variant)."""
     metric_mode: str = "max"
     """max: higher is better (a rate); min: lower is better (a loss, a time)."""
+    mode_source: str = "default"
+    """Where metric_mode came from: "metric_mode" (the file), "its name" (inferred_mode) or
+    "default" (the default metric's own)."""
+    max_jobs: int = MAX_JOBS
+    """The most jobs (variants x repeats) the study may plan: the file's ``max_jobs``."""
+
+    @property
+    def direction(self) -> str:
+        """What the plan and the report say of the compared figure: "val/loss, lower is better
+        (inferred from its name; metric_mode: max or min sets it)"."""
+        said = {"metric_mode": f"metric_mode: {self.metric_mode}",
+                "its name": "inferred from its name; metric_mode: max or min sets it",
+                "default": "the default figure; metric and metric_mode name another"}
+        return f"{self.metric}, {better(self.metric_mode)} ({said[self.mode_source]})"
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -151,9 +181,20 @@ class Study:
 
     def plan(self) -> list[tuple[Variant, int]]:
         """Every (variant, repeat), repeats interleaved and rotated: repeat r starts at variant
-        r, so a noisy machine's drift spreads over all variants instead of favouring one."""
+        r, so a noisy machine's drift spreads over all variants instead of favouring one.
+        Refused in one line over ``max_jobs`` (``--repeats`` may raise the file's repeats)."""
         n = len(self.variants)
+        if n * self.repeats > self.max_jobs:
+            raise ConfigError(f"{self.path}: repeats: got {self.repeats}; "
+                              f"{too_many(n, self.repeats, self.max_jobs)}")
         return [(self.variants[(r + i) % n], r) for r in range(self.repeats) for i in range(n)]
+
+
+def too_many(variants: int, repeats: int, most: int) -> str:
+    """What a refusal over ``max_jobs`` says is allowed, and how to allow more."""
+    return (f"{variants} variants x {repeats} repeats = {variants * repeats} jobs, and a study "
+            f"plans at most max_jobs: {most} (set max_jobs: N in the study file, up to "
+            f"{MOST_JOBS}, to allow more)")
 
 
 def _yaml_value(v: Any) -> str:
@@ -218,9 +259,10 @@ def _resolve(path: Path, f: StudyFile, extra: Sequence[Override]) -> Study:
     baseline and the compared metric with their defaults."""
     if not f.experiment or not (path.parent / f.experiment).is_file():
         fail("experiment", f.experiment, "must be an experiment file, relative to the study")
-    listed = [Variant(v.name, v.nproc, v.nnodes, v.launcher, v.set) for v in f.variants]
+    listed = [Variant(v.name, v.nproc, v.nnodes, v.launcher, _no_login(v.set)) for v in f.variants]
     grid = [from_mapping(VariantFile, v, "grid.") for v in _grid(f.grid)] if f.grid else []
-    variants = listed + [Variant(v.name, v.nproc, v.nnodes, v.launcher, v.set) for v in grid]
+    variants = listed + [Variant(v.name, v.nproc, v.nnodes, v.launcher, _no_login(v.set))
+                         for v in grid]
     if not variants:
         fail("variants", [], "a study needs at least one variant (or a grid)")
     names = [v.name for v in variants]
@@ -230,19 +272,88 @@ def _resolve(path: Path, f: StudyFile, extra: Sequence[Override]) -> Study:
     baseline = names[0] if f.baseline is None else f.baseline
     if baseline not in names:
         fail("baseline", baseline, f"must name a variant: {', '.join(names)}")
-    metric, mode = _metric(f, is_script(path.parent / f.experiment))
+    metric, mode, source = _metric(f, is_script(path.parent / f.experiment))
     return Study(f.name, path, (path.parent / f.experiment).resolve(), tuple(variants), baseline,
-                 f.repeats, f.set, f.target_accuracy, f.description, tuple(extra), metric, mode)
+                 f.repeats, _no_login(f.set), f.target_accuracy, f.description,
+                 tuple(_no_login_in(o) for o in extra), metric, mode, source, f.max_jobs)
 
 
-def _metric(f: StudyFile, script: bool) -> tuple[str, str]:
-    """(the compared metric, max|min): the study's, else the loop's throughput or, for a
-    script, its wall time."""
-    default = ("perf/wall_s", "min") if script else ("perf/samples_per_s", "max")
+def _without_login(key: str, value: Any) -> Any:
+    """A ``tracking.uri`` (or ``tracking: {uri: ...}``) set by a study, its login taken out at
+    once (logins.take_login: into MLFLOW_TRACKING_USERNAME/PASSWORD, which every job inherits),
+    as a job does with its own: no plan, command line, study.yaml or parent-run param of the
+    study holds the password."""
+    from ..logins import take_login
+
+    if key == "tracking.uri" and isinstance(value, str):
+        return take_login(value)
+    if key == "tracking" and isinstance(value, dict) and isinstance(value.get("uri"), str):
+        return {**value, "uri": take_login(value["uri"])}
+    return value
+
+
+def _no_login(sets: dict[str, Any]) -> dict[str, Any]:
+    return {k: _without_login(k, v) for k, v in sets.items()}
+
+
+def _no_login_in(item: Override) -> Override:
+    """A ``$DDPLAB_SET`` or ``--set`` item of the study, a tracking URI's login taken out."""
+    from ..config import parse_override
+
+    source = "--set" if isinstance(item, str) else item[0]
+    keys, value = parse_override(item)
+    clean = _without_login(".".join(keys), value)
+    if clean == value:
+        return item
+    return (source, f"{'.'.join(keys)}={_yaml_value(clean)}")
+
+
+THROUGHPUT = "perf/samples_per_s"
+"""The one compared figure that is a throughput: its ratios are speedups, per resources an
+efficiency. Any other metric is compared as itself (its change vs the baseline, in %)."""
+
+# inferred_mode's rule, in words (its refusal quotes it; docs/studies.md states it).
+_RATE = re.compile(r"per_s(ec(ond)?)?$|throughput")
+_LOWER = re.compile(r"loss|error|perplexity|(^|[^a-z])(err|ppl)([^a-z]|$)|_s$|time$")
+_HIGHER = re.compile(r"accuracy|(^|[^a-z])(acc|mfu|f1|auc)([^a-z]|$)")
+RULE = ("lower is better: a name containing loss, error, err, perplexity or ppl, or ending in _s "
+        "or time; higher: acc, accuracy, a rate (*_per_s, *_per_second, throughput), mfu, f1, auc")
+
+
+def inferred_mode(metric: str) -> str | None:
+    """Whether higher (max) or lower (min) of ``metric`` is better, from its name alone: THE
+    rule (:data:`RULE`) for a study that names a metric without ``metric_mode``. Lower: a loss,
+    an error, a perplexity, a time (``loss``, ``error``, ``err``, ``perplexity``, ``ppl``; a
+    name ending in ``_s`` or ``time``); higher: an accuracy, a rate, a score (``acc``,
+    ``accuracy``, ``samples_per_s`` and any ``*_per_s``/``*_per_second``, ``throughput``,
+    ``mfu``, ``f1``, ``auc``). The short words count as words (``val/acc``, ``top1_acc``, not
+    ``grad_accum``); a rate is higher-is-better though it ends in ``_s``. None when the name
+    says neither, or both (``acc_loss``): the study must say."""
+    name = metric.strip().lower()
+    if _RATE.search(name):
+        return "max"
+    lower, higher = bool(_LOWER.search(name)), bool(_HIGHER.search(name))
+    return None if lower == higher else "min" if lower else "max"
+
+
+def better(mode: str) -> str:
+    return "lower is better" if mode == "min" else "higher is better"
+
+
+def _metric(f: StudyFile, script: bool) -> tuple[str, str, str]:
+    """(the compared metric, max|min, where the mode came from): the study's, else the loop's
+    throughput or, for a script, its wall time."""
     if f.metric is None:
-        return default[0], f.metric_mode or default[1]
-    known = {"perf/wall_s": "min", "perf/samples_per_s": "max"}
-    return f.metric, f.metric_mode or known.get(f.metric, "max")
+        metric = "perf/wall_s" if script else THROUGHPUT
+        return (metric, f.metric_mode, "metric_mode") if f.metric_mode else \
+            (metric, "min" if script else "max", "default")
+    if f.metric_mode:
+        return f.metric, f.metric_mode, "metric_mode"
+    mode = inferred_mode(f.metric)
+    if mode is None:
+        raise ConfigError(f"metric_mode: not set, and the name of metric {f.metric!r} does not say "
+                          f"whether higher or lower is better ({RULE}): set metric_mode: max or min")
+    return f.metric, mode, "its name"
 
 
 def load_study(path: str | Path, extra: Sequence[Override] = ()) -> Study:

@@ -1,9 +1,12 @@
 """A study's comparison as rows, one per variant, built only from what its child runs logged
 (tags, metrics, metric histories): runs finished/failed, the compared figure's median and
-min-max over repeats, speedup vs the baseline, scaling efficiency (speedup / ratio of resources:
-ranks x threads on CPU, ranks on GPU), MFU (how far from the devices' peak), final eval
-accuracy and loss, time to the target
-accuracy, wall time, and the backend and launcher that actually ran.
+min-max over repeats, its change vs the baseline; for throughput (perf/samples_per_s) alone the
+speedup vs the baseline and scaling efficiency (speedup / ratio of resources: ranks x threads on
+CPU, ranks on GPU); MFU (how far from the devices' peak), final eval accuracy and loss, time to
+the target accuracy, wall time, and the backend and launcher that actually ran.
+
+The compared figure's columns keep their historical names (``throughput_*``) whatever it is;
+``metric`` and ``metric_mode`` in each row say what it is.
 """
 
 from __future__ import annotations
@@ -12,9 +15,18 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from .spec import THROUGHPUT
+
+
+def is_throughput(metric: str) -> bool:
+    """Whether the compared figure is throughput, the one with a speedup and an efficiency (and
+    the words "faster", "slower"); any other metric is compared as itself."""
+    return metric == THROUGHPUT
+
 COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
            "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
-           "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision", "mfu")
+           "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision", "mfu",
+           "change", "metric", "metric_mode")
 
 
 @dataclass
@@ -42,6 +54,20 @@ class Row:
     variant may outrun fp32 on the same cores, which a layout cannot."""
     mfu: float | None = None
     """Median perf/mfu: how far the variant is from its devices' peak (training/mfu.py)."""
+    change: float | None = None
+    """The compared figure's median relative to the baseline's: (this - base) / |base|, signed
+    as the figure moves (+0.12: 12% more of it, better or worse as metric_mode says)."""
+    metric: str = THROUGHPUT
+    """The compared figure (the throughput_* columns)."""
+    metric_mode: str = "max"
+    """max: higher of it is better; min: lower."""
+
+    @property
+    def measured(self) -> bool:
+        """It has a median of the compared figure (a throughput of 0 is none; a loss of 0 is one)."""
+        if self.throughput_median is None:
+            return False
+        return bool(self.throughput_median) or not is_throughput(self.metric)
 
 
 def _median(values: list[float]) -> float | None:
@@ -130,7 +156,7 @@ def latest_per_job(children: list[Any]) -> dict[str, list[Any]]:
 
 
 def table(client: Any, children: list[Any], order: list[str], baseline: str,
-          target: float, metric: str = "perf/samples_per_s", mode: str = "max") -> list[Row]:
+          target: float, metric: str = THROUGHPUT, mode: str = "max") -> list[Row]:
     """One row per variant; ``metric`` is the compared figure (the throughput columns),
     ``mode`` whether higher (max) or lower (min) is better."""
     by_variant = latest_per_job(children)
@@ -152,16 +178,26 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
             _median([r.data.metrics["memory/model_state_mb_max"] for r in ok
                      if "memory/model_state_mb_max" in r.data.metrics]),
             _precision(runs[0]),
-            _median([r.data.metrics["perf/mfu"] for r in ok if "perf/mfu" in r.data.metrics])))
-    return with_ratios(rows, baseline, mode)
+            _median([r.data.metrics["perf/mfu"] for r in ok if "perf/mfu" in r.data.metrics]),
+            metric=metric, metric_mode=mode))
+    return with_ratios(rows, baseline, mode, metric)
 
 
-def with_ratios(rows: list[Row], baseline: str, mode: str = "max") -> list[Row]:
-    """Each row's speedup over the baseline's median (``mode`` min: a time or a loss, so the
-    baseline's over this one's) and efficiency (speedup per unit of resources)."""
-    base = next((r for r in rows if r.variant == baseline), None)
+def with_ratios(rows: list[Row], baseline: str, mode: str = "max",
+                metric: str = THROUGHPUT) -> list[Row]:
+    """Each row's change vs the baseline's median; for throughput also its speedup over the
+    baseline's (``mode`` min: the baseline's over this one's) and efficiency (speedup per unit
+    of resources). Any other metric has neither: a loss or an accuracy is not a speed."""
     for row in rows:
-        if base and base.throughput_median and row.throughput_median:
+        row.metric, row.metric_mode = metric, mode
+    base = next((r for r in rows if r.variant == baseline and r.measured), None)
+    for row in rows:
+        if base is None or base.throughput_median is None or not row.measured \
+                or row.throughput_median is None:
+            continue
+        if base.throughput_median:
+            row.change = (row.throughput_median - base.throughput_median) / abs(base.throughput_median)
+        if is_throughput(metric):
             row.speedup = row.throughput_median / base.throughput_median
             if mode == "min":
                 row.speedup = 1 / row.speedup

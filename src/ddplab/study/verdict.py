@@ -1,6 +1,10 @@
 """The study's answer in words: which variant is best, whether each differs from the baseline
 beyond the repeats' own spread, and what should make a reader distrust the numbers.
 
+Throughput (perf/samples_per_s) is judged as a speed: "1.20x, faster", efficiency alarms. Any
+other compared metric is judged as itself, in its own direction (metric_mode): "+12% val/acc vs
+a, better", "b has the lowest val/loss".
+
 Built only from the report's rows (report.Row), so it can be tested on made-up results.
 """
 
@@ -8,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from .spec import better
+from .table import fmt, is_throughput
 
 NOISE = 0.05
 """Ratios within 5% of 1 are "within noise" however tight the repeats (the machines drift
@@ -28,16 +35,19 @@ class Verdict:
     lines: list[str] = field(default_factory=list)
     """One sentence per variant against the baseline."""
     warnings: list[str] = field(default_factory=list)
+    headline: str = ""
+    """A compared metric other than throughput: which variant has the best of it."""
 
     @property
     def text(self) -> str:
-        return " ".join(self.lines) or "no variant could be compared with the baseline"
+        said = " ".join(([self.headline] if self.headline else []) + self.lines)
+        return said or "no variant could be compared with the baseline"
 
 
 def _spread(row: Any) -> float | None:
     if not row.throughput_median or row.throughput_min is None or row.throughput_max is None:
         return None
-    return (row.throughput_max - row.throughput_min) / row.throughput_median
+    return (row.throughput_max - row.throughput_min) / abs(row.throughput_median)
 
 
 def _compare(row: Any, base: Any) -> str:
@@ -56,20 +66,55 @@ def _accuracy(row: Any, base: Any) -> str:
     return "; accuracy equal" if abs(diff) < ACCURACY_EQUAL else f"; accuracy {diff:+.3f}"
 
 
+def _change(row: Any, base: Any) -> str:
+    """A named metric against the baseline: "+12% val/acc vs a (0.850 vs 0.759), better (range
+    +5% to +20%)": "better", "worse" or "within the repeats' range" in the metric's direction,
+    from the range of the differences over the repeats (no 5% floor: that is the machines'
+    drift, which a loss or an accuracy does not have)."""
+    metric, scale = row.metric, abs(base.throughput_median) or None
+    low = row.throughput_min - base.throughput_max
+    high = row.throughput_max - base.throughput_min
+
+    def rel(x: float) -> str:
+        return f"{x / scale:+.1%}" if scale else f"{x:+.3g}"
+    said = (f"{rel(row.throughput_median - base.throughput_median)} {metric} vs {base.variant} "
+            f"({fmt(row.throughput_median)} vs {fmt(base.throughput_median)})")
+    if low == high == 0:
+        return f"{said}, the same"
+    if low <= 0 <= high:
+        return f"{said}, within the repeats' range ({rel(low)} to {rel(high)})"
+    up = low > 0
+    word = "better" if up == (row.metric_mode != "min") else "worse"
+    return f"{said}, {word} (range {rel(low)} to {rel(high)})"
+
+
 def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict:
-    """The verdict of a study from its rows (speedup and efficiency already computed)."""
+    """The verdict of a study from its rows (with_ratios already applied: each row names the
+    compared metric and its mode)."""
     v = Verdict()
-    measured = [r for r in rows if r.throughput_median]
+    measured = [r for r in rows if r.measured]
+    throughput = not rows or is_throughput(rows[0].metric)
+    lowest = bool(rows) and rows[0].metric_mode == "min"
     if measured:
-        v.best = max(measured, key=lambda r: r.throughput_median).variant
-    base = next((r for r in rows if r.variant == baseline and r.throughput_median), None)
+        pick = min if lowest else max
+        top = pick(measured, key=lambda r: r.throughput_median)
+        v.best = top.variant
+        if not throughput:
+            v.headline = (f"{top.variant} has the {'lowest' if lowest else 'highest'} "
+                          f"{top.metric} ({fmt(top.throughput_median)}; "
+                          f"{better(top.metric_mode)}).")
+    base = next((r for r in rows if r.variant == baseline and r.measured), None)
     for row in rows:
         _warn(v, row, base)
-        if base is None or row is base or row.speedup is None:
+        if base is None or row is base or not row.measured:
             continue
-        v.lines.append(f"{row.variant} is {row.speedup:.2f}x {baseline}, {_compare(row, base)} "
-                       f"over {row.runs - row.failed} repeat(s){_accuracy(row, base)}.")
-    if single_epoch:
+        repeats = f"over {row.runs - row.failed} repeat(s){_accuracy(row, base)}."
+        if throughput and row.speedup is not None:
+            v.lines.append(f"{row.variant} is {row.speedup:.2f}x {baseline}, "
+                           f"{_compare(row, base)} {repeats}")
+        elif not throughput:
+            v.lines.append(f"{row.variant}: {_change(row, base)} {repeats}")
+    if single_epoch and throughput:
         v.warnings.append("one epoch only: throughput comes from its log intervals after the "
                           "first, not from whole steady epochs; run train.epochs >= 2 to trust it")
     return v
@@ -78,8 +123,13 @@ def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict
 def _warn(v: Verdict, row: Any, base: Any) -> None:
     spread = _spread(row)
     if spread is not None and spread > SPREAD_WARN and row.runs - row.failed > 1:
-        v.warnings.append(f"{row.variant}: its repeats spread {spread:.0%} (over "
-                          f"{SPREAD_WARN:.0%}): the machine was busy, or the runs too short")
+        if is_throughput(row.metric):
+            v.warnings.append(f"{row.variant}: its repeats spread {spread:.0%} (over "
+                              f"{SPREAD_WARN:.0%}): the machine was busy, or the runs too short")
+        else:
+            v.warnings.append(f"{row.variant}: its repeats' {row.metric} spread {spread:.0%} of "
+                              f"its median (over {SPREAD_WARN:.0%}): a difference smaller than "
+                              "that is not the variant's")
     if (base is not None and row is not base and row.efficiency is not None
             and row.resources == base.resources and row.precision == base.precision
             and row.efficiency > EFFICIENCY_WARN):

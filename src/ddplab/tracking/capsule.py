@@ -79,8 +79,11 @@ def git_sha() -> str:
 
 
 MAX_DIFF_BYTES = 4 * 2**20
-# Where the hashed lock lies: a checkout (src/ddplab -> the repository root), or an image.
-LOCK_FILES = (Path(__file__).resolve().parents[2] / "requirements.lock",
+# Where the hashed lock lies: in a checkout (installed editable: <root>/src/ddplab) at the
+# repository's root, two levels above the package, whichever room this module is in; in an image
+# (ddplab installed into site-packages) where its Dockerfile copies it (docker/*/Dockerfile).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+LOCK_FILES = (PACKAGE_DIR.parent.parent / "requirements.lock",
               Path("/opt/ddplab/lock/requirements.lock"))
 
 
@@ -171,8 +174,12 @@ def hardware() -> dict[str, Any]:
 
 
 def build(extra: dict[str, Any]) -> dict[str, Any]:
-    """Everything needed to tell two runs' environments apart; ``extra`` adds job facts."""
-    return {
+    """Everything needed to tell two runs' environments apart; ``extra`` adds job facts. Every
+    string in it through the one credential filter (logins.masked): a URL's password in any
+    variable, launcher fact or job fact is recorded as ``***``."""
+    from ..logins import masked
+
+    return masked({
         "versions": versions(),
         "torch_config": torch.__config__.show(),
         "torch_parallel_info": torch.__config__.parallel_info(),
@@ -181,4 +188,4 @@ def build(extra: dict[str, Any]) -> dict[str, Any]:
         "git_sha": git_sha(),
         "image": container_image(),
         **extra,
-    }
+    })

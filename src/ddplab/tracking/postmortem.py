@@ -67,6 +67,9 @@ def name_the_cause(client: Any, run_id: str, line: str) -> None:
         if run.info.status != "FAILED":
             return
         own = run.data.tags.get("ddplab.error", "")
+        culprit = line.split(")", 1)[0] + ")"  # "rank 1 (host h)"
+        if culprit in own.split("\n", 1)[0]:
+            return  # it already names the same rank, with more (a script's traceback)
         client.set_tag(run_id, "ddplab.error", line)
         if own:
             client.set_tag(run_id, "ddplab.error.rank0", own[:8000])

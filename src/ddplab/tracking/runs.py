@@ -35,8 +35,8 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
 
     ``share`` and ``run_name``: script mode, which has no process group (the store shares the
     run) and no layout of ddplab's (the name says so). ``beats``: every rank keeps a heartbeat
-    its node's delivery process watches (forensics/); not in script mode, whose steps ddplab
-    does not see.
+    its node's delivery process watches (forensics/); in script mode the script's own process
+    beats instead, from the observation's hooks (training/scriptmode/observe.py).
     """
     # MLflow prints its own "View run at <tracking URI>" when a run ends; inside compose or a
     # cluster that is an in-network name the browser cannot open. ddplab prints the run's

@@ -55,11 +55,15 @@ class Stream:
         self.fd: int | None = None
 
     def append(self, record: dict[str, Any]) -> None:
+        # Every field through the one credential filter (logins.masked) before it is written:
+        # what the spool holds, and so what the server gets, shows no URL's password.
+        from ..logins import masked
+
         # One write() of one line on an O_APPEND descriptor: a reader never sees half a record
         # followed by another's bytes, and a crash leaves at most one partial last line.
         if self.fd is None:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        os.write(self.fd, (json.dumps(masked(record), separators=(",", ":")) + "\n").encode())
 
     def keep_file(self, path: Path) -> Path:
         """A copy of ``path`` beside the stream, for a record that names it."""
@@ -271,9 +275,11 @@ class Sender:
                 self._one_by_one([record], one)
 
     def _reject(self, batch: list[dict[str, Any]], e: Exception) -> None:
+        from ..logins import mask
+
         with self.rejected.open("a") as f:
             for r in batch:
-                f.write(json.dumps({"error": str(e)[:500], "record": r}) + "\n")
+                f.write(json.dumps({"error": mask(str(e)[:500]), "record": r}) + "\n")
         self.set_aside += len(batch)
 
 

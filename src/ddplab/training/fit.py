@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from ..errors import DdplabError
 from ..forensics.heartbeat import beat
-from . import checkpoint, loop, strategy
+from . import checkpoint, loop, stragglers, strategy
 from .job import Job
 from .summary import CpuUse
 
@@ -123,30 +122,17 @@ def _log_interval(job: Job) -> None:
         _nonfinite(job, s["loss"])
 
 
-STRAGGLER_RATIO = 1.2
-"""A rank busier than this times the median of the others (its own work per step: data
-loading and forward, which the others wait for) ..."""
-STRAGGLER_INTERVALS = 3
-"""... in this many logged intervals in a row is named, once, in the run and on the console."""
-STRAGGLER_FLOOR_S = 0.002
-"""... and by more than this per step: a tiny model's sub-millisecond jitter is no straggler."""
-
-
 def _stragglers(job: Job, busy: list[float]) -> None:
     """Every rank holds the same reduced figures, so every rank decides the same."""
     if len(busy) < 2 or job.stats.straggler:
         return
-    for r, mine in enumerate(busy):
-        others = statistics.median(busy[:r] + busy[r + 1:])
-        slow = others > 0 and mine > STRAGGLER_RATIO * others and mine - others > STRAGGLER_FLOOR_S
-        job.stats.slow_streak[r] = job.stats.slow_streak.get(r, 0) + 1 if slow else 0
-        if job.stats.slow_streak[r] >= STRAGGLER_INTERVALS:
+    slow = {r: (mine, others) for r, mine, others in stragglers.slow(busy)}
+    for r in range(len(busy)):
+        job.stats.slow_streak[r] = job.stats.slow_streak.get(r, 0) + 1 if r in slow else 0
+        if job.stats.slow_streak[r] >= stragglers.INTERVALS:
             host = job.rank_hosts[r] if r < len(job.rank_hosts) else "?"
-            job.stats.straggler = (
-                f"rank {r} (host {host}) is a straggler: {mine / others:.2f}x the others' median "
-                f"work per step before the gradient all-reduce ({mine * 1000:.1f} ms vs "
-                f"{others * 1000:.1f} ms: data loading and forward) over {STRAGGLER_INTERVALS} "
-                f"intervals to step {job.state.step}; the others wait for it every step")
+            job.stats.straggler = stragglers.describe(
+                r, host, *slow[r], f"over {stragglers.INTERVALS} intervals to step {job.state.step}")
             job.run.set_tags({"ddplab.straggler": job.stats.straggler})
             job.console.say(f"warning: {job.stats.straggler}")
             return

@@ -27,9 +27,8 @@ import traceback
 from pathlib import Path
 from typing import Any, cast
 
-REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
-STACKS_ENV = "DDPLAB_SCRIPT_STACKS"
-T0_ENV = "DDPLAB_T0"
+from .env import REPORT_ENV, STACKS_ENV, T0_ENV
+
 STAND_IN = Path(__file__).parent / "stand_in"
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "reduce",
@@ -129,7 +128,36 @@ def main(argv: list[str]) -> int:
     _stacks_on_request()
     import torch.distributed as dist
 
+    from . import observe
+
     _observe(dist)
+    _join_mlflow()
+    watcher = observe.install(_env_int("RANK"), _env_int("WORLD_SIZE", 1), _report)
+    try:
+        return _run(script)
+    finally:
+        if watcher is not None:
+            watcher.finish()
+
+
+def _join_mlflow() -> None:
+    """The script's own MLflow calls join the job's run (mlflow_join.py)."""
+    try:
+        from . import mlflow_join
+    except ImportError:
+        return
+    mlflow_join.install()
+
+
+def _env_int(name: str, default: int = 0) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default
+
+
+def _run(script: Path) -> int:
+    """The script as ``__main__``; its exit code, its failure reported."""
+    from ...forensics import heartbeat
+
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
@@ -138,6 +166,9 @@ def main(argv: list[str]) -> int:
             _report({"exception": f"SystemExit: {e.code}"})
             if not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
+            heartbeat.failed(f"SystemExit: {e.code}")
+        else:
+            heartbeat.beat("done")
         return code
     except BaseException as e:  # noqa: BLE001 - the script's failure: shown once, kept in the run
         import signal
@@ -150,8 +181,10 @@ def main(argv: list[str]) -> int:
         text = "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
         last = (traceback.format_exception_only(type(e), e)[-1]).strip()
         _report({"exception": last[:500], "traceback": text[-8000:], "t": time.time()})
+        heartbeat.failed(last[:500])
         sys.stderr.write(text)
         return 130 if isinstance(e, KeyboardInterrupt) else 1
+    heartbeat.beat("done")
     return 0
 
 

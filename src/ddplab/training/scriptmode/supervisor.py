@@ -34,8 +34,12 @@ import yaml
 from ... import config, tracking
 from ...distributed import host
 from ...errors import DdplabError
+from ...forensics.heartbeat import stack_path
 from ...launchers import LaunchEnv
 from ...tracking import capsule, spool
+from ...tracking.delivery import forensics_dir
+from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, T0_ENV
+from .figures import Figures, figures
 from .meeting import Meeting
 
 FINISHED_MARK = ".ddplab-finished"
@@ -146,6 +150,11 @@ class Script:
         self.report_file = Path(tempfile.mkstemp(prefix=f"ddplab-script-rank{le.rank}-",
                                                  suffix=".json")[1])
         self.stack_file = self.report_file.with_suffix(".stack.txt")
+        self.forensics = forensics_dir(self.spool) if self.spool and s.observe else None
+        if self.forensics is not None:
+            # The node's hang watch asks the observed script for its stacks here (SIGUSR2).
+            self.forensics.mkdir(parents=True, exist_ok=True)
+            self.stack_file = stack_path(self.forensics, le.rank)
         self.tails = (Tail(sys.stdout.buffer, s.log_tail_kb * 1024),
                       Tail(sys.stderr.buffer, s.log_tail_kb * 1024))
 
@@ -164,13 +173,19 @@ class Script:
         if self.cfg.dist.threads_per_rank != "auto":
             env["OMP_NUM_THREADS"] = str(self.cfg.dist.threads_per_rank)
         env.update({"PYTHONUNBUFFERED": "1", "DDPLAB_CHECKPOINT_DIR": str(self.ckpt_dir),
-                    "DDPLAB_SCRIPT_REPORT": str(self.report_file), "DDPLAB_T0": str(self.t0),
-                    "DDPLAB_SCRIPT_STACKS": str(self.stack_file)})
+                    REPORT_ENV: str(self.report_file), T0_ENV: str(self.t0),
+                    STACKS_ENV: str(self.stack_file)})
         if self.run.run_id:
             env.update({"MLFLOW_RUN_ID": self.run.run_id, "MLFLOW_TRACKING_URI": self.run.uri,
                         "DDPLAB_SPOOL": str(self.spool)})
         else:
             env.pop("DDPLAB_SPOOL", None)
+        env.pop(OBSERVE_ENV, None)
+        env.pop(FORENSICS_ENV, None)
+        if s.observe:
+            env[OBSERVE_ENV] = str(s.flops_per_sample)
+            if self.forensics is not None:
+                env[FORENSICS_ENV] = str(self.forensics)
         return env
 
     def run_to_end(self) -> dict[str, Any]:
@@ -355,8 +370,13 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 raise (_verdict(everyone, le.world_size, e)
                        or ScriptStopped(f"stopped ({type(e).__name__})")) from None
             if le.is_rank0:
-                _record_end(run, script, everyone)
-                _summary(summary_out, run, script, everyone)
+                seen = _record_end(run, script, everyone)
+                _summary(summary_out, run, script, everyone, seen)
+                console = Console(True)
+                if seen.straggler:
+                    console.say(f"warning: {seen.straggler}")
+                if seen.line:
+                    console.say(seen.line)
                 failed = _verdict(everyone, le.world_size, None)
                 if failed is not None:
                     raise failed
@@ -368,11 +388,13 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
     return run.run_id
 
 
-def _summary(path: str, run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -> None:
+def _summary(path: str, run: Any, script: Script, outcomes: dict[int, dict[str, Any]],
+             seen: Figures) -> None:
     if not path:
         return
     Path(path).write_text(json.dumps({
         "run_id": run.run_id, "mode": "script", "wall_s": round(script.wall_s, 3),
+        "observed": seen.summary or None,
         "ranks": [{k: v for k, v in o.items() if k != "traceback"}
                   for _, o in sorted(outcomes.items())]}, indent=2))
 
@@ -449,8 +471,9 @@ def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script:
                  "environment.json")
 
 
-def _record_end(run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -> None:
-    """What the script's own init_process_group chose (observed on rank 0), the hosts, times."""
+def _record_end(run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -> Figures:
+    """What the script's own init_process_group chose (observed on rank 0), the hosts, times,
+    and what its training did (observe.py, figures.py): returned for the console."""
     seen = outcomes.get(0, {}).get("observed", {}) or script.observed()
     hosts = sorted({o["host"] for o in outcomes.values()})
     tags = {"ddplab.hosts": ",".join(hosts)}
@@ -473,3 +496,9 @@ def _record_end(run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -
         if key in seen:
             metrics[name] = float(seen[key])
     run.log_metrics(metrics, 0)
+    fig = figures(outcomes, script.wall_s)
+    if fig.metrics:
+        run.log_metrics(fig.metrics, fig.step)
+        run.set_tags(fig.tags)
+        run.log_text(json.dumps(fig.summary, indent=2, default=str), "summary.json")
+    return fig

@@ -1,0 +1,93 @@
+"""What script mode's observation costs the book's chapter 9 script, side by side.
+
+    make bench-script                     (= python benchmarks/bench_script.py)
+    python benchmarks/bench_script.py --reps 5 --samples 2048
+
+Each rep runs, in a rotated order, the book's gloo CNN script (`experiments/scripts/
+gloo_distributed-cnn_cifar10.py`, unedited, 2 ranks, 5 epochs of `--synthetic N` images) three
+ways: under plain `torchrun`; under `torchrun -m ddplab train` (script mode, tracked, its
+training observed through torch's hooks); and the same with `--set script.observe=false`. The
+steady step time is the median of epochs 2-4 (between the script's `set_epoch` calls: the
+first epoch warms up, the last ends in the script's own test) over the steps in an epoch;
+medians over the reps, and the ratio to plain torchrun. The page: docs/results/bench-script.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import results as results_page  # benchmarks/ is this script's directory
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+BOOK = REPO / "experiments" / "scripts" / "gloo_distributed-cnn_cifar10.py"
+CLOCK = Path(__file__).resolve().parent / "scripts" / "epoch_clock.py"
+BATCH, RANKS = 32, 2
+VARIANTS = ("plain torchrun", "script mode, observed", "script mode, observe=false")
+
+
+def command(variant: str, samples: int, work: Path) -> list[str]:
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(RANKS)]
+    script = [str(BOOK), "--synthetic", str(samples)]
+    if variant == "plain torchrun":
+        return [*torchrun, str(CLOCK), *script]
+    off = ["--set", "script.observe=false"] if variant.endswith("false") else []
+    return [*torchrun, "-m", "ddplab", "train", str(CLOCK), "--set", "checkpoint.resume=never",
+            "--set", f"checkpoint.dir={work / 'ck'}", *off, "--", *script]
+
+
+def one_job(variant: str, samples: int, work: Path) -> float:
+    """The steady step time (s) of one job."""
+    clocks = Path(tempfile.mkdtemp(dir=work))
+    env = {**os.environ, "BENCH_CLOCK_DIR": str(clocks),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    res = subprocess.run(command(variant, samples, work), cwd=work, env=env,
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        sys.exit(f"benchmark job failed ({variant}, exit {res.returncode}):\n{res.stderr[-3000:]}")
+    marks = json.loads((clocks / "rank0.json").read_text())
+    epochs = [b - a for a, b in zip(marks, marks[1:])][1:]  # epochs 2..4
+    steps = -(-samples // RANKS // BATCH)
+    return statistics.median(epochs) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=1536, help="synthetic images per epoch")
+    args = ap.parse_args()
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for rep in range(args.reps):
+            order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+            for variant in order:
+                times[variant].append(one_job(variant, args.samples, work))
+                print(f"rep {rep + 1}/{args.reps} {variant}: step {times[variant][-1] * 1000:.1f} ms",
+                      flush=True)
+    plain = statistics.median(times["plain torchrun"])
+    rows = ["| how the script ran | steady step time (median) | each rep | vs plain torchrun |",
+            "|---|---|---|---|"]
+    for v in VARIANTS:
+        med = statistics.median(times[v])
+        rows.append(f"| {v} | {med * 1000:.1f} ms | "
+                    f"{', '.join(f'{t * 1000:.1f}' for t in times[v])} | {med / plain:.3f}x |")
+    table = "\n".join(rows)
+    print("\n" + table)
+    body = (f"The book's chapter 9 gloo script, unedited, {RANKS} ranks, batch {BATCH}, "
+            f"{args.samples} synthetic images per epoch, 5 epochs; {args.reps} reps, the "
+            "variants' order rotated each rep. Steady step time: the median of epochs 2-4 over "
+            "the steps in an epoch (epoch_clock.py: one clock call per epoch, in every "
+            "variant).\n\n" + table + "\n")
+    results_page.write("bench-script", "Script mode's observation: what it costs a step", body)
+
+
+if __name__ == "__main__":
+    main()

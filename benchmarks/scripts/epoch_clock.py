@@ -1,0 +1,32 @@
+"""Runs a training script as ``__main__`` (``python epoch_clock.py SCRIPT ARGS...``) and writes
+when each of its epochs began (``DistributedSampler.set_epoch``) into
+``$BENCH_CLOCK_DIR/rank<RANK>.json``: one clock call per epoch, the same in every variant
+bench_script.py compares, so the comparison is of what the variants add, not of this."""
+
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+from torch.utils.data.distributed import DistributedSampler
+
+marks: list[float] = []
+set_epoch = DistributedSampler.set_epoch
+
+
+def clocked(self, epoch):  # noqa: ANN001, ANN201 - the sampler's own signature
+    marks.append(time.perf_counter())
+    set_epoch(self, epoch)
+
+
+DistributedSampler.set_epoch = clocked
+script = Path(sys.argv[1]).resolve()
+sys.argv = sys.argv[1:]
+sys.path[0] = str(script.parent)
+try:
+    runpy.run_path(str(script), run_name="__main__")
+finally:
+    out = Path(os.environ["BENCH_CLOCK_DIR"]) / f"rank{os.environ.get('RANK', '0')}.json"
+    out.write_text(json.dumps(marks))

@@ -1,0 +1,14 @@
+"""What a rank's supervisor tells the script's process (child.py) through its environment."""
+
+REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
+"""The JSON file the script's process reports into: its process group, its failure, its
+observed training (observe.py)."""
+STACKS_ENV = "DDPLAB_SCRIPT_STACKS"
+"""Where the script's process writes every thread's stack on SIGUSR2."""
+T0_ENV = "DDPLAB_T0"
+"""When the job started (epoch seconds): the start-up times count from it."""
+OBSERVE_ENV = "DDPLAB_OBSERVE"
+"""Set when ``script.observe`` is on: ``script.flops_per_sample`` (0 = count them); absent =
+no observation (observe.py)."""
+FORENSICS_ENV = "DDPLAB_FORENSICS"
+"""The node's forensics folder, where the script's heartbeat goes (tracked jobs only)."""

@@ -1,0 +1,118 @@
+"""A script job's training figures from what each rank's observation reported (observe.py),
+put together by rank 0's supervisor once every rank has ended: the names ddplab's own loop
+records, ``summary.json`` and the closing line. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import stragglers
+
+
+@dataclass
+class Figures:
+    """What the run records of a script's training; empty when nothing was observed."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    line: str = ""
+    straggler: str = ""
+    step: int = 0
+
+
+def observed(outcomes: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each rank's observation (ranks that observed nothing left out)."""
+    out = {}
+    for r, o in outcomes.items():
+        seen = (o.get("observed") or {}).get("observe")
+        if isinstance(seen, dict) and seen.get("steps"):
+            out[r] = seen
+    return out
+
+
+def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
+    ranks = observed(outcomes)
+    if 0 not in ranks:
+        return Figures()
+    zero = ranks[0]
+    total = sum(float(o.get("samples_per_s") or 0.0) for o in ranks.values())
+    metrics: dict[str, float] = {"perf/samples_per_s": round(total, 3)}
+    for r, o in sorted(ranks.items()):
+        metrics[f"train/rank{r}_samples_per_s"] = float(o.get("samples_per_s") or 0.0)
+        metrics[f"train/rank{r}_busy_s"] = float(o.get("busy_s") or 0.0)
+    memory = {name: max(float(o[key]) for o in ranks.values() if key in o)
+              for name, key in (("memory/peak_rss_mb", "peak_rss_mb"),
+                                ("memory/peak_allocated_mb", "peak_allocated_mb"))
+              if any(key in o for o in ranks.values())}
+    metrics.update(memory)
+    mfu, tags = _mfu(ranks, total)
+    if mfu is not None:
+        metrics["perf/mfu"] = round(mfu, 6)
+    own = set(zero.get("own_names") or [])
+    metrics = {k: v for k, v in metrics.items() if k not in own}
+    fig = Figures(metrics=metrics, tags=tags, step=int(zero["steps"]))
+    fig.straggler = _straggler(ranks, outcomes)
+    if fig.straggler:
+        fig.tags["ddplab.straggler"] = fig.straggler
+    fig.summary = _summary(ranks, metrics, wall_s, fig.straggler)
+    loss = zero.get("loss")
+    fig.line = (f"done in {wall_s:.1f}s: {zero['steps']} steps"
+                f"{f', train/loss {loss:.4f}' if isinstance(loss, (int, float)) else ''}, "
+                f"{total:.0f} samples/s{f', perf/mfu {mfu:.4f}' if mfu is not None else ''}")
+    return fig
+
+
+def _mfu(ranks: dict[int, dict[str, Any]], samples_per_s: float
+         ) -> tuple[float | None, dict[str, str]]:
+    """perf/mfu as ddplab's loop counts it: rank 0's FLOPs per sample x the job's samples/s
+    over the job's peak (every distinct device once, every CPU rank's own measurement)."""
+    zero = ranks[0]
+    flops = float(zero.get("flops_per_sample") or 0.0)
+    peaks = {o.get("peak_where", r): float(o.get("peak_flops_s") or 0.0) for r, o in ranks.items()}
+    peak = sum(peaks.values())
+    tags = {"ddplab.mfu.flops_source": str(zero.get("flops_source", "not counted"))}
+    if not flops or not peak:
+        return None, tags
+    tags.update({"ddplab.mfu.flops_per_sample": f"{flops:.4g}",
+                 "ddplab.mfu.peak_tflops": f"{peak / 1e12:.4g}",
+                 "ddplab.mfu.peak_source": f"{zero.get('peak_source', '')} ({len(peaks)} x)"})
+    return samples_per_s * flops / peak, tags
+
+
+def _straggler(ranks: dict[int, dict[str, Any]], outcomes: dict[int, dict[str, Any]]) -> str:
+    if len(ranks) < 2 or sorted(ranks) != list(range(len(ranks))):
+        return ""
+    busy = [float(ranks[r].get("busy_s") or 0.0) for r in range(len(ranks))]
+    slow = stragglers.slow(busy)
+    if not slow:
+        return ""
+    r, mine, others = max(slow, key=lambda s: s[1] / s[2])
+    return stragglers.describe(r, str(outcomes.get(r, {}).get("host", "?")), mine, others,
+                               f"(the median over {ranks[r]['steps']} steps)")
+
+
+def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float], wall_s: float,
+             straggler: str) -> dict[str, Any]:
+    zero = ranks[0]
+    epochs = zero.get("epochs") or []
+    return {
+        "mode": "script (observed)",
+        "world_size": len(ranks),
+        "steps": zero["steps"],
+        "samples": sum(int(o.get("samples") or 0) for o in ranks.values()),
+        "wall_time_s": round(wall_s, 3),
+        "samples_per_s_steady": metrics.get("perf/samples_per_s"),
+        "mfu": metrics.get("perf/mfu"),
+        "final_loss": zero.get("loss"),
+        "epoch_time_s": [e.get("time_s") for e in epochs],
+        "epoch_steps": [e.get("steps") for e in epochs],
+        "per_rank": {str(r): {k: o.get(k) for k in ("steps", "samples", "samples_per_s",
+                                                     "busy_s", "data_wait_s", "forward_s",
+                                                     "backward_s", "peak_rss_mb")}
+                     for r, o in sorted(ranks.items())},
+        "straggler": straggler or None,
+        "memory": {k: v for k, v in metrics.items() if k.startswith("memory/")},
+    }

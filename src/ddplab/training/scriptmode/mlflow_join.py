@@ -1,0 +1,341 @@
+"""The script's own MLflow calls join the job's one run, whatever pattern the script uses.
+
+child.py calls :func:`install` in the script's process, after the job's ``MLFLOW_RUN_ID`` and
+``MLFLOW_TRACKING_URI`` are set and before the script runs. MLflow is not imported for it (that
+costs about a second): an import hook patches MLflow when, and if, the script (or a library of
+its) imports it, so ``import mlflow`` and ``from mlflow import start_run`` both see the patches.
+
+In a ddplab job, with the job's run in the tracking store the call goes to:
+
+- ``mlflow.set_experiment(name)`` leaves the job's run where it is, creates nothing and does not
+  raise: it returns the job run's experiment, and the name asked for becomes the tag
+  ``ddplab.script_experiment``;
+- ``mlflow.start_run(...)`` (a ``run_name``, an ``experiment_id``, the job's ``run_id``,
+  ``nested=True``, or again while the job's run is active) attaches to the job's run: its name
+  stays ddplab's, a ``run_name`` becomes the tag ``ddplab.script_run_name``, ``tags`` are set;
+- ``mlflow.end_run()`` (and leaving a ``with`` block) only pops the active run: the job's run is
+  ended by ddplab, FINISHED or FAILED once every rank has reported;
+- ``MlflowClient.create_run(...)`` (Lightning's MLFlowLogger, trackers built on the client)
+  returns the job's run, says so in one line on stderr, and ``set_terminated``/``update_run``
+  of the job's run keep its status and name.
+
+Each tag keeps the first value asked for; with several, ``ddplab.script_experiments`` and
+``ddplab.script_run_names`` list them all (JSON). Tags and notes come from rank 0's process;
+other ranks attach the same way, silently. Anything else (another run's id, another tracking
+store) is MLflow's own behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType, ModuleType
+from typing import Any
+from urllib.parse import urlparse
+
+EXPERIMENT_TAG = "ddplab.script_experiment"
+RUN_NAME_TAG = "ddplab.script_run_name"
+DESCRIPTION_TAG = "ddplab.script_run_description"
+NOTE = "ddplab: {library} asked for a new MLflow run; its records go to the job's run {run_id}"
+FLUENT, CLIENT = "mlflow.tracking.fluent", "mlflow.tracking.client"
+
+
+class _Job:
+    """The job's run as this process knows it, and what the script asked for so far."""
+
+    def __init__(self, run_id: str, uri: str, rank0: bool) -> None:
+        self.run_id, self.uri, self.rank0 = run_id, uri, rank0
+        self.experiment: Any = None  # the job run's Experiment, fetched once
+        self.asked: dict[str, list[str]] = {EXPERIMENT_TAG: [], RUN_NAME_TAG: []}
+        self.said: set[str] = set()
+        self.lock = threading.Lock()
+
+
+_job: _Job | None = None
+_patched: set[str] = set()
+
+
+def install() -> None:
+    """Patch MLflow in this process when it is imported (now, if it already is)."""
+    global _job
+    run_id, uri = os.environ.get("MLFLOW_RUN_ID", ""), os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not run_id or not uri or _job is not None:
+        return
+    _job = _Job(run_id, uri, os.environ.get("RANK", "0") in ("", "0"))
+    for name in (CLIENT, FLUENT):  # the client first: fluent's patches use its class
+        module = sys.modules.get(name)
+        if module is not None:
+            _PATCHES[name](module)
+    if not all(name in _patched for name in _PATCHES):
+        sys.meta_path.insert(0, _Finder())
+
+
+# ---- the import hook ----
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds MLflow's two modules with the other finders, and patches each once it has run."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _PATCHES or fullname in _patched:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, _PATCHES[fullname])
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The module sees its own loader (resources, source lookups), as without the hook.
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.patch(module)
+        if all(name in _patched for name in _PATCHES):  # nothing left to wait for
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+
+
+# ---- helpers ----
+
+def _same_store(uri: str) -> bool:
+    """Whether ``uri`` names the job's tracking store (a local path however it is written)."""
+    def norm(u: str) -> str:
+        u = str(u).rstrip("/")
+        if u.startswith("file:"):
+            return str(Path(urlparse(u).path or u[len("file:"):]).resolve())
+        if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", u):  # a bare path
+            return str(Path(u).resolve())
+        return u
+
+    return _job is not None and (uri == _job.uri or norm(uri) == norm(_job.uri))
+
+
+def _caller_library() -> str:
+    """The package that called into MLflow: 'lightning', 'the script', ..."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        name = str(frame.f_globals.get("__name__", ""))
+        top = name.split(".")[0]
+        if top not in ("mlflow", "ddplab", "contextlib", "functools", "importlib"):
+            return "the script" if name == "__main__" or top == "runpy" else top or "the script"
+        frame = frame.f_back
+    return "the script"
+
+
+def _say(line: str) -> None:
+    if _job is None or not _job.rank0 or line in _job.said:
+        return
+    _job.said.add(line)
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _job_experiment(client: Any) -> Any:
+    assert _job is not None
+    if _job.experiment is None:
+        _job.experiment = client.get_experiment(client.get_run(_job.run_id).info.experiment_id)
+    return _job.experiment
+
+
+def _record(client: Any, tags: dict[str, str], **asked: str | None) -> None:
+    """Tags for the job's run (rank 0): the script's own, and the names it asked for."""
+    assert _job is not None
+    if not _job.rank0:
+        return
+    out = dict(tags)
+    with _job.lock:
+        for key, value in ((EXPERIMENT_TAG, asked.get("experiment")),
+                           (RUN_NAME_TAG, asked.get("run_name"))):
+            seen = _job.asked[key]
+            if not value or value in seen:
+                continue
+            seen.append(str(value))
+            if len(seen) == 1:
+                out[key] = seen[0]
+            else:
+                out[key + "s"] = json.dumps(seen)[:5000]
+    if not out:
+        return
+    from mlflow.entities import RunTag
+
+    client.log_batch(_job.run_id, tags=[RunTag(k, str(v)) for k, v in out.items()])
+
+
+def _experiment_name(client: Any, experiment_id: Any) -> str | None:
+    """The name of an experiment the script named by id, when it is not the job's."""
+    if experiment_id is None or str(experiment_id) == _job_experiment(client).experiment_id:
+        return None
+    try:
+        return str(client.get_experiment(str(experiment_id)).name)
+    except Exception:  # noqa: BLE001 - a missing experiment: the id is what the script asked for
+        return f"id {experiment_id}"
+
+
+def _script_tags(tags: dict[str, Any] | None) -> tuple[dict[str, str], str | None, str | None]:
+    """A new run's tags split: the script's own, its run name and description; MLflow's
+    system tags (source, user, git: ddplab's own are on the job's run) are left out."""
+    own, name, note = {}, None, None
+    for key, value in (tags or {}).items():
+        if key == "mlflow.runName":
+            name = str(value)
+        elif key == "mlflow.note.content":
+            note = str(value)
+        elif not str(key).startswith("mlflow."):
+            own[str(key)] = str(value)
+    return own, name, note
+
+
+# ---- MlflowClient ----
+
+def _patch_client(module: ModuleType) -> None:
+    if CLIENT in _patched:
+        return
+    _patched.add(CLIENT)
+    cls = module.MlflowClient
+    create_run, set_terminated, update_run = cls.create_run, cls.set_terminated, cls.update_run
+
+    def joined(self: Any) -> bool:
+        return _job is not None and _same_store(self.tracking_uri)
+
+    def create_run_joined(self: Any, experiment_id: str, start_time: int | None = None,
+                          tags: dict[str, Any] | None = None, run_name: str | None = None) -> Any:
+        if not joined(self):
+            return create_run(self, experiment_id, start_time=start_time, tags=tags,
+                              run_name=run_name)
+        assert _job is not None
+        own, name, note = _script_tags(tags)
+        if note:
+            own[DESCRIPTION_TAG] = note
+        _record(self, own, experiment=_experiment_name(self, experiment_id),
+                run_name=run_name or name)
+        _say(NOTE.format(library=_caller_library(), run_id=_job.run_id))
+        return self.get_run(_job.run_id)
+
+    def set_terminated_joined(self: Any, run_id: str, status: str | None = None,
+                              end_time: int | None = None) -> None:
+        if _job is None or run_id != _job.run_id:
+            return set_terminated(self, run_id, status=status, end_time=end_time)
+        # ddplab ends the job's run once every rank has reported; what was logged
+        # asynchronously is sent now, as MLflow's own end of a run would.
+        with contextlib.suppress(Exception):
+            self._tracking_client.store.flush_async_logging()
+        return None
+
+    def update_run_joined(self: Any, run_id: str, status: str | None = None,
+                          name: str | None = None) -> None:
+        if _job is None or run_id != _job.run_id:
+            return update_run(self, run_id, status=status, name=name)
+        if name:
+            _record(self, {}, run_name=name)
+        return None
+
+    _swap(cls, create_run, create_run_joined)
+    _swap(cls, set_terminated, set_terminated_joined)
+    _swap(cls, update_run, update_run_joined)
+
+
+# ---- the fluent API (mlflow.start_run, ...) ----
+
+def _patch_fluent(fluent: ModuleType) -> None:
+    if FLUENT in _patched:
+        return
+    _patched.add(FLUENT)
+    start_run, end_run, set_experiment = fluent.start_run, fluent.end_run, fluent.set_experiment
+    start_sig = inspect.signature(start_run)
+
+    def store_uri() -> str:
+        from mlflow.tracking._tracking_service.utils import get_tracking_uri
+
+        return str(get_tracking_uri())
+
+    def stack() -> list[Any]:
+        return fluent._active_run_stack.get()
+
+    def set_experiment_joined(experiment_name: str | None = None, experiment_id: str | None = None,
+                              *args: Any, **kwargs: Any) -> Any:
+        if _job is None or args or kwargs.get("trace_location") is not None or \
+                (experiment_name is None) == (experiment_id is None) or \
+                not _same_store(store_uri()):
+            return set_experiment(experiment_name, experiment_id, *args, **kwargs)
+        client = fluent.MlflowClient()
+        experiment = _job_experiment(client)
+        asked = experiment_name if experiment_name is not None else \
+            _experiment_name(client, experiment_id)
+        if asked and asked != experiment.name:
+            _record(client, {}, experiment=asked)
+            _say(f"ddplab: mlflow.set_experiment({asked!r}) keeps the job's run in experiment "
+                 f"{experiment.name!r} (tag {EXPERIMENT_TAG}); --set tracking.experiment="
+                 f"{asked} files the job there")
+        setattr(fluent, "_active_experiment_id", experiment.experiment_id)  # noqa: B010
+        return experiment
+
+    def start_run_joined(*args: Any, **kwargs: Any) -> Any:
+        try:
+            call = start_sig.bind(*args, **kwargs)
+        except TypeError:
+            return start_run(*args, **kwargs)
+        a = call.arguments
+        active = stack()
+        if _job is None or a.get("run_id") not in (None, "", _job.run_id) or \
+                a.get("parent_run_id") not in (None, "", _job.run_id) or \
+                (active and active[-1].info.run_id != _job.run_id) or \
+                not _same_store(store_uri()):
+            return start_run(*args, **kwargs)  # another run: MLflow's own behaviour
+        client = fluent.MlflowClient()
+        own, name, note = _script_tags(a.get("tags"))
+        if a.get("description") or note:
+            own[DESCRIPTION_TAG] = str(a.get("description") or note)
+        _record(client, own, experiment=_experiment_name(client, a.get("experiment_id")),
+                run_name=a.get("run_name") or name)
+        run = fluent.ActiveRun(client.get_run(_job.run_id))
+        active.append(run)
+        return run
+
+    def end_run_joined(*args: Any, **kwargs: Any) -> None:
+        active = stack()
+        ours = _job is not None and bool(active) and active[-1].info.run_id == _job.run_id
+        end_run(*args, **kwargs)  # pops it; set_terminated of the job's run is patched away
+        if ours and _job is not None:
+            # MLflow forgets MLFLOW_RUN_ID when a run ends; the job goes on (subprocesses of
+            # the script still attach to its run).
+            os.environ["MLFLOW_RUN_ID"] = _job.run_id
+
+    package = sys.modules.get("mlflow")  # MLflow imported before install(): its names too
+    for name, new in (("set_experiment", set_experiment_joined), ("start_run", start_run_joined),
+                      ("end_run", end_run_joined)):
+        old = getattr(fluent, name)
+        _swap(fluent, old, new)
+        if package is not None and getattr(package, name, None) is old:
+            setattr(package, name, new)
+
+
+def _swap(owner: Any, old: Any, new: Any) -> None:
+    """``new`` in place of ``old`` on ``owner``, looking like it (name, doc, __wrapped__)."""
+    functools.update_wrapper(new, old)
+    setattr(owner, old.__name__, new)
+
+
+_PATCHES: dict[str, Callable[[ModuleType], None]] = {CLIENT: _patch_client, FLUENT: _patch_fluent}

@@ -1,0 +1,416 @@
+"""What an unedited training script does, seen through public torch hooks (``script.observe``).
+
+Installed in the script's own process (child.py) before the script runs; nothing of the
+script is edited and nothing waits on the device inside its step:
+
+- a **step** is an optimizer step (``register_optimizer_step_post_hook``) after a backward;
+  a second optimizer stepping in the same step (a GAN's) is not another step;
+- the **loss** is the tensor ``.backward()`` is called on, kept detached and read
+  (``.item()``) only at log points;
+- **samples** per step: the first dimension of the first tensor fed to the outermost
+  DDP/FSDP module (a forward pre-hook attached when the script builds it), else to the first
+  module called in the step; forwards without gradients are evaluation, not training;
+- **epochs** from ``DistributedSampler.set_epoch``;
+- per rank, **data wait** (the previous step's end to this step's first forward), **forward**
+  and **backward + optimizer**, by the host clock (on a GPU these are launch times; the
+  window's throughput is exact, the phase split is not);
+- **FLOPs** per sample by ``torch.utils.flop_counter`` on one sample of the first step's batch,
+  x 3 (or ``script.flops_per_sample``), and the device's peak (mfu.py), once after step 1;
+- a **heartbeat** per phase (forensics/heartbeat.py), so the node's hang watch names the rank,
+  the phase and the step for a script as for ddplab's loop.
+
+Rank 0 writes the live figures (``train/loss``, ``train/samples_per_s``...) into the node's
+spool as ``ddplab.track`` does; every rank writes its totals into its report file, from which
+rank 0's supervisor records the per-rank figures, the job's throughput, MFU, stragglers and
+``summary.json`` once the script has ended (supervisor.py). Names the script logs itself
+(through ``ddplab.track`` or MLflow's fluent API) are never written by the observation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .env import FORENSICS_ENV, OBSERVE_ENV
+
+LOG_EVERY_STEPS = 50
+LOG_EVERY_S = 30.0
+"""A log point every this many steps or seconds, whichever comes first, and at every epoch's
+end: the only places the loss is read from the device."""
+WARMUP_STEPS = 1
+"""Steps left out of the steady figures (the first: lazy initialisation, allocator warm-up)."""
+
+
+@dataclass
+class Window:
+    """Per-step figures since the last log point."""
+
+    steps: int = 0
+    samples: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    busy: list[float] = field(default_factory=list)
+
+    def add(self, samples: int, step_s: float, wait_s: float, busy_s: float) -> None:
+        self.steps += 1
+        self.samples += samples
+        self.step_s += step_s
+        self.wait_s += wait_s
+        self.busy.append(busy_s)
+
+
+@dataclass
+class Totals:
+    """This rank's whole job: what its report carries to rank 0's supervisor."""
+
+    steps: int = 0
+    samples: int = 0
+    steady_samples: int = 0
+    steady_s: float = 0.0
+    wait_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    busy: list[float] = field(default_factory=list)
+    epochs: list[dict[str, float]] = field(default_factory=list)
+    loss: float | None = None
+
+    def report(self) -> dict[str, Any]:
+        steady = self.steady_samples / self.steady_s if self.steady_s > 0 else 0.0
+        busy = statistics.median(self.busy) if self.busy else 0.0
+        return {"steps": self.steps, "samples": self.samples,
+                "samples_per_s": round(steady, 3), "busy_s": round(busy, 6),
+                "data_wait_s": round(self.wait_s, 4), "forward_s": round(self.forward_s, 4),
+                "backward_s": round(self.backward_s, 4), "epochs": self.epochs,
+                "loss": self.loss}
+
+
+class Observer:
+    """The hooks' state in this process; one per script."""
+
+    def __init__(self, rank: int, world: int, flops_given: float,
+                 write: Callable[[dict[str, Any]], None], spool: Callable[[dict[str, Any]], None],
+                 beat: Callable[[str, int | None], None]) -> None:
+        self.rank, self.world, self.flops_given = rank, world, flops_given
+        self._write, self._spool, self._beat = write, spool, beat
+        self.totals, self.window = Totals(), Window()
+        self.step_end = 0.0  # the previous step's end (0: none yet)
+        self.t_forward = self.t_backward = 0.0
+        self.samples = 0
+        self.loss: torch.Tensor | None = None
+        self.sample: Any = None  # one sample of the first step, for the FLOP count
+        self.outer: torch.nn.Module | None = None
+        self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
+        self.last_log, self.logged_step = time.perf_counter(), 0
+        self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
+        self.flops: dict[str, Any] = {}
+
+    # ---- the hooks ----
+
+    def forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> None:
+        """A forward pre-hook: the outermost module's, or (no DDP/FSDP) every module's."""
+        if self.outer is not None and module is not self.outer:
+            return
+        if not torch.is_grad_enabled():
+            if self.outer is not None or not self.t_forward:
+                self._beat("evaluation", None)
+            return
+        if self.t_forward and self.outer is None:
+            return  # a module inside the step's first one
+        now = time.perf_counter()
+        if not self.t_forward:
+            self.t_forward = now
+            self._beat("forward", None)
+        batch = _first_tensor(args, kwargs)
+        if batch is not None and batch.dim() > 0:
+            self.samples += int(batch.shape[0])
+        if self.sample is None and self.totals.steps == 0:
+            self.sample = _one_sample(args, kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not self.t_backward:
+            self.t_backward = time.perf_counter()
+            self._beat("backward", None)
+        if loss.numel() == 1:
+            self.loss = loss.detach()
+
+    def optimizer_step(self) -> None:
+        """After an optimizer's step: the step's end, if a forward or backward came since the
+        last one (``torch.autograd.backward(loss)`` is not seen: the step's end stands in)."""
+        if not (self.t_backward or self.t_forward):
+            return
+        now = time.perf_counter()
+        self.t_backward = self.t_backward or now
+        t = self.totals
+        first_forward = self.t_forward or self.t_backward
+        start = self.step_end or first_forward
+        wait, fwd, bwd = first_forward - start, self.t_backward - first_forward, now - self.t_backward
+        t.steps += 1
+        t.samples += self.samples
+        self.epoch_steps += 1
+        if t.steps > WARMUP_STEPS:
+            t.steady_samples += self.samples
+            t.steady_s += now - start
+            t.wait_s, t.forward_s, t.backward_s = t.wait_s + wait, t.forward_s + fwd, t.backward_s + bwd
+            t.busy.append(wait + fwd)
+            self.window.add(self.samples, now - start, wait, wait + fwd)
+        self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
+        if t.steps == 1:
+            self._count_flops()
+            self.step_end = self.last_log = time.perf_counter()  # not the next step's data wait
+        self._beat("data loading", t.steps + 1)
+        if t.steps - self.logged_step >= LOG_EVERY_STEPS or now - self.last_log >= LOG_EVERY_S:
+            self.log_point()
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            return  # the other samplers of the same epoch (validation's)
+        self.end_epoch()
+        self.epoch, self.epoch_start, self.epoch_steps = epoch, time.perf_counter(), 0
+
+    # ---- log points ----
+
+    def end_epoch(self) -> None:
+        if self.epoch < 0 or not self.epoch_steps:
+            return
+        took = (self.step_end or time.perf_counter()) - self.epoch_start
+        self.totals.epochs.append({"epoch": self.epoch + 1, "time_s": round(took, 4),
+                                   "steps": self.epoch_steps})
+        self.log_point({"epoch/time_s": took, "epoch/epoch": float(self.epoch + 1)})
+
+    def log_point(self, extra: dict[str, float] | None = None) -> None:
+        """Read the loss, write rank 0's live figures and this rank's totals."""
+        step = self.totals.steps
+        if self.loss is not None:
+            self.totals.loss = float(self.loss.item())
+        w, self.window = self.window, Window()
+        metrics: dict[str, float] = dict(extra or {})
+        if self.totals.loss is not None:
+            metrics["train/loss"] = self.totals.loss
+        if w.steps and w.step_s > 0:
+            # Every rank feeds as many samples per step (DistributedSampler): rank 0's x world.
+            metrics.update({"train/samples_per_s": w.samples / w.step_s * self.world,
+                            "train/step_time_s": w.step_s / w.steps,
+                            "train/data_wait_frac": w.wait_s / w.step_s})
+        self.last_log, self.logged_step = time.perf_counter(), step
+        if self.rank == 0 and metrics and step:
+            self.flush()
+            self.pending = {"op": "log", "step": step, "metrics": metrics}
+        self.save()
+
+    def flush(self) -> None:
+        """The previous log point's figures into the spool, one log point late: by then a
+        script that logs the same names itself has done so (its own call comes after the
+        optimizer step that made the log point), and they are left out."""
+        record, self.pending = self.pending, None
+        if record is not None:
+            record["metrics"] = _not_the_scripts(record["metrics"])
+            if record["metrics"]:
+                self._spool(record)
+
+    def save(self) -> None:
+        self._write({"observe": {**self.totals.report(), **self.flops, **_memory(),
+                                 "own_names": sorted(_script_names())}})
+
+    def finish(self) -> None:
+        """The script has ended (any way): the last epoch and log point."""
+        if self.epoch >= 0 and self.epoch_steps:
+            self.end_epoch()
+            self.epoch_steps = 0
+        elif self.totals.steps > self.logged_step:
+            self.log_point()
+        else:
+            self.save()
+        self.flush()
+
+    # ---- once, after step 1 ----
+
+    def _count_flops(self) -> None:
+        """FLOPs per sample and this rank's peak (the device's datasheet, or a CPU matmul)."""
+        from .. import mfu
+
+        sample, self.sample = self.sample, None
+        model = getattr(self.outer, "module", self.outer)
+        if self.flops_given > 0:
+            flops, source = self.flops_given, "script.flops_per_sample"
+        elif model is None or sample is None:
+            flops, source = 0.0, "no count: no batch seen at the model's outermost module"
+        else:
+            flops, source = mfu.flops_per_sample(model, 0.0, sample)
+        device = _device(model)
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            peak = mfu.table_peak(name, low_precision=False)
+            peak_source = f"{name} fp32 dense, from the datasheet table"
+            where = f"{os.uname().nodename}:{device.index}"
+            if not peak:
+                peak, peak_source = mfu.measure_matmul(device, torch.float32), f"{name} measured"
+        else:
+            peak = mfu.measure_matmul(device, torch.float32) if flops else 0.0
+            peak_source, where = "CPU fp32 matmul measured on every rank", f"rank{self.rank}"
+        self.flops = {"flops_per_sample": flops, "flops_source": source, "peak_flops_s": peak,
+                      "peak_source": peak_source, "peak_where": where}
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, dict):  # a Hugging Face batch passed whole
+            found = _first_tensor((), value)
+            if found is not None:
+                return found
+    return None
+
+
+def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The first sample as a batch of 1, as mfu.counted_flops_per_sample takes it: the one
+    tensor argument, or the keyword tensors; None for other call shapes (no count)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len(args) == 1 and len(tensors) == 1 and tensors[0].dim() > 0:
+        return tensors[0][:1].detach().clone()
+    if not args and kwargs:
+        return {k: v[:1].detach().clone() if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in kwargs.items()}
+    return None
+
+
+def _device(model: torch.nn.Module | None) -> torch.device:
+    with contextlib.suppress(StopIteration, AttributeError):
+        return next(model.parameters()).device  # type: ignore[union-attr]
+    return torch.device("cpu")
+
+
+def _memory() -> dict[str, float]:
+    out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
+
+
+_mlflow_names: set[str] = set()
+
+
+def _script_names() -> set[str]:
+    from ... import track
+
+    return track.logged | _mlflow_names
+
+
+def _not_the_scripts(metrics: dict[str, float]) -> dict[str, float]:
+    _watch_mlflow()
+    own = _script_names()
+    return {k: float(v) for k, v in metrics.items() if k not in own}
+
+
+def _watch_mlflow() -> None:
+    """Once the script has imported MLflow, its fluent ``log_metric(s)`` add their names to
+    the script's own (checked at each log point: a script imports MLflow when it likes)."""
+    import sys
+
+    fluent = sys.modules.get("mlflow")
+    if fluent is None or getattr(fluent, "_ddplab_watched", False):
+        return
+    fluent._ddplab_watched = True  # type: ignore[attr-defined]
+    for name, names_of in (("log_metric", lambda a, k: [a[0] if a else k.get("key")]),
+                           ("log_metrics", lambda a, k: list((a[0] if a else k.get("metrics")) or {}))):
+        original = getattr(fluent, name, None)
+        if original is None:
+            continue
+
+        def wrapped(*args: Any, _original: Any = original, _names: Any = names_of,
+                    **kwargs: Any) -> Any:
+            with contextlib.suppress(Exception):
+                _mlflow_names.update(str(n) for n in _names(args, kwargs) if n)
+            return _original(*args, **kwargs)
+
+        setattr(fluent, name, functools.wraps(original)(wrapped))
+
+
+# ---- installing the hooks ----
+
+def install(rank: int, world: int, report: Callable[[dict[str, Any]], None]) -> Observer | None:
+    """The hooks, when the supervisor asked for them (``DDPLAB_OBSERVE``); else None."""
+    given = os.environ.get(OBSERVE_ENV)
+    if given is None:
+        return None
+    from ... import track
+
+    spool = track._append  # the node's spool, as the script's own ddplab.track records
+    obs = Observer(rank, world, float(given or 0), report, spool, _heartbeat(rank, world))
+    _hooks(obs)
+    return obs
+
+
+def _heartbeat(rank: int, world: int) -> Callable[[str, int | None], None]:
+    """This rank's heartbeat in the node's forensics folder (its stacks on SIGUSR2 are the
+    script's, child.py); nothing without one (untracked jobs)."""
+    from ...forensics import heartbeat
+
+    folder = os.environ.get(FORENSICS_ENV)
+    if not folder:
+        return lambda phase, step: None
+    try:
+        hb = heartbeat.Heartbeat(Path(folder), rank, world)
+    except (OSError, ValueError):
+        return lambda phase, step: None
+    heartbeat._current = hb  # heartbeat.failed/stop at the script's end (child.py)
+    hb.beat("setup", 1)
+    return hb.beat
+
+
+def _hooks(obs: Observer) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils.data.distributed import DistributedSampler
+
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: obs.optimizer_step())
+    anywhere = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, args: obs.forward(m, args, {}))
+
+    backward = torch.Tensor.backward
+
+    @functools.wraps(backward)
+    def observed_backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        obs.backward(self)
+        return backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = observed_backward  # type: ignore[method-assign]
+
+    set_epoch = DistributedSampler.set_epoch
+
+    @functools.wraps(set_epoch)
+    def observed_set_epoch(self: Any, epoch: int) -> None:
+        obs.set_epoch(int(epoch))
+        set_epoch(self, epoch)
+
+    DistributedSampler.set_epoch = observed_set_epoch  # type: ignore[method-assign]
+
+    def outermost(cls: Any) -> None:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def observed_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if obs.outer is None:  # the first DDP/FSDP built is the model (the loss is not)
+                obs.outer = self
+                anywhere.remove()
+                self.register_forward_pre_hook(obs.forward, with_kwargs=True)
+
+        cls.__init__ = observed_init
+
+    outermost(DDP)
+    with contextlib.suppress(ImportError):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        outermost(FullyShardedDataParallel)

@@ -1,0 +1,179 @@
+"""A study's named metric (``metric``, ``metric_mode``) is compared as that metric, in its own
+direction: its own column and words, never a speed ("samples/s", "speedup", "faster",
+"efficiency", the busy-machine alarm are throughput's alone). The reports are built by the
+real report code from runs made with MlflowClient in a real SQLite store: no job runs."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddplab.study import report, runner, spec
+from tests.conftest import REPO
+
+SPEED_WORDS = ("samples/s", "speedup", "faster", "slower", "efficiency", "busy machine")
+
+
+@pytest.mark.parametrize("metric, mode", [
+    ("val/loss", "min"), ("eval/loss", "min"), ("train_loss", "min"), ("val_error", "min"),
+    ("top1_err", "min"), ("eval/perplexity", "min"), ("val/ppl", "min"), ("perf/wall_s", "min"),
+    ("step_time", "min"), ("train_runtime", "min"),
+    ("val/acc", "max"), ("eval/accuracy", "max"), ("top1_acc", "max"), ("perf/samples_per_s", "max"),
+    ("tokens_per_s", "max"), ("train_samples_per_second", "max"), ("throughput", "max"),
+    ("perf/mfu", "max"), ("eval/f1", "max"), ("roc_auc", "max"),
+    ("gpu/temp", None), ("grad_accum", None), ("score", None), ("acc_loss", None),
+])
+def test_the_one_rule_infers_the_direction_from_the_name_or_says_it_cannot(metric, mode):
+    assert spec.inferred_mode(metric) == mode
+
+
+def write_study(tmp_path: Path, **fields) -> Path:
+    study = {"name": "lr", "experiment": str(REPO / "experiments" / "quickstart.yaml"),
+             "baseline": "lr0.01", "variants": [{"name": "lr0.01"}, {"name": "lr0.3"}], **fields}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def test_a_metric_the_rule_cannot_place_is_refused_in_one_line(tmp_path, store, monkeypatch,
+                                                                capsys):
+    from ddplab import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("DDPLAB_SET", raising=False)
+    assert cli.main(["study", "run", str(write_study(tmp_path, metric="gpu/temp")),
+                     "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert "Traceback" not in err
+    assert f"{tmp_path / 'study.yaml'}: metric_mode: " in line and "'gpu/temp'" in line
+    assert line.endswith("set metric_mode: max or min")
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"metric": "val/loss"}, "compares val/loss, lower is better (inferred from its name"),
+    ({"metric": "val/acc"}, "compares val/acc, higher is better (inferred from its name"),
+    ({"metric": "gpu/temp", "metric_mode": "min"}, "compares gpu/temp, lower is better (metric_mode: min)"),
+    ({}, "compares perf/samples_per_s, higher is better (the default figure"),
+])
+def test_the_dry_run_says_what_is_compared_and_which_way(tmp_path, store, monkeypatch, capsys,
+                                                         fields, says):
+    from ddplab import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("DDPLAB_SET", raising=False)
+    assert cli.main(["study", "run", str(write_study(tmp_path, **fields)), "--dry-run"]) == 0
+    assert says in capsys.readouterr().out
+
+
+def record_study(store: str, study: spec.Study, values: dict[str, list[float]]) -> tuple:
+    """A study's parent and its FINISHED children as a real study leaves them, each child
+    logging ``values[variant][repeat]`` as the study's metric (and no samples/s: a script)."""
+    from mlflow import MlflowClient
+
+    c = MlflowClient(store)
+    exp = c.create_experiment(study.name)
+    parent = c.create_run(exp, tags={"ddplab.study": study.name, "ddplab.study_role": "parent"})
+    pid = parent.info.run_id
+    for variant, repeats in values.items():
+        for r, value in enumerate(repeats):
+            run = c.create_run(exp, tags={
+                "mlflow.parentRunId": pid, "ddplab.study_role": "job", "ddplab.variant": variant,
+                "ddplab.repeat": str(r), "ddplab.world_size": "2", "ddplab.threads_per_rank": "1",
+                "ddplab.backend": "gloo", "ddplab.launcher": "torchrun", "ddplab.mode": "script"})
+            c.log_metric(run.info.run_id, study.metric, value)
+            c.log_metric(run.info.run_id, "perf/wall_s", 30.0)
+            c.set_terminated(run.info.run_id, "FINISHED")
+    return c, pid
+
+
+def build(tmp_path: Path, store: str, study: spec.Study, values: dict) -> tuple:
+    from rich.console import Console
+
+    c, pid = record_study(store, study, values)
+    out = io.StringIO()
+    report.build(c, pid, study, Console(file=out, width=200), "")
+    files = {n: Path(c.download_artifacts(pid, n, str(tmp_path))).read_text()
+             for n in ("report.md", "report.html", "results.csv")}
+    return c.get_run(pid), out.getvalue(), files
+
+
+def test_a_named_higher_is_better_metric_is_compared_as_itself_not_as_a_speed(tmp_path, store):
+    """val/acc 0.85 vs 0.56 at the same resources: once "1.51x, faster" with a busy-machine
+    alarm (efficiency 1.51 > 1.5) under a samples/s column."""
+    study = spec.load_study(write_study(tmp_path, metric="val/acc", repeats=2))
+    assert (study.metric, study.metric_mode) == ("val/acc", "max")
+    parent, console, files = build(tmp_path, store, study,
+                                   {"lr0.01": [0.56, 0.57], "lr0.3": [0.85, 0.86]})
+    verdict = parent.data.tags["ddplab.study.verdict"]
+    assert parent.data.tags["ddplab.study.best"] == "lr0.3"
+    assert verdict.startswith("lr0.3 has the highest val/acc (0.855; higher is better).")
+    assert "lr0.3: +51.3% val/acc vs lr0.01 (0.855 vs 0.565), better" in verdict
+    assert parent.data.tags["ddplab.study.warnings"] == "0"
+    md, html = files["report.md"], files["report.html"]
+    assert "| val/acc median [min-max], higher is better | vs baseline |" in md
+    assert "| lr0.3 | 2/2 | 0.855 [0.850-0.860] | +51.3% |" in md
+    assert "<th>val/acc median [min-max], higher is better</th>" in html
+    assert "val/acc (higher is better)" in console and "vs baseline" in console
+    for text in (verdict, md, html, console):
+        assert not [w for w in SPEED_WORDS if w in text], text
+    assert parent.data.metrics["study/lr0.3/val/acc_median"] == pytest.approx(0.855)
+    assert parent.data.metrics["study/lr0.3/vs_baseline"] == pytest.approx(0.29 / 0.565, rel=1e-3)
+    assert not [k for k in parent.data.metrics if "samples_per_s" in k or "speedup" in k]
+    assert [a.path for a in _pngs(store, parent)] == ["compared.png"]
+
+
+def _pngs(store, parent):
+    from mlflow import MlflowClient
+
+    return [a for a in MlflowClient(store).list_artifacts(parent.info.run_id)
+            if a.path.endswith(".png")]
+
+
+def test_a_named_loss_without_metric_mode_is_lower_is_better_and_the_best_is_the_lowest(
+        tmp_path, store):
+    """metric: val/loss alone once meant higher is better: the best named was the worse one."""
+    study = spec.load_study(write_study(tmp_path, metric="val/loss"))
+    assert (study.metric_mode, study.mode_source) == ("min", "its name")
+    parent, console, files = build(tmp_path, store, study, {"lr0.01": [0.9], "lr0.3": [0.3]})
+    verdict = parent.data.tags["ddplab.study.verdict"]
+    assert parent.data.tags["ddplab.study.best"] == "lr0.3"
+    assert verdict.startswith("lr0.3 has the lowest val/loss (0.300; lower is better).")
+    assert "lr0.3: -66.7% val/loss vs lr0.01 (0.300 vs 0.900), better (range" in verdict
+    assert "val/loss median [min-max], lower is better" in files["report.md"]
+    assert "Compared: val/loss, lower is better" in files["report.md"]
+    assert "val/loss (lower is better)" in console
+    for text in (verdict, files["report.md"], console):
+        assert not [w for w in SPEED_WORDS if w in text], text
+    # `ddplab report` from the store alone (no study file) keeps the direction it recorded.
+    from mlflow import MlflowClient
+
+    c = MlflowClient(store)
+    report.build(c, parent.info.run_id)
+    assert c.get_run(parent.info.run_id).data.tags["ddplab.study.best"] == "lr0.3"
+
+
+def test_throughput_keeps_its_speedup_and_its_words(tmp_path, store):
+    study = spec.load_study(write_study(tmp_path))
+    parent, console, files = build(tmp_path, store, study,
+                                   {"lr0.01": [100.0], "lr0.3": [120.0]})
+    assert parent.data.tags["ddplab.study.verdict"].startswith("lr0.3 is 1.20x lr0.01, faster")
+    assert "samples/s median [min-max] | speedup |" in files["report.md"]
+    assert parent.data.metrics["study/lr0.3/speedup"] == pytest.approx(1.2)
+
+
+def test_a_script_jobs_line_shows_the_compared_metric_not_zero_samples_per_s(tmp_path):
+    """A script logs no samples/s and no eval/accuracy: its line once said "0 samples/s, eval
+    accuracy nan"."""
+    study = spec.load_study(write_study(tmp_path, metric="val/acc"))
+    line = runner.job_figures(study, {"val/acc": 0.8512, "perf/wall_s": 30.0})
+    assert line == "val/acc 0.8512"
+    assert runner.job_figures(study, {"perf/wall_s": 30.0}) == "val/acc not logged"
+    loop = spec.load_study(write_study(tmp_path))
+    assert runner.job_figures(loop, {"perf/samples_per_s": 1234.0, "eval/accuracy": 0.9}) == \
+        "1,234 samples/s, eval accuracy 0.9000"
