@@ -141,3 +141,41 @@ def test_compile_wraps_ddp_and_computes_what_eager_does(one_rank_group):
     assert hasattr(compiled, "_orig_mod") and strategy.unwrap(compiled) is strategy.unwrap(eager)
     x = torch.randn(4, 3, 8, 8)
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)
+
+
+def _host_waits_in_steady_steps(monkeypatch, exact: bool) -> dict[str, int]:
+    """Run 6 steps of the loop and count, from step 2 on (step 1 waits once, by design), every
+    call that makes the host wait on the device: a synchronize, and a tensor read to the host."""
+    counts = {"synchronize": 0, "item": 0, "cpu": 0, "tolist": 0}
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    s = state(model, exact_step_times=exact)
+    # A CPU never waits, so the device is said to be CUDA for the clock alone: the one place
+    # that decides whether to wait (a fake GPU for what cannot run here).
+    monkeypatch.setattr(loop.StepClock, "_event",
+                        lambda self: object() if self.cuda and not self.exact else None)
+    cuda = torch.device("cuda")
+    real_init = loop.StepClock.__init__
+    monkeypatch.setattr(loop.StepClock, "__init__",
+                        lambda self, device, exact=False: real_init(self, cuda, exact))
+    steady = {"on": False}
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            if steady["on"]:
+                counts[name] += 1
+            return original(*args, **kwargs) if original is not None else None
+        return wrapper
+
+    monkeypatch.setattr(loop, "_sync", counting("synchronize", None))
+    for name in ("item", "cpu", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    data = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(6)]
+    for result in loop.train_epoch(s, data):
+        steady["on"] = result.step >= 1
+    return counts
+
+
+def test_the_steady_step_never_waits_on_the_device_unless_asked(monkeypatch):
+    assert _host_waits_in_steady_steps(monkeypatch, exact=False) == {
+        "synchronize": 0, "item": 0, "cpu": 0, "tolist": 0}
+    assert _host_waits_in_steady_steps(monkeypatch, exact=True)["synchronize"] == 5

@@ -200,11 +200,11 @@ def test_d_an_interrupted_import_leaves_no_running_run_and_a_rerun_completes_it(
     client = MlflowClient(store)
     assert [len(client.get_metric_history(r.info.run_id, "train/loss")) for r in runs] == [2500, 2500]
 
-    # a param the store refuses (over MLflow's 6,000 characters): that run is not imported,
-    # the other is, whole; one warning names it, one error line counts
+    # a param the store refuses (a name over MLflow's 250 characters): that run is not
+    # imported, the other is, whole; one warning names it, one error line counts
     db, ids = make_store(tmp_path / "third", migrated_store, runs=2)
     with sqlite3.connect(db) as con:
-        con.execute("UPDATE params SET value=? WHERE run_uuid=?", ("x" * 7000, ids[0]))
+        con.execute("UPDATE params SET key=? WHERE run_uuid=?", ("k" * 300, ids[0]))
     fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
     shutil.copyfile(migrated_store, tmp_path / "fresh.db")
     code, err, _ = ddplab_import(pack(tmp_path / "third", tmp_path / "third.tar.gz"), fresh, capsys)
@@ -258,7 +258,7 @@ def test_f_no_run_comes_in_running_and_the_shipped_archive_holds_none(tmp_path, 
 def corrupt(kind: str, tmp_path: Path, migrated_store: Path, store: str) -> Path:
     out = tmp_path / "store.tar.gz"
     if kind in ("truncated", "forged alembic version", "garbage db", "deleted experiment",
-                "a member climbing out"):
+                "a member climbing out", "bytes flipped"):
         db, _ = make_store(tmp_path / "other", migrated_store, runs=1)
         if kind == "forged alembic version":
             with sqlite3.connect(db) as con:
@@ -271,6 +271,10 @@ def corrupt(kind: str, tmp_path: Path, migrated_store: Path, store: str) -> Path
         pack(tmp_path / "other", out)
         if kind == "truncated":
             out.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
+        if kind == "bytes flipped":
+            data = bytearray(out.read_bytes())
+            data[len(data) // 2: len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:][:64])
+            out.write_bytes(bytes(data))
         if kind == "a member climbing out":
             with tarfile.open(out, "w:gz") as t:
                 t.addfile(tarfile.TarInfo("../../evil"), io.BytesIO(b""))
@@ -289,12 +293,12 @@ def corrupt(kind: str, tmp_path: Path, migrated_store: Path, store: str) -> Path
 @pytest.mark.parametrize("kind, says", [
     ("truncated", "truncated or damaged"),
     ("forged alembic version", "MLflow schema version ['ffffffffffff'] is not one MLflow"),
-    ("garbage db", "its mlflow.db is not an SQLite database"),
+    ("garbage db", "its mlflow.db is damaged or not an SQLite database"),
     ("deleted experiment", "experiment 'quickstart' was deleted in"),
     ("a member climbing out", "would land outside the folder"),
     ("empty", "not a tar archive"), ("text", "not a tar archive"), ("zip", "not a tar archive"),
-    ("gzip of text", "truncated or damaged"), ("bz2 of garbage", "truncated or damaged"),
-    ("random bytes", "not a tar archive")])
+    ("gzip of text", "not a tar archive"), ("bz2 of garbage", "not a tar archive"),
+    ("random bytes", "not a tar archive"), ("bytes flipped", "truncated or damaged")])
 def test_g_a_damaged_archive_is_one_line(kind, says, tmp_path, migrated_store, store, capsys):
     archive = corrupt(kind, tmp_path, migrated_store, store)
     code, err, out = ddplab_import(archive, store, capsys)

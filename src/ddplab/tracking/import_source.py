@@ -123,6 +123,7 @@ def _unpack(archive: Path, into: Path) -> int:
                                        f"the {size(most)} limit (nothing was unpacked); raise it "
                                        "with DDPLAB_IMPORT_MAX_GB=N if it is what you expect")
                 kept.append(m)
+            _to_the_end(t, most - total, archive)
             into.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(into).free
             if total + SPARE_BYTES > free:
@@ -135,6 +136,18 @@ def _unpack(archive: Path, into: Path) -> int:
     except Exception as e:  # noqa: BLE001 - anything a damaged archive raises (EOFError, zlib.error, ...)
         raise ArchiveError(f"{shown(archive)}: truncated or damaged ({first_line(e)})") from None
     return links
+
+
+def _to_the_end(t: tarfile.TarFile, most: int, archive: Path) -> None:
+    """Read what follows the archive's last member: the compression's own check (gzip's CRC)
+    comes only at the end of its stream, and a damaged one must be refused before unpacking."""
+    stream = t.fileobj
+    while stream is not None and (chunk := stream.read(1024**2)):
+        most -= len(chunk)
+        if most < 0:
+            raise ArchiveError(f"{shown(archive)}: unpacks to more than the {size(limits()[0])} limit "
+                               "(after its last file); raise it with DDPLAB_IMPORT_MAX_GB=N if it is "
+                               "what you expect")
 
 
 def _from_folder(folder: Path, tmp: Path) -> Source:
@@ -191,7 +204,8 @@ def check_store(db: Path, shown_as: Path) -> None:
             versions = [] if missing else [r[0] for r in con.execute(
                 "SELECT version_num FROM alembic_version")]
     except sqlite3.Error as e:
-        raise ArchiveError(f"{where}: its mlflow.db is not an SQLite database ({first_line(e)})") from None
+        raise ArchiveError(f"{where}: its mlflow.db is damaged or not an SQLite database "
+                           f"({first_line(e)})") from None
     if not checked or checked[0] != "ok":
         raise ArchiveError(f"{where}: its mlflow.db is damaged ({shown(checked and checked[0])})")
     if missing:
@@ -238,8 +252,7 @@ def artifact_folder(uri: str, root: Path | None) -> Path | None:
     rest = parts[parts.index("mlruns") + 1:]
     while rest and rest[-1] == "":
         rest.pop()
-    if not rest or any(p in ("", ".", "..") or "\\" in p for p in rest):
-        return OUTSIDE
+    rest = [p for p in rest if p]
     folder = root.joinpath(*rest)
     if not folder.exists() and not folder.is_symlink():
         return None

@@ -57,6 +57,8 @@ class TrainState:
     epoch: int = 0
     samples_in_epoch: int = 0
     """Samples this rank consumed in the current epoch (resume skips them)."""
+    exact_step_times: bool = False
+    """train.exact_step_times: a synchronize after every step (StepClock)."""
 
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = AMP_DTYPES[self.amp]
@@ -85,11 +87,46 @@ class StepResult:
     """This rank's own work before the step's gradient all-reduce (data loading and forward):
     the part of a step no other rank waits in, so a slow rank shows here. (On CUDA the forward's
     kernels run asynchronously: its share is what launching them took.)"""
+    span: tuple[Any, Any] | None = None
+    """On a GPU (without train.exact_step_times): CUDA events at the step's start and end, read
+    at the next log point (Meter.elapsed); ``step_time_s`` is then the host's share."""
 
 
 def _sync(device: torch.device) -> None:
+    """The one host wait on the device: at log points, and per step only when asked for."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """When a step starts and ends, without the host waiting on the device inside the step
+    (torchtitan's and TraceML's practice): the host clock on a CPU, which never runs ahead;
+    on a GPU also a CUDA event at each end, resolved once the device has passed it (at log
+    points); ``exact`` (train.exact_step_times) waits for the device after every step instead.
+    The first step is waited for, so the time to the first step is the device's too."""
+
+    def __init__(self, device: torch.device, exact: bool = False) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.exact, self.waited = exact, False
+
+    def start(self) -> tuple[float, Any]:
+        return time.perf_counter(), self._event()
+
+    def stop(self, started: tuple[float, Any]) -> tuple[float, tuple[Any, Any] | None]:
+        """(host seconds since ``started``, the events to resolve later or None)."""
+        if self.cuda and (self.exact or not self.waited):
+            _sync(self.device)
+            self.waited = True
+            return time.perf_counter() - started[0], None
+        end = self._event()
+        return time.perf_counter() - started[0], (started[1], end) if end is not None else None
+
+    def _event(self) -> Any:
+        if not self.cuda or self.exact:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def micro_step(state: TrainState, batch: batches.Batch, group_size: int,
@@ -128,11 +165,12 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
     state.model.train()
     n_micro = len(loader)
     fetched = iter(loader)
+    clock = StepClock(state.device, state.exact_step_times)
     for start in range(0, n_micro, state.grad_accum):
         if max_steps and state.step >= max_steps:
             return
         group = min(state.grad_accum, n_micro - start)
-        t0 = time.perf_counter()
+        started = clock.start()
         loss_sum, samples, data_time = torch.zeros((), device=state.device), 0, 0.0
         forward_s: list[float] = []
         for i in range(group):
@@ -146,10 +184,10 @@ def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> It
                                    forward_s=forward_s)
             samples += batch.size
         optimizer_step(state)
-        _sync(state.device)
+        step_s, span = clock.stop(started)
         state.samples_in_epoch += samples
-        yield StepResult(state.step, state.epoch, samples, loss_sum,
-                         time.perf_counter() - t0, data_time, data_time + sum(forward_s))
+        yield StepResult(state.step, state.epoch, samples, loss_sum, step_s, data_time,
+                         data_time + sum(forward_s), span)
 
 
 SAMPLE_NOTE = "ddplab: in sample "
@@ -193,13 +231,25 @@ class Meter:
     step_times: list[float] = field(default_factory=list)
     data_time: float = 0.0
     busy_time: float = 0.0
+    spans: list[tuple[Any, Any] | None] = field(default_factory=list)
 
     def add(self, r: StepResult) -> None:
         self.loss_sum = self.loss_sum + r.loss_sum
         self.samples += r.samples
         self.step_times.append(r.step_time_s)
+        self.spans.append(r.span)
         self.data_time += r.data_time_s
         self.busy_time += r.busy_s
+
+    def elapsed(self, device: torch.device) -> float:
+        """The interval's step time: each step's device span (CUDA events, read now: a log
+        point, after one wait) where it has one, else its host time."""
+        if any(s is not None for s in self.spans):
+            _sync(device)
+            self.step_times = [s[0].elapsed_time(s[1]) / 1000 if s is not None else host
+                               for s, host in zip(self.spans, self.step_times, strict=True)]
+            self.spans = [None] * len(self.spans)
+        return sum(self.step_times)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -225,7 +275,7 @@ class Interval(TypedDict):
 def reduce_interval(meter: Meter, device: torch.device) -> Interval:
     """Collective: the interval's loss averaged over all ranks' samples, global and per-rank
     throughput. Every rank must call it at the same step."""
-    elapsed = sum(meter.step_times)
+    elapsed = meter.elapsed(device)
     local = torch.tensor([float(meter.loss_sum), meter.samples, elapsed,
                           meter.busy_time / max(len(meter.step_times), 1)], dtype=torch.float64,
                          device=device)
