@@ -235,6 +235,10 @@ class OptimConfig:
     """``step`` scheduler: optimizer steps between decays."""
     gamma: float = 0.1
     """``step`` scheduler: decay factor."""
+    fused: bool = True
+    """The optimizer's fused kernel (``fused=True``: one launch for every parameter) where its
+    class has one and the parameters are on a GPU (torch's Adam, AdamW, SGD); ignored on a
+    CPU and where ``optim.args`` says ``fused`` itself."""
 
     def __post_init__(self) -> None:
         _check_part("name", self.name, OPTIMIZERS)

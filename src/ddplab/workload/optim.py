@@ -42,12 +42,27 @@ def _own(path: str) -> type[torch.optim.Optimizer]:
 def optimizer(params: Iterable[nn.Parameter] | nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     if isinstance(params, nn.Module):
         params = params.parameters()
+    params = list(params)
     cls, kwargs = spec(cfg)
+    if _fused(cls, cfg, params):
+        kwargs["fused"] = True
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as e:  # a wrong argument name or value in optim.args
         raise ConfigError(f"optim.args: got {cfg.args!r}; {cls.__name__} refused them "
                           f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _fused(cls: type[torch.optim.Optimizer], cfg: OptimConfig, params: list[Any]) -> bool:
+    """optim.fused: the class takes ``fused`` and every parameter is on a GPU."""
+    if not cfg.fused or "fused" in cfg.args or not params:
+        return False
+    try:
+        takes = "fused" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    return takes and all(isinstance(p, torch.Tensor) and p.is_cuda for p in tensors)
 
 
 def lr_factor(cfg: OptimConfig, step: int, total_steps: int) -> float:
