@@ -74,6 +74,16 @@ def test_explicit_path(tmp_path):
         checkpoint.find_resume(str(tmp_path / "missing.pt"), tmp_path)
 
 
+def test_a_runs_folder_resumes_its_newest_and_an_empty_folder_says_so(tmp_path):
+    save(tmp_path, 10)
+    newest = save(tmp_path, 20)
+    path, p = checkpoint.find_resume(str(newest.parent), tmp_path)
+    assert path == newest and p["step"] == 20
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match="is a folder with no step-"):
+        checkpoint.find_resume(str(tmp_path / "empty"), tmp_path)
+
+
 def test_keeps_only_the_newest(tmp_path):
     for s in (1, 2, 3, 4, 5):
         last = save(tmp_path, s)

@@ -216,9 +216,17 @@ def _read(path: Path) -> str:
 
 # ---- the verdict, from every node's endings ----
 
-SECONDARY = ("terminated by SIG", "interrupted (SIGINT", "DistBackendError", "Connection reset",
-             "Connection closed", "Broken pipe", "timed out", "Timeout")
-"""What a rank raises when it is stopped, or because another rank stopped: never a cause."""
+SECONDARY = ("terminated by SIG", "killed by SIGTERM", "interrupted (SIGINT", "DistBackendError",
+             "DistNetworkError", "Connection reset", "Connection closed", "Broken pipe",
+             "timed out", "Timed out", "Timeout")
+"""What a rank raises when it is stopped, or because another rank stopped: never a cause. The
+one list for both kinds of job (ddplab's loop here, script mode's verdict in supervisor.py)."""
+
+
+def is_secondary(error: str) -> bool:
+    """Whether an error's first line is a consequence of another rank's end (SECONDARY)."""
+    first = error.splitlines()[0] if error else ""
+    return any(s in first for s in SECONDARY)
 
 
 def verdict(endings: list[Ending], world_size: int, now: float | None = None) -> str:
@@ -231,7 +239,7 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None) ->
         behind = min(hung, key=behind_key)
         return _hang_line(behind, [e for e in hung if e is not behind], now)
     failed = [e for e in endings if e.what in ("failed", "died")]
-    causes = [e for e in failed if e.what == "died" or not _secondary(e.detail)]
+    causes = [e for e in failed if e.what == "died" or not is_secondary(e.detail)]
     missing = sorted(set(range(world_size)) - {e.rank for e in endings})
     lost = f"{_ranks(missing)} reported nothing (their node lost?)"
     if not causes:
@@ -247,11 +255,6 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None) ->
     return line + (f"; {lost}" if missing else "")
 
 
-def _secondary(detail: str) -> bool:
-    """An error a rank gets because another stopped: the launcher's SIGTERM, a peer's closed
-    connection, a collective's timeout."""
-    first = detail.splitlines()[0] if detail else ""
-    return any(s in first for s in SECONDARY)
 
 
 def _hang_line(stopped: Ending, waiting: list[Ending], now: float | None) -> str:

@@ -254,7 +254,14 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
         return None
     if resume != "auto":
         path = Path(resume)
-        if not path.is_file():
+        if path.is_dir():  # a run's folder (checkpoints/<experiment>/<run id>/): its newest
+            inside = sorted(list(path.glob("step-*.pt")) or list(path.glob("*/step-*.pt")),
+                            key=lambda p: p.stat().st_mtime)
+            if not inside:
+                raise CheckpointError(f"checkpoint.resume: {path} is a folder with no step-*.pt "
+                                      "checkpoint in it; give a checkpoint file or a run's folder")
+            path = inside[-1]
+        elif not path.is_file():
             raise CheckpointError(f"checkpoint.resume: {path} does not exist")
         return path, read(path)
     found = newest_valid(root)

@@ -35,6 +35,7 @@ from ... import config, tracking
 from ...distributed import host
 from ...errors import DdplabError
 from ...forensics.heartbeat import stack_path
+from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
 from ...tracking import capsule, spool
 from ...tracking.delivery import forensics_dir
@@ -403,13 +404,19 @@ def _line(o: dict[str, Any]) -> str:
     return f"rank {o['rank']} (host {o['host']}): {o.get('why') or 'exit code ' + str(o['code'])}"
 
 
-# What a rank's collectives raise when ANOTHER rank died or stopped: a consequence, not a cause.
-SECONDARY = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError",
-             "DistBackendError", "Broken pipe", "timed out", "Timed out", "SIGTERM")
-
-
 def _secondary(o: dict[str, Any]) -> bool:
-    return any(s in str(o.get("why", "")) for s in SECONDARY)
+    """A consequence of another rank's end (the one list: forensics/watch.py), not a cause."""
+    return is_secondary(str(o.get("why", "")))
+
+
+def _left_early(outcomes: dict[int, dict[str, Any]], first: dict[str, Any]
+                ) -> dict[str, Any] | None:
+    """A rank whose script exited 0 before ``first`` failed only of a consequence (a peer's
+    closed connection): the rank that left is the cause, not the one left waiting."""
+    if not _secondary(first):
+        return None
+    early = [o for o in outcomes.values() if not o["failed"] and o["t"] <= first["t"]]
+    return min(early, key=lambda o: o["t"]) if early else None
 
 
 def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseException | None
@@ -419,6 +426,10 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
     # (a connection its dead peer closed), then the earliest.
     own = sorted((o for o in outcomes.values() if o["failed"] and not o["stopped"]),
                  key=lambda o: (_secondary(o), o["t"]))
+    if own and (left := _left_early(outcomes, own[0])) is not None:
+        return ScriptFailed(
+            f"the script failed: rank {left['rank']} (host {left['host']}) exited 0 before the "
+            f"job ended, while the others still ran; then {_line(own[0])}", own[0]["traceback"])
     if own:
         first = own[0]
         others = [r for r in sorted(outcomes) if r != first["rank"] and outcomes[r]["failed"]]
