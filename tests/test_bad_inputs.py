@@ -107,6 +107,8 @@ CASES = [
      "model.compile: got True; not combined with dist.strategy 'fsdp'"),
     ("fsdp wrap not a class", None, ["dist.fsdp.wrap=my-block"], {}, [],
      "dist.fsdp.wrap: got 'my-block'; comma-separated Python class names"),
+    ("fsdp wrap typo", None, ["dist.strategy=fsdp", "dist.fsdp.wrap=Blok"], {}, [],
+     "dist.fsdp.wrap: got 'Blok'; the model has no module class Blok"),
     ("profile active 0", None, ["profile.active=0"], {}, [], "profile.active: got 0; must be >= 1"),
     ("profile wait negative", None, ["profile.wait=-1"], {}, [], "profile.wait: got -1; must be >= 0"),
     ("delivery bound negative", None, ["tracking.delivery_timeout_s=-5"], {}, [],

@@ -196,7 +196,26 @@ def _user_parts(cfg: ExperimentConfig, experiment: str | Path | None) -> Parts:
     parts = userparts.resolve(cfg, experiment)
     if parts.paths:
         _probe(cfg, parts)
+    _fsdp_wrap(cfg, parts)
     return parts
+
+
+def _fsdp_wrap(cfg: ExperimentConfig, parts: Parts) -> None:
+    """dist.fsdp.wrap names module classes of the built model: a typo is refused here, before
+    any run (the model is built on the meta device: no memory, no initialisation)."""
+    if cfg.dist.strategy != "fsdp" or not cfg.dist.fsdp.wrap.strip():
+        return
+    if parts.datasets is None and cfg.data.dataset == "cifar10" and cfg.data.download:
+        return  # no data on disk to describe yet: the job refuses it once built
+    import torch
+
+    from .strategy import block_names
+
+    sets = parts.datasets or data.datasets(cfg.data, cfg.train.seed)
+    info = data.describe(cfg.data, sets[0])
+    with torch.device("meta"):
+        model = models.build(cfg.model, info, parts.model)
+    block_names(cfg, model)
 
 
 def _probe(cfg: ExperimentConfig, parts: Parts) -> None:
