@@ -252,7 +252,8 @@ def artifact_folder(uri: str, root: Path | None) -> Path | None:
     rest = parts[parts.index("mlruns") + 1:]
     while rest and rest[-1] == "":
         rest.pop()
-    rest = [p for p in rest if p]
+    if not rest or any(p in ("", ".", "..") or "\\" in p for p in rest):
+        return OUTSIDE
     folder = root.joinpath(*rest)
     if not folder.exists() and not folder.is_symlink():
         return None

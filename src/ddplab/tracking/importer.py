@@ -114,7 +114,11 @@ def _copy(source: Source, dest_uri: str, name: str, tmp: Path) -> tuple[int, int
     stale = [r for r in here if r.data.tags.get(MARK) in ids
              and (INCOMPLETE in r.data.tags or r.info.status not in ENDED)]
     for r in stale:  # left by an import that was killed (or by an older ddplab): replaced
-        dst.delete_run(r.info.run_id)
+        try:
+            dst.delete_run(r.info.run_id)
+        except Exception as e:  # noqa: BLE001 - the store's refusal, in one line
+            raise DdplabError(f"{dest_uri}: the part copy {r.info.run_id} an earlier import left "
+                              f"could not be deleted ({first_line(e)}); nothing was imported") from None
     if stale:
         log.warning(f"{len(stale)} run(s) an earlier import left incomplete "
                     f"({', '.join(r.info.run_id[:8] for r in stale)}): deleted, imported again")
