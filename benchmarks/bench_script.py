@@ -53,7 +53,7 @@ def one_job(variant: str, samples: int, work: Path) -> float:
     if res.returncode != 0:
         sys.exit(f"benchmark job failed ({variant}, exit {res.returncode}):\n{res.stderr[-3000:]}")
     marks = json.loads((clocks / "rank0.json").read_text())
-    epochs = [b - a for a, b in zip(marks, marks[1:])][1:]  # epochs 2..4
+    epochs = [b - a for a, b in zip(marks, marks[1:], strict=False)][1:]  # epochs 2..4
     steps = -(-samples // RANKS // BATCH)
     return statistics.median(epochs) / steps
 
