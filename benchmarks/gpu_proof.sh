@@ -17,7 +17,8 @@ kit=
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --kit) kit=$(absolute "${2:?--kit needs a folder}"); shift 2 ;;
+    --kit) [ $# -ge 2 ] || { echo "gpu_proof: --kit: got nothing; allowed: --kit DIR, the kit's folder" >&2; exit 2; }
+           kit=$(absolute "$2"); shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done

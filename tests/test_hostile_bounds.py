@@ -85,10 +85,10 @@ def test_max_jobs_bounds_listed_variants_repeats_and_the_command_lines_repeats(a
 def test_an_alias_bomb_in_a_study_file_is_refused_in_one_line(at, capsys):
     path = at / "bomb.yaml"
     path.write_text(f"name: big\nexperiment: {QUICKSTART}\nvariants: [{{name: a}}]\n"
-                    f"set: {{description: x}}\nlaughs: {bomb()}\n")
+                    f"set: {{model.args: {bomb()}}}\n")
     assert path.stat().st_size < 1024
     line = refused(capsys, ["study", "run", str(path), "--dry-run"])
-    assert (f"{path}: the YAML expands to over 100000 nodes at line 5" in line
+    assert (f"{path}: the YAML expands to over 100000 nodes at line 4" in line
             and "allowed: at most 100000 nodes a document; DDPLAB_MAX_YAML_NODES=N allows more"
             in line), line
 
@@ -145,3 +145,49 @@ def test_every_shipped_experiment_and_study_is_far_under_the_yaml_bound():
         loader = _Loader(path.read_text())
         loader.get_single_node()
         assert loader.nodes < MAX_YAML_NODES // 20, (path, loader.nodes)
+
+
+# ---- item 6 (part): the GPU proof kit's OUT ----
+
+def test_the_proof_refuses_an_out_that_is_a_file_in_one_line(tmp_path, capsys):
+    """benchmarks/gpu_proof.py's own argument handling, in-process (no step runs)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_proof
+
+    (tmp_path / "a-file").write_text("x")
+    for out, says in ((tmp_path / "a-file", "an existing file; allowed: a folder"),
+                      (tmp_path / "a-file" / "sub", "cannot make it (Not a directory)")):
+        assert gpu_proof.main([str(out)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"gpu_proof: OUT: got {str(out)!r}: {says}"), line
+
+
+def test_the_proof_script_takes_out_and_kit_where_the_user_stands(tmp_path):
+    """benchmarks/gpu_proof.sh as typed, with a stand-in Python that records what it is asked
+    (no kit is installed, no step runs): a relative OUT and --kit are the caller's working
+    directory's, never the checkout's; an OUT that is a file is one line before any install."""
+    import subprocess
+
+    script = REPO / "benchmarks" / "gpu_proof.sh"
+    (tmp_path / "a-file").write_text("x")
+    bad = subprocess.run(["bash", str(script), "a-file"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"gpu_proof: OUT: got '{tmp_path / 'a-file'}': an existing file; allowed: a folder (new "
+        "or existing) for the proof's logs, store and pages"], bad.stderr
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "kit" / "stand-in.whl").write_text("")
+    log = tmp_path / "asked.txt"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    python.chmod(0o755)
+    ran = subprocess.run(["bash", str(script), "rel/out", "--kit", "kit", "--quick"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={"PATH": os.environ["PATH"], "PYTHON": str(python)})
+    assert ran.returncode == 0, ran.stderr
+    asked = log.read_text().splitlines()
+    assert f"benchmarks/gpu_proof.py {tmp_path / 'rel' / 'out'} --quick" in asked, asked
+    assert any(f"{tmp_path / 'kit'}/stand-in.whl" in a for a in asked), asked
+    assert (tmp_path / "rel" / "out").is_dir() and not (REPO / "rel").exists()

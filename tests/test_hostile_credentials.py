@@ -133,6 +133,9 @@ def test_a_study_dry_run_shows_no_password_from_any_set(tmp_path, clean_env, cap
     plan = [x for x in out.out.splitlines() if x.startswith("  ")]
     assert len(plan) == 2 and all("tracking.uri=http://127.0.0.1:5000" in x for x in plan), plan
     assert "postgresql://d:***@db/x" in plan[0] and "DDPLAB_SET=" in plan[1], plan
+    # Each tracking URI's login was taken OUT (not merely masked): every set, listed or typed,
+    # names the bare server, so study.yaml and the parent run's params hold no login either.
+    assert "u:***@127.0.0.1" not in out.out and '"uri": "http://127.0.0.1:5000"' in plan[1], plan
     assert not leaks(out.out + out.err), out.out
     assert os.environ["MLFLOW_TRACKING_PASSWORD"] == PASSWORD  # what every job inherits
     assert os.environ["MLFLOW_TRACKING_USERNAME"] == "u"

@@ -2,6 +2,7 @@
 
     ddplab train EXPERIMENT.yaml [--set key.sub=value ...] [--summary-out summary.json]
     ddplab train MY_TRAIN.py [--set ...] [-- SCRIPT ARGS ...]   # your own script, as it is
+    ddplab train -m PKG.TRAIN [--set ...] [-- SCRIPT ARGS ...]  # a packaged one (python -m)
     ddplab run --nproc-per-node 2 EXPERIMENT|SCRIPT.py [--set ...] [-- ARGS]  # preflight, torchrun
     ddplab doctor [EXPERIMENT.yaml] [--set ...]
     ddplab config EXPERIMENT.yaml [--set ...]     # print the resolved config
@@ -38,13 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     overrides: dict[str, Any] = {"action": "append", "default": [], "metavar": "KEY=VALUE",
                                  "help": "override a config value, e.g. --set train.epochs=3 (repeatable)"}
     t = sub.add_parser("train", help="run an experiment under any launcher (or none)")
-    t.add_argument("experiment", help="experiment YAML file (experiments/quickstart.yaml) or "
-                   "your own training script (my_train.py; its arguments go after --)")
+    t.add_argument("experiment", nargs="?", help="experiment YAML file "
+                   "(experiments/quickstart.yaml) or your own training script (my_train.py; its "
+                   "arguments go after --)")
+    t.add_argument("-m", dest="module", default="", metavar="MODULE",
+                   help="your own training script as a module of a package, run as python -m "
+                        "runs it (its arguments go after --)")
     t.add_argument("--set", dest="overrides", **overrides)
     t.add_argument("--summary-out", default="", metavar="PATH",
                    help="also write summary.json here (rank 0), e.g. for scripts and benchmarks")
     t.set_defaults(func=lambda a: _train(a.experiment, a.overrides, a.summary_out,
-                                         a.script_args), script_args=[])
+                                         a.script_args, a.module), script_args=[])
     d = sub.add_parser("doctor", help="preflight checks; exits non-zero on problems")
     d.add_argument("experiment", nargs="?", help="check against this experiment's settings")
     d.add_argument("--set", dest="overrides", **overrides)
@@ -150,9 +155,9 @@ def _delivery_first(args: argparse.Namespace) -> None:
     """A tracked job's node leader starts its delivery process before anything imports torch,
     so MLflow's start-up there runs beside the ranks' own (tracking/delivery.py, prestart).
     Anything wrong is left to the job itself, which says it in its own order."""
-    from .config import load
     from .credentials import from_files
     from .launchers import LaunchEnv
+    from .launchers.local import load_job
     from .logins import from_uri
     from .tracking.delivery import prestart
 
@@ -162,7 +167,7 @@ def _delivery_first(args: argparse.Namespace) -> None:
         # delivery process must inherit; this process's environment is left as it was.
         from_files()
         from_uri()
-        cfg = load(args.experiment, args.overrides, args.script_args, environ=os.environ)
+        cfg = load_job(args.experiment, args.module, args.overrides, args.script_args)
         env = dict(os.environ)
         le = LaunchEnv.from_environ(os.environ)
     except Exception:  # noqa: BLE001 - see above
@@ -195,10 +200,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         hint = ""
-        if args.command in ("train", "run") and str(args.experiment).endswith(".py"):
-            hint = (f"; a script's own arguments go after --: ddplab {args.command} {args.experiment} "
+        script = f"-m {args.module}" if getattr(args, "module", "") else str(args.experiment)
+        if args.command in ("train", "run") and (script.endswith(".py") or args.module):
+            hint = (f"; a script's own arguments go after --: ddplab {args.command} {script} "
                     f"-- {' '.join(unknown)}")
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if args.command in ("train", "run") and not (args.experiment or args.module):
+        parser.error(f"{args.command}: give an experiment (a .yaml file, or your own script's "
+                     ".py), or -m MODULE")
     if script_args is not None:
         args.script_args = script_args
     return args
@@ -222,8 +231,9 @@ def run(args: argparse.Namespace) -> int:
         # bad input, like argparse's; "ddplab <command>: error:" for a command that failed).
         logger("" if e.exit_code == EXIT_USAGE or args.command == "train" else args.command).error(e)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         logger().warning("interrupted")
+        _say_run(e)
         return 130
     except Exception as e:
         # A bug (ddplab's, or the user's code's): one line first, then the traceback.
@@ -231,7 +241,23 @@ def run(args: argparse.Namespace) -> int:
         where = _raised_in_user_code(e)
         logger().error(f"{where + ' raised' if where else 'unexpected'} {type(e).__name__}: "
                        f"{first} (traceback below)")
-        raise
+        if not getattr(e, "run_line", ""):
+            raise
+        # The job had a run: its traceback, then (last, as when it finishes) where the run is.
+        import traceback
+
+        traceback.print_exc()
+        _tell_torchrun(e)  # what @record would have written
+        _say_run(e)
+        return EXIT_ERROR
+
+
+def _say_run(e: BaseException) -> None:
+    """A failed or stopped job's last line: where its run is (jobend.Signals put it on ``e``;
+    progress lines come from rank 0 only)."""
+    line = getattr(e, "run_line", "")
+    if line:
+        logger().info(line)
 
 
 def _raised_in_user_code(e: BaseException) -> str:
@@ -354,21 +380,28 @@ def _launch(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-def _train(experiment: str, overrides: list[str], summary_out: str,
-           script_args: list[str] | None = None) -> int:
+def _train(experiment: str | None, overrides: list[str], summary_out: str,
+           script_args: list[str] | None = None, module: str = "") -> int:
     from .errors import DdplabError
-    from .training.run import train
 
     warnings.filterwarnings("default")
     try:
-        train(experiment, overrides, summary_out, script_args)
+        if module:  # a packaged script: script mode, whatever the experiment file says
+            from .launchers.local import load_job
+            from .training import scriptmode
+
+            scriptmode.train(load_job(experiment, module, overrides, script_args), summary_out)
+        else:
+            from .training.run import train
+
+            train(experiment, overrides, summary_out, script_args)
         return 0
     except DdplabError as e:
-        # Its one line (the run, if any, records the traceback); bad input (exit 2) is found
-        # before any process group or run exists, a failure also goes to torchrun's summary.
+        # Its one line (the run, if any, records the traceback), then where the run is; under
+        # torchrun it goes to the rank's error file too (torchrun's failure summary).
         logger().error(e)
-        if e.exit_code != EXIT_USAGE:
-            _tell_torchrun(e)
+        _tell_torchrun(e)
+        _say_run(e)
         return e.exit_code
     except SystemExit as e:
         # User code (a model, loss, dataset, metric) called sys.exit while training: exit 0
@@ -376,18 +409,36 @@ def _train(experiment: str, overrides: list[str], summary_out: str,
         line = f"user code called sys.exit({e.code!r}) during the job; it ended FAILED"
         logger().error(line)
         _tell_torchrun(RuntimeError(line))
+        _say_run(e)
         return EXIT_ERROR
 
 
 def _tell_torchrun(e: BaseException) -> None:
     """Under torchrun, each rank's error goes into its error file too, so torchrun's failure
     summary ("Root Cause (first observed failure)") shows which rank failed first and why,
-    instead of "error_file: <N/A>" (torch.distributed.elastic's ErrorHandler, what @record uses)."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    instead of "error_file: <N/A>" (torch.distributed.elastic's ErrorHandler, what @record
+    uses). Bad input is its one line; a failed script the user's own traceback (ScriptFailed:
+    ``user_traceback``), not ddplab's frames around it, and when it failed."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    import json
+    import time
 
     try:
+        if hasattr(e, "user_traceback") or getattr(e, "exit_code", 0) == EXIT_USAGE:
+            line = str(e)
+            # A failed script: its line ("rank 1 (host h): ValueError: ...") over the user's
+            # traceback (ScriptFailed.detail), as the run's error.txt has it.
+            said = getattr(e, "detail", "") if getattr(e, "user_traceback", "") else line
+            when = getattr(e, "t", None) or time.time()
+            with open(path, "w") as f:  # ErrorHandler's format (torch.distributed.elastic)
+                json.dump({"message": {"message": getattr(e, "user_error", "") or line,
+                                       "extraInfo": {"py_callstack": said,
+                                                     "timestamp": str(int(when))}}}, f)
+            return
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
         ErrorHandler().record_exception(e)
     except OSError:  # the summary then says <N/A>, as before; the job's own line stands
         pass

@@ -501,7 +501,8 @@ class CheckpointConfig:
     keep: int = 3
     """Newest checkpoints kept per run (older ones are deleted)."""
     resume: str = "auto"
-    """auto = continue the newest valid unfinished checkpoint; never; or a checkpoint path."""
+    """auto = continue the newest valid unfinished checkpoint; never; a checkpoint file; or a
+    run's checkpoint folder (``checkpoints/<experiment>/<run id>/``: its newest)."""
     resume_changes: Literal["refuse", "allow"] = "refuse"
     """A resume whose config differs from the checkpoint's beyond what a resume may change
     (checkpoint.RESUMABLE) is refused, naming each change; ``allow`` records them instead."""
@@ -513,7 +514,7 @@ class CheckpointConfig:
         if self.keep < 1:
             fail("keep", self.keep, "must be >= 1")
         if not self.resume:
-            fail("resume", self.resume, "use 'auto', 'never' or a checkpoint file path")
+            fail("resume", self.resume, "use 'auto', 'never', a checkpoint file or a run's folder")
 
 
 @dataclass
@@ -576,6 +577,45 @@ class ScriptConfig:
         check_range(self, "log_tail_kb", 1, 1 << 20)
         if self.flops_per_sample < 0:
             fail("flops_per_sample", self.flops_per_sample, "FLOPs per sample >= 0 (0 = counted)")
+
+    @property
+    def module(self) -> str:
+        """``pkg.train`` when the script is a module: ``path`` is ``-m pkg.train``, which
+        ``ddplab train -m pkg.train`` sets (run as ``python -m`` runs it), else ""."""
+        return self.path.removeprefix("-m ").strip() if self.path.startswith("-m ") else ""
+
+    def file(self, cwd: Path | None = None) -> Path:
+        """The script's file: ``path``, or the file ``python -m MODULE`` runs (the module's, or
+        its package's ``__main__.py``), looked up as python -m does, the current directory
+        first, without importing anything (a package's ``__init__`` runs in the script's
+        process only). A module that is not there is one ConfigError line."""
+        name = self.module
+        if not name:
+            return Path(self.path)
+        import importlib.machinery
+        import sys
+
+        here = cwd or Path.cwd()
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+            raise ConfigError(f"-m {name}: not a module name (dotted names, e.g. pkg.train)")
+        search: list[str] | None = [str(here), *sys.path[1:]]
+        spec = None
+        for i in range(1, len(name.split(".")) + 1):
+            full = ".".join(name.split(".")[:i])
+            spec = importlib.machinery.PathFinder.find_spec(full, search) if search else None
+            if spec is None:
+                raise ConfigError(f"-m {name}: no module named {full!r} (from the current "
+                                  f"directory {here} and the installed packages)")
+            search = list(spec.submodule_search_locations or []) or None
+        if search:  # a package: its __main__ runs
+            spec = importlib.machinery.PathFinder.find_spec(f"{name}.__main__", search)
+            if spec is None:
+                raise ConfigError(f"-m {name}: a package without __main__.py cannot be run")
+        origin = spec.origin if spec is not None else None
+        if not origin or not origin.endswith(".py"):
+            raise ConfigError(f"-m {name}: {origin or 'a namespace package'} is not a Python "
+                              "source file")
+        return Path(origin).resolve()
 
     def argv(self) -> list[str]:
         """The script's arguments: ``args``, then ``flags`` (replacing the same flag in args)."""

@@ -2,20 +2,25 @@
 
     ddplab run --nproc-per-node 2 experiments/quickstart.yaml [--set ...]   # what `make run` runs
     ddplab run --nproc-per-node 2 my_train.py -- --epochs 3                 # a script
+    ddplab run --nproc-per-node 2 -m pkg.train -- --epochs 3                # a packaged one
 
 Everything that can be known before the ranks start (the config, the script, the layout, the
 backend on this machine, the tracking store and its login, the folders) is checked here, once:
 a refusal is ONE line and exit 2, instead of one line per rank wrapped in torchrun's failure
 banner and its traceback. Then this process runs ``torchrun --standalone`` with the same
-arguments (torchrun's own ``main``: its signals, output and exit code).
+arguments (torchrun's own ``run``: its signals and output); a rank's failure is one line
+naming the rank, exit 2 for a refusal, else the rank's own code (128 + N for signal N),
+instead of torchrun's failure banner (the ranks said what failed, and where the run is).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
+from typing import Any
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
@@ -23,17 +28,50 @@ def parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, default=int(os.environ.get("NPROC", "2")),
                    metavar="N", help="ranks on this machine (default $NPROC or 2)")
-    p.add_argument("experiment", help="experiment YAML or your own training script (.py)")
+    p.add_argument("experiment", nargs="?", help="experiment YAML or your own training "
+                   "script (.py)")
+    p.add_argument("-m", dest="module", default="", metavar="MODULE",
+                   help="a packaged training script, run as python -m runs it")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (repeatable), as for ddplab train")
     p.add_argument("--summary-out", default="", metavar="PATH")
+
+
+def load_job(experiment: str | None, module: str, overrides: list[str],
+             script_args: list[str] | None) -> Any:
+    """The job's config: an experiment (YAML or .py), or ``-m MODULE``: a packaged script
+    (``script.path`` ``-m MODULE``, config.ScriptConfig.module; with an experiment file's
+    settings when one is given too), named after the module. The module is found and its file
+    compiled here: a refusal is one line before any run."""
+    import dataclasses
+
+    from .. import config
+    from ..config import ConfigError
+
+    if not module:
+        return config.load(experiment, overrides, script_args, environ=os.environ)
+    cfg = config.load(experiment, overrides, environ=os.environ)
+    if cfg.script.path:
+        raise ConfigError(f"-m {module}: the experiment names a script already (script.path "
+                          f"{cfg.script.path!r}); give one of them")
+    script = dataclasses.replace(cfg.script, path=f"-m {module}",
+                                 args=[*cfg.script.args, *(script_args or [])])
+    file = script.file()  # found as python -m finds it, or one line
+    try:
+        compile(file.read_bytes(), str(file), "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"-m {module}: {file} does not compile: {e.msg} at line "
+                          f"{e.lineno}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"-m {module}: {file} cannot be read ({e})") from None
+    name = cfg.name if cfg.name != config.ExperimentConfig.name else module
+    return dataclasses.replace(cfg, name=name, script=script)
 
 
 def preflight(a: argparse.Namespace) -> None:
     """Every check one process can make for N ranks here; raises ConfigError or BackendError."""
     import torch
 
-    from .. import config
     from ..config import ConfigError
     from ..distributed.choice import resolve, resolve_device
     from ..training import checks
@@ -41,7 +79,7 @@ def preflight(a: argparse.Namespace) -> None:
 
     if a.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: got {a.nproc_per_node}; must be >= 1")
-    cfg = config.load(a.experiment, a.overrides, a.script_args, environ=os.environ)
+    cfg = load_job(a.experiment, a.module, a.overrides, a.script_args)
     n = a.nproc_per_node
     le = LaunchEnv("torchrun", 0, n, 0, n, 0, "127.0.0.1", 29500)
     if cfg.script.path:
@@ -68,23 +106,58 @@ def torchrun_args(a: argparse.Namespace) -> list[str]:
     sets = [x for s in a.overrides for x in ("--set", s)]
     out = ["--summary-out", a.summary_out] if a.summary_out else []
     rest = ["--", *a.script_args] if a.script_args else []
+    job = [*([a.experiment] if a.experiment else []), *(["-m", a.module] if a.module else [])]
     return ["--standalone", f"--nproc-per-node={a.nproc_per_node}", "-m", "ddplab", "train",
-            a.experiment, *sets, *out, *rest]
+            *job, *sets, *out, *rest]
 
 
 def run(a: argparse.Namespace) -> int:
-    """The preflight, then torchrun's own ``main`` in this process. In this process, not a new
+    """The preflight, then torchrun's own ``run`` in this process. In this process, not a new
     one: torch is imported already, and importing it again cost each job ~2 s of CPU before its
-    ranks started (bench-startup). torchrun's signals, output and exit code stay its own: what
-    it raises is printed as a torchrun would print it, exit 1."""
+    ranks started (bench-startup). torchrun's signals and output stay its own; a rank's failure
+    is one line (``failed``), anything else torchrun raises is printed as torchrun would, exit 1.
+    (torchrun's ``main`` is its ``run`` under ``@record``, whose only addition here would be a
+    log line that no error file is defined for this process.)"""
     preflight(a)
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
 
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     try:
-        torchrun(torchrun_args(a))
-    except Exception:  # noqa: BLE001 - a rank failed (ChildFailedError) or a signal stopped it
+        torchrun(parse_args(torchrun_args(a)))
+    except ChildFailedError as e:
+        return failed(e)
+    except SignalException as e:  # Ctrl-C or SIGTERM: torchrun stopped the ranks
+        from ..log import logger
+
+        logger().warning(f"stopped by {signal.Signals(e.sigval).name}")
+        return 128 + int(e.sigval)
+    except Exception:  # noqa: BLE001 - torchrun's own failure (its rendezvous, ...)
         traceback.print_exc()
         return 1
     return 0
+
+
+def failed(e: Any) -> int:
+    """torchrun's ChildFailedError as ddplab's one line: the rank torchrun saw fail first (the
+    ranks' error files say which: cli._tell_torchrun) and its error; its exit code (2: the rank
+    refused the job's input; 128 + N: killed by signal N)."""
+    from ..log import logger
+
+    rank, first = e.get_first_failure()
+    code = first.exitcode
+    message = first.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    said = str(message or "").strip().splitlines()
+    why = said[0][:300] if said and not said[0].startswith("To enable traceback") else ""
+    if code < 0:
+        name = first.signal_name()
+        logger().error(f"rank {rank} was killed by {name}{f' ({why})' if why and name not in why else ''}")
+        return 128 - code
+    logger().error(f"rank {rank} {'refused the job' if code == 2 else 'failed'} (exit code "
+                   f"{code}){f': {why}' if why else ''}")
+    return code

@@ -24,12 +24,17 @@ GRACE_S = 20.0
 stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
 
 
+WATCHERS: list[subprocess.Popen] = []
+"""The watchers this process left running, kept: a Popen collected while its process runs is
+Python's "ResourceWarning: subprocess N is still running" on the failed rank's console."""
+
+
 def start(uri: str, run_id: str, why: str, grace_s: float) -> None:
     """Leave the watcher running and return at once."""
-    subprocess.Popen([sys.executable, "-m", "ddplab.tracking.orphan", uri, run_id, why[:500],
-                      "--grace", str(grace_s)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
-                     start_new_session=True)
+    WATCHERS.append(subprocess.Popen(
+        [sys.executable, "-m", "ddplab.tracking.orphan", uri, run_id, why[:500], "--grace",
+         str(grace_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
+        start_new_session=True))
 
 
 def main(argv: list[str] | None = None) -> int:

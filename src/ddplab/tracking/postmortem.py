@@ -9,6 +9,7 @@ saw of it). ``ddplab diagnose RUN_ID`` reads it back from the run alone.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from typing import Any
@@ -79,7 +80,9 @@ def name_the_cause(client: Any, run_id: str, line: str) -> None:
 
 def diagnose(run_id: str) -> int:
     """``ddplab diagnose RUN_ID``: the verdict and where each rank's stack is, from the run
-    alone (also one synced later from a spool)."""
+    alone (also one synced later from a spool). A script run (script mode) says each rank's
+    place too: how its script ended, where (the innermost frame of the user's file), its
+    stack and logs. A tag that is missing or garbled is one line, never a traceback."""
     from .store import recorded_run
 
     client, run, _ = recorded_run(run_id)
@@ -87,19 +90,93 @@ def diagnose(run_id: str) -> int:
     print(f"run {run_id}: {run.info.status}")
     line = tags.get("ddplab.verdict") or tags.get("ddplab.error", "").split("\n", 1)[0]
     print(f"verdict: {line}" if line else "verdict: no rank failed or hung")
-    for key in sorted(k for k in tags if k.startswith(TAG)):
-        for ending in from_json(tags[key]):
-            first = ending.detail.splitlines()[0][:160] if ending.detail else ""
-            print(f"  rank {ending.rank} ({ending.host}, {key.removeprefix(TAG)}): {ending.what} "
-                  f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else "")
-                  + _collective(ending))
-    files = _artifacts(client, run_id, "forensics")
+    error = tags.get("ddplab.error", "").split("\n", 1)[0]
+    if error and error != line:
+        print(f"error: {error}")
+    script = tags.get("ddplab.mode") == "script"
+    if script:
+        _script_ranks(tags, run.info.status)
+    for i, key in enumerate(sorted(k for k in tags if k.startswith(TAG))):
+        if script and i == 0:
+            print("their steps, as ddplab watched them (ddplab.forensics.<node>):")
+        try:
+            said = [_ending(key, ending) for ending in from_json(tags[key])]
+        except Exception as e:  # noqa: BLE001 - garbled (cut at 8000 characters, edited): say so
+            said = [f"  {key}: unreadable ({type(e).__name__}; {len(tags[key])} characters)"]
+        print("\n".join(said))
+    try:
+        files = _artifacts(client, run_id, "forensics")
+    except Exception as e:  # noqa: BLE001 - the artifact store may be elsewhere, or gone
+        print(f"stacks, crash dumps and errors: the run's artifacts cannot be listed "
+              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+        return 0
     if files:
         root = run.info.artifact_uri.rstrip("/")
         print("stacks, crash dumps and errors (the run's artifacts):")
         for path in files:
             print(f"  {root}/{path}")
     return 0
+
+
+SCRIPT_RANKS = "ddplab.script_ranks"  # supervisor.RANKS_TAG (training is above tracking)
+
+
+def _script_ranks(tags: dict[str, str], status: str) -> None:
+    """Each rank's place, from what the script run recorded of its ranks' endings."""
+    text = tags.get(SCRIPT_RANKS)
+    if text is None:
+        if status != "FINISHED":
+            print(f"the script's ranks: not recorded ({SCRIPT_RANKS} missing: rank 0 ended "
+                  "before it could say, or an older ddplab ran it)")
+        return
+    try:
+        entries = json.loads(text)
+        if not isinstance(entries, list):
+            raise TypeError("not a list")
+        lines = [_rank_place(e) for e in entries if isinstance(e, dict)]
+    except Exception as e:  # noqa: BLE001 - garbled: one line, the rest of diagnose goes on
+        print(f"the script's ranks: {SCRIPT_RANKS} unreadable ({type(e).__name__}: {e})"[:300])
+        return
+    print("the script's ranks (logs/rank<r>.stdout.txt, .stderr.txt):")
+    for place in lines:
+        if place:
+            print(f"  {place}")
+
+
+def _rank_place(e: dict[str, Any]) -> str:
+    if "rank" not in e:
+        ok, unlisted = e.get("ok", 0), e.get("unlisted", 0)
+        return (f"{ok} rank(s) exited 0" if ok else "") + \
+            (f"{'; ' if ok else ''}{unlisted} more not listed (the tag's size)" if unlisted else "")
+    head = f"rank {e['rank']}" + (f" (host {e['host']})" if e.get("host") else "")
+    if e.get("missing"):
+        return f"{head}: ended without reporting (its process killed outright: SIGKILL, OOM?)"
+    code = e.get("code")
+    how = (f"killed by {_signal_name(-int(code))}" if isinstance(code, int) and code < 0
+           else f"exit code {code}")
+    if e.get("stopped"):
+        how = f"stopped ({e['stopped']}), {how}"
+    why = str(e.get("why", ""))[:200]
+    place = e.get("raised_at") or e.get("where")
+    return (f"{head}: {how}" + (f": {why}" if why and not why.startswith("killed by") else "")
+            + (f"; at {place}" if place else "")
+            + (f"; stack {e['stack']}" if e.get("stack") else ""))
+
+
+def _signal_name(n: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def _ending(key: str, ending: Ending) -> str:
+    first = ending.detail.splitlines()[0][:160] if ending.detail else ""
+    return (f"  rank {ending.rank} ({ending.host}, {key.removeprefix(TAG)}): {ending.what} "
+            f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else "")
+            + _collective(ending))
 
 
 def _collective(e: Ending) -> str:

@@ -26,6 +26,11 @@ class Signals:
     def __init__(self) -> None:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
+        self.run: tracking.NullTracker | None = None
+
+    def attach(self, run: tracking.NullTracker) -> None:
+        """The job's run: a job that fails or is stopped names it last too (``run_line``)."""
+        self.run = run
 
     def __enter__(self) -> Signals:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -52,9 +57,27 @@ class Signals:
         for sig in self.previous:
             signal.signal(sig, signal.SIG_IGN)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if exc is not None and not hasattr(exc, "run_line"):
+            run = self.run or _run_in(tb)
+            if run is not None and run.run_id:
+                # Printed after the job's error line (cli.py): where the failed run is, as a
+                # finished job says where its run is.
+                exc.run_line = where(  # type: ignore[attr-defined]
+                    run, getattr(exc, "status", None) or self.status())
+
+
+def _run_in(tb: Any) -> tracking.NullTracker | None:
+    """The job's run, from the frames the exception left (ddplab's loop: the ``run`` of
+    ``with tracking.job_run(...) as run`` in run.train), when none was attached."""
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, tracking.NullTracker):
+                return value
+        tb = tb.tb_next
+    return None
 
 
 def who_stops(env: Mapping[str, str]) -> str:
@@ -70,10 +93,12 @@ def who_stops(env: Mapping[str, str]) -> str:
     return "a peer rank failed, or the job was stopped"
 
 
-def where(tracker: tracking.NullTracker) -> str:
+def where(tracker: tracking.NullTracker, status: str = "FINISHED") -> str:
+    """A job's last line: its run, how it ended and where a browser shows it."""
     if not tracker.run_id:
         return "tracking was off: nothing recorded in MLflow"
     if tracker.left:
-        return f"MLflow run {tracker.run_id}: not all delivered yet (see the warning above)"
-    return f"MLflow run {tracker.run_id} FINISHED" + tracking.ui_address(
+        return (f"MLflow run {tracker.run_id} {status}: not all delivered yet (see the warning "
+                "above)")
+    return f"MLflow run {tracker.run_id} {status}" + tracking.ui_address(
         tracker.uri, tracker.experiment_id, tracker.run_id)

@@ -1,8 +1,10 @@
-"""The script's own process: ``python -m ddplab.training.scriptmode.child SCRIPT [ARGS...]``.
+"""The script's own process: ``python -m ddplab.training.scriptmode.child SCRIPT [ARGS...]``
+(or ``... child -m pkg.module [ARGS...]``).
 
 Started by the rank's supervisor (supervisor.py) with the launcher's environment, it runs the
-script as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set
-them) after three small preparations that need nothing from the script:
+script as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` or
+``python -m pkg.module ARGS`` would set them) after three small preparations that need nothing
+from the script:
 
 - ``torch.distributed.init_process_group`` and the first collectives are observed, so the run
   records the backend, world size, device and threads the SCRIPT chose, and when
@@ -121,9 +123,14 @@ def _ccl_stand_in() -> None:
 
 
 def main(argv: list[str]) -> int:
-    script = Path(argv[0])
+    script: Path | str
+    if argv[0] == "-m":  # python -m: sys.path[0] the current directory, argv[0] the module's file
+        script, argv = argv[1], argv[1:]
+        sys.path[0] = os.getcwd()
+    else:
+        script = Path(argv[0])
+        sys.path[0] = str(script.parent)
     sys.argv = [str(script), *argv[1:]]
-    sys.path[0] = str(script.parent)
     _ccl_stand_in()
     _stacks_on_request()
     import torch.distributed as dist
@@ -154,12 +161,16 @@ def _env_int(name: str, default: int = 0) -> int:
     return int(value) if value.isdigit() else default
 
 
-def _run(script: Path) -> int:
-    """The script as ``__main__``; its exit code, its failure reported."""
+def _run(script: Path | str) -> int:
+    """The script (a path; a str: a module's name) as ``__main__``; its exit code, its failure
+    reported."""
     from ...forensics import heartbeat
 
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        if isinstance(script, str):
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code:
@@ -175,8 +186,9 @@ def _run(script: Path) -> int:
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report
         tb = e.__traceback__
-        # The frames above the script's own are ddplab's (this module, runpy): not the user's.
-        while tb is not None and tb.tb_frame.f_code.co_filename != str(script):
+        # The frames above the script's own are ddplab's (this module, runpy, importlib's
+        # while it imports a module's packages): not the user's.
+        while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
         text = "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
         last = (traceback.format_exception_only(type(e), e)[-1]).strip()
@@ -186,6 +198,10 @@ def _run(script: Path) -> int:
         return 130 if isinstance(e, KeyboardInterrupt) else 1
     heartbeat.beat("done")
     return 0
+
+
+def _ours(filename: str) -> bool:
+    return filename in (__file__, runpy.__file__) or filename.startswith("<frozen ")
 
 
 def _exit(code: int) -> None:

@@ -293,7 +293,6 @@ def _patch_fluent(fluent: ModuleType) -> None:
         return experiment
 
     def start_run_joined(*args: Any, **kwargs: Any) -> Any:
-        return start_run(*args, **kwargs)
         try:
             call = start_sig.bind(*args, **kwargs)
         except TypeError:

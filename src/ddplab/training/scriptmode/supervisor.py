@@ -49,13 +49,21 @@ OWN_ENTRIES = {"spool", FINISHED_MARK}
 
 
 class ScriptFailed(DdplabError):
-    """The script failed on some rank: one line here, the user's traceback in ``detail``."""
+    """The script failed on some rank: one line here, the user's traceback in ``detail``.
+
+    ``user_traceback``, ``user_error`` (its last line) and ``t`` (when it failed, for which
+    rank torchrun names first) are what the rank's torchrun error file says (cli.py): the
+    user's error, not ddplab's frames."""
 
     status = "FAILED"
 
-    def __init__(self, line: str, detail: str = "") -> None:
+    def __init__(self, line: str, detail: str = "", user_error: str = "",
+                 t: float | None = None) -> None:
         super().__init__(line)
         self.detail = f"{line}\n\n{detail}".strip()
+        self.user_traceback = detail
+        self.user_error = user_error or line
+        self.t = t
 
 
 class ScriptStopped(ScriptFailed):
@@ -144,12 +152,13 @@ class Script:
                  t0: float) -> None:
         self.cfg, self.le, self.run, self.meeting, self.t0 = cfg, le, run, meeting, t0
         s = cfg.script
-        self.path = Path(s.path)
+        self.file = s.file()  # the script, or the module's file (-m pkg.module)
         root = Path(cfg.checkpoint.dir).resolve() / cfg.name
         self.ckpt_dir = root / (run.run_id or "untracked")
         self.spool = spool.spool_dir(root, run.run_id, le.node_rank) if run.run_id else None
-        self.report_file = Path(tempfile.mkstemp(prefix=f"ddplab-script-rank{le.rank}-",
-                                                 suffix=".json")[1])
+        fd, report = tempfile.mkstemp(prefix=f"ddplab-script-rank{le.rank}-", suffix=".json")
+        os.close(fd)
+        self.report_file = Path(report)
         self.stack_file = self.report_file.with_suffix(".stack.txt")
         self.forensics = forensics_dir(self.spool) if self.spool and s.observe else None
         if self.forensics is not None:
@@ -193,9 +202,11 @@ class Script:
         """Start the script, pass its output through, and wait for its end, a peer's failure
         or a signal (raised here by run.Signals: the script is then stopped the same way)."""
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        s = self.cfg.script
+        target = ["-m", s.module] if s.module else [str(self.file)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddplab.training.scriptmode.child", str(self.path),
-             *self.cfg.script.argv()], env=self.env(), stdout=subprocess.PIPE,
+            [sys.executable, "-m", "ddplab.training.scriptmode.child", *target, *s.argv()],
+            env=self.env(), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
         pumps = [threading.Thread(target=t.pump, args=(p,), daemon=True)
                  for t, p in zip(self.tails, (proc.stdout, proc.stderr), strict=True)]
@@ -237,17 +248,15 @@ class Script:
                     return
             time.sleep(0.05)
 
-    def where(self) -> str:
+    def where(self, traceback: str = "") -> str:
         """'my_train.py:45 in <module>': the innermost frame of the script's own file in the
-        main thread's dumped stack, else the innermost frame ('' without a dump)."""
+        main thread's dumped stack, else the innermost frame ('' without a dump); with
+        ``traceback`` (the script's own, innermost frame last), in that instead."""
+        if traceback:
+            return _innermost(traceback, self.file, last_first=False)
         with contextlib.suppress(OSError):
-            text = self.stack_file.read_text()
-            main = text.split("Current thread", 1)[-1]
-            frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', main)
-            mine = [f for f in frames if Path(f[0]).name == self.path.name] or frames
-            if mine:
-                file, line, func = mine[0]
-                return f"{Path(file).name}:{line} in {func}"
+            return _innermost(self.stack_file.read_text().split("Current thread", 1)[-1],
+                              self.file, last_first=True)
         return ""
 
     def _end(self, proc: subprocess.Popen, pumps: list[threading.Thread], stopped: str
@@ -283,7 +292,12 @@ class Script:
             out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
         out["traceback"] = seen.get("traceback", "")[-6000:]
         if stopped and (where := self.where()):
-            out["where"] = where
+            out["where"] = where  # where a stopped rank was: its stack, asked for
+        elif code and (where := self.where(out["traceback"])):
+            out["raised_at"] = where  # where a failed rank's script raised
+        with contextlib.suppress(OSError):
+            if self.spool is not None and "File " in self.stack_file.read_text():
+                out["stack"] = f"forensics/rank{self.le.rank}.stack.txt"  # _keep_logs
         return out
 
     def _keep_logs(self) -> None:
@@ -308,6 +322,19 @@ class Script:
                 stream.append({"op": "file", "ts": spool.now_ms(), "path": str(kept),
                                "dir": "forensics"})
             stream.close()
+
+
+def _innermost(stack: str, script: Path, last_first: bool) -> str:
+    """The innermost frame of ``script``'s own file in a stack (faulthandler's dump: innermost
+    first; a traceback: innermost last), else the innermost frame at all."""
+    frames = re.findall(r'File "([^"]+)", line (\d+),? in (\S+)', stack)
+    if not last_first:
+        frames.reverse()
+    mine = [f for f in frames if Path(f[0]).name == script.name] or frames
+    if not mine:
+        return ""
+    file, line, func = mine[0]
+    return f"{Path(file).name}:{line} in {func}"
 
 
 def _free_port() -> int:
@@ -347,6 +374,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                                         f"{le.local_world_size}r {le.launcher}"
         with tracking.job_run(cfg, le, None, resume, signals, share=meeting.share_from_rank0,
                               run_name=name, beats=False) as run:
+            signals.attach(run)  # a failed job names its run last too (cli.py)
             script = Script(cfg, le, run, meeting, t0)
             if le.is_rank0:
                 _record_start(run, cfg, le, script, resume)
@@ -382,7 +410,11 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 if failed is not None:
                     raise failed
             elif own["failed"]:
-                raise ScriptFailed(_line(own))
+                # Its own failure, the user's traceback in torchrun's error file; a peer's
+                # consequence a second later, so torchrun names the cause first.
+                later = 1.0 if own["stopped"] or _secondary(own) else 0.0
+                raise ScriptFailed(_line(own), own["traceback"], own.get("why", ""),
+                                   own["t"] + later)
         if le.is_rank0 and run.run_id:
             (script.ckpt_dir / FINISHED_MARK).write_text(run.run_id)
     Console(le.is_rank0).say(where(run))
@@ -437,7 +469,11 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
                            if outcomes[r].get("where"))
         tail = (f"; then rank(s) {','.join(map(str, others))} failed or were stopped"
                 f"{f' ({waited}; stacks in forensics/)' if waited else ''}" if others else "")
-        return ScriptFailed(f"the script failed on {_line(first)}{tail}", first["traceback"])
+        # torchrun names the rank whose error file is oldest: this (rank 0's) one only when
+        # rank 0 is the cause.
+        t = first["t"] if first["rank"] == 0 else max(time.time(), first["t"] + 1.0)
+        return ScriptFailed(f"the script failed on {_line(first)}{tail}", first["traceback"],
+                            t=t)
     missing = sorted(set(range(world)) - set(outcomes))
     if signal_e is None and not missing and all(not o["failed"] for o in outcomes.values()):
         return None
@@ -456,10 +492,10 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
 
 def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script: Script,
                   resume: str) -> None:
-    path = script.path
+    path = script.file  # the script, or the module's file (ddplab.script: "-m pkg.module")
     s = cfg.script
     run.set_tags({
-        "ddplab.mode": "script", "ddplab.script": str(path),
+        "ddplab.mode": "script", "ddplab.script": s.path,
         "ddplab.script_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "ddplab.script_git": git_state(path), "ddplab.script_args": json.dumps(s.argv()),
         "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
@@ -472,7 +508,7 @@ def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script:
         **{f"ddplab.version.{k}": v for k, v in capsule.versions().items()},
         **capsule.scheduler_tags()})
     kept = {"name": cfg.name, "description": cfg.description,
-            "script": {**cfg.to_dict()["script"], "path": str(path)},
+            "script": {**cfg.to_dict()["script"], "path": s.path},
             "dist": {"threads_per_rank": cfg.dist.threads_per_rank,
                      "timeout_s": cfg.dist.timeout_s},
             "tracking": cfg.to_dict()["tracking"], "checkpoint": cfg.to_dict()["checkpoint"]}
@@ -482,12 +518,40 @@ def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script:
                  "environment.json")
 
 
+RANKS_TAG = "ddplab.script_ranks"
+"""How each rank's script ended, for ``ddplab diagnose`` (tracking/postmortem.py): a JSON list,
+one entry per rank that did not exit 0, ``{"rank", "host", "code", "why", "stopped",
+"where"/"raised_at", "stack"}``, or ``{"rank", "missing": true}`` for a rank that never
+reported; ``{"ok": N}`` counts the ranks that exited 0."""
+
+
+def ranks_tag(outcomes: dict[int, dict[str, Any]], world: int, limit: int = 7800) -> str:
+    """The ranks' endings in one tag (MLflow keeps 8000 characters of a tag: entries beyond
+    that are counted, not listed)."""
+    keys = ("rank", "host", "code", "why", "stopped", "where", "raised_at", "stack")
+    entries: list[dict[str, Any]] = []
+    for r in range(world):
+        o = outcomes.get(r)
+        if o is None:
+            entries.append({"rank": r, "missing": True})
+        elif o.get("failed"):
+            entries.append({k: str(o[k])[:300] if isinstance(o[k], str) else o[k]
+                            for k in keys if o.get(k) not in (None, "")})
+    ok = sum(1 for o in outcomes.values() if not o.get("failed"))
+    while True:
+        unlisted = world - ok - len(entries)
+        text = json.dumps([*entries, {"ok": ok, **({"unlisted": unlisted} if unlisted else {})}])
+        if len(text) <= limit or not entries:
+            return text
+        entries.pop()
+
+
 def _record_end(run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -> Figures:
     """What the script's own init_process_group chose (observed on rank 0), the hosts, times,
     and what its training did (observe.py, figures.py): returned for the console."""
     seen = outcomes.get(0, {}).get("observed", {}) or script.observed()
     hosts = sorted({o["host"] for o in outcomes.values()})
-    tags = {"ddplab.hosts": ",".join(hosts)}
+    tags = {"ddplab.hosts": ",".join(hosts), RANKS_TAG: ranks_tag(outcomes, script.le.world_size)}
     if "backend" in seen:
         backend = seen["backend"]
         stand_in = backend == "ccl" and importlib.util.find_spec(

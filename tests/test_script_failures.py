@@ -1,0 +1,170 @@
+"""Failures as well reported as successes (script mode, and ddplab's loop where it shares the
+code): the failed run's address last, torchrun's banner showing the user's error, each rank's
+place in ``ddplab diagnose``, and packaged scripts (``ddplab train -m pkg.train``)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+
+import pytest
+
+from ddplab import cli
+from ddplab.launchers import local
+
+from .conftest import REPO, ddplab, job_env, runs
+from .helpers import BIN
+from .test_script_mode import FAULTY
+
+# What torchrun's agent logs itself ("E1127 09:19:57.948000 10559 torch/...] ...").
+TORCHRUN_LOG = re.compile(r"^[DIWEC]\d{4} \d")
+
+
+def _ours(stderr: str) -> list[str]:
+    """The ranks' own lines (ddplab's and the script's), before torchrun's failure banner."""
+    head = stderr.split("Traceback (most recent call last):\n  File \"" +
+                        str(BIN / "torchrun"), 1)[0]
+    return [x for x in head.splitlines() if x.strip() and not TORCHRUN_LOG.match(x)]
+
+
+@pytest.mark.e2e
+def test_a_failed_script_job_says_its_run_last_torchrun_shows_the_users_error_and_diagnose_each_rank(
+        tmp_path, store, monkeypatch, capsys):
+    """One failing job (rank 1 raises at step 5; rank 0 then fails in its all-reduce), many
+    looks at it."""
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    out = ddplab(["train", str(script), "--", "--fault", "raise"], tmp_path, job_env(store),
+                 nproc=2)
+    assert out.returncode == 1
+    (run,) = runs(store)
+    run_id = run.info.run_id
+    assert run.info.status == "FAILED"
+    # 1. Rank 0's last line says where the run is, after its error line, as a finished job's does.
+    ours = _ours(out.stderr)
+    error = next(i for i, x in enumerate(ours) if x.startswith("[rank 0] ddplab: error: the "
+                                                                 "script failed on rank 1"))
+    assert ours[-1].startswith(f"[ddplab] MLflow run {run_id} FAILED in {store}"), ours[-6:]
+    assert error < len(ours) - 1, ours[-6:]
+    # 3. torchrun's banner: the user's traceback from each rank's error file, not ddplab's frames;
+    # the root cause is rank 1.
+    banner = out.stderr[out.stderr.index("ChildFailedError"):]
+    root = banner[banner.index("Root Cause"):]
+    assert "rank      : 1 (local_rank: 1)" in root, banner
+    assert 'faulty.py", line 18, in <module>' in root and "ValueError: bad batch at step 5" in root
+    assert not re.search(r"ddplab/(cli|training)", banner), banner  # no ddplab frame anywhere
+    # 4. Nothing collected while it still ran (the orphan watcher's Popen, dropped at once).
+    assert "ResourceWarning" not in out.stderr, out.stderr[-3000:]
+    # 2. diagnose: each rank's place (how its script ended, where, its stack), from the run.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    capsys.readouterr()
+    assert cli.main(["diagnose", run_id]) == 0
+    said = capsys.readouterr().out
+    assert re.search(r"rank 1 \(host [^)]+\): exit code 1: ValueError: bad batch at step 5; at "
+                     r"faulty\.py:18 in <module>", said), said
+    assert re.search(r"rank 0 \(host [^)]+\): .*exit code 1.*; at faulty\.py:1[0-9] in <module>",
+                     said), said
+    assert "the script's ranks" in said and "error: the script failed on rank 1" in said
+    # ... and a garbled tag is one line, the rest still said.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    client.set_tag(run_id, "ddplab.script_ranks", '[{"rank": 1, "code": "x"')
+    client.set_tag(run_id, "ddplab.forensics.node9", '[{"rank": "what"}]')
+    assert cli.main(["diagnose", run_id]) == 0
+    garbled = capsys.readouterr()
+    assert "ddplab.script_ranks unreadable" in garbled.out and "node9: unreadable" in garbled.out
+    assert "Traceback" not in garbled.out + garbled.err and "verdict:" in garbled.out
+
+
+PACKAGE = {
+    "__init__.py": "",
+    "helper.py": "WORDS = 'from the package'\n",
+    "train.py": '''import argparse, sys
+from .helper import WORDS  # a relative import: it runs as a module of its package
+p = argparse.ArgumentParser()
+p.add_argument("--n", type=int)
+a = p.parse_args()
+print(f"{__name__} {WORDS} n={a.n} argv0={sys.argv[0]} path0={sys.path[0]}")
+''',
+}
+
+
+@pytest.mark.e2e
+def test_a_packaged_script_runs_with_dash_m_to_one_finished_run(tmp_path, store):
+    (tmp_path / "pkg").mkdir()
+    for name, text in PACKAGE.items():
+        (tmp_path / "pkg" / name).write_text(text)
+    out = ddplab(["train", "-m", "pkg.train", "--", "--n", "3"], tmp_path, job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    train_py = tmp_path / "pkg" / "train.py"
+    assert (f"__main__ from the package n=3 argv0={train_py} path0={tmp_path}"
+            in out.stdout), out.stdout
+    (run,) = runs(store)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and tags["ddplab.script"] == "-m pkg.train"
+    assert tags["ddplab.script_sha256"] == hashlib.sha256(train_py.read_bytes()).hexdigest()
+    assert json.loads(tags["ddplab.script_args"]) == ["--n", "3"]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"[ddplab] MLflow run {run.info.run_id} FINISHED")
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_a_module_that_is_not_there_is_one_line_exit_2_before_any_run(
+        tmp_path, store, monkeypatch, capsys, command):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert cli.main([command, "-m", "nosuch.module", "--", "--n", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "ddplab: error: -m nosuch.module: no module named 'nosuch' (from the current directory "
+        f"{tmp_path}"), err
+    assert runs(store) == []
+
+
+def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path, monkeypatch,
+                                                                        capsys):
+    """``ddplab run``: torchrun's ChildFailedError becomes one line naming the rank and its
+    error (what the rank wrote in its error file), exit its code; not torchrun's banner."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ddplab.training.scriptmode.supervisor import ScriptFailed
+
+    a = argparse.Namespace(nproc_per_node=2, experiment=None, module="pkg.train", overrides=[],
+                           summary_out="", script_args=["--n", "3"])
+    assert local.torchrun_args(a)[2:] == ["-m", "ddplab", "train", "-m", "pkg.train", "--",
+                                          "--n", "3"]
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    tb = 'Traceback (most recent call last):\n  File "t.py", line 3\nValueError: bad batch'
+    cli._tell_torchrun(ScriptFailed("rank 1 (host h): ValueError: bad batch", tb,
+                                    "ValueError: bad batch", 100.0))
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
+    e = ChildFailedError("ddplab", {1: failure})
+    assert "ValueError: bad batch" in str(e) and 'File "t.py", line 3' in str(e)
+    assert local.failed(e) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ddplab: error: rank 1 failed (exit code 1): ValueError: bad batch"]
+    killed = ChildFailedError("ddplab", {0: ProcessFailure(0, 1, -9, str(tmp_path / "none"))})
+    assert local.failed(killed) == 128 + 9
+    assert capsys.readouterr().err.strip() == "ddplab: error: rank 0 was killed by SIGKILL"
+
+
+def test_ddplabs_loop_says_its_failed_run_last_too(tmp_path, monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "DDPLAB_SET",
+                 "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    sets = ["data.train_samples=64", "data.eval_samples=32", "data.image_size=8",
+            "optim.lr=1e12", "tracking.system_metrics=false"]
+    code = cli.main(["train", str(REPO / "experiments" / "quickstart.yaml"),
+                     *[x for s in sets for x in ("--set", s)]])
+    (run,) = runs(store)
+    assert code == 1 and run.info.status == "FAILED"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "ddplab: error: train/loss is nan" in err[-2], err[-3:]
+    assert err[-1].startswith(f"[ddplab] MLflow run {run.info.run_id} FAILED in {store}"), err[-3:]
