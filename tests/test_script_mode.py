@@ -500,3 +500,15 @@ def test_ddplab_run_starts_torchrun_for_a_script_and_its_arguments(tmp_path, sto
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "torchrun"
     assert json.loads(run.data.tags["ddplab.script_args"]) == ["--epochs", "1", "--samples", "128"]
+
+
+@pytest.mark.e2e
+def test_what_a_script_sets_before_importing_torch_holds_as_under_plain_python(tmp_path, store):
+    """torch reads OMP_NUM_THREADS once, at its import: the book's chapter 9 scripts set it
+    first (their threads per rank), so ddplab must not import torch before the script does."""
+    script = tmp_path / "threads.py"
+    script.write_text('import os\nos.environ["OMP_NUM_THREADS"] = "1"\nimport torch\n'
+                      'print("threads", torch.get_num_threads())\n')
+    res = ddplab(["train", str(script), "--set", "tracking.enabled=false"], tmp_path,
+                 job_env(store, OMP_NUM_THREADS="2"))
+    assert res.returncode == 0 and "threads 1" in res.stdout, res.stdout + res.stderr[-2000:]

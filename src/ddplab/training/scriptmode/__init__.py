@@ -13,6 +13,16 @@
 docs/your-own-script.md says what script mode gives beside ddplab's own loop.
 """
 
-from .supervisor import ScriptFailed, train
+from typing import Any
 
 __all__ = ["ScriptFailed", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    """The supervisor on first use: the script's process (child.py) runs inside this package and
+    must not import torch (through the supervisor's imports) before the script does."""
+    if name in __all__:
+        from . import supervisor
+
+        return getattr(supervisor, name)
+    raise AttributeError(name)

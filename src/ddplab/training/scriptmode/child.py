@@ -14,8 +14,9 @@ from the script:
 - an exception that ends the script is written to the report file (its last line names the
   failure in the run) and shown once on stderr, as Python would.
 
-torch is imported before the script runs (a DDP script imports it anyway: the cost moves, it
-does not grow), so the observation is in place whatever way the script imports it.
+torch is not imported for the script: the observation is installed right after the script's
+own ``import torch`` (imports.py), so what the script sets before it (``OMP_NUM_THREADS``, as
+the book's chapter 9 scripts do) holds as under plain torchrun.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import traceback
 from pathlib import Path
 from typing import Any, cast
 
+from . import mlflow_join
 from .env import REPORT_ENV, STACKS_ENV, T0_ENV
+from .imports import after_import
 
 STAND_IN = Path(__file__).parent / "stand_in"
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier",
@@ -133,27 +136,27 @@ def main(argv: list[str]) -> int:
     sys.argv = [str(script), *argv[1:]]
     _ccl_stand_in()
     _stacks_on_request()
+    watching: list[Any] = []
+    # Once the SCRIPT imports torch (after whatever it sets first: OMP_NUM_THREADS), not before.
+    after_import("torch", lambda _: watching.append(_watch_torch()))
+    mlflow_join.install()
+    try:
+        return _run(script)
+    finally:
+        for watcher in watching:
+            if watcher is not None:
+                watcher.finish()
+
+
+def _watch_torch() -> Any:
+    """init_process_group and the first collective observed; the training too (observe.py,
+    when script.observe is on: the Observer, else None)."""
     import torch.distributed as dist
 
     from . import observe
 
     _observe(dist)
-    _join_mlflow()
-    watcher = observe.install(_env_int("RANK"), _env_int("WORLD_SIZE", 1), _report)
-    try:
-        return _run(script)
-    finally:
-        if watcher is not None:
-            watcher.finish()
-
-
-def _join_mlflow() -> None:
-    """The script's own MLflow calls join the job's run (mlflow_join.py)."""
-    try:
-        from . import mlflow_join
-    except ImportError:
-        return
-    mlflow_join.install()
+    return observe.install(_env_int("RANK"), _env_int("WORLD_SIZE", 1), _report)
 
 
 def _env_int(name: str, default: int = 0) -> int:

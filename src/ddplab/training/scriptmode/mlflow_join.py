@@ -29,19 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import inspect
 import json
 import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any
 from urllib.parse import urlparse
+
+from .imports import after_import
 
 EXPERIMENT_TAG = "ddplab.script_experiment"
 RUN_NAME_TAG = "ddplab.script_run_name"
@@ -73,49 +73,7 @@ def install() -> None:
         return
     _job = _Job(run_id, uri, os.environ.get("RANK", "0") in ("", "0"))
     for name in (CLIENT, FLUENT):  # the client first: fluent's patches use its class
-        module = sys.modules.get(name)
-        if module is not None:
-            _PATCHES[name](module)
-    if not all(name in _patched for name in _PATCHES):
-        sys.meta_path.insert(0, _Finder())
-
-
-# ---- the import hook ----
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds MLflow's two modules with the other finders, and patches each once it has run."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _PATCHES or fullname in _patched:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, _PATCHES[fullname])
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
-        self.loader, self.patch = loader, patch
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        # The module sees its own loader (resources, source lookups), as without the hook.
-        module.__loader__ = self.loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        self.patch(module)
-        if all(name in _patched for name in _PATCHES):  # nothing left to wait for
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+        after_import(name, _PATCHES[name])
 
 
 # ---- helpers ----
