@@ -4,9 +4,10 @@
     python benchmarks/bench_script.py --reps 5 --samples 2048
 
 Each rep runs, in a rotated order, the book's gloo CNN script (`experiments/scripts/
-gloo_distributed-cnn_cifar10.py`, unedited, 2 ranks, 5 epochs of `--synthetic N` images) three
+gloo_distributed-cnn_cifar10.py`, unedited, 2 ranks, 5 epochs of `--synthetic N` images) four
 ways: under plain `torchrun`; under `torchrun -m ddplab train` (script mode, tracked, its
-training observed through torch's hooks); and the same with `--set script.observe=false`. The
+training observed through torch's hooks); the same with `--set script.observe=false`; and with
+`--set tracking.enabled=false` (observed, no run: no delivery process beside the ranks). The
 steady step time is the median of epochs 2-4 (between the script's `set_epoch` calls: the
 first epoch warms up, the last ends in the script's own test) over the steps in an epoch;
 medians over the reps, and the ratio to plain torchrun. The page: docs/results/bench-script.md.
@@ -30,7 +31,8 @@ BIN = Path(sys.executable).parent
 BOOK = REPO / "experiments" / "scripts" / "gloo_distributed-cnn_cifar10.py"
 CLOCK = Path(__file__).resolve().parent / "scripts" / "epoch_clock.py"
 BATCH, RANKS = 32, 2
-VARIANTS = ("plain torchrun", "script mode, observed", "script mode, observe=false")
+VARIANTS = ("plain torchrun", "script mode, observed", "script mode, observe=false",
+            "script mode, untracked")
 
 
 def command(variant: str, samples: int, work: Path) -> list[str]:
@@ -38,7 +40,8 @@ def command(variant: str, samples: int, work: Path) -> list[str]:
     script = [str(BOOK), "--synthetic", str(samples)]
     if variant == "plain torchrun":
         return [*torchrun, str(CLOCK), *script]
-    off = ["--set", "script.observe=false"] if variant.endswith("false") else []
+    off = {"script mode, observe=false": ["--set", "script.observe=false"],
+           "script mode, untracked": ["--set", "tracking.enabled=false"]}.get(variant, [])
     return [*torchrun, "-m", "ddplab", "train", str(CLOCK), "--set", "checkpoint.resume=never",
             "--set", f"checkpoint.dir={work / 'ck'}", *off, "--", *script]
 
@@ -67,18 +70,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for rep in range(args.reps):
-            order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+            order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
             for variant in order:
                 times[variant].append(one_job(variant, args.samples, work))
                 print(f"rep {rep + 1}/{args.reps} {variant}: step {times[variant][-1] * 1000:.1f} ms",
                       flush=True)
     plain = statistics.median(times["plain torchrun"])
-    rows = ["| how the script ran | steady step time (median) | each rep | vs plain torchrun |",
-            "|---|---|---|---|"]
+    rows = ["| how the script ran | steady step time (median) | each rep | vs plain torchrun "
+            "(medians) | vs plain torchrun (median of each rep's ratio) |", "|---|---|---|---|---|"]
     for v in VARIANTS:
         med = statistics.median(times[v])
+        paired = statistics.median(t / p for t, p in zip(times[v], times["plain torchrun"],
+                                                          strict=True))
         rows.append(f"| {v} | {med * 1000:.1f} ms | "
-                    f"{', '.join(f'{t * 1000:.1f}' for t in times[v])} | {med / plain:.3f}x |")
+                    f"{', '.join(f'{t * 1000:.1f}' for t in times[v])} | {med / plain:.3f}x | "
+                    f"{paired:.3f}x |")
     table = "\n".join(rows)
     print("\n" + table)
     body = (f"The book's chapter 9 gloo script, unedited, {RANKS} ranks, batch {BATCH}, "
