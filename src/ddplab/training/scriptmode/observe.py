@@ -43,10 +43,10 @@ import torch
 
 from .env import FORENSICS_ENV, OBSERVE_ENV
 
-LOG_EVERY_STEPS = 50
-LOG_EVERY_S = 30.0
-"""A log point every this many steps or seconds, whichever comes first, and at every epoch's
-end: the only places the loss is read from the device."""
+LOG_EVERY_STEPS = 10
+"""A log point every this many steps (as ddplab's loop's ``train.log_every``), and at every
+epoch's end: the only places the loss is read from the device. Steps, not seconds: a seeded
+script's rerun logs at the same steps, so ``ddplab reproduce`` compares like with like."""
 WARMUP_STEPS = 1
 """Steps left out of the steady figures (the first: lazy initialisation, allocator warm-up)."""
 
@@ -110,7 +110,7 @@ class Observer:
         self.sample: Any = None  # one sample of the first step, for the FLOP count
         self.outer: torch.nn.Module | None = None
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
-        self.last_log, self.logged_step = time.perf_counter(), 0
+        self.logged_step = 0
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
 
@@ -167,9 +167,9 @@ class Observer:
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
         if t.steps == 1:
             self._count_flops()
-            self.step_end = self.last_log = time.perf_counter()  # not the next step's data wait
+            self.step_end = time.perf_counter()  # the count is not the next step's data wait
         self._beat("data loading", t.steps + 1)
-        if t.steps - self.logged_step >= LOG_EVERY_STEPS or now - self.last_log >= LOG_EVERY_S:
+        if t.steps - self.logged_step >= LOG_EVERY_STEPS:
             self.log_point()
 
     def set_epoch(self, epoch: int) -> None:
@@ -202,7 +202,7 @@ class Observer:
             metrics.update({"train/samples_per_s": w.samples / w.step_s * self.world,
                             "train/step_time_s": w.step_s / w.steps,
                             "train/data_wait_frac": w.wait_s / w.step_s})
-        self.last_log, self.logged_step = time.perf_counter(), step
+        self.logged_step = step
         if self.rank == 0 and metrics and step:
             self.flush()
             self.pending = {"op": "log", "step": step, "metrics": metrics}
