@@ -241,8 +241,9 @@ def test_a_hung_script_stopped_by_its_launcher_says_where_each_rank_was(tmp_path
 
 @pytest.mark.e2e
 def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp_path, store):
-    first = ddplab(["train", str(MY_TRAIN), "--", "--epochs", "3", "--samples", "256",
-                    "--fail-at-step", "10"], tmp_path, job_env(store), nproc=2)
+    # The same job (script, sha256, arguments) crashed once: the crash is no argument of it.
+    first = ddplab(["train", str(MY_TRAIN), "--", "--epochs", "3", "--samples", "256"],
+                   tmp_path, job_env(store, MY_TRAIN_FAIL_AT_STEP="10"), nproc=2)
     assert first.returncode != 0
     (failed,) = runs(store)
     assert failed.info.status == "FAILED"

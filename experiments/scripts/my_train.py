@@ -33,7 +33,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--samples", type=int, default=1024)
-    p.add_argument("--fail-at-step", type=int, default=-1, help="raise on rank 1 at this step (a test)")
+    p.add_argument("--fail-at-step", type=int, default=int(os.environ.get("MY_TRAIN_FAIL_AT_STEP", -1)),
+                   help="raise on rank 1 at this step (a test; default $MY_TRAIN_FAIL_AT_STEP, a crash "
+                        "that is no argument of the job, so a rerun of the same job resumes)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")

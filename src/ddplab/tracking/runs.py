@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed.group import flight_records
+from ..errors import DdplabError
 from ..forensics import heartbeat
 from ..launchers import LaunchEnv
 from ..log import logger
@@ -82,16 +83,69 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
         signals.shield()
         heartbeat.stop("done" if status == "FINISHED" else "failed")
         _restore(before)
+        lost = _spool_lost(run, delivery, ref)
+        finished = status == "FINISHED"
+        if lost and isinstance(run, MlflowTracker):
+            status, error = "FAILED" if finished else status, f"{lost}\n\n{error}".strip()
+        elif lost:  # another node's spool: rank 0 decides the run's status
+            logger().error(lost)
         run.finish(status, error)
         run.left = delivery.close()
         if run.left:
             _say_left(run.left, ref.uri, delivery.directory)
+        if lost and isinstance(run, MlflowTracker) and run.left:
+            _end_directly(run, lost)
         if status != "FINISHED" and not le.is_rank0 and (le.is_node_leader or le.rank == 1):
             # Watched from a detached process: this rank must exit now (see orphan.py).
             if run.run_id:
                 from . import orphan
 
                 orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
+        if lost and finished and isinstance(run, MlflowTracker):
+            raise SpoolLost(lost)  # the job did not fail otherwise: this is why it failed
+
+
+class SpoolLost(DdplabError):
+    """The run's spool was deleted during the job: the run ended FAILED, saying so."""
+
+    status = "FAILED"
+
+
+def _spool_lost(run: NullTracker, delivery: Any, ref: Any) -> str:
+    """What happened when this node's spool was deleted during the job (the script removed
+    ``$DDPLAB_SPOOL``, or the whole run folder), else "". The spool is put back (meta.json, and
+    rank 0's records from the deleted file, still open here) so the run's end and what follows
+    are delivered, the delivery process sees the job close, and ``ddplab sync`` finds it."""
+    directory = delivery.directory
+    if not ref.run_id or directory == Path():
+        return ""
+    records = run.records if isinstance(run, MlflowTracker) else None
+    if not spool.vanished(directory, records):
+        return ""
+    kept, dropped = 0, 0
+    with contextlib.suppress(OSError):  # a full disk: the run is ended directly (below)
+        spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
+        if records is not None and records.unlinked():
+            kept, dropped = records.salvage()
+    own = ("ddplab's own records were recovered" if dropped == 0 else
+           "ddplab's own records are lost too" if dropped < 0 else
+           f"{dropped} of ddplab's own records are lost too (files that went with it)")
+    return (f"the run's spool {directory.resolve()} was deleted during the job (by the script?): what "
+            "it held and had not delivered yet is lost (the script's ddplab.track records, "
+            f"system metrics); {own}")
+
+
+def _end_directly(run: MlflowTracker, why: str) -> None:
+    """The run's end did not get through the spool put back: end it through MLflow's client,
+    as the tracker does when the spool cannot be written. It must not stay RUNNING."""
+    from .opening import end_failed
+
+    try:
+        if run.client.get_run(run.run_id).info.status == "RUNNING":
+            end_failed(run.client, run.run_id, why)
+    except Exception as e:  # noqa: BLE001 - the server is down: `ddplab sync` ends it later
+        logger().error(f"run {run.run_id} could not be ended FAILED ({type(e).__name__}: "
+                       f"{str(e)[:200]}); `ddplab sync` ends it once the server answers")
 
 
 RUN_ENV = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI")

@@ -1,7 +1,9 @@
 """The tracking spool: everything a job means to tell MLflow is first appended to a local
 file, then delivered from there, so a tracking outage never stalls training or loses a record.
 
-One spool per node and run, next to the run's checkpoints:
+One spool per node and run, in the run's folder (where a script's snapshots are not: script
+mode gives the script ``<run id>/script/``, so a script that empties its own folder cannot
+delete the spool; one that deletes the spool anyway ends its run FAILED, runs.py):
 
     <checkpoint.dir>/<name>/<run id>/spool/node<k>/
         meta.json        tracking URI, run id, experiment id (what `ddplab sync` needs)
@@ -77,6 +79,39 @@ class Stream:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def unlinked(self) -> bool:
+        """The file this stream writes was deleted under it (its folder removed): what is
+        appended now reaches no one."""
+        if self.fd is None:
+            return False
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
+
+    def salvage(self) -> tuple[int, int]:
+        """After ``unlinked()``: what was written to the deleted file, into a new file at its
+        path, delivered from its start again (a record delivered twice lands once), the
+        stream then appending there. A ``file`` record whose copy went with the folder cannot
+        be; returns (records kept, records lost), (0, -1) when the deleted file cannot be read
+        (no /proc: not Linux)."""
+        if self.fd is None:
+            return 0, 0
+        try:
+            data = Path(f"/proc/self/fd/{self.fd}").read_bytes()
+        except OSError:
+            data = None
+        self.close()
+        if data is None:
+            return 0, -1
+        kept = [line for line in data.splitlines(keepends=True)
+                if line.endswith(b"\n") and _still_whole(parse(line))]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.mark_path.unlink(missing_ok=True)  # a mark left beside it counts the deleted file
+        with self.path.open("ab") as f:
+            f.writelines(kept)
+        return len(kept), len(data.splitlines()) - len(kept)
 
     def delivered(self) -> int:
         try:
@@ -154,6 +189,17 @@ class Meta:
     def write(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "meta.json").write_text(json.dumps(self.__dict__, indent=1))
+
+
+def _still_whole(record: dict[str, Any]) -> bool:
+    return record.get("op") != "file" or Path(str(record.get("path"))).is_file()
+
+
+def vanished(directory: Path, records: Stream | None = None) -> bool:
+    """The spool was deleted while the job ran (by the job's own script, say): its meta.json is
+    gone, or the records file ``records`` writes (rank 0's). A folder put back by a later
+    write (``ddplab.track`` makes it again) is still one that vanished."""
+    return not (directory / "meta.json").is_file() or (records is not None and records.unlinked())
 
 
 def left_in(directory: Path, final: bool = False) -> int:

@@ -44,9 +44,14 @@ from .figures import Figures, figures
 from .meeting import Meeting
 
 FINISHED_MARK = ".ddplab-finished"
+JOB_FILE = "job.json"
+SCRIPT_DIR = "script"
 PEER_FAILED = "another rank failed"
-OWN_ENTRIES = {"spool", FINISHED_MARK}
-
+OWN_ENTRIES = {"spool", FINISHED_MARK, JOB_FILE, SCRIPT_DIR}
+"""A run's folder, ``<checkpoint.dir>/<name>/<run id>/``: the script's own folder
+(``script/``, its ``DDPLAB_CHECKPOINT_DIR``), the node's spool beside it, the job that made
+the run (``job.json``: what a rerun must match to resume it) and, once it finished, the mark.
+Runs of ddplab before ``script/`` kept the script's files in the run's folder itself."""
 
 class ScriptFailed(DdplabError):
     """The script failed on some rank: one line here, the user's traceback in ``detail``.
@@ -102,19 +107,133 @@ class Tail:
         return lines[-1][:300] if lines else ""
 
 
-def resumable_run(cfg: config.ExperimentConfig) -> str:
-    """The run of an earlier attempt of this job that left snapshots in its checkpoint folder
-    and did not finish (the script restarted, by hand or by torchrun --max-restarts): the job
-    goes on in that run, as ddplab's own loop does when it resumes."""
+def job_identity(cfg: config.ExperimentConfig) -> dict[str, Any]:
+    """What makes a rerun the same job, whose run it resumes: the script (its resolved file),
+    its sha256 and its arguments."""
+    s = cfg.script
+    file = s.file().resolve()
+    return {"script": str(file), "path": s.path,
+            "sha256": hashlib.sha256(file.read_bytes()).hexdigest(), "args": s.argv()}
+
+
+def recorded_identity(run_dir: Path) -> dict[str, Any] | None:
+    """The job that made the run in ``run_dir`` (its job.json; for a run of the earlier layout,
+    the tags its spool recorded), or None when nothing says."""
+    try:
+        found = json.loads((run_dir / JOB_FILE).read_text())
+        return found if isinstance(found, dict) else None
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        return None
+    tags: dict[str, Any] = {}
+    for records in sorted(run_dir.glob("spool/node*/records.jsonl")):
+        with contextlib.suppress(OSError):
+            for line in records.read_bytes().splitlines():
+                tags.update(spool.parse(line).get("tags", {}))
+    if "ddplab.script_sha256" not in tags:
+        return None
+    with contextlib.suppress(ValueError):
+        path = str(tags.get("ddplab.script", ""))
+        return {"script": "" if path.startswith("-m ") else path, "path": path,
+                "sha256": tags["ddplab.script_sha256"],
+                "args": json.loads(tags.get("ddplab.script_args", "null"))}
+    return None
+
+
+def differs(was: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    """Why the run ``was`` made is not this job's ("" when it is)."""
+    if was is None:
+        return "no record of the job that made it (job.json)"
+    same_script = was.get("script") == now["script"] if was.get("script") else \
+        was.get("path") == now["path"]
+    if not same_script:
+        return "another script"
+    why = [w for w, same in (("the script changed (sha256)", was.get("sha256") == now["sha256"]),
+                             ("other arguments", was.get("args") == now["args"])) if not same]
+    return " and ".join(why)
+
+
+def resumable_run(cfg: config.ExperimentConfig, identity: dict[str, Any] | None = None,
+                  say: Any = None) -> str:
+    """The run this job continues, "" for a new one (rank 0, before any run is opened).
+
+    ``checkpoint.resume=auto``: the newest run of THIS job (the same script file, sha256 and
+    arguments: ``job.json``) that left files in its script folder and did not finish (the
+    script restarted, by hand or by torchrun --max-restarts), as ddplab's own loop resumes. A
+    run another job made is left alone, and one line says why (of the newest such). ``never``:
+    a new run. A run's folder or id: that run, whatever made it (one line when that differs)."""
     if cfg.checkpoint.resume == "never" or not cfg.tracking.enabled:
         return ""
-    root = Path(cfg.checkpoint.dir) / cfg.name
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    now = identity or job_identity(cfg)
+    root = (Path(cfg.checkpoint.dir) / cfg.name).resolve()
+    if cfg.checkpoint.resume != "auto":
+        run_dir = chosen_run(cfg.checkpoint.resume, root)
+        why = differs(recorded_identity(run_dir), now)
+        if why:
+            say(f"ddplab: resuming run {run_dir.name} ({_made_by(run_dir)}) as checkpoint.resume "
+                f"asks, though not the same job: {why}")
+        _adopt_earlier_layout(run_dir)
+        (run_dir / FINISHED_MARK).unlink(missing_ok=True)
+        return run_dir.name
     candidates = []
-    for d in root.glob("*") if root.is_dir() else []:
-        if d.is_dir() and not (d / FINISHED_MARK).exists() and \
+    for d in root.iterdir() if root.is_dir() else []:
+        script_dir = d / SCRIPT_DIR
+        if (d / FINISHED_MARK).exists() or not d.is_dir() or d.name == "untracked":
+            continue
+        if script_dir.is_dir() and any(script_dir.iterdir()):
+            candidates.append((max(d.stat().st_mtime, script_dir.stat().st_mtime), d))
+        elif not script_dir.exists() and not (d / JOB_FILE).exists() and \
                 any(p.name not in OWN_ENTRIES for p in d.iterdir()):
-            candidates.append((d.stat().st_mtime, d.name))
-    return max(candidates)[1] if candidates else ""
+            candidates.append((d.stat().st_mtime, d))  # the earlier layout
+    others = []
+    for _, d in sorted(candidates, reverse=True):
+        why = differs(recorded_identity(d), now)
+        if not why:
+            _adopt_earlier_layout(d)
+            return d.name
+        others.append((d, why))
+    if others:
+        d, why = others[0]
+        say(f"ddplab: not resuming run {d.name} ({_made_by(d)}): {why}; starting a new run; "
+            f"--set checkpoint.resume={d} resumes it anyway")
+    return ""
+
+
+def _made_by(run_dir: Path) -> str:
+    was = recorded_identity(run_dir) or {}
+    return str(was.get("path") or was.get("script") or "its script unknown")
+
+
+def chosen_run(resume: str, root: Path) -> Path:
+    """``checkpoint.resume`` naming a run of this experiment: its folder, or its id."""
+    given = Path(resume).expanduser()
+    run_dir = given if given.is_dir() else root / resume
+    if not run_dir.is_dir() or run_dir.resolve().parent != root.resolve():
+        raise config.ConfigError(
+            f"checkpoint.resume: {resume!r} is no run of {root} (a script's run is resumed by "
+            f"its folder, {root}/<run id>, or its run id); 'auto' or 'never' otherwise")
+    return run_dir.resolve()
+
+
+def _adopt_earlier_layout(run_dir: Path) -> None:
+    """A run of the earlier layout kept the script's files in its folder, beside the spool:
+    they move into ``script/``, where the resumed script looks (rank 0, before any rank runs)."""
+    if (run_dir / SCRIPT_DIR).exists() or (run_dir / JOB_FILE).exists():
+        return
+    entries = [p for p in run_dir.iterdir() if p.name not in OWN_ENTRIES]
+    (run_dir / SCRIPT_DIR).mkdir()
+    for p in entries:
+        p.rename(run_dir / SCRIPT_DIR / p.name)
+
+
+def write_identity(run_dir: Path, identity: dict[str, Any], run_id: str) -> None:
+    """``job.json``: the job now running in ``run_dir`` (a resumed run: this attempt's)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{JOB_FILE}.tmp"
+    tmp.write_text(json.dumps({**identity, "run_id": run_id}, indent=1))
+    os.replace(tmp, run_dir / JOB_FILE)
 
 
 def git_state(script: Path) -> str:
@@ -154,7 +273,8 @@ class Script:
         s = cfg.script
         self.file = s.file()  # the script, or the module's file (-m pkg.module)
         root = Path(cfg.checkpoint.dir).resolve() / cfg.name
-        self.ckpt_dir = root / (run.run_id or "untracked")
+        self.run_dir = root / (run.run_id or "untracked")
+        self.ckpt_dir = self.run_dir / SCRIPT_DIR  # the script's: the spool is not in it
         self.spool = spool.spool_dir(root, run.run_id, le.node_rank) if run.run_id else None
         fd, report = tempfile.mkstemp(prefix=f"ddplab-script-rank{le.rank}-", suffix=".json")
         os.close(fd)
@@ -367,9 +487,11 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
     t0 = time.time()
     le = LaunchEnv.from_environ(os.environ)
     checks.for_script(cfg, le, summary_out)
+    identity = job_identity(cfg) if le.is_rank0 else {}
     with Signals() as signals:
+        # Before the meeting: a checkpoint.resume naming no run is one line, as checks are.
+        resume = resumable_run(cfg, identity) if le.is_rank0 else ""
         meeting = Meeting(le, cfg.dist.timeout_s)
-        resume = resumable_run(cfg) if le.is_rank0 else ""
         name = cfg.tracking.run_name or f"{cfg.name} script {le.nnodes}n x " \
                                         f"{le.local_world_size}r {le.launcher}"
         with tracking.job_run(cfg, le, None, resume, signals, share=meeting.share_from_rank0,
@@ -377,7 +499,9 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
             signals.attach(run)  # a failed job names its run last too (cli.py)
             script = Script(cfg, le, run, meeting, t0)
             if le.is_rank0:
-                _record_start(run, cfg, le, script, resume)
+                if run.run_id:
+                    write_identity(script.run_dir, identity, run.run_id)
+                _record_start(run, cfg, le, script, resume, identity)
             try:
                 own = script.run_to_end()
                 # Every rank stays until all have reported: a node's delivery takes its ranks'
@@ -416,7 +540,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 raise ScriptFailed(_line(own), own["traceback"], own.get("why", ""),
                                    own["t"] + later)
         if le.is_rank0 and run.run_id:
-            (script.ckpt_dir / FINISHED_MARK).write_text(run.run_id)
+            (script.run_dir / FINISHED_MARK).write_text(run.run_id)
     Console(le.is_rank0).say(where(run))
     return run.run_id
 
@@ -491,12 +615,12 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
 
 
 def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script: Script,
-                  resume: str) -> None:
+                  resume: str, identity: dict[str, Any]) -> None:
     path = script.file  # the script, or the module's file (ddplab.script: "-m pkg.module")
     s = cfg.script
     run.set_tags({
         "ddplab.mode": "script", "ddplab.script": s.path,
-        "ddplab.script_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "ddplab.script_sha256": identity["sha256"],
         "ddplab.script_git": git_state(path), "ddplab.script_args": json.dumps(s.argv()),
         "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
         "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
