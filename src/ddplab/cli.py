@@ -236,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
         _say_run(e)
         return 130
     except Exception as e:
+        known = _store_refusal(e)
+        if known is not None:  # MLflow's refusal of the store's schema, from any path to it
+            logger().error(known)
+            return known.exit_code
         # A bug (ddplab's, or the user's code's): one line first, then the traceback.
         first = (str(e).strip().splitlines() or [""])[0][:300]
         where = _raised_in_user_code(e)
@@ -250,6 +254,21 @@ def run(args: argparse.Namespace) -> int:
         _tell_torchrun(e)  # what @record would have written
         _say_run(e)
         return EXIT_ERROR
+
+
+def _store_refusal(e: BaseException, uris: list[str] | None = None) -> Any:
+    """MLflow's refusal to open a store as it is (tracking/store.py, unusable) where it escaped
+    open_client (a client made elsewhere, the delivery process's answer), as its one line
+    (a StoreUnusable), else None. ``uris``: the stores the command used (the one named is the
+    first that store_problem finds unusable); without them, the environment's, and only a
+    schema refusal (MLflow's own words) is recognised."""
+    from .tracking.store import embedded_store, store_problem, unusable
+
+    if not uris:
+        return unusable(e, os.environ.get("MLFLOW_TRACKING_URI") or embedded_store(),
+                        schema_only=True)
+    uri = next((u for u in uris if store_problem(u)), uris[0])
+    return unusable(e, uri)
 
 
 def _say_run(e: BaseException) -> None:
@@ -289,9 +308,36 @@ def _config(args: argparse.Namespace) -> int:
 def _sync(args: argparse.Namespace) -> int:
     from .tracking import validated_uri
     from .tracking.delivery import sync
+    from .tracking.store import StoreUnusable, store_problem
 
     uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
-    return sync(args.paths, args.timeout, uri)
+    stores = [uri] if uri else _spool_uris(args.paths)
+    for target in stores:  # before MLflow retries a store it cannot open for minutes
+        problem = store_problem(target)
+        if problem:
+            raise StoreUnusable(problem)
+    try:
+        return sync(args.paths, args.timeout, uri)
+    except Exception as e:
+        known = _store_refusal(e, stores)
+        if known is None:
+            raise
+        raise known from None
+
+
+def _spool_uris(paths: list[str]) -> list[str]:
+    """The stores the spools under ``paths`` deliver to (what sync opened)."""
+    from pathlib import Path
+
+    from .tracking import spool
+
+    uris = []
+    for directory in spool.find([Path(p) for p in paths]):
+        try:
+            uris.append(spool.Meta.read(directory).uri)
+        except (OSError, ValueError, KeyError):
+            continue
+    return list(dict.fromkeys(uris))
 
 
 def _import(args: argparse.Namespace) -> int:

@@ -810,7 +810,7 @@ MAX_YAML_DEPTH = 100
 pure-Python parser's time grows with the square of the depth, then its recursion fails."""
 
 
-class YAMLTooBig(yaml.YAMLError):
+class YAMLTooBig(yaml.YAMLError, BadInput):
     """A YAML document over the node bound, or an alias inside the node it names: one line."""
 
     def __init__(self, what: str, allowed: str, mark: Any = None) -> None:

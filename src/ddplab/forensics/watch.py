@@ -27,6 +27,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .heartbeat import (
     DUMP,
@@ -303,9 +304,69 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
-def to_json(endings: list[Ending]) -> str:
-    return json.dumps([asdict(e) for e in endings])
+TAG_LIMIT = 8000
+"""Characters MLflow keeps of a tag's value: the endings' JSON is made to fit, never cut."""
+CUT = " [...]"
+
+
+def to_json(endings: list[Ending], limit: int = TAG_LIMIT) -> str:
+    """The endings as JSON of at most ``limit`` characters, always whole: when they are longer
+    (long tracebacks), each one's detail is shortened to the same length, its beginning kept
+    (the line the verdict and diagnose show) and marked with CUT; a node with so many ranks that
+    even no detail is too long leaves out the ranks that finished, then the last ones."""
+    rows = [asdict(e) for e in endings]
+    text = json.dumps(rows)
+    if len(text) <= limit:
+        return text
+
+    def shortened(keep: int) -> str:
+        return json.dumps([{**r, "detail": r["detail"] if len(r["detail"]) <= keep
+                            else r["detail"][:keep] + CUT} for r in rows])
+
+    lo, hi = 0, max(len(r["detail"]) for r in rows)
+    while lo < hi:  # the longest detail that fits (not strictly monotonic: checked below)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(shortened(mid)) <= limit else (lo, mid - 1)
+    text = shortened(lo)
+    if len(text) <= limit:
+        return text
+    rows = sorted(({**r, "detail": ""} for r in rows), key=lambda r: r["what"] == "done")
+    while rows and len(text := json.dumps(rows)) > limit:
+        rows.pop()
+    return text if rows else "[]"
+
+
+FIELDS = {"rank": int, "step": int, "phase": str, "time": float, "what": str, "detail": str,
+          "host": str, "entered": int, "finished": int, "waits_in": str}
+REQUIRED = ("rank", "step", "phase", "time", "what")
 
 
 def from_json(text: str) -> list[Ending]:
-    return [Ending(**e) for e in json.loads(text)]
+    """The endings ``to_json`` wrote; ValueError (one line: what is wrong, where) for anything
+    else: JSON cut or garbled, not a list, an ending without a required field or with one of
+    the wrong type. Fields it does not know (a newer ddplab's) are ignored."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"a JSON {type(data).__name__}, not a list of endings")
+    return [_ending_of(i, row) for i, row in enumerate(data)]
+
+
+def _ending_of(i: int, row: object) -> Ending:
+    if not isinstance(row, dict):
+        raise ValueError(f"ending {i} is a JSON {type(row).__name__}, not an object")
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        raise ValueError(f"ending {i} has no {', '.join(missing)}")
+    fields: dict[str, Any] = {}
+    for k, kind in FIELDS.items():
+        if k not in row:
+            continue
+        v = row[k]
+        ok = isinstance(v, (int, float) if kind is float else kind) and not isinstance(v, bool)
+        if not ok:
+            raise ValueError(f"ending {i}'s {k} is {json.dumps(v)[:40]}, not {kind.__name__}")
+        fields[k] = float(v) if kind is float else v
+    return Ending(**fields)

@@ -31,7 +31,7 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
     try:
         for f in watch.files():
             client.log_artifact(run_id, str(f), f"forensics/{node}")
-        client.set_tag(run_id, TAG + node, to_json(endings)[:8000])
+        client.set_tag(run_id, TAG + node, to_json(endings))  # whole JSON, within the limit
     except Exception as e:  # noqa: BLE001 - the run's ending still comes; say what is missing
         print(f"ddplab delivery: the ranks' stacks could not be recorded ({e})", file=sys.stderr)
     if not holds_rank0:
@@ -50,8 +50,10 @@ def _everyone(client: Any, run_id: str, node: str, mine: list[Ending],
         everyone = list(mine)
         with contextlib.suppress(Exception):
             tags = client.get_run(run_id).data.tags
-            everyone += [e for k, v in tags.items() if k.startswith(TAG) and k != TAG + node
-                         for e in from_json(v)]
+            for k, v in tags.items():
+                if k.startswith(TAG) and k != TAG + node:
+                    with contextlib.suppress(ValueError):  # unreadable: that node is "lost"
+                        everyone += from_json(v)
         if {e.rank for e in everyone} >= set(range(world_size)) or time.monotonic() > deadline:
             return everyone
         time.sleep(1.0)
@@ -101,8 +103,9 @@ def diagnose(run_id: str) -> int:
             print("their steps, as ddplab watched them (ddplab.forensics.<node>):")
         try:
             said = [_ending(key, ending) for ending in from_json(tags[key])]
-        except Exception as e:  # noqa: BLE001 - garbled (cut at 8000 characters, edited): say so
-            said = [f"  {key}: unreadable ({type(e).__name__}; {len(tags[key])} characters)"]
+        except Exception as e:  # noqa: BLE001 - garbled (an older ddplab cut it, edited): say so
+            why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            said = [f"  {key}: unreadable ({why}; {len(tags[key])} characters)"]
         print("\n".join(said))
     try:
         files = _artifacts(client, run_id, "forensics")

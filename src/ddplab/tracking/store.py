@@ -4,7 +4,9 @@ server answers and lets this client in, and where a browser shows a run."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,13 @@ from ..errors import DdplabError
 
 class TrackingError(DdplabError, RuntimeError):
     """The tracking store cannot be used."""
+
+
+class StoreUnusable(TrackingError):
+    """A store this MLflow cannot open as it is: its schema older (or newer) than this MLflow's,
+    or a file at its path that is no SQLite database. Bad input, found before anything ran."""
+
+    exit_code = 2
 
 
 def embedded_store() -> str:
@@ -151,14 +160,160 @@ def store_lock(uri: str) -> Iterator[None]:
 
 
 def open_client(uri: str) -> Any:
-    """An MlflowClient whose store is ready (created and migrated once, under store_lock)."""
+    """An MlflowClient whose store is ready (created and migrated once, under store_lock); a
+    store it cannot open as it is (unusable) is one StoreUnusable line."""
     from mlflow import MlflowClient
 
-    with store_lock(uri):
-        client = MlflowClient(uri)
-        if not uri.startswith(("http://", "https://")):
-            client.search_experiments(max_results=1)  # creates and migrates the store now
+    try:
+        with store_lock(uri):
+            problem = _store_problem(uri)  # before MLflow retries it, logging each try
+            if problem:
+                raise StoreUnusable(problem)
+            client = MlflowClient(uri)
+            if not uri.startswith(("http://", "https://")):
+                client.search_experiments(max_results=1)  # creates and migrates the store now
+    except StoreUnusable:
+        raise
+    except Exception as e:
+        known = unusable(e, uri)
+        if known is None:
+            raise
+        raise known from None
     return client
+
+
+# ---- a store this MLflow cannot use as it is: one line, the same on every command ----
+
+SCHEMA_MISMATCH = re.compile(r"out-of-date database schema \(found version (\w*), but expected "
+                             r"(\w+)\)")
+"""MLflow's refusal (mlflow.store.db.utils._verify_schema), for a schema older than its own and,
+worded alike, a newer one."""
+NOT_A_DATABASE = ("file is not a database", "database disk image is malformed",
+                  "unable to open database file")
+"""SQLite's words for a store path that holds something else, or cannot be opened."""
+
+
+def schema_advice(uri: str, found: str, needed: str) -> str:
+    """The one line for a store whose MLflow schema is not this MLflow's."""
+    import importlib.metadata
+
+    from ..logins import mask
+
+    shown = mask(uri)
+    if found in ("", "None"):
+        return (f"the MLflow store {shown} has tables but no MLflow schema version: not an MLflow "
+                "store, or a broken one; point MLFLOW_TRACKING_URI at another store, or move "
+                "this one aside (a new one is made in its place)")
+    known, _ = _migrations()
+    if known and found not in known:
+        return (f"the MLflow store {shown} is at schema {found}, which this MLflow "
+                f"({importlib.metadata.version('mlflow')}) does not know (it needs {needed}): a "
+                "newer MLflow made it; upgrade MLflow (pip install -U mlflow), or use another "
+                "store")
+    return (f"the MLflow store {shown} is at schema {found}, this MLflow needs {needed}: upgrade "
+            f"it with `mlflow db upgrade {shown}` (back it up first)")
+
+
+def _not_a_database(uri: str, said: str) -> str:
+    from ..logins import mask
+
+    db = sqlite_path(uri)
+    what = ""
+    if db is not None and db.is_dir():
+        what = f" ({db} is a directory)"
+    elif db is not None and db.is_file():
+        what = f" ({db}: {db.stat().st_size} bytes, not an SQLite database MLflow can read)"
+    return (f"the MLflow store {mask(uri)} cannot be opened: {said}{what}; point "
+            "MLFLOW_TRACKING_URI at another store, or move that path aside (a new store is made "
+            "in its place)")
+
+
+def unusable(e: BaseException, uri: str, schema_only: bool = False) -> StoreUnusable | None:
+    """What MLflow or SQLite raised on opening ``uri``, as one line, when it says the store is
+    unusable as it is (SCHEMA_MISMATCH; unless ``schema_only``, NOT_A_DATABASE); else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        text = str(cause)
+        said_there = re.search(r"\bStoreUnusable: (.+)", text)  # the delivery process's answer
+        if said_there:
+            return StoreUnusable(said_there.group(1))
+        m = SCHEMA_MISMATCH.search(text)
+        if m:
+            return StoreUnusable(schema_advice(uri, m.group(1), m.group(2)))
+        said = next((s for s in NOT_A_DATABASE if s in text), "")
+        if said and not schema_only:
+            return StoreUnusable(_not_a_database(uri, said))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def store_problem(uri: str) -> str | None:
+    """Before any job: the one line for a SQLite store this MLflow cannot use as it is (what
+    opening it would raise, see unusable), else None. Reads the file itself, without MLflow (a
+    job's rank 0 does not import it), under store_lock (a job beside it may be making the
+    store's schema); any doubt is None: opening the store says what it is."""
+    db = sqlite_path(uri)
+    if db is None or not db.exists():
+        return None
+    with store_lock(uri):
+        return _store_problem(uri)
+
+
+def _store_problem(uri: str) -> str | None:
+    import sqlite3
+    from urllib.parse import quote
+
+    db = sqlite_path(uri)
+    if db is None:
+        return None
+    if db.is_dir():
+        return _not_a_database(uri, "unable to open database file")
+    if not db.is_file():
+        return None  # made on first use
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{quote(str(db.resolve()))}?mode=ro",
+                                                uri=True, timeout=5)) as con:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+            if "alembic_version" not in tables:
+                return None  # new (MLflow makes its tables), or not MLflow's: MLflow says
+            row = con.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.OperationalError:
+        return None  # locked, unreadable: opening it says why
+    except sqlite3.DatabaseError as e:
+        said = next((s for s in NOT_A_DATABASE if s in str(e)), str(e).split("\n")[0][:100])
+        return _not_a_database(uri, said)
+    _, head = _migrations()
+    found = str(row[0]) if row and row[0] else ""
+    return schema_advice(uri, found, head) if head and found != head else None
+
+
+@functools.cache
+def _migrations() -> tuple[frozenset[str], str]:
+    """(every schema revision this MLflow knows, its newest), from its migration scripts (read,
+    not imported: MLflow's import costs a job's rank 0 a second); (empty, "") when unclear."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlflow")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset(), ""
+    versions = Path(list(spec.submodule_search_locations)[0]) / "store" / "db_migrations" / "versions"
+    revisions: set[str] = set()
+    parents: set[str] = set()
+    try:
+        for f in versions.glob("*.py"):
+            text = f.read_text(errors="replace")
+            rev = re.search(r"^revision\s*(?::[^=\n]*)?=\s*[\"'](\w+)[\"']", text, re.M)
+            down = re.search(r"^down_revision\s*(?::[^=\n]*)?=\s*(.+)$", text, re.M)
+            if rev:
+                revisions.add(rev.group(1))
+            if down:
+                parents.update(re.findall(r"[\"'](\w+)[\"']", down.group(1)))
+    except OSError:
+        return frozenset(), ""
+    heads = revisions - parents
+    return frozenset(revisions), (next(iter(heads)) if len(heads) == 1 else "")
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
@@ -198,7 +353,12 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
 
 
 def auth_refusal(uri: str) -> str | None:
-    """One line naming what to set when the server refuses this client (401, 403), else None."""
+    """One line naming what to do when the store refuses this client, else None: the server's
+    401 or 403 (what to set), or a SQLite store this MLflow cannot use as it is (store_problem:
+    a job refuses before it starts, not once its run should open)."""
+    stale = store_problem(uri)
+    if stale:
+        return stale
     problem = check_reachable(uri)
     if not problem or " answered HTTP 40" not in problem:
         return None

@@ -26,6 +26,21 @@ PARAM_LIMIT = 6000
 """Characters MLflow keeps of a param's value."""
 
 
+ERROR_LIMIT = 4000
+"""Characters of the error kept in ``ddplab.error`` (error.txt holds it whole)."""
+ERROR_CUT = "\n[... the middle is left out here: the run's error.txt holds it whole ...]\n"
+
+
+def error_tag(error: str, limit: int = ERROR_LIMIT) -> str:
+    """The error as its tag: whole when it fits, else its first line (what ``ddplab diagnose``,
+    the runs table and a study show) and its end (where it was raised), never a line's middle
+    as the first."""
+    if len(error) <= limit:
+        return error
+    first = error.split("\n", 1)[0][:limit // 4]
+    return first + ERROR_CUT + error[len(error) - (limit - len(first) - len(ERROR_CUT)):]
+
+
 class NullTracker:
     """What every rank but 0 holds: same interface, does nothing."""
 
@@ -118,7 +133,7 @@ class MlflowTracker(NullTracker):
         self.finished = True
         try:
             if error:
-                self.set_tags({"ddplab.error": error[-4000:]})
+                self.set_tags({"ddplab.error": error_tag(error)})
                 self.log_text(error, "error.txt")
             self._append({"op": "end", "status": status})
         except OSError as e:  # the spool cannot be written (a full disk): end the run directly

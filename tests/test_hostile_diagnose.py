@@ -1,0 +1,272 @@
+"""Issue 53, item 6: ``ddplab diagnose`` and the commands that open the store, on hostile input.
+A forensics tag cut mid-JSON or with a field missing, extra or mistyped; a store one MLflow
+schema behind (or ahead); a file at the store's path that is no SQLite database. Each is one
+line, never a traceback. In-process (cli.main) on tmp stores: no job runs."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from ddplab import cli
+from ddplab.forensics.watch import CUT, TAG_LIMIT, Ending, from_json, to_json
+from ddplab.tracking import postmortem, spool
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
+TRACEBACK = "ValueError: bad sample 17\n\nTraceback (most recent call last):\n" + "".join(
+    f'  File "/home/u/project/train_{i}.py", line {i}, in step_{i}\n    loss = model(x)\n'
+    for i in range(400))
+
+
+def lines(text: str) -> list[str]:
+    return [x for x in text.splitlines() if x.strip()]
+
+
+def one_line(err: str, says: str) -> None:
+    assert "Traceback" not in err, err
+    assert len(lines(err)) == 1 and says in err, err
+
+
+def two_rank_failure(detail: str = TRACEBACK) -> list[Ending]:
+    return [Ending(1, 7, "forward", 100.0, "failed", detail, "h1"),
+            Ending(0, 7, "backward", 101.0, "failed", "DistBackendError: Connection closed by peer\n"
+                   + detail, "h0")]
+
+
+@pytest.fixture
+def run_in(store: str, monkeypatch: pytest.MonkeyPatch):
+    """A FAILED run in a fresh store the environment names; its client and id."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    client.set_terminated(run_id, "FAILED")
+    client.set_tag(run_id, "ddplab.error", "ValueError: bad sample 17")
+    return client, run_id
+
+
+# ---- the forensics tag: written whole, read robustly ----
+
+def test_a_long_errors_tag_is_whole_json_within_the_limit_its_first_lines_kept():
+    endings = two_rank_failure()
+    assert len(json.dumps([e.__dict__ for e in endings])) > 2 * TAG_LIMIT
+    text = to_json(endings)
+    assert len(text) <= TAG_LIMIT
+    back = from_json(text)  # valid JSON, every field
+    assert [(e.rank, e.step, e.phase, e.what, e.host) for e in back] == \
+        [(e.rank, e.step, e.phase, e.what, e.host) for e in endings]
+    for was, now in zip(endings, back, strict=True):
+        assert now.detail.endswith(CUT) and was.detail.startswith(now.detail.removesuffix(CUT))
+        assert now.detail.splitlines()[0] == was.detail.splitlines()[0]
+        assert len(now.detail) > 2000  # cut only as much as needed
+    short = [Ending(0, 1, "forward", 1.0, "failed", "short")]
+    assert to_json(short) == json.dumps([short[0].__dict__])  # what fits is as it was
+    many = [Ending(r, 3, "forward", 1.0, "done" if r % 3 else "failed", "x" * 500, "host")
+            for r in range(200)]
+    text = to_json(many)
+    assert len(text) <= TAG_LIMIT and all(e.what == "failed" for e in from_json(text)[:60])
+
+
+def test_the_delivery_records_the_tag_whole():
+    class Client:
+        tags: dict[str, str] = {}
+
+        def set_tag(self, run_id: str, key: str, value: str) -> None:
+            self.tags[key] = value
+
+    class Watch:
+        def endings(self) -> list[Ending]:
+            return two_rank_failure()
+
+        def files(self) -> list[Path]:
+            return []
+
+    client = Client()
+    postmortem.record(client, "r", Watch(), "node1", 2, holds_rank0=False)  # type: ignore[arg-type]
+    text = client.tags["ddplab.forensics.node1"]
+    assert len(text) <= TAG_LIMIT and len(from_json(text)) == 2
+
+
+def test_the_error_tag_keeps_its_first_line():
+    from ddplab.tracking.tracker import ERROR_LIMIT, error_tag
+
+    tag = error_tag(TRACEBACK)
+    assert len(tag) <= ERROR_LIMIT and tag.startswith("ValueError: bad sample 17\n")
+    assert tag.endswith(TRACEBACK[-1000:])
+    assert error_tag("short\nerror") == "short\nerror"
+
+
+def diagnose(run_id: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["diagnose", run_id])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, out + err
+    return code, out, err
+
+
+def test_a_tag_cut_mid_json_is_one_line_the_other_node_still_shown(run_in, capsys):
+    client, run_id = run_in
+    cut = json.dumps([e.__dict__ for e in two_rank_failure()])[:8000]  # what ddplab wrote before
+    client.set_tag(run_id, "ddplab.forensics.node0", cut)
+    client.set_tag(run_id, "ddplab.forensics.node1", to_json(two_rank_failure("IndexError: x")))
+    code, out, err = diagnose(run_id, capsys)
+    assert code == 0 and not lines(err), err
+    bad = [x for x in out.splitlines() if "ddplab.forensics.node0" in x]
+    assert len(bad) == 1 and "unreadable (not JSON" in bad[0] and "8000 characters" in bad[0], out
+    assert "rank 1 (h1, node1): failed at step 7 in forward: IndexError: x" in out
+    assert "verdict: ValueError: bad sample 17" in out
+
+
+@pytest.mark.parametrize(("row", "says"), [
+    ({"rank": "one"}, "ending 0's rank is \"one\", not int"),
+    ({"time": None}, "ending 0's time is null, not float"),
+    ({"detail": ["a"]}, "ending 0's detail is [\"a\"], not str"),
+    ({"step": True}, "ending 0's step is true, not int"),
+    ({"what": ...}, "ending 0 has no what"),
+])
+def test_a_missing_or_mistyped_field_is_one_line_naming_it(run_in, capsys, row, says):
+    client, run_id = run_in
+    ending = {k: v for k, v in {**two_rank_failure("E")[0].__dict__, **row}.items()
+              if v is not ...}  # ...: the field left out
+    client.set_tag(run_id, "ddplab.forensics.node0", json.dumps([ending]))
+    client.set_tag(run_id, "ddplab.forensics.node1", '{"not": "a list"}')
+    code, out, err = diagnose(run_id, capsys)
+    assert code == 0 and not lines(err), err
+    assert f"ddplab.forensics.node0: unreadable ({says};" in out, out
+    assert "ddplab.forensics.node1: unreadable (a JSON dict, not a list of endings;" in out, out
+
+
+def test_an_extra_field_a_newer_ddplab_wrote_is_ignored(run_in, capsys):
+    client, run_id = run_in
+    ending = {**two_rank_failure("OSError: disk")[0].__dict__, "gpu": 3}
+    client.set_tag(run_id, "ddplab.forensics.node0", json.dumps([ending]))
+    code, out, _ = diagnose(run_id, capsys)
+    assert code == 0 and "rank 1 (h1, node0): failed at step 7 in forward: OSError: disk" in out
+
+
+def test_the_verdict_reads_the_other_nodes_past_an_unreadable_one(monkeypatch):
+    monkeypatch.setattr(postmortem, "WAIT_FOR_NODES_S", 0.0)
+
+    class Client:
+        def get_run(self, run_id: str):
+            class Data:
+                tags = {"ddplab.forensics.node1": '[{"rank": 2',  # read first
+                        "ddplab.forensics.node2": to_json(two_rank_failure("IndexError: x")[:1])}
+
+            class Run:
+                data = Data
+
+            return Run
+
+    mine = [Ending(0, 7, "backward", 101.0, "failed", "DistBackendError: closed", "h0")]
+    everyone = postmortem._everyone(Client(), "r", "node0", mine, 2)
+    assert sorted(e.rank for e in everyone) == [0, 1]
+
+
+# ---- a store this MLflow cannot use as it is: one line, exit 2, on every command ----
+
+def _alembic() -> tuple[str, str]:
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+
+    script = ScriptDirectory.from_config(_get_alembic_config(""))
+    head = script.get_current_head()
+    assert head is not None
+    down = script.get_revision(head).down_revision
+    assert isinstance(down, str)
+    return head, down
+
+
+def test_the_schema_read_without_mlflow_is_mlflows_own():
+    from ddplab.tracking.store import _migrations
+
+    known, head = _migrations()
+    assert (head, True) == (_alembic()[0], _alembic()[1] in known)
+
+
+def at_schema(store: str, version: str) -> str:
+    db = store.removeprefix("sqlite:///")
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE alembic_version SET version_num = ?", (version,))
+    return store
+
+
+def sync_spool(tmp_path: Path, store: str) -> list[str]:
+    d = spool.spool_dir(tmp_path / "left", "0" * 32, 0)
+    spool.Meta(store, "0" * 32, "0").write(d)
+    (d / "records.jsonl").write_text('{"op": "end", "status": "FINISHED", "ts": 1}\n')
+    return ["sync", str(tmp_path / "left"), "--timeout", "1"]
+
+
+def command(name: str, tmp_path: Path, store: str) -> list[str]:
+    if name == "sync":
+        return sync_spool(tmp_path, store)
+    return {"diagnose": ["diagnose", "0" * 32], "report": ["report", "0" * 32],
+            "train": ["train", QUICKSTART, "--set", f"checkpoint.dir={tmp_path / 'ck'}"]}[name]
+
+
+@pytest.mark.parametrize("name", ["diagnose", "report", "sync", "train"])
+def test_a_store_one_schema_behind_is_the_upgrade_advice_alone(
+        name, store, tmp_path, monkeypatch, capsys):
+    head, down = _alembic()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", at_schema(store, down))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(command(name, tmp_path, store)) == 2
+    out, err = capsys.readouterr()
+    one_line(err, f"ddplab: error: the MLflow store {store} is at schema {down}, this MLflow "
+                  f"needs {head}: upgrade it with `mlflow db upgrade {store}` (back it up first)")
+    if name == "train":  # refused before the job: no run opened, nothing trained
+        assert "epoch" not in out and not (tmp_path / "ck").exists()
+
+
+def test_a_store_a_newer_mlflow_made_says_so(store, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", at_schema(store, "fedcba987654"))
+    assert cli.main(["diagnose", "0" * 32]) == 2
+    one_line(capsys.readouterr().err, "is at schema fedcba987654, which this MLflow")
+
+
+@pytest.mark.parametrize("name", ["diagnose", "report", "sync", "train"])
+def test_a_garbage_file_at_the_stores_path_is_one_line(name, tmp_path, monkeypatch, capsys):
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"this is no SQLite database\n" * 200)
+    store = f"sqlite:///{db}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(command(name, tmp_path, store)) == 2
+    one_line(capsys.readouterr().err, f"ddplab: error: the MLflow store {store} cannot be "
+                                      "opened: file is not a database")
+
+
+@pytest.mark.parametrize("name", ["diagnose", "sync"])
+def test_a_directory_at_the_stores_path_is_one_line_at_once(name, tmp_path, monkeypatch, capsys):
+    """At once: MLflow retries a store it cannot open for minutes, logging each try."""
+    (tmp_path / "mlflow.db").mkdir()
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    t0 = time.monotonic()
+    assert cli.main(command(name, tmp_path, store)) == 2
+    one_line(capsys.readouterr().err, "is a directory")
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_store_cut_short_is_one_line(store, monkeypatch, capsys):
+    db = Path(store.removeprefix("sqlite:///"))
+    data = db.read_bytes()
+    db.write_bytes(data[:100] + b"\xff" * (len(data) - 100))  # its header, then garbage
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert cli.main(["report", "0" * 32]) == 2
+    one_line(capsys.readouterr().err, f"ddplab: error: the MLflow store {store} cannot be opened")
+
+
+def test_a_good_store_still_opens(store, monkeypatch, capsys):
+    from ddplab.tracking.store import store_problem
+
+    assert store_problem(store) is None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert cli.main(["diagnose", "0" * 32]) == 2  # no such run: its own line
+    one_line(capsys.readouterr().err, "ddplab: error: run 00000000000000000000000000000000 in")
