@@ -19,11 +19,19 @@ QUICK = [  # a smaller quickstart for tests that need a real job but not its ful
 ]
 
 
+LONGEST = ("test_a_study_whose_server_dies", "test_the_proof_runs_every_cpu_step",
+           "test_a_tiny_study_gives_a_parent")
+"""The tests of 100 s and more (make test's --durations): started first of all, so that none of
+them starts last and runs on alone while the other worker idles."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The long tests first (end-to-end, then multi-process), the quick ones last: pytest-xdist
     hands tests out in this order, so the quick ones fill the workers' gaps at the end instead of
     one worker finishing a two-minute study alone (longest first: the tier's wall time falls)."""
     def weight(item: pytest.Item) -> int:
+        if item.name.startswith(LONGEST):
+            return -1
         return 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("distributed") else 2
 
     items.sort(key=weight)
