@@ -56,6 +56,7 @@ for step in range(8):
 if rank == 0:
     import mlflow
     mlflow.log_metric("plain_mlflow", 1.0)
+    mlflow.log_metric("train/samples_per_s", 123.0)  # a name ddplab's observation also writes
     print("rank 0 says goodbye")
 dist.destroy_process_group()
 '''
@@ -195,6 +196,13 @@ def test_mlflow_and_track_land_in_the_one_run_and_a_rank_failure_is_named(tmp_pa
     assert ok.returncode == 0, ok.stderr[-3000:]
     (run,) = runs(store)  # plain mlflow.log_metric made no second run
     assert run.data.metrics["plain_mlflow"] == 1.0 and "train/loss" in run.data.metrics
+    # Names the script logs itself are the script's alone: the observation writes none of them.
+    from mlflow import MlflowClient
+
+    history = MlflowClient(store).get_metric_history
+    assert sorted(m.step for m in history(run.info.run_id, "train/loss")) == list(range(8))
+    assert [(m.step, m.value) for m in history(run.info.run_id, "train/samples_per_s")] == [(0, 123.0)]
+    assert "train/step_time_s" in run.data.metrics  # what it does not log, observed
     for fault, why in (("raise", "ValueError: bad batch at step 5"), ("sigkill", "killed by SIGKILL")):
         bad = ddplab(["train", str(script), "--set", "checkpoint.resume=never", "--",
                       "--fault", fault], tmp_path, job_env(store), nproc=2)

@@ -37,11 +37,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from .env import FORENSICS_ENV, OBSERVE_ENV
+from .imports import after_import
 
 LOG_EVERY_STEPS = 10
 """A log point every this many steps (as ddplab's loop's ``train.log_every``), and at every
@@ -308,20 +310,13 @@ def _script_names() -> set[str]:
 
 
 def _not_the_scripts(metrics: dict[str, float]) -> dict[str, float]:
-    _watch_mlflow()
     own = _script_names()
     return {k: float(v) for k, v in metrics.items() if k not in own}
 
 
-def _watch_mlflow() -> None:
-    """Once the script has imported MLflow, its fluent ``log_metric(s)`` add their names to
-    the script's own (checked at each log point: a script imports MLflow when it likes)."""
-    import sys
-
-    fluent = sys.modules.get("mlflow")
-    if fluent is None or getattr(fluent, "_ddplab_watched", False):
-        return
-    fluent._ddplab_watched = True  # type: ignore[attr-defined]
+def _watch_mlflow(fluent: ModuleType) -> None:
+    """Right after the script imports MLflow (imports.py), before it binds any of its names:
+    MLflow's ``log_metric(s)`` add the names they log to the script's own."""
     for name, names_of in (("log_metric", lambda a, k: [a[0] if a else k.get("key")]),
                            ("log_metrics", lambda a, k: list((a[0] if a else k.get("metrics")) or {}))):
         original = getattr(fluent, name, None)
@@ -349,6 +344,7 @@ def install(rank: int, world: int, report: Callable[[dict[str, Any]], None]) -> 
     spool = track._append  # the node's spool, as the script's own ddplab.track records
     obs = Observer(rank, world, float(given or 0), report, spool, _heartbeat(rank, world))
     _hooks(obs)
+    after_import("mlflow", _watch_mlflow)
     return obs
 
 
