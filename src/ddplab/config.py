@@ -1037,6 +1037,17 @@ def _read_experiment(p: Path) -> dict[str, Any]:
     return {"name": name, "script": {"path": str(p.resolve())}}
 
 
+def check_compiles(file: Path, what: str) -> None:
+    """A script that does not compile, or cannot be read, is one line (``what``: its name in
+    it), before any process or run exists."""
+    try:
+        compile(file.read_bytes(), str(file), "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"{what} does not compile: {e.msg} at line {e.lineno}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} cannot be read ({e})") from None
+
+
 def _with_script(cfg: ExperimentConfig, path: str | Path | None,
                  script_args: list[str] | None) -> ExperimentConfig:
     """The script's path made absolute (relative to the experiment file), the command line's
@@ -1055,12 +1066,6 @@ def _with_script(cfg: ExperimentConfig, path: str | Path | None,
     if not script.is_file():
         raise ConfigError(f"{source}: script.path: {str(script)!r} not found (relative paths "
                           "are relative to the experiment file)")
-    try:
-        compile(script.read_bytes(), str(script), "exec")
-    except SyntaxError as e:
-        raise ConfigError(f"{source}: script {script} does not compile: {e.msg} at line "
-                          f"{e.lineno}") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{source}: script {script} cannot be read ({e})") from None
+    check_compiles(script, f"{source}: script {script}")
     return dataclasses.replace(cfg, script=dataclasses.replace(
         s, path=str(script.resolve()), args=[*s.args, *(script_args or [])]))

@@ -57,13 +57,7 @@ def load_job(experiment: str | None, module: str, overrides: list[str],
     script = dataclasses.replace(cfg.script, path=f"-m {module}",
                                  args=[*cfg.script.args, *(script_args or [])])
     file = script.file()  # found as python -m finds it, or one line
-    try:
-        compile(file.read_bytes(), str(file), "exec")
-    except SyntaxError as e:
-        raise ConfigError(f"-m {module}: {file} does not compile: {e.msg} at line "
-                          f"{e.lineno}") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"-m {module}: {file} cannot be read ({e})") from None
+    config.check_compiles(file, f"-m {module}: {file}")
     name = cfg.name if cfg.name != config.ExperimentConfig.name else module
     return dataclasses.replace(cfg, name=name, script=script)
 
