@@ -146,3 +146,40 @@ def test_a_param_cut_to_mlflows_limit_is_said_in_the_run(tmp_path):
     tags = {k: v for r in records for k, v in r.get("tags", {}).items()}
     assert len(params["model.args"]) == 6000 and params["optim.lr"] == "0.1"
     assert tags["ddplab.params_cut"].startswith("model.args (9000 characters): cut to 6000")
+
+
+def test_two_jobs_creating_one_experiment_at_once_both_get_it(tmp_path):
+    """Both look the experiment up before either creates it (held at a barrier, on a real
+    SQLite store): the loser's "already exists" must give it the winner's experiment."""
+    from mlflow.tracking import MlflowClient
+
+    from ddplab.tracking.opening import experiment_id
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()  # the schema made once, as a store's first job does
+    both_looked = threading.Barrier(2, timeout=60)
+
+    class LooksFirst(MlflowClient):
+        looked = False
+
+        def get_experiment_by_name(self, name):
+            found = super().get_experiment_by_name(name)
+            if not self.looked:  # only each job's first look waits for the other's
+                self.looked = True
+                both_looked.wait()
+            return found
+
+    got, errors = [], []
+
+    def job():
+        try:
+            got.append(experiment_id(LooksFirst(uri), "race"))
+        except Exception as e:  # noqa: BLE001 - the failure is the finding
+            errors.append(e)
+
+    threads = [threading.Thread(target=job) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(got) == 2 and got[0] == got[1], (errors, got)

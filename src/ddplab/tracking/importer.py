@@ -43,6 +43,7 @@ from .import_source import (
     shown,
     stage,
 )
+from .opening import get_or_create_experiment
 
 __all__ = ["ArchiveError", "ImportFailed", "import_runs"]
 
@@ -224,8 +225,7 @@ def _copy_run(src: Any, dst: Any, run: Any, known: dict[str, str], source: Sourc
     """Copy one run whole, or leave none: a failure or Ctrl-C deletes the part copy."""
     experiment = src.get_experiment(run.info.experiment_id).name
     if experiment not in experiments:
-        found = dst.get_experiment_by_name(experiment)
-        experiments[experiment] = found.experiment_id if found else dst.create_experiment(experiment)
+        experiments[experiment] = get_or_create_experiment(dst, experiment)
     ours = {MARK: run.info.run_id, ORIGIN: run.data.tags.get(ORIGIN) or run.data.tags.get(MARK)
             or run.info.run_id, INCOMPLETE: "an import is copying this run; ddplab import replaces it"}
     new = dst.create_run(experiments[experiment], start_time=run.info.start_time, tags=ours,

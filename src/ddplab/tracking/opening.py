@@ -65,11 +65,25 @@ def experiment_id(client: Any, name: str) -> str:
     ddplab's saved view of its runs."""
     from . import ui_views
 
-    exp = client.get_experiment_by_name(name)
-    if exp is None:
-        exp = client.get_experiment(client.create_experiment(name, tags=TRAINING_KIND))
+    exp = client.get_experiment(get_or_create_experiment(client, name, TRAINING_KIND))
     ui_views.ensure_runs_view(client, exp)
     return exp.experiment_id
+
+
+def get_or_create_experiment(client: Any, name: str, tags: dict[str, str] | None = None) -> str:
+    """The id of the experiment called ``name``, created when missing. Two jobs started together
+    on a fresh store both find it missing and both create it: the loser's "already exists" means
+    the winner's experiment is there, so it is looked up again rather than failing the job."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return str(exp.experiment_id)
+    try:
+        return str(client.create_experiment(name, tags=tags))
+    except Exception:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return str(exp.experiment_id)
 
 
 def wait_for(uri: str, wait_s: float) -> None:
