@@ -330,13 +330,17 @@ def test_each_shipped_study_runs_reduced(tmp_path, store, shipped):
     experiment = REPO / "experiments" / "studies" / study["experiment"]
     base = {"data": {"dataset": "script"}} if experiment.suffix == ".py" else \
         yaml.safe_load(experiment.read_text())
-    small = ["--set", "data.train_samples=256", "--set", "data.eval_samples=128",
-             "--set", "train.epochs=2", "--set", "train.max_steps=8"]
+    small = ["--set", "data.train_samples=256", "--set", "train.epochs=2",
+             "--set", "train.max_steps=8"]
+    # The eval size through DDPLAB_SET (issue 51: it works under every command): each job's
+    # ranks inherit it, so every child records it.
+    env = {"DDPLAB_SET": "data.eval_samples=128"}
     if base["data"]["dataset"] == "script":  # a script's own size flags, where it has them
         sizes = {"script.flags.synthetic": 128, "script.flags.samples": 256,
                  "script.flags.epochs": 1}
         small = [a for k, v in sizes.items() if k in study.get("set", {})
                  for a in ("--set", f"{k}={v}")]
+        env = {}
     if base["data"]["dataset"] == "cifar10":  # not on this machine: the same shapes, generated
         small += ["--set", "data.dataset=synthetic"]
     if base["data"]["dataset"] == "tokens":  # its text is relative to the repository root
@@ -347,7 +351,7 @@ def test_each_shipped_study_runs_reduced(tmp_path, store, shipped):
         chosen = set(SOME_VARIANTS[shipped].split(","))
         small += ["--variants", SOME_VARIANTS[shipped]]
     out = cli(["study", "run", str(REPO / "experiments" / "studies" / shipped), "--repeats", "1",
-               *small], tmp_path, store)
+               *small], tmp_path, store, **env)
     if any(v.get("launcher", "").startswith("compose") for v in study["variants"]):
         # Containers cannot reach a local SQLite store: one clear line before anything runs.
         # (tests/test_study_compose.py runs it against a server, in the container tier.)
@@ -361,6 +365,7 @@ def test_each_shipped_study_runs_reduced(tmp_path, store, shipped):
     assert ran | skipped == chosen and not ran & skipped
     for c in children:
         t = c.data.tags
+        assert not env or c.data.params["data.eval_samples"] == "128", c.data.params
         if t.get("ddplab.backend_requested") == "ccl" and t["ddplab.backend"] == "gloo":
             assert "fallback" in t["ddplab.backend_reason"]
 

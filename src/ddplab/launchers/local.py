@@ -20,10 +20,15 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from ..config import ExperimentConfig
 
 
-def parser(sub: argparse._SubParsersAction) -> None:
+def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="N local ranks via torchrun, after a one-process preflight",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, default=int(os.environ.get("NPROC", "2")),
@@ -38,7 +43,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
 
 
 def load_job(experiment: str | None, module: str, overrides: list[str],
-             script_args: list[str] | None) -> Any:
+             script_args: list[str] | None) -> ExperimentConfig:
     """The job's config: an experiment (YAML or .py), or ``-m MODULE``: a packaged script
     (``script.path`` ``-m MODULE``, config.ScriptConfig.module; with an experiment file's
     settings when one is given too), named after the module. The module is found and its file
@@ -97,12 +102,12 @@ def torchrun_args(a: argparse.Namespace) -> list[str]:
     """torchrun's own arguments for this job (what ``torchrun`` would be typed with): the
     user's own ``--set`` values only; every rank reads ``DDPLAB_SET`` from the environment it
     inherits (config.load), so nothing is applied twice."""
-    sets = [x for s in a.overrides for x in ("--set", s)]
+    from .targets import Torchrun, train_job
+
     out = ["--summary-out", a.summary_out] if a.summary_out else []
     rest = ["--", *a.script_args] if a.script_args else []
-    job = [*([a.experiment] if a.experiment else []), *(["-m", a.module] if a.module else [])]
-    return ["--standalone", f"--nproc-per-node={a.nproc_per_node}", "-m", "ddplab", "train",
-            *job, *sets, *out, *rest]
+    job = train_job(a.experiment or "", a.overrides, module=a.module, extra=[*out, *rest])
+    return Torchrun(a.nproc_per_node).args(job)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -135,7 +140,7 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-def failed(e: Any) -> int:
+def failed(e: ChildFailedError) -> int:
     """torchrun's ChildFailedError as ddplab's one line: the rank torchrun saw fail first (the
     ranks' error files say which: cli._tell_torchrun) and its error; its exit code (2: the rank
     refused the job's input; 128 + N: killed by signal N)."""

@@ -123,7 +123,7 @@ def peer_network(peer: str) -> str:
             source = s.getsockname()[0]
     except OSError:
         source = None
-    by_route = None
+    by_route: str | None = None
     for name, addrs in psutil.net_if_addrs().items():
         for addr in addrs:
             if addr.family != socket.AF_INET or not addr.netmask:
@@ -139,21 +139,11 @@ def peer_network(peer: str) -> str:
 
 def mpirun_argv(a: argparse.Namespace, hosts: list[str], ssh_opts: list[str], network: str,
                 env: dict[str, str]) -> list[str]:
-    forward = [x for name in FORWARD if name in env for x in ("-x", name)]
-    return [
-        "mpirun", "-np", str(len(hosts) * a.slots),
-        "--host", ",".join(f"{h}:{a.slots}" for h in hosts),
-        "--map-by", "slot", "--bind-to", "none",
-        "--mca", "plm_rsh_agent", "ssh", "--mca", "plm_rsh_args", " ".join(ssh_opts),
-        # Only this launcher holds the key and known_hosts: no worker may ssh on (tree spawn).
-        "--mca", "plm_rsh_no_tree_spawn", "1",
-        # Pin Open MPI's own traffic to the workers' network (the wrong-interface trap).
-        "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", network,
-        "--mca", "oob_tcp_if_include", network,
-        "-x", f"MASTER_ADDR={hosts[0]}", "-x", f"MASTER_PORT={a.master_port}",
-        *forward,
-        shutil.which("ddplab") or "ddplab", "train", *a.train_args,
-    ]
+    from .targets import MpirunHosts
+
+    target = MpirunHosts(hosts, a.slots, ssh_opts, network, a.master_port,
+                         [name for name in FORWARD if name in env])
+    return target.argv(["-m", "ddplab", "train", *a.train_args])
 
 
 def current_job(keys: Path, newer_than: float) -> str | None:
@@ -368,7 +358,7 @@ def operator_launch(a: argparse.Namespace) -> int:
     return run_mpirun(a, hosts, opts, socket.gethostbyname(hosts[0]))
 
 
-def parser(sub: argparse._SubParsersAction) -> None:
+def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = os.environ
     m = sub.add_parser("mpi", help="Open MPI across containers: ssh workers and the mpirun launcher")
     ms = m.add_subparsers(dest="mpi_command", required=True)

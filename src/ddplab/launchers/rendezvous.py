@@ -23,7 +23,6 @@ import ipaddress
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -137,22 +136,19 @@ def port_answers(host: str, port: int) -> bool:
 
 
 def torchrun_argv(a: argparse.Namespace, p: Plan) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={p.host}:{a.rdzv_port}",
-        f"--rdzv-id={a.rdzv_id}", f"--rdzv-conf=is_host={str(p.is_host).lower()},"
-        f"join_timeout={int(a.wait_timeout)}",
-        f"--local-addr={p.me}", f"--max-restarts={a.max_restarts}",
-        "-m", "ddplab", "train", *a.train_args,
-    ]
+    from .targets import NodeTorchrun
+
+    target = NodeTorchrun(a.nnodes, a.nproc_per_node, f"{p.host}:{a.rdzv_port}", a.rdzv_id,
+                          p.is_host, a.wait_timeout, p.me, a.max_restarts)
+    return target.argv(["-m", "ddplab", "train", *a.train_args])
 
 
-def from_env(kind: type, env_name: str) -> Callable[[str], int | float]:
+def from_env(kind: type[int] | type[float], env_name: str) -> Callable[[str], int | float]:
     """An argparse type for an option whose default comes from ``$env_name``: argparse converts
     string defaults with it only when the command runs, so a bad variable is one usage line
     naming it (exit 2), and other commands never read it."""
     def convert(text: str) -> int | float:
+        value: int | float | None
         try:
             value = kind(text)
         except ValueError:
@@ -165,7 +161,7 @@ def from_env(kind: type, env_name: str) -> Callable[[str], int | float]:
     return convert
 
 
-def parser(sub: argparse._SubParsersAction) -> None:
+def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = os.environ
     p = sub.add_parser("launch", help="multi-node: wait for peers, then torchrun this node's ranks",
                        description=__doc__.split("\n\n")[0])
