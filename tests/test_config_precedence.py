@@ -97,3 +97,39 @@ def test_ddplab_launch_and_mpi_leave_ddplab_set_to_the_environment(tmp_path, mon
     assert argv[-5:] == [exp, *USER_SETS], argv
     assert " -x DDPLAB_SET " in " ".join(argv)  # by name: the ranks read it themselves
     assert "train.epochs=1" not in argv
+
+
+@pytest.mark.parametrize("how, says", [
+    ("file", "job.yaml: train.epochs: got 3; a script job runs your script's own loop"),
+    ("set", "--set 'optim.lr=0.1': optim.lr: got 0.1; a script job"),
+    ("env", "DDPLAB_SET 'data.batch_size=4': data.batch_size: got 4; a script job"),
+    ("module", "--set 'train.epochs=2': train.epochs: got 2; a script job"),
+])
+def test_a_script_job_refuses_the_loops_own_keys_in_one_line(tmp_path, monkeypatch, how, says):
+    """A script reads its own epochs and lr: ignoring ddplab's would run something other than
+    what was asked. Allowed beside a script: script, dist, tracking, checkpoint, name."""
+    from ddplab.launchers.local import load_job
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text("script: {path: train.py}\ndist: {threads_per_rank: 1}\n"
+                   + ("train: {epochs: 3}\n" if how == "file" else ""))
+    env = {"DDPLAB_SET": "data.batch_size=4"} if how == "env" else {}
+    sets = {"set": ["optim.lr=0.1"], "module": ["train.epochs=2"]}.get(how, [])
+    monkeypatch.setattr("os.environ", {**env})
+    with pytest.raises(ConfigError) as e:
+        if how == "module":
+            load_job(None, "pkg.train", sets, None)
+        else:
+            load(job, sets, environ=env)
+    said = str(e.value)
+    assert says in said and "script.flags." in said and "\n" not in said, said
+    # The same job without them loads: a script's keys, its layout, its tracking.
+    ok = load(job if how != "file" else script, ["dist.threads_per_rank=2", "checkpoint.keep=1"],
+              environ={})
+    assert ok.script.path.endswith("train.py") and ok.dist.threads_per_rank == 2

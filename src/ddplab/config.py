@@ -997,13 +997,14 @@ def _parsed(text: str, limit: int) -> Any:
 
 def load(path: str | Path | None, sets: Sequence[Override] = (),
          script_args: list[str] | None = None, *,
-         environ: Mapping[str, str] | None = None) -> ExperimentConfig:
+         environ: Mapping[str, str] | None = None, script_job: bool = False) -> ExperimentConfig:
     """The one precedence rule: field defaults < the file < ``DDPLAB_SET`` of ``environ`` (this
     process's environment when None) < ``sets`` (``--set``, in order: later wins), validated.
     Callers pass the command line's ``--set`` values, and ``DDPLAB_SET`` only by ``environ`` (a
     study alone re-applies its items, above its variants' own sets: study/spec.py).
     Errors are one ConfigError line naming the source (the file, ``--set`` or ``DDPLAB_SET``),
-    the key, the value and what is allowed."""
+    the key, the value and what is allowed. A script job (a script path, or ``script_job``: a
+    ``-m MODULE`` the caller adds) refuses the keys only ddplab's loop reads (_loop_only)."""
     overrides = [*env_overrides(environ), *sets]
     raw = _read_experiment(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "defaults"
@@ -1021,7 +1022,30 @@ def load(path: str | Path | None, sets: Sequence[Override] = (),
                        if key == k or f"{key}.".startswith(f"{k}.")
                        or f"{k}.".startswith(f"{key}.")), source)
         raise ConfigError(f"{origin}: {e}") from None
+    if cfg.script.path or script_job:
+        _loop_only(raw, overridden, source)
     return _with_script(cfg, path, script_args)
+
+
+#: The sections only ddplab's own loop reads: a script job runs the script's own loop.
+LOOP_ONLY = ("data", "model", "optim", "train", "profile")
+
+
+def _loop_only(raw: Mapping[str, Any], overridden: Mapping[str, str], source: str) -> None:
+    """A key of a loop-only section given to a script job is one line, not silently ignored
+    (a script's epochs, lr, batch size are its own arguments)."""
+    for section in LOOP_ONLY:
+        given = flatten({section: raw.get(section) or {}})
+        if not given:
+            continue
+        key, value = next(iter(given.items()))
+        origin = next((v for k, v in overridden.items() if k == key or key.startswith(f"{k}.")),
+                      source)
+        leaf = key.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"{origin}: {key}: got {value!r}; a script job runs your script's own loop, and "
+            f"{', '.join(LOOP_ONLY)} are ddplab's loop's settings: give the script its own "
+            f"argument instead (script.args, or script.flags.{leaf})")
 
 
 def is_script(path: str | Path | None) -> bool:

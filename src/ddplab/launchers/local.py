@@ -55,7 +55,7 @@ def load_job(experiment: str | None, module: str, overrides: list[str],
 
     if not module:
         return config.load(experiment, overrides, script_args, environ=os.environ)
-    cfg = config.load(experiment, overrides, environ=os.environ)
+    cfg = config.load(experiment, overrides, environ=os.environ, script_job=True)
     if cfg.script.path:
         raise ConfigError(f"-m {module}: the experiment names a script already (script.path "
                           f"{cfg.script.path!r}); give one of them")
