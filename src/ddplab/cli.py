@@ -24,10 +24,13 @@ import os
 import subprocess
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .log import flush_std, logger
+
+if TYPE_CHECKING:
+    from .tracking.store import StoreUnusable
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 
@@ -225,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         from_files()  # before any launcher copies the environment to the ranks
         from_uri()  # a login in MLFLOW_TRACKING_URI: out of the URI, into the credentials
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except DdplabError as e:
         # Failures become exit codes here: a DdplabError is its one line ("ddplab: error:" for
         # bad input, like argparse's; "ddplab <command>: error:" for a command that failed).
@@ -256,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-def _store_refusal(e: BaseException, uris: list[str] | None = None) -> Any:
+def _store_refusal(e: BaseException, uris: list[str] | None = None) -> StoreUnusable | None:
     """MLflow's refusal to open a store as it is (tracking/store.py, unusable) where it escaped
     open_client (a client made elsewhere, the delivery process's answer), as its one line
     (a StoreUnusable), else None. ``uris``: the stores the command used (the one named is the

@@ -683,7 +683,8 @@ class ExperimentConfig:
         return flatten(self.to_dict())
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        text: str = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return text
 
     def global_batch(self, world_size: int) -> int:
         """The batch arithmetic: per-rank batch x world size x accumulation steps."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
@@ -32,15 +33,15 @@ def rank() -> int | None:
     return None
 
 
-class _Stderr(logging.StreamHandler):
+class _Stderr(logging.StreamHandler[TextIO]):
     """Always today's sys.stderr (a test, or an application, may replace it after start-up)."""
 
     @property
-    def stream(self):
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # the base class sets it once; today's is read instead
+    def stream(self, value: TextIO) -> None:  # the base class sets it once; today's is read instead
         pass
 
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .tracking.schema import PARAM_LIMIT, TAG_LIMIT
+
 SPOOL_ENV = "DDPLAB_SPOOL"
 """The node's spool folder, set by ddplab for a script's processes."""
 STREAM = "track"
@@ -95,7 +97,7 @@ def params(values: dict[str, Any], all_ranks: bool = False) -> None:
     if _sink is not None:
         _sink.log_params(named)
     else:
-        _append({"op": "log", "params": {k: str(v)[:6000] for k, v in named.items()}})
+        _append({"op": "log", "params": {k: str(v)[:PARAM_LIMIT] for k, v in named.items()}})
 
 
 def tags(values: dict[str, Any], all_ranks: bool = False) -> None:
@@ -106,4 +108,4 @@ def tags(values: dict[str, Any], all_ranks: bool = False) -> None:
     if _sink is not None:
         _sink.set_tags(named)
     else:
-        _append({"op": "log", "tags": {k: str(v)[:8000] for k, v in named.items()}})
+        _append({"op": "log", "tags": {k: str(v)[:TAG_LIMIT] for k, v in named.items()}})

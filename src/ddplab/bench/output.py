@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..log import logger
+from ..tracking import life, schema
 from .collectives import Result
 
 Matrix = dict[tuple[str, str], dict[str, str]]
@@ -129,8 +130,8 @@ class Report(Silent):
             from ..tracking import experiment_id
 
             self.experiment_id = experiment_id(client, experiment)
-            run = client.create_run(self.experiment_id, run_name=run_name,
-                                    tags={"ddplab.kind": "bench-collectives"})
+            run = life.create(client, self.experiment_id, run_name,
+                              {schema.KIND: "bench-collectives"})
             self.run_id, self.uri = run.info.run_id, client.tracking_uri
             client.log_batch(self.run_id, params=_params(params))
 
@@ -191,22 +192,22 @@ class Report(Silent):
                    for r in results for key, value in (
                        ("busbw_GBps", r.busbw / 1e9), ("algbw_GBps", r.algbw / 1e9),
                        ("p50_ms", r.p50_s * 1e3), ("p95_ms", r.p95_s * 1e3))]
-        for i in range(0, len(metrics), 1000):  # MLflow's log_batch takes 1,000 metrics
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-        tags = [RunTag(f"ddplab.support.{b}.{d}",
+        for i in range(0, len(metrics), schema.BATCH_METRICS):  # MLflow's log_batch limit
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + schema.BATCH_METRICS])
+        tags = [RunTag(schema.support_tag(b, d),
                        f"{sum(v == 'yes' for v in col.values())}/{len(col)} ops")
                 for (b, d), col in matrix.items()]
         self.client.log_batch(self.run_id, tags=tags)
         for name in ("results.csv", "support.csv", "support.md", "busbw.png"):
             if (folder / name).exists():
                 self.client.log_artifact(self.run_id, str(folder / name))
-        self.client.set_terminated(self.run_id, status)
+        life.end(self.client, self.run_id, status)
         print(f"\nMLflow run {self.run_id} {status}"
               + ui_address(self.uri, self.experiment_id, self.run_id), flush=True)
 
     def abort(self, status: str) -> None:
         if self.client is not None and self.run_id:
-            self.client.set_terminated(self.run_id, status)
+            life.end(self.client, self.run_id, status)
 
 
 def _params(params: dict[str, Any]) -> list[Any]:

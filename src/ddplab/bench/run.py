@@ -13,7 +13,9 @@ from ..errors import BadInput
 from . import BACKENDS, OP_NAMES
 
 if TYPE_CHECKING:
+    from ..launchers import LaunchEnv
     from .collectives import Plan
+    from .output import Report, Silent
 
 ALIASES = {"send/recv": "send_recv", "sendrecv": "send_recv", "allreduce": "all_reduce",
            "allgather": "all_gather", "reducescatter": "reduce_scatter", "alltoall": "all_to_all"}
@@ -133,7 +135,8 @@ def collectives(a: argparse.Namespace) -> int:
         group.destroy_process_group()
 
 
-def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]) -> Any:
+def _open_report(a: argparse.Namespace, plan: Plan, le: LaunchEnv,
+                 backends: list[str]) -> Report | Silent:
     """Rank 0 opens the run (every rank learns whether that worked); the others stay silent."""
     import torch
 
@@ -163,7 +166,8 @@ def _open_report(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str]
     return made[0] if made else Silent()
 
 
-def _measure(a: argparse.Namespace, plan: Plan, le: Any, backends: list[str], report: Any) -> str:
+def _measure(a: argparse.Namespace, plan: Plan, le: LaunchEnv, backends: list[str],
+             report: Report | Silent) -> str:
     from .collectives import Bench, device_for, devices_here, support
 
     bench = Bench(plan, le.rank, le.world_size, a.timeout)

@@ -18,6 +18,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ONECCL_VERSION = "2022.2.0"
 EXT_NAME = "ddplab_ccl"
@@ -30,9 +31,10 @@ def home() -> Path:
     return Path(os.environ.get("DDPLAB_CCL_HOME") or Path(sys.prefix, "lib", "ddplab-ccl"))
 
 
-def build_info(where: Path | None = None) -> dict:
+def build_info(where: Path | None = None) -> dict[str, Any]:
     try:
-        return json.loads(((where or home()) / "BUILD.json").read_text())
+        info: dict[str, Any] = json.loads(((where or home()) / "BUILD.json").read_text())
+        return info
     except (OSError, ValueError):
         return {}
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import DdplabError
@@ -53,7 +54,7 @@ def preload(home: Path) -> str | None:
     return str(lib)
 
 
-def fetch(dest: Path, say) -> None:
+def fetch(dest: Path, say: Callable[[str], None]) -> None:
     """Download and unpack the packages into ``dest/fabric``."""
     apt = shutil.which("apt-get")
     if apt is None or shutil.which("dpkg-deb") is None:
@@ -78,7 +79,7 @@ def fetch(dest: Path, say) -> None:
 
 
 def _download(apt: str, names: list[str], where: Path) -> None:
-    def download() -> subprocess.CompletedProcess:
+    def download() -> subprocess.CompletedProcess[str]:
         return subprocess.run([apt, "download", *names], cwd=where, capture_output=True, text=True)
     proc = download()
     if proc.returncode != 0 and os.geteuid() == 0:  # a fresh machine may have no package lists

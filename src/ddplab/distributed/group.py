@@ -48,6 +48,7 @@ def rendezvous_store(le: LaunchEnv, timeout_s: int) -> dist.Store:
                        ("LOCAL_RANK", str(le.local_rank))):
         os.environ.setdefault(key, value)
     timeout = datetime.timedelta(seconds=timeout_s)
+    store: dist.Store
     try:
         store, _, _ = next(dist.rendezvous("env://", le.rank, le.world_size, timeout=timeout))
     except RuntimeError as e:  # DistStoreError, DistNetworkError: a peer or the master is missing
@@ -90,7 +91,8 @@ def flight_records() -> bytes:
 
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     dump = getattr(c10d, "_dump_nccl_trace_json" if nccl else "_dump_fr_trace_json")
-    return dump(includeCollectives=True, onlyActive=False)
+    records: bytes = dump(includeCollectives=True, onlyActive=False)
+    return records
 
 
 def finish_together() -> None:
@@ -126,4 +128,5 @@ def share_from_rank0(produce: Callable[[], T], is_rank0: bool, world_size: int) 
         raise error
     if message[1]:
         raise Rank0Error(f"rank 0 failed: {message[1]}")
-    return message[0]
+    result: T = message[0]  # rank 0's produce(), broadcast (pickled) to the others
+    return result

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..tracking import schema
 from .heartbeat import (
     DUMP,
     PHASES,
@@ -304,7 +305,7 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
-TAG_LIMIT = 8000
+TAG_LIMIT = schema.TAG_LIMIT
 """Characters MLflow keeps of a tag's value: the endings' JSON is made to fit, never cut."""
 CUT = " [...]"
 

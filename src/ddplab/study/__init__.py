@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 
 from ..errors import DdplabError
+from ..tracking import schema
 
 
-def run_study(path: str, overrides: list, fresh: bool, dry_run: bool, repeats: int = 0,
+def run_study(path: str, overrides: list[str], fresh: bool, dry_run: bool, repeats: int = 0,
               variants: str = "") -> int:
     # MLflow prints "View run at <tracking URI>" when a run ends: on a cluster an in-network
     # name the browser cannot open. The study prints each address itself (DDPLAB_UI_URL).
@@ -89,11 +90,11 @@ def show_report(parent_run_id: str, page_name: str = "") -> int:
 
     page = pages.path_for(page_name) if page_name else None
     client, parent, uri = recorded_run(parent_run_id)
-    if parent.data.tags.get("ddplab.study_role") != PARENT:
+    if parent.data.tags.get(schema.STUDY_ROLE) != PARENT:
         from ..config import ConfigError
 
         raise ConfigError(f"run {parent_run_id} is not a study's parent run (no tag "
-                          f"ddplab.study_role={PARENT}); `ddplab study run` makes those")
+                          f"{schema.STUDY_ROLE}={PARENT}); `ddplab study run` makes those")
     if page is not None and parent.info.status == "RUNNING":
         from ..config import ConfigError
 

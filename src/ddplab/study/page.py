@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import pages
+from ..tracking import schema
 
 
 def _when(ms: int) -> datetime.datetime:
@@ -35,14 +36,14 @@ def _distinct(children: list[Any], tag: str, missing: str, width: int = 200) -> 
 
 
 def stamp(parent: Any, children: list[Any], name: str) -> pages.Stamp:
-    dirty = any(c.data.tags.get("ddplab.git_dirty") == "true" for c in children)
-    command = parent.data.tags.get("ddplab.study_command") or \
-        f"ddplab study run {parent.data.tags.get('ddplab.study_file', '?')}"
+    dirty = any(c.data.tags.get(schema.GIT_DIRTY) == "true" for c in children)
+    command = parent.data.tags.get(schema.STUDY_COMMAND) or \
+        f"ddplab study run {parent.data.tags.get(schema.STUDY_FILE, '?')}"
     return pages.Stamp(
         measured=measured(children),
-        commit=_distinct(children, "ddplab.git_sha", "unknown", 10) +
+        commit=_distinct(children, schema.GIT_SHA, "unknown", 10) +
         (" + local changes" if dirty else ""),
-        machine=_distinct(children, "ddplab.machine", "not recorded by these runs"),
+        machine=_distinct(children, schema.MACHINE, "not recorded by these runs"),
         command=f"{command} && ddplab report {parent.info.run_id} --page {name}")
 
 

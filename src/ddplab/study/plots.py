@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..tracking import schema
 from .spec import better
 from .table import Row, by_name, fmt, is_throughput
 
@@ -185,14 +186,14 @@ def _series(client: Any, by_variant: dict[str, list[Any]], key: str,
     out = []
     for variant, runs in by_variant.items():
         ok = sorted((r for r in runs if r.info.status == "FINISHED"),
-                    key=lambda r: int(r.data.tags.get("ddplab.repeat", "0") or 0))
+                    key=lambda r: int(r.data.tags.get(schema.REPEAT, "0") or 0))
         if not ok:
             continue
         run = ok[0]
         hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
         xs = [float(m.step) if axis == "step" else (m.timestamp - run.info.start_time) / 1000
               for m in hist]
-        out.append((variant, run.data.tags.get("ddplab.repeat", "0"), xs, [m.value for m in hist]))
+        out.append((variant, run.data.tags.get(schema.REPEAT, "0"), xs, [m.value for m in hist]))
     return out
 
 

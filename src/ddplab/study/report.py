@@ -10,9 +10,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..tracking import schema
 from .plots import PLOTS, plots
 from .render import html, markdown, print_table, results_csv
-from .spec import better, inferred_mode
+from .spec import Study, better, inferred_mode
 from .table import (
     THROUGHPUT,
     Row,
@@ -25,7 +26,7 @@ from .table import (
 from .verdict import Verdict, judge
 
 
-def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
+def build(client: Any, parent_id: str, study: Study | None = None, console: Any = None,
           uri: str = "", page: Path | None = None) -> list[Row]:
     """The report of one study's parent run, logged to that run and printed (with the
     addresses of the answer in the MLflow UI when ``uri`` is given), and written as the
@@ -35,21 +36,21 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
     children = client.search_runs([parent.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{parent_id}'", max_results=5000)
     order = [v.name for v in study.variants] if study else []
-    baseline = study.baseline if study else tags.get("ddplab.study_baseline", "")
-    target = study.target_accuracy if study else float(tags.get("ddplab.study_target", 0) or 0)
-    metric = study.metric if study else tags.get("ddplab.study_metric", THROUGHPUT)
+    baseline = study.baseline if study else tags.get(schema.STUDY_BASELINE, "")
+    target = study.target_accuracy if study else float(tags.get(schema.STUDY_TARGET, 0) or 0)
+    metric = study.metric if study else tags.get(schema.STUDY_METRIC, THROUGHPUT)
     # A parent recorded before the mode was: the rule the study file would have used.
-    mode = study.metric_mode if study else (tags.get("ddplab.study_metric_mode")
+    mode = study.metric_mode if study else (tags.get(schema.STUDY_METRIC_MODE)
                                             or inferred_mode(metric) or "max")
     if study:
-        client.set_tag(parent_id, "ddplab.study_baseline", baseline)
-        client.set_tag(parent_id, "ddplab.study_target", str(target))
-        client.set_tag(parent_id, "ddplab.study_metric", metric)
-        client.set_tag(parent_id, "ddplab.study_metric_mode", mode)
+        client.set_tag(parent_id, schema.STUDY_BASELINE, baseline)
+        client.set_tag(parent_id, schema.STUDY_TARGET, str(target))
+        client.set_tag(parent_id, schema.STUDY_METRIC, metric)
+        client.set_tag(parent_id, schema.STUDY_METRIC_MODE, mode)
     # Without the study file, the variants in the order they first ran (the study's order).
     rows = table(client, children, order or list(latest_per_job(children)), baseline, target,
                  metric, mode)
-    title = f"study {tags.get('ddplab.study', parent_id)}"
+    title = f"study {tags.get(schema.STUDY, parent_id)}"
     single = _single_epoch(children)
     steady = ("its log intervals after the first (one epoch)" if single
               else "the epochs after the first")
@@ -65,7 +66,7 @@ def build(client: Any, parent_id: str, study: Any = None, console: Any = None,
     if target:
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
-              if k.startswith("ddplab.skipped.")]
+              if k.startswith(schema.SKIPPED_PREFIX)]
     notes += environment_warnings(children) + straggler_warnings(children)
     verdict = judge(rows, baseline, single_epoch=single)
     notes = [f"Verdict: {verdict.text}"] + [f"WARNING: {w}." for w in verdict.warnings] + notes
@@ -123,7 +124,7 @@ def _single_epoch(children: list[Any]) -> bool:
 
 
 def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict,
-                  study: Any) -> None:
+                  study: Study | None) -> None:
     """The answer on the parent run itself, so its row in the runs table shows it: per-variant
     metrics, the best variant, the verdict (also its description), the fixed settings."""
     metrics = {}
@@ -142,14 +143,14 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
     from ..tracking.ui_views import save_study_view
 
     save_study_view(client, client.get_run(parent_id).info.experiment_id, [r.variant for r in rows])
-    client.set_tag(parent_id, "ddplab.study.best", verdict.best or "none")
-    client.set_tag(parent_id, "ddplab.study.verdict", verdict.text[:4000])
-    client.set_tag(parent_id, "ddplab.study.warnings", str(len(verdict.warnings)))
+    client.set_tag(parent_id, schema.STUDY_BEST, verdict.best or "none")
+    client.set_tag(parent_id, schema.STUDY_VERDICT, verdict.text[:4000])
+    client.set_tag(parent_id, schema.STUDY_WARNINGS, str(len(verdict.warnings)))
     warnings = "".join(f"\n- {w}" for w in verdict.warnings)
     client.set_tag(parent_id, "mlflow.note.content", f"{verdict.text}{warnings}"[:5000])
     if study is not None:
         for k, v in {**study.set, "repeats": study.repeats, "baseline": study.baseline}.items():
             try:
-                client.log_param(parent_id, f"study.{k}", str(v)[:6000])
+                client.log_param(parent_id, f"study.{k}", str(v)[:schema.PARAM_LIMIT])
             except Exception:  # noqa: BLE001 - a rerun that raised repeats: the first value stays
                 continue

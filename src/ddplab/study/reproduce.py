@@ -37,6 +37,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..log import logger
+from ..tracking import life, schema
 
 RTOL = 1e-4
 COMPARED = ("train/loss", "eval/loss", "eval/accuracy")
@@ -66,7 +67,7 @@ def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
 def compared_keys(run: Any) -> tuple[str, ...]:
     """ddplab's loop: its loss and eval metrics; a script: whatever the script logged (and
     ddplab observed: train/loss), but timings."""
-    if run.data.tags.get("ddplab.mode") != "script":
+    if run.data.tags.get(schema.MODE) != "script":
         return COMPARED
     return tuple(sorted(k for k in run.data.metrics if not is_timing(k)))
 
@@ -105,23 +106,23 @@ def _differences(original: dict[str, str]) -> list[str]:
     from ..tracking import capsule
 
     said = []
-    run_sha = original.get("ddplab.git_sha", "")
+    run_sha = original.get(schema.GIT_SHA, "")
     here = capsule.git_sha()
     if run_sha and run_sha != here:
         said.append(f"git sha: the run {run_sha[:12]}, this checkout {here[:12]}")
-    for tag, here_now in (("ddplab.lock", capsule.lock_digest()),
-                          ("ddplab.torch_build", capsule.torch_build())):
+    for tag, here_now in ((schema.LOCK, capsule.lock_digest()),
+                          (schema.TORCH_BUILD, capsule.torch_build())):
         recorded = original.get(tag)
         if recorded and recorded != here_now:
-            said.append(f"{tag.removeprefix('ddplab.')}: the run {recorded}, here {here_now}")
-    if original.get("ddplab.git_dirty") == "true":
+            said.append(f"{tag.removeprefix(schema.PREFIX)}: the run {recorded}, here {here_now}")
+    if original.get(schema.GIT_DIRTY) == "true":
         said.append("the run was made from a checkout with uncommitted changes (its git.diff "
                     "artifact holds them): the sha alone cannot rebuild what ran")
     elif capsule.git_dirty()[0] == "true":
         said.append("this checkout has uncommitted changes (git status): it is not the code "
                     f"the run's sha {run_sha[:12]} names")
     for name, version in capsule.versions().items():
-        recorded = original.get(f"ddplab.version.{name}")
+        recorded = original.get(schema.version_tag(name))
         if recorded and recorded != str(version):
             said.append(f"{name}: the run {recorded}, here {version}")
     return said + _user_modules(original) + _script(original)
@@ -131,7 +132,7 @@ def _script(original: dict[str, str]) -> list[str]:
     """A script-mode run's script, changed or gone since the run."""
     from ..workload.userparts import sha256
 
-    file, recorded = original.get("ddplab.script"), original.get("ddplab.script_sha256")
+    file, recorded = original.get(schema.SCRIPT), original.get(schema.SCRIPT_SHA256)
     if not file:
         return []
     now = sha256(Path(file))
@@ -149,8 +150,8 @@ def _user_modules(original: dict[str, str]) -> list[str]:
 
     said, seen = [], set()
     for part in ("model", "data", "loss"):
-        file, recorded = original.get(f"ddplab.user.{part}.file"), original.get(
-            f"ddplab.user.{part}.sha256")
+        file, recorded = original.get(schema.user_tag(part, "file")), original.get(
+            schema.user_tag(part, "sha256"))
         if not file or file == "none" or file in seen:
             continue
         seen.add(file)
@@ -164,19 +165,20 @@ def _user_modules(original: dict[str, str]) -> list[str]:
 
 
 def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[str]:
-    nnodes = int(tags.get("ddplab.nnodes", "1") or 1)
+    nnodes = int(tags.get(schema.NNODES, "1") or 1)
     if nnodes > 1:
-        raise ConfigError(f"ddplab.nnodes={nnodes}: reproduce re-launches on this one host; a "
+        raise ConfigError(f"{schema.NNODES}={nnodes}: reproduce re-launches on this one host; a "
                           "multi-node run is reproduced by its own launcher (compose, mpirun, "
                           "a cluster) with MLFLOW_RUN_ID set")
-    world = int(tags.get("ddplab.world_size", "1") or 1)
-    train = ["-m", "ddplab", "train", str(config_path)] + [a for s in sets for a in ("--set", s)]
-    if world == 1 and tags.get("ddplab.launcher") == "none":
+    world = int(tags.get(schema.WORLD_SIZE, "1") or 1)
+    from ..launchers.targets import train_job
+
+    train = train_job(config_path, sets)
+    if world == 1 and tags.get(schema.LAUNCHER) == "none":
         return [sys.executable, *train]
     from .runner import local_launch
 
-    return local_launch("mpirun" if tags.get("ddplab.launcher") == "openmpi" else "torchrun",
-                        world, train)
+    return local_launch(tags.get(schema.LAUNCHER) or "torchrun", world, train)
 
 
 def reproduce(run_id: str, strict: bool) -> int:
@@ -208,28 +210,28 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
         return 2
     sets = [f"tracking.uri={uri}", f"checkpoint.dir={work / 'checkpoints'}",
             "checkpoint.resume=never"]
-    if tags.get("ddplab.mode") != "script":  # a script chooses its backend itself
-        sets.append(f"dist.backend={tags.get('ddplab.backend', 'auto')}")
-    if tags.get("ddplab.threads_per_rank"):
-        sets.append(f"dist.threads_per_rank={tags['ddplab.threads_per_rank']}")
+    if tags.get(schema.MODE) != "script":  # a script chooses its backend itself
+        sets.append(f"dist.backend={tags.get(schema.BACKEND, 'auto')}")
+    if tags.get(schema.THREADS_PER_RANK):
+        sets.append(f"dist.threads_per_rank={tags[schema.THREADS_PER_RANK]}")
     try:
         cmd = _command(tags, Path(text), sets)
     except ConfigError as e:
         logger("reproduce").error(e)
         return 2
-    new = client.create_run(run.info.experiment_id,
-                            run_name=f"reproduce {run.info.run_name or run_id[:8]}",
-                            tags={"ddplab.reproduces": run_id}).info.run_id
+    new = life.create(client, run.info.experiment_id,
+                      f"reproduce {run.info.run_name or run_id[:8]}",
+                      {schema.REPRODUCES: run_id}).info.run_id
     env = job_env(new, uri)
     # The run's config is re-read from a temporary folder: its user modules are found where the
     # original experiment file was.
-    search = tags.get("ddplab.user.search_path", "none")
+    search = tags.get(schema.USER_SEARCH_PATH, "none")
     if search != "none":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (search, env.get("PYTHONPATH", "")) if p)
     logger("reproduce").info(f"reproducing {run_id} as {new}: {' '.join(cmd)}")
     code = subprocess.run(cmd, env=env, check=False).returncode
-    if client.get_run(new).info.status == "RUNNING":
-        client.set_terminated(new, "FAILED")
+    life.end_if_running(client, new, life.FAILED, f"the reproduction's job exited with code {code} "
+                        "before ending its run")
     return _judge(client, run, new, code)
 
 
@@ -240,7 +242,7 @@ def _judge(client: Any, run: Any, new: str, code: int) -> int:
     verdict, rows = compare(client, run_id, new, compared_keys(run)) if code == 0 \
         else ("differs", [])
     timings = _rows(client, run_id, new, timing_keys(run)) if code == 0 else []
-    client.set_tag(new, "ddplab.reproduce.verdict", verdict)
+    client.set_tag(new, schema.REPRODUCE_VERDICT, verdict)
     lines = ["metric,step,original,new,abs_diff,compared"] + [
         f"{k},{s},{a!r},{b!r},{abs(a - b)!r},{said}"
         for said, found in (("yes", rows), ("no: a timing", timings)) for k, s, a, b in found]

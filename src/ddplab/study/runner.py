@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..tracking import life, schema
 from .spec import Study, Variant, as_text
 
 PARENT, CHILD = "parent", "job"
@@ -62,36 +63,31 @@ def sbatch_script(study: Study) -> Path:
 
 def command(study: Study, v: Variant, repeat: int) -> list[str]:
     """The job exactly as a user would type it (the launcher's own CLI)."""
+    from ..launchers import targets
+
+    sets = _sets(study, v, repeat)
     if v.launcher == "slurm":
         # Submitted to the cluster this host is a login node of; --wait returns the job's code.
-        sets = [a for s in _sets(study, v, repeat) for a in ("--set", s)]
-        return ["sbatch", "--wait", f"--nodes={v.nnodes}", f"--ntasks-per-node={v.nproc}",
-                f"--job-name=ddplab-{study.name}-{v.name}", str(sbatch_script(study)),
-                str(study.experiment), *sets]
+        return targets.Sbatch(v.nnodes, v.nproc, f"ddplab-{study.name}-{v.name}",
+                              sbatch_script(study)).argv(study.experiment, sets)
     if v.launcher in COMPOSE:
         file, service = COMPOSE[v.launcher]
-        up = ["docker", "compose", "-f", str(checkout(study) / "compose" / file), "up", "--no-deps"]
         # mpi.yml's workers serve ssh until stopped: the launcher's exit ends the job.
-        return up + (["--exit-code-from", "launcher", "worker", "launcher"]
-                     if v.launcher == "compose-mpi" else [service])
-    sets = _sets(study, v, repeat)
-    train = ["-m", "ddplab", "train", str(study.experiment)]
-    train += [a for s in sets for a in ("--set", s)]
-    return local_launch(v.launcher, v.nproc * v.nnodes, train)
+        mpi = v.launcher == "compose-mpi"
+        return targets.Compose(checkout(study) / "compose" / file,
+                               ["worker", "launcher"] if mpi else [service],
+                               "launcher" if mpi else "").argv()
+    return local_launch(v.launcher, v.nproc * v.nnodes, targets.train_job(study.experiment, sets))
 
 
 def local_launch(launcher: str, ranks: int, train: list[str]) -> list[str]:
-    """``ranks`` processes of ``python <train>`` on this host, by mpirun or torchrun; they get
-    the run and the rendezvous from job_env()."""
-    if launcher == "mpirun":
-        from ..credentials import CREDENTIALS
+    """``ranks`` processes of ``python <train>`` on this host, by mpirun or torchrun (or the
+    launch environment a run recorded: targets.DETECTED); they get the run and the rendezvous
+    from job_env(), and mpirun's ranks the tracking login this process has."""
+    from ..credentials import CREDENTIALS
+    from ..launchers import targets
 
-        creds = [a for k in CREDENTIALS if k in os.environ for a in ("-x", k)]
-        return ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none",
-                "-x", "MLFLOW_RUN_ID", "-x", "MLFLOW_TRACKING_URI", *creds, "-x", "MASTER_ADDR",
-                "-x", "MASTER_PORT", sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ranks}", *train]
+    return targets.local(launcher, ranks, [k for k in CREDENTIALS if k in os.environ]).argv(train)
 
 
 def job_env(run_id: str, uri: str) -> dict[str, str]:
@@ -241,7 +237,7 @@ def cannot_run_here(study: Study, v: Variant) -> str:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 class Tracker:
@@ -255,27 +251,27 @@ class Tracker:
 
     def parent(self, fresh: bool, resolved: str) -> str:
         found = [] if fresh else self.client.search_runs(
-            [self.exp_id], f"tags.ddplab.study_role = '{PARENT}'", order_by=["start_time DESC"],
+            [self.exp_id], f"tags.{schema.STUDY_ROLE} = '{PARENT}'", order_by=["start_time DESC"],
             max_results=1)
-        digest = {f"ddplab.study_digest.{k}": v for k, v in settings_digest(self.study).items()}
+        digest = {schema.study_digest_tag(k): v for k, v in settings_digest(self.study).items()}
         if found:
-            run_id = found[0].info.run_id
+            run_id: str = found[0].info.run_id
             self._same_settings(found[0], digest)
             self.client.update_run(run_id, status="RUNNING")
-            for k, v in {**digest, "ddplab.study_command": typed_command()}.items():
+            for k, v in {**digest, schema.STUDY_COMMAND: typed_command()}.items():
                 self.client.set_tag(run_id, k, v)
             self._end_stale_children(run_id)
             return run_id
         from ..logins import mask
         from ..tracking import capsule
 
-        tags = {**digest, "ddplab.study": self.study.name, "ddplab.study_role": PARENT,
-                "ddplab.study_file": str(self.study.path), "ddplab.git_sha": capsule.git_sha(),
-                "ddplab.host": socket.gethostname(), "ddplab.study_command": typed_command(),
+        tags = {**digest, schema.STUDY: self.study.name, schema.STUDY_ROLE: PARENT,
+                schema.STUDY_FILE: str(self.study.path), schema.GIT_SHA: capsule.git_sha(),
+                schema.HOST: socket.gethostname(), schema.STUDY_COMMAND: typed_command(),
                 "mlflow.note.content": self.study.description or f"study {self.study.name}"}
-        run = self.client.create_run(self.exp_id, run_name=f"study {self.study.name}", tags=tags)
+        run = life.create(self.client, self.exp_id, f"study {self.study.name}", tags)
         self.client.log_text(run.info.run_id, mask(resolved), "study.yaml")
-        return run.info.run_id
+        return str(run.info.run_id)
 
     def _same_settings(self, parent: Any, digest: dict[str, str]) -> None:
         """A rerun continues its parent only with the same settings: otherwise its FINISHED
@@ -297,37 +293,33 @@ class Tracker:
                                  "was killed; ended by the next one, which runs the job again")
 
     def children(self, parent_id: str) -> list[Any]:
-        return self.client.search_runs(
+        runs: list[Any] = self.client.search_runs(
             [self.exp_id], f"tags.mlflow.parentRunId = '{parent_id}'", max_results=5000)
+        return runs
 
     def child(self, parent_id: str, v: Variant, repeat: int) -> str:
-        tags = {"mlflow.parentRunId": parent_id, "ddplab.study": self.study.name,
-                "ddplab.study_role": CHILD, "ddplab.variant": v.name,
-                "ddplab.repeat": str(repeat), "ddplab.requested_launcher": v.launcher}
-        return self.client.create_run(self.exp_id, run_name=f"{v.name} r{repeat}",
-                                      tags=tags).info.run_id
+        tags = {"mlflow.parentRunId": parent_id, schema.STUDY: self.study.name,
+                schema.STUDY_ROLE: CHILD, schema.VARIANT: v.name,
+                schema.REPEAT: str(repeat), schema.REQUESTED_LAUNCHER: v.launcher}
+        run_id: str = life.create(self.client, self.exp_id, f"{v.name} r{repeat}", tags).info.run_id
+        return run_id
 
     def name_child(self, run_id: str, v: Variant, repeat: int, tags: dict[str, str]) -> None:
         """The child's name says what ran, in the one layout vocabulary (nodes x ranks x
         threads), and a backend that fell back says so: "2r-1t-ccl r0: gloo (fell back from
         ccl) 1n x 2r x 1t"."""
-        if "ddplab.backend" not in tags:
+        if schema.BACKEND not in tags:
             return  # the job never started: the name stays the variant's
-        backend, asked = tags["ddplab.backend"], tags.get("ddplab.backend_requested", "auto")
+        backend, asked = tags[schema.BACKEND], tags.get(schema.BACKEND_REQUESTED, "auto")
         if asked not in ("auto", backend):
             backend = f"{backend} (fell back from {asked})"
-        layout = (f"{tags.get('ddplab.nnodes', '?')}n x {tags.get('ddplab.nproc_per_node', '?')}r x "
-                  f"{tags.get('ddplab.threads_per_rank', '?')}t")
+        layout = (f"{tags.get(schema.NNODES, '?')}n x {tags.get(schema.NPROC_PER_NODE, '?')}r x "
+                  f"{tags.get(schema.THREADS_PER_RANK, '?')}t")
         self.client.set_tag(run_id, "mlflow.runName", f"{v.name} r{repeat}: {backend} {layout}")
 
     def close_child(self, run_id: str, why: str, status: str = "FAILED") -> str:
         """A job that died before ending its run (bad input, a launcher failure): end it."""
-        run = self.client.get_run(run_id)
-        if run.info.status == "RUNNING":
-            self.client.set_tag(run_id, "ddplab.error", why)
-            self.client.set_terminated(run_id, status)
-            return status
-        return run.info.status
+        return life.end_if_running(self.client, run_id, status, why)
 
 
 def _tied_to_this_process(cmd: list[str]) -> list[str]:
@@ -396,7 +388,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     check_variants(study)
     tracker = Tracker(uri, study)
     parent_id = tracker.parent(fresh, resolved)
-    done = {(c.data.tags.get("ddplab.variant"), c.data.tags.get("ddplab.repeat"))
+    done = {(c.data.tags.get(schema.VARIANT), c.data.tags.get(schema.REPEAT))
             for c in tracker.children(parent_id) if c.info.status == "FINISHED"}
     logs = Path("checkpoints") / "studies" / study.name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -421,7 +413,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
         try:
             report.build(tracker.client, parent_id, study, console, uri)
         finally:
-            tracker.client.set_terminated(parent_id, status)
+            life.end(tracker.client, parent_id, status)
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1
 
 
@@ -451,7 +443,7 @@ def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, pa
             reason = cannot_run_here(study, v)
             if reason:
                 console.print(f"{v.name} r{r}: skipped: {reason}")
-                tracker.client.set_tag(parent_id, f"ddplab.skipped.{v.name}", reason)
+                tracker.client.set_tag(parent_id, schema.skipped_tag(v.name), reason)
                 progress.advance(task)
                 continue
             if (v.name, str(r)) in done:

@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from ..tracking import schema
 from .spec import THROUGHPUT
 
 
@@ -77,10 +78,10 @@ def _median(values: list[float]) -> float | None:
 def _resources(run: Any) -> int:
     """What a variant spends: ranks x threads on CPU, ranks (GPUs) on CUDA."""
     t = run.data.tags
-    ranks = int(t.get("ddplab.world_size", "1") or 1)
-    if t.get("ddplab.device") == "cuda":
+    ranks = int(t.get(schema.WORLD_SIZE, "1") or 1)
+    if t.get(schema.DEVICE) == "cuda":
         return ranks
-    return ranks * int(t.get("ddplab.threads_per_rank", "1") or 1)
+    return ranks * int(t.get(schema.THREADS_PER_RANK, "1") or 1)
 
 
 def _what_ran(runs: list[Any], key: str, asked: str = "") -> str:
@@ -99,12 +100,13 @@ def time_to_target(client: Any, run: Any, target: float) -> float | None:
     for m in sorted(client.get_metric_history(run.info.run_id, "eval/accuracy"),
                     key=lambda m: m.timestamp):
         if m.value >= target:
-            return (m.timestamp - run.info.start_time) / 1000
+            seconds: float = (m.timestamp - run.info.start_time) / 1000
+            return seconds
     return None
 
 
-ENVIRONMENT_TAGS = {"ddplab.torch_build": "torch", "ddplab.lock": "locked environment",
-                    "ddplab.image": "image", "ddplab.git_sha": "code"}
+ENVIRONMENT_TAGS = {schema.TORCH_BUILD: "torch", schema.LOCK: "locked environment",
+                    schema.IMAGE: "image", schema.GIT_SHA: "code"}
 
 
 def environment_warnings(children: list[Any]) -> list[str]:
@@ -114,7 +116,7 @@ def environment_warnings(children: list[Any]) -> list[str]:
     for tag, what in ENVIRONMENT_TAGS.items():
         by_value: dict[str, set[str]] = {}
         for c in children:
-            by_value.setdefault(c.data.tags.get(tag, "?"), set()).add(c.data.tags.get("ddplab.variant", "?"))
+            by_value.setdefault(c.data.tags.get(tag, "?"), set()).add(c.data.tags.get(schema.VARIANT, "?"))
         if len(by_value) > 1:
             parts = "; ".join(f"{v}: {', '.join(sorted(names))}" for v, names in sorted(by_value.items()))
             said.append(f"WARNING: the variants ran different {what} ({tag}): {parts}.")
@@ -126,16 +128,16 @@ def straggler_warnings(children: list[Any]) -> list[str]:
     the slow rank's, which the others waited for every step, not the layout's."""
     said = []
     for variant, runs in latest_per_job(children).items():
-        for c in sorted(runs, key=lambda c: c.data.tags.get("ddplab.repeat", "0")):
-            named = c.data.tags.get("ddplab.straggler", "")
+        for c in sorted(runs, key=lambda c: c.data.tags.get(schema.REPEAT, "0")):
+            named = c.data.tags.get(schema.STRAGGLER, "")
             if named:
-                said.append(f"WARNING: {variant} (repeat {c.data.tags.get('ddplab.repeat', '0')}, "
+                said.append(f"WARNING: {variant} (repeat {c.data.tags.get(schema.REPEAT, '0')}, "
                             f"run {c.info.run_id}): {named}.")
     return said
 
 
 def _precision(run: Any) -> str:
-    params = run.data.params
+    params: dict[str, str] = run.data.params
     for key in ("train.amp", "dist.fsdp.mixed_precision"):
         if params.get(key, "none") != "none":
             return params[key]
@@ -146,7 +148,7 @@ def latest_per_job(children: list[Any]) -> dict[str, list[Any]]:
     """Per variant, one run per repeat: the FINISHED one, else the newest attempt."""
     best: dict[tuple[str, str], Any] = {}
     for c in sorted(children, key=lambda c: c.info.start_time):
-        key = (c.data.tags.get("ddplab.variant", "?"), c.data.tags.get("ddplab.repeat", "0"))
+        key = (c.data.tags.get(schema.VARIANT, "?"), c.data.tags.get(schema.REPEAT, "0"))
         if key not in best or best[key].info.status != "FINISHED":
             best[key] = c
     out: dict[str, list[Any]] = {}
@@ -173,8 +175,8 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
             _median([r.data.metrics["eval/loss"] for r in ok if "eval/loss" in r.data.metrics]),
             _median(targets) if len(targets) == len(ok) else None,
             _median([(r.info.end_time - r.info.start_time) / 1000 for r in ok if r.info.end_time]),
-            _resources(runs[0]), _what_ran(runs, "ddplab.backend", "ddplab.backend_requested"),
-            _what_ran(runs, "ddplab.launcher"),
+            _resources(runs[0]), _what_ran(runs, schema.BACKEND, schema.BACKEND_REQUESTED),
+            _what_ran(runs, schema.LAUNCHER),
             _median([r.data.metrics["memory/model_state_mb_max"] for r in ok
                      if "memory/model_state_mb_max" in r.data.metrics]),
             _precision(runs[0]),

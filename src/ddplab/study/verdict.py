@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .spec import better
-from .table import fmt, is_throughput
+from .table import Row, fmt, is_throughput
 
 NOISE = 0.05
 """Ratios within 5% of 1 are "within noise" however tight the repeats (the machines drift
@@ -44,7 +44,7 @@ class Verdict:
         return said or "no variant could be compared with the baseline"
 
 
-def _spread(row: Any) -> float | None:
+def _spread(row: Row) -> float | None:
     if not row.throughput_median or row.throughput_min is None or row.throughput_max is None:
         return None
     return (row.throughput_max - row.throughput_min) / abs(row.throughput_median)

@@ -15,12 +15,38 @@ local rank 0) sends the spool on and samples the node's system metrics
     delivery  the per-node process that sends the spool on (and ``ddplab sync``), its handle
     orphan    the detached watcher that ends a run whose rank 0 was lost
     runs      ``job_run``: the run open while the job trains, ended once whatever happens
+    life      the one owner of a run's creation and end, for jobs, studies, bench, reproduce
+              and imports alike
+    schema    every ``ddplab.*`` tag name and MLflow's limits: the run's vocabulary
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as the type checker sees them; at run time __getattr__ imports each
+    from .delivery import Delivery as Delivery
+    from .delivery import NoDelivery as NoDelivery
+    from .delivery import start_delivery as start_delivery
+    from .opening import experiment_id as experiment_id
+    from .runs import job_run as job_run
+    from .runs import layout_name as layout_name
+    from .store import TrackingError as TrackingError
+    from .store import auth_refusal as auth_refusal
+    from .store import check_reachable as check_reachable
+    from .store import embedded_store as embedded_store
+    from .store import open_client as open_client
+    from .store import reachable_client as reachable_client
+    from .store import recorded_run as recorded_run
+    from .store import resolve_uri as resolve_uri
+    from .store import ui_address as ui_address
+    from .store import uri_problem as uri_problem
+    from .store import validated_uri as validated_uri
+    from .tracker import MlflowTracker as MlflowTracker
+    from .tracker import NullTracker as NullTracker
+    from .tracker import RunRef as RunRef
+    from .tracker import open_tracker as open_tracker
 
 # The package's names, each from its module, imported on first use (PEP 562): the delivery
 # and orphan processes import this package too, and must not pay for torch (tracker, runs).

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..distributed.host import cpu_model  # also read as capsule.cpu_model (doctor)
+from . import schema
 
 ENV_PREFIXES = ("CCL_", "NCCL_", "GLOO_", "OMP_", "KMP_", "MASTER_", "FI_", "I_MPI_", "PET_",
                 "TORCHELASTIC_", "OMPI_COMM_WORLD_", "SLURM_", "PMI_", "MLFLOW_TRACKING_URI",
@@ -47,7 +48,7 @@ def _ddplab_ccl() -> str:
     return f"oneccl {info['oneccl']} for torch {info['torch']}" if info else "absent"
 
 
-def launcher_env(env: os._Environ | dict[str, str] = os.environ) -> dict[str, str]:
+def launcher_env(env: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, str]:
     from ..logins import mask
 
     return {k: mask(v) for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
@@ -57,11 +58,11 @@ def scheduler_tags(env: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The batch scheduler's own name for the job, so a run can be traced to ``sacct``."""
     tags = {}
     if "SLURM_JOB_ID" in env:
-        tags["ddplab.slurm_job_id"] = env["SLURM_JOB_ID"]
+        tags[schema.slurm_tag("job_id")] = env["SLURM_JOB_ID"]
         for key, name in (("SLURM_JOB_NAME", "job_name"), ("SLURM_JOB_NODELIST", "nodelist"),
                           ("SLURM_CLUSTER_NAME", "cluster"), ("SLURM_JOB_PARTITION", "partition")):
             if key in env:
-                tags[f"ddplab.slurm_{name}"] = env[key]
+                tags[schema.slurm_tag(name)] = env[key]
     return tags
 
 
@@ -111,7 +112,7 @@ def torch_build() -> str:
 HERE = Path(__file__).resolve().parent
 
 
-def _git(*args: str, where: Path = HERE) -> subprocess.CompletedProcess | None:
+def _git(*args: str, where: Path = HERE) -> subprocess.CompletedProcess[str] | None:
     """git in the checkout this code runs from; None where there is no git or no checkout."""
     try:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
@@ -179,7 +180,7 @@ def build(extra: dict[str, Any]) -> dict[str, Any]:
     variable, launcher fact or job fact is recorded as ``***``."""
     from ..logins import masked
 
-    return masked({
+    recorded: dict[str, Any] = masked({
         "versions": versions(),
         "torch_config": torch.__config__.show(),
         "torch_parallel_info": torch.__config__.parallel_info(),
@@ -189,3 +190,4 @@ def build(extra: dict[str, Any]) -> dict[str, Any]:
         "image": container_image(),
         **extra,
     })
+    return recorded

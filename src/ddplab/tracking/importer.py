@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import DdplabError
 from ..log import logger
+from . import life, schema
 from .import_source import (
     OUTSIDE,
     ArchiveError,
@@ -47,14 +48,14 @@ from .opening import get_or_create_experiment
 
 __all__ = ["ArchiveError", "ImportFailed", "import_runs"]
 
-MARK = "ddplab.imported_from"  # the source run's id
-ORIGIN = "ddplab.imported_origin"  # the first store's id of the run (an import of an import)
-INCOMPLETE = "ddplab.import_incomplete"  # there until the copy is whole
-WAS = "ddplab.imported_status"  # the status it had where it came from, when that was not an end
+MARK = schema.IMPORTED_FROM
+ORIGIN = schema.IMPORTED_ORIGIN
+INCOMPLETE = schema.IMPORT_INCOMPLETE
+WAS = schema.IMPORTED_STATUS
 OURS = (MARK, ORIGIN, INCOMPLETE, WAS)
 SKIP_TAGS = ("mlflow.parentRunId", "mlflow.rootRunId")  # remapped to the new ids
 ENDED = ("FINISHED", "FAILED", "KILLED")
-BATCH_TAGS, BATCH_METRICS = 100, 1000  # MLflow's log_batch limits
+BATCH_TAGS, BATCH_METRICS = schema.BATCH_TAGS, schema.BATCH_METRICS
 
 
 class ImportFailed(DdplabError):
@@ -228,8 +229,8 @@ def _copy_run(src: Any, dst: Any, run: Any, known: dict[str, str], source: Sourc
         experiments[experiment] = get_or_create_experiment(dst, experiment)
     ours = {MARK: run.info.run_id, ORIGIN: run.data.tags.get(ORIGIN) or run.data.tags.get(MARK)
             or run.info.run_id, INCOMPLETE: "an import is copying this run; ddplab import replaces it"}
-    new = dst.create_run(experiments[experiment], start_time=run.info.start_time, tags=ours,
-                         run_name=run.info.run_name).info.run_id
+    new: str = life.create(dst, experiments[experiment], run.info.run_name, ours,
+                           start_time=run.info.start_time).info.run_id
     try:
         _fill(src, dst, run, new, known, source, tmp, tally)
     except BaseException:
@@ -255,9 +256,9 @@ def _fill(src: Any, dst: Any, run: Any, new: str, known: dict[str, str], source:
                for key in run.data.metrics for m in src.get_metric_history(run.info.run_id, key)]
     if status not in ENDED:
         tags.append(RunTag(WAS, status))
-        if "ddplab.error" not in run.data.tags:
-            tags.append(RunTag("ddplab.error", f"still {status} where it came from when its store "
-                                               "was archived: imported KILLED"))
+        if schema.ERROR not in run.data.tags:
+            tags.append(RunTag(schema.ERROR, f"still {status} where it came from when its store "
+                                             "was archived: imported KILLED"))
         status = "KILLED"
         end = end or max([m.timestamp for m in metrics] + [run.info.start_time or 0]) or None
         tally.running.append(run.info.run_id)
@@ -269,7 +270,7 @@ def _fill(src: Any, dst: Any, run: Any, new: str, known: dict[str, str], source:
     for i in range(0, len(metrics), BATCH_METRICS):
         dst.log_batch(new, metrics=metrics[i:i + BATCH_METRICS])
     _copy_artifacts(dst, run, new, source, tmp)
-    dst.set_terminated(new, status=status, end_time=end)
+    life.end(dst, new, status, end_time=end)
     dst.delete_tag(new, INCOMPLETE)  # last: from here the copy is whole
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..poll import poll
-from . import spool
+from . import life, schema, spool
 from .store import TrackingError, _experiment_refused, _permission_denied, check_reachable, open_client
 
 # Every run's description says which of its two throughputs to quote (docs/tracking.md, "Metrics").
@@ -67,7 +67,7 @@ def experiment_id(client: Any, name: str) -> str:
 
     exp = client.get_experiment(get_or_create_experiment(client, name, TRAINING_KIND))
     ui_views.ensure_runs_view(client, exp)
-    return exp.experiment_id
+    return str(exp.experiment_id)
 
 
 def get_or_create_experiment(client: Any, name: str, tags: dict[str, str] | None = None) -> str:
@@ -109,7 +109,7 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
     tags = {"mlflow.note.content": f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
     try:
         exp_id = experiment_id(client, req.experiment)
-        run = client.create_run(exp_id, run_name=req.run_name, tags=tags)
+        run = life.create(client, exp_id, req.run_name, tags)
     except Exception as e:
         if _permission_denied(e):
             raise _experiment_refused(req.experiment, e) from None
@@ -132,10 +132,10 @@ def _attach(client: Any, req: Request) -> Opened:
     client.update_run(req.run_id, status="RUNNING")
     history = client.get_metric_history(req.run_id, "train/loss")
     through = max((m.step for m in history), default=-1)
-    error = run.data.tags.get("ddplab.error")
+    error = run.data.tags.get(schema.ERROR)
     if error is not None:
         client.log_text(req.run_id, error, f"resumes/error-before-step{through:08d}.txt")
-        client.delete_tag(req.run_id, "ddplab.error")
+        client.delete_tag(req.run_id, schema.ERROR)
         _delete_artifact(run.info.artifact_uri, "error.txt")
     return _opened(run, req.uri, through)
 
@@ -155,8 +155,7 @@ def _delete_artifact(artifact_uri: str, path: str) -> None:
 def end_failed(client: Any, run_id: str, why: str) -> None:
     """End a run FAILED with ``why`` as its ddplab.error (the one way a process other than the
     job's rank 0 ends a run: a job stopped early, a rank 0 lost, a spool synced late)."""
-    client.set_tag(run_id, "ddplab.error", why)
-    client.set_terminated(run_id, "FAILED")
+    life.end(client, run_id, life.FAILED, why)
 
 
 def end_unclaimed(client: Any, opened: Opened | None) -> None:

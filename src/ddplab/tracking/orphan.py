@@ -18,13 +18,14 @@ import subprocess
 import sys
 
 from ..poll import poll
+from . import life
 
 GRACE_S = 20.0
 """How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
 stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
 
 
-WATCHERS: list[subprocess.Popen] = []
+WATCHERS: list[subprocess.Popen[bytes]] = []
 """The watchers this process left running, kept: a Popen collected while its process runs is
 Python's "ResourceWarning: subprocess N is still running" on the failed rank's console."""
 
@@ -61,8 +62,7 @@ def end_orphan(uri: str, run_id: str, why: str, grace_s: float = GRACE_S) -> boo
     try:
         client = MlflowClient(uri)
         if not poll(lambda: client.get_run(run_id).info.status != "RUNNING", grace_s):
-            client.set_tag(run_id, "ddplab.error", f"global rank 0 lost; this rank saw: {why}")
-            client.set_terminated(run_id, "FAILED")
+            life.end(client, run_id, life.FAILED, f"global rank 0 lost; this rank saw: {why}")
             return True
     except Exception as e:  # noqa: BLE001 - best effort on the way out; never mask the failure
         import warnings

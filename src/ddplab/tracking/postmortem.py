@@ -15,8 +15,9 @@ import time
 from typing import Any
 
 from ..forensics.watch import Ending, Watch, from_json, to_json, verdict
+from . import schema
+from .schema import SCRIPT_RANKS
 
-TAG = "ddplab.forensics."
 WAIT_FOR_NODES_S = 15.0
 """How long rank 0's node waits for the other nodes' endings (theirs end at about the same
 time); a node that never reports is named as such."""
@@ -31,7 +32,7 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
     try:
         for f in watch.files():
             client.log_artifact(run_id, str(f), f"forensics/{node}")
-        client.set_tag(run_id, TAG + node, to_json(endings))  # whole JSON, within the limit
+        client.set_tag(run_id, schema.forensics_tag(node), to_json(endings))  # whole, in the limit
     except Exception as e:  # noqa: BLE001 - the run's ending still comes; say what is missing
         print(f"ddplab delivery: the ranks' stacks could not be recorded ({e})", file=sys.stderr)
     if not holds_rank0:
@@ -39,7 +40,7 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
     line = verdict(_everyone(client, run_id, node, endings, world_size), world_size)
     if line:
         with contextlib.suppress(Exception):  # ended with it anyway (delivery.py)
-            client.set_tag(run_id, "ddplab.verdict", line)
+            client.set_tag(run_id, schema.VERDICT, line)
     return line
 
 
@@ -51,7 +52,7 @@ def _everyone(client: Any, run_id: str, node: str, mine: list[Ending],
         with contextlib.suppress(Exception):
             tags = client.get_run(run_id).data.tags
             for k, v in tags.items():
-                if k.startswith(TAG) and k != TAG + node:
+                if k.startswith(schema.FORENSICS_PREFIX) and k != schema.forensics_tag(node):
                     with contextlib.suppress(ValueError):  # unreadable: that node is "lost"
                         everyone += from_json(v)
         if {e.rank for e in everyone} >= set(range(world_size)) or time.monotonic() > deadline:
@@ -69,13 +70,13 @@ def name_the_cause(client: Any, run_id: str, line: str) -> None:
         run = client.get_run(run_id)
         if run.info.status != "FAILED":
             return
-        own = run.data.tags.get("ddplab.error", "")
+        own = run.data.tags.get(schema.ERROR, "")
         culprit = line.split(")", 1)[0] + ")"  # "rank 1 (host h)"
         if culprit in own.split("\n", 1)[0]:
             return  # it already names the same rank, with more (a script's traceback)
-        client.set_tag(run_id, "ddplab.error", line)
+        client.set_tag(run_id, schema.ERROR, line)
         if own:
-            client.set_tag(run_id, "ddplab.error.rank0", own[:8000])
+            client.set_tag(run_id, schema.ERROR_RANK0, own[:schema.TAG_LIMIT])
     except Exception as e:  # noqa: BLE001 - the verdict is in ddplab.verdict regardless
         print(f"ddplab delivery: could not name the cause in ddplab.error ({e})", file=sys.stderr)
 
@@ -90,15 +91,15 @@ def diagnose(run_id: str) -> int:
     client, run, _ = recorded_run(run_id)
     tags = run.data.tags
     print(f"run {run_id}: {run.info.status}")
-    line = tags.get("ddplab.verdict") or tags.get("ddplab.error", "").split("\n", 1)[0]
+    line = tags.get(schema.VERDICT) or tags.get(schema.ERROR, "").split("\n", 1)[0]
     print(f"verdict: {line}" if line else "verdict: no rank failed or hung")
-    error = tags.get("ddplab.error", "").split("\n", 1)[0]
+    error = tags.get(schema.ERROR, "").split("\n", 1)[0]
     if error and error != line:
         print(f"error: {error}")
-    script = tags.get("ddplab.mode") == "script"
+    script = tags.get(schema.MODE) == "script"
     if script:
         _script_ranks(tags, run.info.status)
-    for i, key in enumerate(sorted(k for k in tags if k.startswith(TAG))):
+    for i, key in enumerate(sorted(k for k in tags if k.startswith(schema.FORENSICS_PREFIX))):
         if script and i == 0:
             print("their steps, as ddplab watched them (ddplab.forensics.<node>):")
         try:
@@ -120,8 +121,6 @@ def diagnose(run_id: str) -> int:
             print(f"  {root}/{path}")
     return 0
 
-
-SCRIPT_RANKS = "ddplab.script_ranks"  # supervisor.RANKS_TAG (training is above tracking)
 
 
 def _script_ranks(tags: dict[str, str], status: str) -> None:
@@ -177,7 +176,8 @@ def _signal_name(n: int) -> str:
 
 def _ending(key: str, ending: Ending) -> str:
     first = ending.detail.splitlines()[0][:160] if ending.detail else ""
-    return (f"  rank {ending.rank} ({ending.host}, {key.removeprefix(TAG)}): {ending.what} "
+    node = key.removeprefix(schema.FORENSICS_PREFIX)
+    return (f"  rank {ending.rank} ({ending.host}, {node}): {ending.what} "
             f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else "")
             + _collective(ending))
 

@@ -9,7 +9,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ..distributed.group import flight_records
 from ..errors import DdplabError
@@ -18,12 +18,30 @@ from ..launchers import LaunchEnv
 from ..log import logger
 from . import spool
 from .delivery import forensics_dir, start_delivery
-from .tracker import MlflowTracker, NullTracker, open_tracker
+from .tracker import MlflowTracker, NullTracker, RunRef, Share, open_tracker
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
+    from ..distributed.layout import Layout
+    from .delivery import Delivery, NoDelivery
+
+
+class JobSignals(Protocol):
+    """How an interrupted job ends: training.jobend.Signals (a room above this one)."""
+
+    def status(self) -> str:
+        """The status of a run the first signal stopped."""
+        ...
+
+    def shield(self) -> None:
+        """From here on no signal interrupts: the run's ending must reach the store."""
+        ...
 
 
 @contextlib.contextmanager
-def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: Any,
-            share: Any = None, run_name: str = "", beats: bool = True) -> Iterator[NullTracker]:
+def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_run_id: str,
+            signals: JobSignals, share: Share | None = None, run_name: str = "",
+            beats: bool = True) -> Iterator[NullTracker]:
     """The job's one run, open while training: node system metrics beside it, and ended once
     whatever happens: FINISHED, KILLED (Ctrl-C) or FAILED with the error recorded. At the end
     each node's delivery process gets ``tracking.delivery_timeout_s`` to send what is left;
@@ -45,7 +63,8 @@ def job_run(cfg: Any, le: LaunchEnv, layout: Any, resume_run_id: str, signals: A
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     spool_root = Path(cfg.checkpoint.dir) / cfg.name
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
-    default_name = run_name or f"{cfg.name} {layout_name(layout)} {le.launcher}"
+    # (A job without ddplab's layout, script mode, names its run itself: run_name.)
+    default_name = run_name or f"{cfg.name} {layout_name(layout) if layout else '?'} {le.launcher}"
     delivery = start_delivery(cfg, le)
     cpu0 = time.process_time()
     try:
@@ -111,7 +130,7 @@ class SpoolLost(DdplabError):
     status = "FAILED"
 
 
-def _spool_lost(run: NullTracker, delivery: Any, ref: Any) -> str:
+def _spool_lost(run: NullTracker, delivery: Delivery | NoDelivery, ref: RunRef) -> str:
     """What happened when this node's spool was deleted during the job (the script removed
     ``$DDPLAB_SPOOL``, or the whole run folder), else "". The spool is put back (meta.json, and
     rank 0's records from the deleted file, still open here) so the run's end and what follows
@@ -176,7 +195,7 @@ def _restore(before: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def layout_name(layout: Any) -> str:
+def layout_name(layout: Layout) -> str:
     """One vocabulary for layouts everywhere: nodes x ranks per node x threads per rank, and the
     backend that ran (saying so when it is not the one asked for), e.g. "gloo 1n x 2r x 1t" or
     "gloo (fell back from ccl) 2n x 1r x 2t"."""

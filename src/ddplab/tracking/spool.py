@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DdplabError
+from . import life
+from .schema import BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS  # MLflow's log_batch limits
 
 STREAMS = ("records", "system", "track")
 CLOSED = "closed"  # written by the training process when it will append nothing more
-BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100  # MLflow's log_batch limits
 
 
 def spool_dir(checkpoint_root: Path, run_id: str, node_rank: int) -> Path:
@@ -301,7 +302,7 @@ class Sender:
         elif op == "file":
             self.client.log_artifact(run_id, batch[0]["path"], batch[0]["dir"])
         elif op == "end":
-            self.client.set_terminated(run_id, batch[0]["status"], end_time=batch[0]["ts"])
+            life.end(self.client, run_id, batch[0]["status"], end_time=batch[0]["ts"])
 
     def _one_by_one(self, batch: list[dict[str, Any]], e: Exception) -> None:
         """A refused batch: send its records alone, so one bad record (a param whose value

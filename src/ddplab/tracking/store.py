@@ -31,7 +31,7 @@ def embedded_store() -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
-def resolve_uri(cfg: TrackingConfig, env: dict[str, str] | os._Environ = os.environ) -> str:
+def resolve_uri(cfg: TrackingConfig, env: dict[str, str] | os._Environ[str] = os.environ) -> str:
     """tracking.uri, else $MLFLOW_TRACKING_URI, else the embedded store."""
     return cfg.uri or env.get("MLFLOW_TRACKING_URI") or embedded_store()
 

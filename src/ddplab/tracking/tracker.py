@@ -14,7 +14,7 @@ from ..config import TrackingConfig
 from ..distributed.group import share_from_rank0
 from ..launchers import LaunchEnv
 from ..log import logger
-from . import spool
+from . import life, schema, spool
 from .opening import Opened, Request, open_run
 from .store import open_client, resolve_uri
 
@@ -22,8 +22,7 @@ Opener = Callable[[Request], "Opened | None"]
 """Asks another process to open the run; None when it cannot (this process opens it)."""
 
 
-PARAM_LIMIT = 6000
-"""Characters MLflow keeps of a param's value."""
+PARAM_LIMIT = schema.PARAM_LIMIT
 
 
 ERROR_LIMIT = 4000
@@ -104,11 +103,11 @@ class MlflowTracker(NullTracker):
             self._append({"op": "log", "params": dict(items[i:i + spool.BATCH_PARAMS])})
         cut = [f"{k} ({len(v)} characters)" for k, v in new.items() if len(v) > PARAM_LIMIT]
         if cut:  # said in the run, not silently shortened
-            self.set_tags({"ddplab.params_cut": f"{', '.join(cut)}: cut to {PARAM_LIMIT} "
+            self.set_tags({schema.PARAMS_CUT: f"{', '.join(cut)}: cut to {PARAM_LIMIT} "
                            "characters (MLflow's limit for a param); config.yaml holds them whole"})
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        items = [(k, str(v)[:8000]) for k, v in tags.items()]
+        items = [(k, str(v)[:schema.TAG_LIMIT]) for k, v in tags.items()]
         for i in range(0, len(items), spool.BATCH_TAGS):
             self._append({"op": "log", "tags": dict(items[i:i + spool.BATCH_TAGS])})
 
@@ -133,7 +132,7 @@ class MlflowTracker(NullTracker):
         self.finished = True
         try:
             if error:
-                self.set_tags({"ddplab.error": error_tag(error)})
+                self.set_tags({schema.ERROR: error_tag(error)})
                 self.log_text(error, "error.txt")
             self._append({"op": "end", "status": status})
         except OSError as e:  # the spool cannot be written (a full disk): end the run directly
@@ -148,8 +147,8 @@ class MlflowTracker(NullTracker):
               "that point are not in the run"
         first = error.split("\n", 1)[0] if error else ""
         try:
-            self.client.set_tag(self.run_id, "ddplab.error", (f"{first}; " if first else "") + why)
-            self.client.set_terminated(self.run_id, "FAILED" if status == "FINISHED" else status)
+            life.end(self.client, self.run_id, life.FAILED if status == life.FINISHED else status,
+                     (f"{first}; " if first else "") + why)
         except Exception as sent:  # noqa: BLE001 - nothing else can end it: say so, once
             logger().error(f"run {self.run_id} could not be ended ({why}; the server: "
                            f"{type(sent).__name__}: {str(sent)[:200]}); end it with `mlflow runs` "
@@ -184,9 +183,14 @@ class RunRef:
     start_ms: int
 
 
+Share = Callable[[Callable[[], RunRef], bool, int], RunRef]
+"""Collective: rank 0 produces the run, every rank gets it (group.share_from_rank0 over the
+process group, or script mode's store: scriptmode/meeting.py)."""
+
+
 def open_tracker(cfg: TrackingConfig, le: LaunchEnv, name: str, description: str,
                  resume_run_id: str = "", spool_root: Path = Path("checkpoints"),
-                 run_name: str = "", share: Any = share_from_rank0, opener: Opener | None = None
+                 run_name: str = "", share: Share = share_from_rank0, opener: Opener | None = None
                  ) -> tuple[NullTracker, RunRef]:
     """Collective: rank 0 creates or attaches to the run and every rank learns which
     (``share``: over the process group, or script mode's store when there is none yet;

@@ -15,6 +15,8 @@ import json
 import time
 from typing import Any
 
+from . import schema
+
 TAG_PREFIX = "mlflow.sharedViewState."  # MLflow 3.17's UI: constants o6 / ex ("viewStateShareKey")
 RUNS_VIEW = "ddplab-runs"
 STUDY_VIEW = "ddplab-study"
@@ -34,8 +36,8 @@ def param(key: str) -> str:
 
 # Every job: the one throughput to quote, what it learned, and where and how it ran.
 RUN_COLUMNS = [metric("perf/samples_per_s"), metric("eval/accuracy"), metric("eval/loss"),
-               tag("ddplab.backend"), tag("ddplab.world_size"), tag("ddplab.threads_per_rank"),
-               tag("ddplab.nnodes"), tag("ddplab.launcher"), tag("ddplab.variant")]
+               tag(schema.BACKEND), tag(schema.WORLD_SIZE), tag(schema.THREADS_PER_RANK),
+               tag(schema.NNODES), tag(schema.LAUNCHER), tag(schema.VARIANT)]
 
 
 def study_columns(variants: list[str]) -> list[str]:
@@ -45,13 +47,13 @@ def study_columns(variants: list[str]) -> list[str]:
     variant, backend and layout are in its run name."""
     per_variant = [metric(f"study/{v}/samples_per_s_median") for v in variants]
     return per_variant + [metric("perf/samples_per_s"), metric("eval/accuracy"),
-                          tag("ddplab.study.verdict"), tag("ddplab.study.best")]
+                          tag(schema.STUDY_VERDICT), tag(schema.STUDY_BEST)]
 
 
 def study_widths(variants: list[str]) -> dict[str, int]:
     narrow = {metric(f"study/{v}/samples_per_s_median"): 110 for v in variants}
     return narrow | {metric("perf/samples_per_s"): 110, metric("eval/accuracy"): 100,
-                     tag("ddplab.study.verdict"): 480}
+                     tag(schema.STUDY_VERDICT): 480}
 
 
 def envelope(name: str, columns: list[str], widths: dict[str, int] | None = None) -> str:

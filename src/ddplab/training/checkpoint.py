@@ -14,7 +14,7 @@ import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from ..distributed.group import share_from_rank0
 from ..errors import DdplabError
 from . import strategy
 from .loop import TrainState
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
 
 # What a resume may change: how long to train, how often to log and save, where to track.
 # Everything else (model, data, optimizer, batch, seed, backend) changes what the run computes.
@@ -127,7 +130,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str
             for k in sorted(set(old) | set(new)) if old.get(k, "(absent)") != new.get(k, "(absent)")]
 
 
-def check_resume(saved: dict[str, Any], cfg: Any, path: str, world_size: int = 0,
+def check_resume(saved: dict[str, Any], cfg: ExperimentConfig, path: str, world_size: int = 0,
                  payload: dict[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
     """The changes since the checkpoint; ConfigError when one of them may not be resumed, or
     when the global batch (what each optimizer step averages over) would change."""
@@ -148,7 +151,7 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: str, world_size: int = 0
     return changes
 
 
-def _same_global_batch(payload: dict[str, Any], cfg: Any, world_size: int, path: str) -> None:
+def _same_global_batch(payload: dict[str, Any], cfg: ExperimentConfig, world_size: int, path: str) -> None:
     from ..config import ConfigError
 
     saved = payload["config"]
@@ -216,7 +219,8 @@ def read(path: Path) -> dict[str, Any]:
     missing = [k for k in REQUIRED if not isinstance(payload, dict) or k not in payload]
     if missing:
         raise CorruptCheckpoint(f"{path}: missing fields {missing}")
-    return payload
+    checked: dict[str, Any] = payload
+    return checked
 
 
 class Checkpointer:
@@ -294,7 +298,7 @@ class Resume:
         return self.payload["step"] if self.payload else 0
 
 
-def find_and_share(cfg: Any, is_rank0: bool, world_size: int) -> Resume:
+def find_and_share(cfg: ExperimentConfig, is_rank0: bool, world_size: int) -> Resume:
     """Collective: the checkpoint to continue, on every rank; refused (ConfigError, on every
     rank alike, before any run is touched) when its config differs in a way a resume may not."""
     root = Path(cfg.checkpoint.dir) / cfg.name

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..errors import DdplabError
 from ..forensics.heartbeat import beat
+from ..tracking import schema
 from . import checkpoint, loop, stragglers, strategy
 from .job import Job
 from .summary import CpuUse
@@ -77,7 +78,7 @@ def _watch(job: Job) -> None:
             f"stopped early at step {job.state.step}: {es.metric} did not improve by more than "
             f"{es.min_delta:g} in {es.patience} evaluation(s); best {stats.early_best:.4f} at "
             f"step {stats.early_best_step}")
-        job.run.set_tags({"ddplab.stopped_early": stats.stopped_early})
+        job.run.set_tags({schema.STOPPED_EARLY: stats.stopped_early})
         job.console.say(stats.stopped_early)
 
 
@@ -133,7 +134,7 @@ def _stragglers(job: Job, busy: list[float]) -> None:
             host = job.rank_hosts[r] if r < len(job.rank_hosts) else "?"
             job.stats.straggler = stragglers.describe(
                 r, host, *slow[r], f"over {stragglers.INTERVALS} intervals to step {job.state.step}")
-            job.run.set_tags({"ddplab.straggler": job.stats.straggler})
+            job.run.set_tags({schema.STRAGGLER: job.stats.straggler})
             job.console.say(f"warning: {job.stats.straggler}")
             return
 

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
 from .. import config
 from ..distributed import host
 from ..distributed.layout import Layout
-from ..tracking import NullTracker, capsule
+from ..tracking import NullTracker, capsule, schema
 from ..workload import batches, data, losses, models, optim, userparts
 from ..workload.userparts import Parts
 from . import checkpoint, loop, mfu, strategy
@@ -114,7 +115,8 @@ def _data(cfg: config.ExperimentConfig, layout: Layout,
     return loaders, data.describe(d, sets[0])
 
 
-def _same_data_everywhere(sets: Any, rank: int, world_size: int) -> None:
+def _same_data_everywhere(sets: tuple[Dataset[Any], Dataset[Any]], rank: int,
+                          world_size: int) -> None:
     """A user's datasets built differently on some rank would train each rank on other data
     without a word (DDP averages gradients of whatever it is given): the ranks compare a
     fingerprint of them (data.digest), and a mismatch stops every rank in one line."""
@@ -196,30 +198,27 @@ def record_start(job: Job) -> None:
 def _tags(job: Job) -> dict[str, Any]:
     layout, le = job.layout, job.layout.le
     return {
-        "ddplab.strategy": job.cfg.dist.strategy,
-        "ddplab.backend": layout.choice.name,
-        "ddplab.backend_requested": layout.choice.requested,
-        "ddplab.backend_reason": layout.choice.reason,
-        "ddplab.ccl_impl": layout.ccl_impl or "none",
-        "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
-        "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
-        "ddplab.device": layout.device.type, "ddplab.hosts": ",".join(job.hosts),
-        "ddplab.rank0_host": socket.gethostname(), "ddplab.machine": host.summary(),
-        "ddplab.git_sha": capsule.git_sha(), "ddplab.git_dirty": job.git_dirty,
-        "ddplab.lock": capsule.lock_digest(), "ddplab.torch_build": capsule.torch_build(),
-        "ddplab.image": capsule.container_image() or "none",
-        "ddplab.threads_per_rank": layout.threads,
-        "ddplab.pinned_cores": ",".join(map(str, layout.pinned)) or "none",
-        "ddplab.ipex": "used" if job.ipex.used else f"not used: {job.ipex.reason}",
-        "ddplab.global_batch": job.cfg.global_batch(le.world_size),
-        **({"ddplab.data.per_class": f"train: {counts}; eval: "
+        **schema.identity_tags(
+            le, resumed_from=job.resume.path, rank0_host=socket.gethostname(),
+            machine=host.summary(), git_sha=capsule.git_sha(), lock=capsule.lock_digest(),
+            torch_build=capsule.torch_build(), image=capsule.container_image(),
+            versions=capsule.versions(), scheduler=capsule.scheduler_tags()),
+        schema.STRATEGY: job.cfg.dist.strategy,
+        schema.BACKEND: layout.choice.name,
+        schema.BACKEND_REQUESTED: layout.choice.requested,
+        schema.BACKEND_REASON: layout.choice.reason,
+        schema.CCL_IMPL: layout.ccl_impl or "none",
+        schema.DEVICE: layout.device.type, schema.HOSTS: ",".join(job.hosts),
+        schema.GIT_DIRTY: job.git_dirty,
+        schema.THREADS_PER_RANK: layout.threads,
+        schema.PINNED_CORES: ",".join(map(str, layout.pinned)) or "none",
+        schema.IPEX: "used" if job.ipex.used else f"not used: {job.ipex.reason}",
+        schema.GLOBAL_BATCH: job.cfg.global_batch(le.world_size),
+        **({schema.DATA_PER_CLASS: f"train: {counts}; eval: "
             f"{data.per_class(job.loaders.eval.dataset)}"}
            if (counts := data.per_class(job.loaders.train.dataset)) else {}),
-        "ddplab.resumed_from": job.resume.path or "none",
-        **({"ddplab.continues_run": job.resume.payload["run_id"]}
+        **({schema.CONTINUES_RUN: job.resume.payload["run_id"]}
            if job.resume.payload and job.resume.finished else {}),  # finished implies a payload
-        **{f"ddplab.version.{k}": val for k, val in capsule.versions().items()},
-        **capsule.scheduler_tags(),
         **job.parts.tags(),
         **(job.mfu_basis.tags() if job.mfu_basis else {}),
     }
@@ -236,4 +235,4 @@ def _record_config(job: Job) -> None:
     job.run.log_text(job.cfg.to_yaml(), f"resumes/config-step{step:08d}.yaml")
     listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in job.resume.changes
                        if k != "checkpoint.resume")
-    job.run.set_tags({f"ddplab.resume_changes.step{step}": listed or "none"})
+    job.run.set_tags({schema.resume_changes_tag(step): listed or "none"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Mapping
+from types import FrameType, TracebackType
 from typing import Any
 
 from .. import tracking
@@ -37,7 +38,7 @@ class Signals:
             self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             return
         self.received = signum
@@ -57,7 +58,8 @@ class Signals:
         for sig in self.previous:
             signal.signal(sig, signal.SIG_IGN)
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         if exc is not None and not hasattr(exc, "run_line"):
@@ -69,7 +71,7 @@ class Signals:
                     run, getattr(exc, "status", None) or self.status())
 
 
-def _run_in(tb: Any) -> tracking.NullTracker | None:
+def _run_in(tb: TracebackType | None) -> tracking.NullTracker | None:
     """The job's run, from the frames the exception left (ddplab's loop: the ``run`` of
     ``with tracking.job_run(...) as run`` in run.train), when none was attached."""
     while tb is not None:

@@ -60,7 +60,7 @@ class TrainState:
     exact_step_times: bool = False
     """train.exact_step_times: a synchronize after every step (StepClock)."""
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
         dtype = AMP_DTYPES[self.amp]
         if dtype is None:
             return contextlib.nullcontext()
@@ -160,7 +160,7 @@ def optimizer_step(state: TrainState) -> None:
     state.step += 1
 
 
-def train_epoch(state: TrainState, loader: DataLoader, max_steps: int = 0) -> Iterator[StepResult]:
+def train_epoch(state: TrainState, loader: DataLoader[Any], max_steps: int = 0) -> Iterator[StepResult]:
     """One pass over this rank's shard, yielding after every optimizer step."""
     state.model.train()
     n_micro = len(loader)
@@ -194,7 +194,7 @@ SAMPLE_NOTE = "ddplab: in sample "
 
 
 @contextlib.contextmanager
-def _naming_the_sample(loader: DataLoader) -> Iterator[None]:
+def _naming_the_sample(loader: DataLoader[Any]) -> Iterator[None]:
     """A dataset that raises on one sample: the exception gets a note naming its index (and
     file, for a dataset of files such as ImageFolder), which the run's verdict repeats. Read
     from the fetching frame (torch's fetcher names it ``idx``): in-process loading only (a
@@ -312,7 +312,7 @@ class EvalResult:
     """train.metrics' values, each computed over every rank's samples."""
 
 
-def _lockstep_batches(model: nn.Module, loader: DataLoader, state: TrainState) -> list[batches.Batch]:
+def _lockstep_batches(model: nn.Module, loader: DataLoader[Any], state: TrainState) -> list[batches.Batch]:
     """A sharded model (FSDP) all-gathers each block in every forward, so all ranks must run
     as many forwards; the unpadded shards may differ by a batch. A rank with fewer batches
     repeats a batch of its own that many times, uncounted. Empty for an unsharded model."""
@@ -327,7 +327,7 @@ def _lockstep_batches(model: nn.Module, loader: DataLoader, state: TrainState) -
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, state: TrainState) -> EvalResult:
+def evaluate(model: nn.Module, loader: DataLoader[Any], state: TrainState) -> EvalResult:
     """Each rank evaluates its unpadded shard; the sums are all-reduced, so the totals are exact.
 
     ``model`` is the plain module: DDP's forward may broadcast buffers, a collective that would

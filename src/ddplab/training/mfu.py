@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..tracking import schema
 from ..workload.gpt import GPT
 
 # (substring of torch.cuda.get_device_name(), bf16 dense TFLOP/s, fp32 dense TFLOP/s), the most
@@ -59,10 +60,10 @@ class Basis:
         return samples_per_s * self.flops_per_sample / self.peak_flops_s if self.peak_flops_s else 0.0
 
     def tags(self) -> dict[str, str]:
-        return {"ddplab.mfu.flops_per_sample": f"{self.flops_per_sample:.4g}",
-                "ddplab.mfu.flops_source": self.flops_source,
-                "ddplab.mfu.peak_tflops": f"{self.peak_flops_s / 1e12:.4g}",
-                "ddplab.mfu.peak_source": self.peak_source}
+        return {schema.MFU_FLOPS_PER_SAMPLE: f"{self.flops_per_sample:.4g}",
+                schema.MFU_FLOPS_SOURCE: self.flops_source,
+                schema.MFU_PEAK_TFLOPS: f"{self.peak_flops_s / 1e12:.4g}",
+                schema.MFU_PEAK_SOURCE: self.peak_source}
 
 
 def gpt_flops_per_sequence(model: GPT) -> float:
@@ -89,7 +90,8 @@ def counted_flops_per_sample(model: nn.Module, inputs: Any) -> float:
                 model(inputs.to(device))
     finally:
         model.train(was_training)
-    return 3.0 * counter.get_total_flops()
+    total: int = counter.get_total_flops()
+    return 3.0 * total
 
 
 def flops_per_sample(model: nn.Module, given: float, sample: Any) -> tuple[float, str]:

@@ -212,7 +212,8 @@ def by_index(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+def state_dicts(model: nn.Module, opt: torch.optim.Optimizer
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: the full model and optimizer state, on global rank 0 (empty elsewhere)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -229,13 +230,14 @@ def state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dic
     return get_state_dict(module, opt, options=full)
 
 
-def load_model_state(model: nn.Module, msd: dict) -> None:
+def load_model_state(model: nn.Module, msd: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(unwrap(model), msd, options=StateDictOptions(full_state_dict=True))
 
 
-def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, osd: dict) -> None:
+def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer,
+                         osd: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names = _names(model)

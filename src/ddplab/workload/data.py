@@ -32,7 +32,7 @@ class DataError(DdplabError, RuntimeError):
     """The dataset cannot be loaded; the message says where to put it or how to fetch it."""
 
 
-class SyntheticImages(Dataset):
+class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
     """A deterministic, learnable image classification set.
 
     Each class has a fixed random prototype image; a sample is its class's prototype plus
@@ -58,15 +58,16 @@ class SyntheticImages(Dataset):
         return x, label
 
 
-def cifar10(cfg: DataConfig, train: bool) -> Dataset:
+def cifar10(cfg: DataConfig, train: bool) -> Dataset[Any]:
     import torchvision
     from torchvision import transforms
 
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
     root = Path(cfg.root)
     try:
-        return torchvision.datasets.CIFAR10(str(root), train=train, transform=tf,
-                                            download=cfg.download)
+        found: Dataset[Any] = torchvision.datasets.CIFAR10(str(root), train=train, transform=tf,
+                                                           download=cfg.download)
+        return found
     except OSError as e:  # urllib's URLError and socket errors are OSErrors
         raise DataError(
             f"data.download: CIFAR-10 could not be downloaded into {root.resolve()} "
@@ -86,7 +87,7 @@ def cifar10(cfg: DataConfig, train: bool) -> Dataset:
 IMAGEFOLDER_SPLITS = ("train", "val")
 
 
-def imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset]:
+def imagefolder(cfg: DataConfig) -> tuple[Dataset[Any], Dataset[Any]]:
     """torchvision's ImageFolder over ``root/train`` and ``root/val``, resized to image_size."""
     import torchvision
     from torchvision import transforms
@@ -179,7 +180,7 @@ def _symlink_loop(folder: Path) -> str:
     return ""
 
 
-def datasets(cfg: DataConfig, seed: int) -> tuple[Dataset, Dataset]:
+def datasets(cfg: DataConfig, seed: int) -> tuple[Dataset[Any], Dataset[Any]]:
     """The built-in datasets (a user's own come from userparts)."""
     if cfg.dataset == "cifar10":
         return cifar10(cfg, train=True), cifar10(cfg, train=False)
@@ -213,7 +214,7 @@ class DataInfo:
         return {n: getattr(self, n) for n in names if getattr(self, n)}
 
 
-def describe(cfg: DataConfig, train_set: Dataset) -> DataInfo:
+def describe(cfg: DataConfig, train_set: Dataset[Any]) -> DataInfo:
     """The model's input and output sizes, from the config and the data itself."""
     if cfg.dataset == "cifar10":
         return DataInfo("image", 3, 32, 10)
@@ -227,7 +228,7 @@ def describe(cfg: DataConfig, train_set: Dataset) -> DataInfo:
     return _describe_own(cfg, train_set)
 
 
-def _describe_own(cfg: DataConfig, train_set: Dataset) -> DataInfo:
+def _describe_own(cfg: DataConfig, train_set: Dataset[Any]) -> DataInfo:
     """A user's dataset: its attributes (classes, num_classes, vocab_size, ...) win; else the
     first sample's shape; else data.* from the config. A dict sample is read by its inputs:
     ``input_ids`` (Hugging Face's name), else the first input key."""
@@ -252,7 +253,7 @@ def _describe_own(cfg: DataConfig, train_set: Dataset) -> DataInfo:
     return DataInfo("other", num_classes=classes)
 
 
-def digest(sets: tuple[Dataset, Any], first: int = 4) -> str:
+def digest(sets: tuple[Dataset[Any], Any], first: int = 4) -> str:
     """A fingerprint of the datasets: each one's length and its first samples, read with
     Python's, numpy's and torch's generators seeded alike (so a random augmentation draws the
     same on every rank) and restored after. Ranks compare it: a dataset built differently on
@@ -300,17 +301,17 @@ def _feed(h: Any, item: Any) -> None:
         h.update(repr(item).encode())
 
 
-def first_batch(sets: tuple[Dataset, Any], n: int = 2) -> Any:
+def first_batch(sets: tuple[Dataset[Any], Any], n: int = 2) -> Any:
     """A tiny batch from the training set, collated as the loader will (for checks)."""
     from torch.utils.data import default_collate
 
     return default_collate([sets[0][i] for i in range(min(n, len(cast(Sized, sets[0]))))])
 
 
-class ResumableSampler(DistributedSampler):
+class ResumableSampler(DistributedSampler[Any]):
     """DistributedSampler that can skip the batches an interrupted epoch already consumed."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
+    def __init__(self, dataset: Dataset[Any], num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
                          drop_last=False)
         self.skip = 0
@@ -346,8 +347,8 @@ class ShardSampler(Sampler[int]):
 
 @dataclass
 class Loaders:
-    train: DataLoader
-    eval: DataLoader
+    train: DataLoader[Any]
+    eval: DataLoader[Any]
     sampler: ResumableSampler
 
     @property
@@ -358,7 +359,7 @@ class Loaders:
         return math.ceil(self.sampler.num_samples / batch)
 
 
-def loaders(cfg: DataConfig, sets: tuple[Dataset, Dataset], seed: int, rank: int, world: int,
+def loaders(cfg: DataConfig, sets: tuple[Dataset[Any], Dataset[Any]], seed: int, rank: int, world: int,
             pin: bool) -> Loaders:
     """Per-rank loaders over ``sets`` (from ``datasets``, built once per rank)."""
     train_set, eval_set = sets

@@ -27,7 +27,8 @@ class CausalSelfAttention(nn.Module):
                    for z in self.qkv(x).split(c, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        out: torch.Tensor = self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return out
 
 
 class Block(nn.Module):
@@ -42,7 +43,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -64,7 +66,8 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits: torch.Tensor = self.lm_head(self.ln_f(x))
+        return logits
 
 
 def _init(m: nn.Module) -> None:

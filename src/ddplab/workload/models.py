@@ -33,27 +33,30 @@ class BookCNN(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        logits: torch.Tensor = self.classifier(self.features(x))
+        return logits
 
 
-Builder = Callable[[DataInfo, dict], nn.Module]
+Builder = Callable[[DataInfo, dict[str, Any]], nn.Module]
 
 
 def _torchvision(name: str) -> Builder:
-    def build(info: DataInfo, args: dict) -> nn.Module:
+    def build(info: DataInfo, args: dict[str, Any]) -> nn.Module:
         import torchvision
 
         if info.channels != 3:
             raise ConfigError(f"model.name: {name} takes 3-channel images, data has {info.channels}")
-        return getattr(torchvision.models, name)(weights=None, num_classes=info.num_classes)
+        model: nn.Module = getattr(torchvision.models, name)(weights=None,
+                                                             num_classes=info.num_classes)
+        return model
     return build
 
 
-def _cnn(info: DataInfo, args: dict) -> nn.Module:
+def _cnn(info: DataInfo, args: dict[str, Any]) -> nn.Module:
     return BookCNN(info.channels, info.image_size, info.num_classes)
 
 
-def _gpt(info: DataInfo, args: dict) -> nn.Module:
+def _gpt(info: DataInfo, args: dict[str, Any]) -> nn.Module:
     from .gpt import GPT
 
     return GPT(vocab_size=info.vocab_size, seq_len=info.seq_len, **args)

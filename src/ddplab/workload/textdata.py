@@ -19,7 +19,7 @@ EVAL_FRACTION = 0.1
 """The last tenth of the text is held out for evaluation."""
 
 
-class ByteTokens(Dataset):
+class ByteTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Non-overlapping windows of ``seq_len + 1`` bytes: (input, next-token targets)."""
 
     def __init__(self, data: torch.Tensor, seq_len: int) -> None:

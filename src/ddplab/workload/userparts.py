@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ExperimentConfig, is_import_path
+from ..tracking import schema
 
 DATA_NAMES = ("root", "seed", "image_size", "channels", "num_classes", "seq_len")
 """data.* values a dataset callable receives when its signature names them."""
@@ -128,7 +129,8 @@ def load_callable(key: str, path: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{key}: got {path!r}; {attr} is a {type(obj).__name__}, not callable")
-    return obj
+    found: Callable[..., Any] = obj
+    return found
 
 
 def why(e: BaseException) -> str:
@@ -227,7 +229,7 @@ def sha256(p: Path) -> str:
 
 def git_state(p: Path) -> str:
     """committed | modified | untracked | not in git."""
-    def git(*args: str) -> subprocess.CompletedProcess:
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["git", "-C", str(p.parent), *args], capture_output=True, text=True,
                               check=False, timeout=30)
     try:
@@ -255,10 +257,10 @@ class Parts:
     def tags(self) -> dict[str, str]:
         if not self.paths:
             return {}
-        tags = {"ddplab.user.search_path": self.search_path or "none"}
+        tags = {schema.USER_SEARCH_PATH: self.search_path or "none"}
         for part, path in self.paths.items():
-            tags[f"ddplab.user.{part}"] = path
-            tags |= {f"ddplab.user.{part}.{k}": v for k, v in provenance(path).items()}
+            tags[schema.user_tag(part)] = path
+            tags |= {schema.user_tag(part, k): v for k, v in provenance(path).items()}
         return tags
 
 

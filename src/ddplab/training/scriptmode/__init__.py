@@ -13,7 +13,10 @@
 docs/your-own-script.md says what script mode gives beside ddplab's own loop.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for the type checker only: importing it here is what __getattr__ avoids
+    from .supervisor import ScriptFailed, train
 
 __all__ = ["ScriptFailed", "train"]
 

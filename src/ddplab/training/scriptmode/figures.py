@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...tracking import schema
 from .. import stragglers
 
 
@@ -56,7 +57,7 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     fig = Figures(metrics=metrics, tags=tags, step=int(zero["steps"]))
     fig.straggler = _straggler(ranks, outcomes)
     if fig.straggler:
-        fig.tags["ddplab.straggler"] = fig.straggler
+        fig.tags[schema.STRAGGLER] = fig.straggler
     fig.summary = _summary(ranks, metrics, wall_s, fig.straggler)
     loss = zero.get("loss")
     fig.line = (f"done in {wall_s:.1f}s: {zero['steps']} steps"
@@ -73,12 +74,12 @@ def _mfu(ranks: dict[int, dict[str, Any]], samples_per_s: float
     flops = float(zero.get("flops_per_sample") or 0.0)
     peaks = {o.get("peak_where", r): float(o.get("peak_flops_s") or 0.0) for r, o in ranks.items()}
     peak = sum(peaks.values())
-    tags = {"ddplab.mfu.flops_source": str(zero.get("flops_source", "not counted"))}
+    tags = {schema.MFU_FLOPS_SOURCE: str(zero.get("flops_source", "not counted"))}
     if not flops or not peak:
         return None, tags
-    tags.update({"ddplab.mfu.flops_per_sample": f"{flops:.4g}",
-                 "ddplab.mfu.peak_tflops": f"{peak / 1e12:.4g}",
-                 "ddplab.mfu.peak_source": f"{zero.get('peak_source', '')} ({len(peaks)} x)"})
+    tags.update({schema.MFU_FLOPS_PER_SAMPLE: f"{flops:.4g}",
+                 schema.MFU_PEAK_TFLOPS: f"{peak / 1e12:.4g}",
+                 schema.MFU_PEAK_SOURCE: f"{zero.get('peak_source', '')} ({len(peaks)} x)"})
     return samples_per_s * flops / peak, tags
 
 

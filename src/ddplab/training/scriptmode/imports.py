@@ -51,7 +51,8 @@ class _Loader(importlib.abc.Loader):
         self.loader, self.name = loader, name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
+        module: ModuleType | None = self.loader.create_module(spec)
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
         # The module sees its own loader (resources, source lookups), as without the hook.

@@ -41,11 +41,12 @@ from types import FrameType, ModuleType
 from typing import Any
 from urllib.parse import urlparse
 
+from ...tracking import schema
 from .imports import after_import
 
-EXPERIMENT_TAG = "ddplab.script_experiment"
-RUN_NAME_TAG = "ddplab.script_run_name"
-DESCRIPTION_TAG = "ddplab.script_run_description"
+EXPERIMENT_TAG = schema.SCRIPT_EXPERIMENT
+RUN_NAME_TAG = schema.SCRIPT_RUN_NAME
+DESCRIPTION_TAG = schema.SCRIPT_RUN_DESCRIPTION
 NOTE = "ddplab: {library} asked for a new MLflow run; its records go to the job's run {run_id}"
 FLUENT, CLIENT = "mlflow.tracking.fluent", "mlflow.tracking.client"
 
@@ -195,7 +196,8 @@ def _patch_client(module: ModuleType) -> None:
     def set_terminated_joined(self: Any, run_id: str, status: str | None = None,
                               end_time: int | None = None) -> None:
         if _job is None or run_id != _job.run_id:
-            return set_terminated(self, run_id, status=status, end_time=end_time)
+            set_terminated(self, run_id, status=status, end_time=end_time)  # MLflow's: None
+            return None
         # ddplab ends the job's run once every rank has reported; what was logged
         # asynchronously is sent now, as MLflow's own end of a run would.
         with contextlib.suppress(Exception):
@@ -205,7 +207,8 @@ def _patch_client(module: ModuleType) -> None:
     def update_run_joined(self: Any, run_id: str, status: str | None = None,
                           name: str | None = None) -> None:
         if _job is None or run_id != _job.run_id:
-            return update_run(self, run_id, status=status, name=name)
+            update_run(self, run_id, status=status, name=name)  # MLflow's: None
+            return None
         if name:
             _record(self, {}, run_name=name)
         return None
@@ -230,7 +233,8 @@ def _patch_fluent(fluent: ModuleType) -> None:
         return str(get_tracking_uri())
 
     def stack() -> list[Any]:
-        return fluent._active_run_stack.get()
+        runs: list[Any] = fluent._active_run_stack.get()
+        return runs
 
     def set_experiment_joined(experiment_name: str | None = None, experiment_id: str | None = None,
                               *args: Any, **kwargs: Any) -> Any:

@@ -37,7 +37,7 @@ from ...errors import DdplabError
 from ...forensics.heartbeat import stack_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
-from ...tracking import capsule, spool
+from ...tracking import capsule, schema, spool
 from ...tracking.delivery import forensics_dir
 from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, T0_ENV
 from .figures import Figures, figures
@@ -131,13 +131,13 @@ def recorded_identity(run_dir: Path) -> dict[str, Any] | None:
         with contextlib.suppress(OSError):
             for line in records.read_bytes().splitlines():
                 tags.update(spool.parse(line).get("tags", {}))
-    if "ddplab.script_sha256" not in tags:
+    if schema.SCRIPT_SHA256 not in tags:
         return None
     with contextlib.suppress(ValueError):
-        path = str(tags.get("ddplab.script", ""))
+        path = str(tags.get(schema.SCRIPT, ""))
         return {"script": "" if path.startswith("-m ") else path, "path": path,
-                "sha256": tags["ddplab.script_sha256"],
-                "args": json.loads(tags.get("ddplab.script_args", "null"))}
+                "sha256": tags[schema.SCRIPT_SHA256],
+                "args": json.loads(tags.get(schema.SCRIPT_ARGS, "null"))}
     return None
 
 
@@ -238,7 +238,7 @@ def write_identity(run_dir: Path, identity: dict[str, Any], run_id: str) -> None
 
 def git_state(script: Path) -> str:
     """committed | modified | untracked | not in a git checkout: what the sha256 does not say."""
-    def git(*args: str) -> subprocess.CompletedProcess | None:
+    def git(*args: str) -> subprocess.CompletedProcess[str] | None:
         try:
             return subprocess.run(["git", *args], cwd=script.parent, capture_output=True,
                                   text=True, timeout=20, check=False)
@@ -267,8 +267,8 @@ def _die_with_parent() -> None:
 class Script:
     """The script's process on this rank."""
 
-    def __init__(self, cfg: config.ExperimentConfig, le: LaunchEnv, run: Any, meeting: Meeting,
-                 t0: float) -> None:
+    def __init__(self, cfg: config.ExperimentConfig, le: LaunchEnv, run: tracking.NullTracker,
+                 meeting: Meeting, t0: float) -> None:
         self.cfg, self.le, self.run, self.meeting, self.t0 = cfg, le, run, meeting, t0
         s = cfg.script
         self.file = s.file()  # the script, or the module's file (-m pkg.module)
@@ -353,7 +353,7 @@ class Script:
             raise
         return self._end(proc, pumps, stopped)
 
-    def _stacks(self, proc: subprocess.Popen, wait_s: float = 2.0) -> None:
+    def _stacks(self, proc: subprocess.Popen[bytes], wait_s: float = 2.0) -> None:
         """Ask the running script for its stacks (child.py: SIGUSR2, faulthandler) before it
         is stopped; wait until they are written."""
         if proc.poll() is not None:
@@ -379,7 +379,7 @@ class Script:
                               self.file, last_first=True)
         return ""
 
-    def _end(self, proc: subprocess.Popen, pumps: list[threading.Thread], stopped: str
+    def _end(self, proc: subprocess.Popen[bytes], pumps: list[threading.Thread], stopped: str
              ) -> dict[str, Any]:
         for p in pumps:
             p.join(timeout=10)
@@ -394,7 +394,8 @@ class Script:
 
     def observed(self) -> dict[str, Any]:
         try:
-            return json.loads(self.report_file.read_text())
+            report: dict[str, Any] = json.loads(self.report_file.read_text())
+            return report
         except (OSError, ValueError):
             return {}
 
@@ -463,7 +464,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stop(proc: subprocess.Popen, sig: int | None, grace_s: float = 10.0) -> None:
+def _stop(proc: subprocess.Popen[bytes], sig: int | None, grace_s: float = 10.0) -> None:
     """``sig`` to the script (None: it has its own already), then SIGTERM, then SIGKILL."""
     for send in (sig, signal.SIGTERM, signal.SIGKILL):
         if send is not None:
@@ -545,7 +546,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
     return run.run_id
 
 
-def _summary(path: str, run: Any, script: Script, outcomes: dict[int, dict[str, Any]],
+def _summary(path: str, run: tracking.NullTracker, script: Script, outcomes: dict[int, dict[str, Any]],
              seen: Figures) -> None:
     if not path:
         return
@@ -614,23 +615,20 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
                          f"{f'; {waited} (stacks in forensics/)' if waited else ''}")
 
 
-def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script: Script,
+def _record_start(run: tracking.NullTracker, cfg: config.ExperimentConfig, le: LaunchEnv, script: Script,
                   resume: str, identity: dict[str, Any]) -> None:
     path = script.file  # the script, or the module's file (ddplab.script: "-m pkg.module")
     s = cfg.script
     run.set_tags({
-        "ddplab.mode": "script", "ddplab.script": s.path,
-        "ddplab.script_sha256": identity["sha256"],
-        "ddplab.script_git": git_state(path), "ddplab.script_args": json.dumps(s.argv()),
-        "ddplab.world_size": le.world_size, "ddplab.nnodes": le.nnodes,
-        "ddplab.nproc_per_node": le.local_world_size, "ddplab.launcher": le.launcher,
-        "ddplab.rank0_host": socket.gethostname(), "ddplab.machine": host.summary(),
-        "ddplab.git_sha": capsule.git_sha(), "ddplab.lock": capsule.lock_digest(),
-        "ddplab.torch_build": capsule.torch_build(),
-        "ddplab.image": capsule.container_image() or "none",
-        "ddplab.checkpoint_dir": str(script.ckpt_dir), "ddplab.resumed_from": resume or "none",
-        **{f"ddplab.version.{k}": v for k, v in capsule.versions().items()},
-        **capsule.scheduler_tags()})
+        schema.MODE: "script", schema.SCRIPT: s.path,
+        schema.SCRIPT_SHA256: identity["sha256"],
+        schema.SCRIPT_GIT: git_state(path), schema.SCRIPT_ARGS: json.dumps(s.argv()),
+        **schema.identity_tags(
+            le, resumed_from=resume, rank0_host=socket.gethostname(), machine=host.summary(),
+            git_sha=capsule.git_sha(), lock=capsule.lock_digest(),
+            torch_build=capsule.torch_build(), image=capsule.container_image(),
+            versions=capsule.versions(), scheduler=capsule.scheduler_tags()),
+        schema.CHECKPOINT_DIR: str(script.ckpt_dir)})
     kept = {"name": cfg.name, "description": cfg.description,
             "script": {**cfg.to_dict()["script"], "path": s.path},
             "dist": {"threads_per_rank": cfg.dist.threads_per_rank,
@@ -642,16 +640,10 @@ def _record_start(run: Any, cfg: config.ExperimentConfig, le: LaunchEnv, script:
                  "environment.json")
 
 
-RANKS_TAG = "ddplab.script_ranks"
-"""How each rank's script ended, for ``ddplab diagnose`` (tracking/postmortem.py): a JSON list,
-one entry per rank that did not exit 0, ``{"rank", "host", "code", "why", "stopped",
-"where"/"raised_at", "stack"}``, or ``{"rank", "missing": true}`` for a rank that never
-reported; ``{"ok": N}`` counts the ranks that exited 0."""
-
-
-def ranks_tag(outcomes: dict[int, dict[str, Any]], world: int, limit: int = 7800) -> str:
-    """The ranks' endings in one tag (MLflow keeps 8000 characters of a tag: entries beyond
-    that are counted, not listed)."""
+def ranks_tag(outcomes: dict[int, dict[str, Any]], world: int,
+              limit: int = schema.TAG_LIMIT - 200) -> str:
+    """The ranks' endings in one tag, schema.SCRIPT_RANKS (MLflow keeps schema.TAG_LIMIT
+    characters of a tag: entries beyond that are counted, not listed)."""
     keys = ("rank", "host", "code", "why", "stopped", "where", "raised_at", "stack")
     entries: list[dict[str, Any]] = []
     for r in range(world):
@@ -670,24 +662,25 @@ def ranks_tag(outcomes: dict[int, dict[str, Any]], world: int, limit: int = 7800
         entries.pop()
 
 
-def _record_end(run: Any, script: Script, outcomes: dict[int, dict[str, Any]]) -> Figures:
+def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, dict[str, Any]]) -> Figures:
     """What the script's own init_process_group chose (observed on rank 0), the hosts, times,
     and what its training did (observe.py, figures.py): returned for the console."""
     seen = outcomes.get(0, {}).get("observed", {}) or script.observed()
     hosts = sorted({o["host"] for o in outcomes.values()})
-    tags = {"ddplab.hosts": ",".join(hosts), RANKS_TAG: ranks_tag(outcomes, script.le.world_size)}
+    tags = {schema.HOSTS: ",".join(hosts),
+            schema.SCRIPT_RANKS: ranks_tag(outcomes, script.le.world_size)}
     if "backend" in seen:
         backend = seen["backend"]
         stand_in = backend == "ccl" and importlib.util.find_spec(
             "oneccl_bindings_for_pytorch") is None
-        tags.update({"ddplab.backend": backend, "ddplab.backend_reason": "the script's own "
-                     "init_process_group", "ddplab.device": seen.get("device", "cpu"),
-                     "ddplab.threads_per_rank": seen.get("threads", ""),
-                     "ddplab.script_world_size": seen.get("world_size", "")})
+        tags.update({schema.BACKEND: backend, schema.BACKEND_REASON: "the script's own "
+                     "init_process_group", schema.DEVICE: seen.get("device", "cpu"),
+                     schema.THREADS_PER_RANK: seen.get("threads", ""),
+                     schema.SCRIPT_WORLD_SIZE: seen.get("world_size", "")})
         if stand_in:
-            tags["ddplab.ccl_impl"] = "ddplab (standing in for oneccl_bindings_for_pytorch)"
+            tags[schema.CCL_IMPL] = "ddplab (standing in for oneccl_bindings_for_pytorch)"
     else:
-        tags["ddplab.backend"] = "none (the script made no process group)"
+        tags[schema.BACKEND] = "none (the script made no process group)"
     run.set_tags(tags)
     metrics = {"perf/wall_s": round(script.wall_s, 3)}
     for key, name in (("process_group_s", "perf/time_to_process_group_s"),

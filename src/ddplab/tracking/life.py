@@ -1,0 +1,44 @@
+"""A run's life, one owner: every run ddplab makes is created and ended here, whoever makes it
+(a job's delivery process, a study, a benchmark, a reproduction, an import) and whoever ends it
+(the run's own rank 0 through the spool, a survivor when rank 0 vanished, a study whose job
+died before its run ended). The promise these keep: no run ddplab made stays RUNNING, and a run
+that failed says why in one place (``ddplab.error``, MLflow's 8000-character tag).
+
+``client`` is MLflow's ``MlflowClient`` (or anything with its ``create_run``, ``set_tag``,
+``get_run`` and ``set_terminated``). Torch-free and MLflow-import-free: any room may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .schema import ERROR, TAG_LIMIT
+
+#: How MLflow names a run's end states.
+FINISHED, FAILED, KILLED, RUNNING = "FINISHED", "FAILED", "KILLED", "RUNNING"
+
+
+def create(client: Any, experiment_id: str, name: str, tags: Mapping[str, str] | None = None,
+           start_time: int | None = None) -> Any:
+    """A new run of ``experiment_id``, RUNNING, named ``name``: MLflow's Run (``.info.run_id``)."""
+    return client.create_run(experiment_id, start_time=start_time, tags=dict(tags or {}),
+                             run_name=name)
+
+
+def end(client: Any, run_id: str, status: str, reason: str = "",
+        end_time: int | None = None) -> None:
+    """End ``run_id`` with ``status``; ``reason`` (why it failed) first, as its ddplab.error."""
+    if reason:
+        client.set_tag(run_id, ERROR, reason[:TAG_LIMIT])
+    client.set_terminated(run_id, status, end_time=end_time)
+
+
+def end_if_running(client: Any, run_id: str, status: str = FAILED, reason: str = "") -> str:
+    """A run whose owner may have died before ending it (a job that never started, a rank 0
+    SIGKILLed): end it with ``status`` if it is still RUNNING. Its status now."""
+    now = str(client.get_run(run_id).info.status)
+    if now != RUNNING:
+        return now
+    end(client, run_id, status, reason)
+    return status
