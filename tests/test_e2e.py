@@ -208,7 +208,7 @@ def test_a_killed_delivery_process_is_named_and_nothing_is_lost(tmp_path, store)
                        tmp_path, job_env(store))
     _wait_for(lambda: _logged_a_loss(store), 120, proc)
     (delivery,) = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if "ddplab.tracking.delivery" in " ".join(c.cmdline())]
+                   if "ddplab.agent" in " ".join(c.cmdline())]
     delivery.kill()
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]

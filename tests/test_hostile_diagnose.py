@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from ddplab import cli
+from ddplab.agent import postmortem
 from ddplab.forensics.watch import CUT, TAG_LIMIT, Ending, from_json, to_json
-from ddplab.tracking import postmortem, spool
+from ddplab.tracking import spool
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")

@@ -104,7 +104,7 @@ LAYERS = [
      "ddplab.tracking.schema"),  # the run's vocabulary, stdlib only: every room names tags
     ("ddplab.workload", "ddplab.launchers", "ddplab.launchers.detect", "ddplab.ccl", "ddplab.forensics"),
     ("ddplab.distributed",),
-    ("ddplab.tracking",),
+    ("ddplab.tracking", "ddplab.agent"),  # a job's run, and the node agent that delivers it
     ("ddplab.training",),
     ("ddplab.study", "ddplab.bench", "ddplab.doctor", "ddplab.launchers.local",
      "ddplab.launchers.mpi", "ddplab.launchers.rendezvous"),

@@ -6,7 +6,7 @@ Read from the source with ``ast`` (nothing runs). Two rules:
 1. No module but schema.py spells a ``ddplab.`` tag name: a string (or the literal start of an
    f-string) that looks like one (``ddplab.world_size``, ``ddplab.version.``, ``tags.ddplab.x``
    in a search filter) is an error. Prose that only mentions a name (``as its ddplab.error``) is
-   not such a string; a module's own dotted name (``python -m ddplab.tracking.orphan``) neither.
+   not such a string; a module's own dotted name (``python -m ddplab.agent.orphan``) neither.
 
 2. Every schema name is used, and what is read is written. A use of a schema name
    (``schema.ERROR``, a name imported from schema, an alias ``MARK = schema.IMPORTED_FROM``;

@@ -64,8 +64,8 @@ def test_delivery_lands_everything_once_and_sets_a_refused_record_aside(store):
 
 
 def _early_delivery():
+    from ddplab.agent.handle import Delivery
     from ddplab.config import TrackingConfig
-    from ddplab.tracking import Delivery
 
     return Delivery(0, TrackingConfig(system_metrics=False, delivery_timeout_s=10))
 

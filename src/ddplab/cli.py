@@ -158,11 +158,11 @@ def _delivery_first(args: argparse.Namespace) -> None:
     """A tracked job's node leader starts its delivery process before anything imports torch,
     so MLflow's start-up there runs beside the ranks' own (tracking/delivery.py, prestart).
     Anything wrong is left to the job itself, which says it in its own order."""
+    from .agent.handle import prestart
     from .credentials import from_files
     from .launchers import LaunchEnv
     from .launchers.local import load_job
     from .logins import from_uri
-    from .tracking.delivery import prestart
 
     saved = dict(os.environ)
     try:
@@ -310,8 +310,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _sync(args: argparse.Namespace) -> int:
+    from .agent.sync import sync
     from .tracking import validated_uri
-    from .tracking.delivery import sync
     from .tracking.store import StoreUnusable, store_problem
 
     uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
@@ -386,7 +386,7 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from .tracking.postmortem import diagnose
+    from .agent.postmortem import diagnose
 
     return diagnose(args.run_id)
 

@@ -12,8 +12,6 @@ local rank 0) sends the spool on and samples the node's system metrics
     tracker   MlflowTracker (rank 0) and NullTracker; every rank learns the run
     opening   creating the run or attaching to one (in the delivery process, without torch)
     spool     the local append-only files every record goes through
-    delivery  the per-node process that sends the spool on (and ``ddplab sync``), its handle
-    orphan    the detached watcher that ends a run whose rank 0 was lost
     runs      ``job_run``: the run open while the job trains, ended once whatever happens
     life      the one owner of a run's creation and end, for jobs, studies, bench, reproduce
               and imports alike
@@ -26,9 +24,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names as the type checker sees them; at run time __getattr__ imports each
-    from .delivery import Delivery as Delivery
-    from .delivery import NoDelivery as NoDelivery
-    from .delivery import start_delivery as start_delivery
     from .opening import experiment_id as experiment_id
     from .runs import job_run as job_run
     from .runs import layout_name as layout_name
@@ -48,8 +43,8 @@ if TYPE_CHECKING:  # the names as the type checker sees them; at run time __geta
     from .tracker import RunRef as RunRef
     from .tracker import open_tracker as open_tracker
 
-# The package's names, each from its module, imported on first use (PEP 562): the delivery
-# and orphan processes import this package too, and must not pay for torch (tracker, runs).
+# The package's names, each from its module, imported on first use (PEP 562): the node agent
+# (ddplab.agent) imports this package too, and must not pay for torch (tracker, runs).
 _HOME = {
     "TrackingError": "store", "embedded_store": "store", "resolve_uri": "store",
     "ui_address": "store", "uri_problem": "store", "validated_uri": "store",
@@ -57,7 +52,6 @@ _HOME = {
     "auth_refusal": "store", "recorded_run": "store",
     "NullTracker": "tracker", "MlflowTracker": "tracker", "RunRef": "tracker",
     "open_tracker": "tracker", "experiment_id": "opening",
-    "Delivery": "delivery", "NoDelivery": "delivery", "start_delivery": "delivery",
     "job_run": "runs", "layout_name": "runs",
 }
 __all__ = sorted(_HOME)

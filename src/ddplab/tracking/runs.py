@@ -11,19 +11,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ..agent.handle import start_delivery
+from ..agent.protocol import forensics_dir
 from ..distributed.group import flight_records
 from ..errors import DdplabError
 from ..forensics import heartbeat
 from ..launchers import LaunchEnv
 from ..log import logger
 from . import spool
-from .delivery import forensics_dir, start_delivery
 from .tracker import MlflowTracker, NullTracker, RunRef, Share, open_tracker
 
 if TYPE_CHECKING:
+    from ..agent.handle import Delivery, NoDelivery
     from ..config import ExperimentConfig
     from ..distributed.layout import Layout
-    from .delivery import Delivery, NoDelivery
 
 
 class JobSignals(Protocol):
@@ -117,7 +118,7 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
         if status != "FINISHED" and not le.is_rank0 and (le.is_node_leader or le.rank == 1):
             # Watched from a detached process: this rank must exit now (see orphan.py).
             if run.run_id:
-                from . import orphan
+                from ..agent import orphan
 
                 orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
         if lost and finished and isinstance(run, MlflowTracker):

@@ -15,7 +15,7 @@ delete the spool; one that deletes the spool anyway ends its run FAILED, runs.py
         closed           the job ended: deliver what is left, then stop
 
 Training only appends lines: no network, no waiting. A low-priority delivery process per node
-(``ddplab.tracking.delivery``) sends them on, and ``ddplab sync`` sends what is left after the job.
+(the node agent, ``ddplab.agent``) sends them on, and ``ddplab sync`` sends what is left after the job.
 Every record carries its own timestamp, so one delivered twice (the server answered, then the
 offset could not be saved) lands once: MLflow keeps one copy of an identical metric, and
 params, tags, texts and the status are overwrites with the same value (anchor: W&B's offline

@@ -32,13 +32,13 @@ from typing import Any
 import yaml
 
 from ... import config, tracking
+from ...agent.protocol import forensics_dir
 from ...distributed import host
 from ...errors import DdplabError
 from ...forensics.heartbeat import stack_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
 from ...tracking import capsule, schema, spool
-from ...tracking.delivery import forensics_dir
 from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, T0_ENV
 from .figures import Figures, figures
 from .meeting import Meeting

@@ -1,7 +1,7 @@
 """A detached watcher a surviving rank leaves behind when its job failed: if global rank 0 does
 not end the run within the grace time (it was SIGKILLed, or OOM-killed), end it FAILED.
 
-    python -m ddplab.tracking.orphan URI RUN_ID WHY [--grace S]
+    python -m ddplab.agent.orphan URI RUN_ID WHY [--grace S]
 
 Detached (its own session, deaf to SIGTERM/SIGINT/SIGHUP) so that the rank itself exits at
 once: a rank that stays to watch keeps its sockets open, and a rank 0 blocked in a collective
@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from ..poll import poll
-from . import life
+from ..tracking import life
 
 GRACE_S = 20.0
 """How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
@@ -33,13 +33,13 @@ Python's "ResourceWarning: subprocess N is still running" on the failed rank's c
 def start(uri: str, run_id: str, why: str, grace_s: float) -> None:
     """Leave the watcher running and return at once."""
     WATCHERS.append(subprocess.Popen(
-        [sys.executable, "-m", "ddplab.tracking.orphan", uri, run_id, why[:500], "--grace",
+        [sys.executable, "-m", "ddplab.agent.orphan", uri, run_id, why[:500], "--grace",
          str(grace_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
         start_new_session=True))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddplab.tracking.orphan")
+    p = argparse.ArgumentParser(prog="python -m ddplab.agent.orphan")
     p.add_argument("uri")
     p.add_argument("run_id")
     p.add_argument("why")

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from ..forensics.watch import Ending, Watch, from_json, to_json, verdict
-from . import schema
-from .schema import SCRIPT_RANKS
+from ..tracking import schema
+from ..tracking.schema import SCRIPT_RANKS
 
 WAIT_FOR_NODES_S = 15.0
 """How long rank 0's node waits for the other nodes' endings (theirs end at about the same
@@ -86,7 +86,7 @@ def diagnose(run_id: str) -> int:
     alone (also one synced later from a spool). A script run (script mode) says each rank's
     place too: how its script ended, where (the innermost frame of the user's file), its
     stack and logs. A tag that is missing or garbled is one line, never a traceback."""
-    from .store import recorded_run
+    from ..tracking.store import recorded_run
 
     client, run, _ = recorded_run(run_id)
     tags = run.data.tags

@@ -1,0 +1,7 @@
+"""``python -m ddplab.agent``: a node's agent (node.py)."""
+
+import sys
+
+from .node import main
+
+sys.exit(main())

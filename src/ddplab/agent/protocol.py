@@ -1,0 +1,113 @@
+"""What the node agent and the processes around it say to each other: its command line, the
+messages on its stdin and stdout, and the files it and the ranks leave in the spool folder.
+Stdlib only: the training process, the agent and ``ddplab sync`` all read it.
+
+The agent's life, as the messages go (handle.Delivery is the training process's side):
+
+    training process (local rank 0)            node agent (python -m ddplab.agent)
+    Args(...).argv(), Popen          ->         imports MLflow, opens the store
+    open_request(Request)  (rank 0)  ->
+                                     <-         opened_answer(Opened) or error_answer(e)
+    spool_message(folder, t0_ms)     ->         delivers SPOOL_FILES, samples the node,
+                                                watches FORENSICS heartbeats
+    (an empty stdin: no run; the agent ends any run it opened and exits)
+    CLOSED written at the job's end  ->         delivers what is left within --timeout,
+                                                writes DELIVERY_JSON, exits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+#: ``python -m ddplab.agent``: the module a node's agent runs as.
+MODULE = "ddplab.agent"
+
+# ---- files in a job's spool folder (spool.py owns the record streams and CLOSED) ----
+DELIVERY_JSON = "delivery.json"
+"""The agent's last word: records left, set aside, the error, its pid (``ddplab sync`` reads
+it: the job is over)."""
+STARTUP_JSON = "delivery-startup.json"
+"""CPU seconds the agent's start-up took (importing MLflow, opening the store)."""
+FORENSICS = "forensics"
+"""The folder of every local rank's heartbeat and stacks, beside the spool (forensics/)."""
+META_JSON = "meta.json"
+"""The run the spool belongs to (spool.Meta); rewritten when a restarted attempt takes it over."""
+
+
+def forensics_dir(spool_dir: Path) -> Path:
+    """Where a node's ranks keep their heartbeats and stacks: beside its spool."""
+    return spool_dir / FORENSICS
+
+
+@dataclass(frozen=True)
+class Args:
+    """The agent's command line."""
+
+    timeout_s: float = 60.0
+    """After the job ends: how long to go on delivering (tracking.delivery_timeout_s)."""
+    system_interval_s: float = 0.0
+    """Seconds between the node's system-metrics samples; 0: none."""
+    node: str = "node0"
+    uri: str = ""
+    """The store to open while waiting for rank 0's request."""
+    world_size: int = 1
+    """More than one: a lost rank 0's run is ended by its peers' watchers first (orphan.py)."""
+    hang_after_s: float = 0.0
+    """dist.hang_after_s: a rank's heartbeat older than this is a hang (0: off)."""
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", MODULE, "--timeout", str(self.timeout_s),
+                "--system-interval", str(self.system_interval_s), "--node", self.node,
+                "--uri", self.uri, "--world-size", str(self.world_size),
+                "--hang-after-s", str(self.hang_after_s)]
+
+    @staticmethod
+    def parser() -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog=f"python -m {MODULE}")
+        p.add_argument("spool", type=Path, nargs="?", help="default: read from stdin when ready")
+        p.add_argument("--timeout", type=float, default=Args.timeout_s)
+        p.add_argument("--system-interval", type=float, default=Args.system_interval_s)
+        p.add_argument("--node", default=Args.node)
+        p.add_argument("--t0-ms", type=int, default=0)
+        p.add_argument("--uri", default="", help="the store to open while waiting (stdin mode)")
+        p.add_argument("--world-size", type=int, default=1,
+                       help="the job's ranks (more than one: the others' watchers end a lost "
+                            "rank 0's run)")
+        p.add_argument("--hang-after-s", type=float, default=0.0,
+                       help="dist.hang_after_s: a rank's heartbeat older than this is a hang "
+                            "(0: off)")
+        return p
+
+
+# ---- the messages, one JSON object per line ----
+
+def open_request(req: Any) -> str:
+    """Rank 0 asks the agent to open (or attach to) its run: an opening.Request."""
+    return json.dumps({"open": asdict(req)}) + "\n"
+
+
+def opened_answer(opened: Any) -> str:
+    """The run the agent opened: an opening.Opened."""
+    return json.dumps({"opened": opened.to_json()}) + "\n"
+
+
+def error_answer(e: BaseException, traceback_text: str) -> str:
+    """Opening failed: rank 0 raises it (a TrackingError stays one line)."""
+    return json.dumps({"error": str(e), "kind": type(e).__name__,
+                       "traceback": traceback_text}) + "\n"
+
+
+def spool_message(folder: Path, t0_ms: int) -> str:
+    """Which spool to deliver, and when the run started (the system metrics' step 0)."""
+    return json.dumps({"spool": str(folder), "t0_ms": t0_ms}) + "\n"
+
+
+def read(line: str) -> dict[str, Any]:
+    """One message (any of the above); an empty line means the sender closed its end."""
+    message: dict[str, Any] = json.loads(line)
+    return message

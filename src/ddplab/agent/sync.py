@@ -1,0 +1,127 @@
+"""``ddplab sync``: deliver what a job's node agent left in its spool, after the job (a server
+that was down, a node that went before its agent finished), and end a run its job left
+RUNNING. Idempotent: delivered records are not sent again."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..log import logger
+from ..tracking import opening, spool
+from .protocol import DELIVERY_JSON
+
+# The client fails fast and this process retries on its own schedule: MLflow's defaults
+# retry one call for minutes, which is how a dead server used to hang a finished job.
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def make_client(uri: str, opened: Any = None) -> Any:
+    """The delivering client (``opened``: the one that opened the run, reused). Opening the run
+    kept MLflow's own retries: the job waits for that answer anyway."""
+    for k, v in CLIENT_ENV.items():
+        os.environ.setdefault(k, v)
+    from mlflow import MlflowClient
+
+    return opened or MlflowClient(uri)
+
+
+# What went wrong goes through ddplab's logging (stderr, "ddplab sync: warning: ..."); what was
+# delivered is the command's result, on stdout.
+SYNC_LOG = logger("sync")
+
+
+def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
+    """``ddplab sync``: deliver every spool under ``paths`` that still holds records, each to
+    its run (ended with its recorded status). Idempotent: delivered records are not sent
+    again. Returns 0 when everything is delivered everywhere; 1 when records are still left (a
+    server that did not answer or refused for now), were set aside (refused as records, or no
+    records), or a run is not in the store."""
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        SYNC_LOG.error(f"no such file or directory: {missing[0]}")
+        return 2
+    found = spool.find([Path(p) for p in paths])
+    if not found:
+        print(f"ddplab sync: no tracking spool under {' '.join(paths)}: nothing to deliver")
+        return 0
+    still = 0
+    for directory in found:
+        try:
+            still += _sync_one(directory, timeout_s, uri)
+        except (OSError, ValueError, KeyError) as e:  # an unreadable spool: the others go on
+            SYNC_LOG.error(f"{directory}: cannot be read ({type(e).__name__}: {e})")
+            still += 1
+    return 1 if still else 0
+
+
+def job_over(directory: Path) -> bool:
+    """The job that wrote this spool has ended: it closed the spool, or its delivery process
+    finished (it outlives the job, and attach() clears both for a new attempt)."""
+    return (directory / spool.CLOSED).exists() or (directory / DELIVERY_JSON).exists()
+
+
+def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
+    meta = spool.Meta.read(directory)
+    target = uri or meta.uri
+    over = job_over(directory)
+    todo = sum(s.left(over) for s in (spool.Stream(directory, n) for n in spool.STREAMS))
+    where = f"run {meta.run_id} ({directory})"
+    client = make_client(target)
+    try:
+        client.get_run(meta.run_id)
+    except Exception as e:  # noqa: BLE001 - no run, or no answer: say which, keep everything
+        if spool.status_of(e) == 404:
+            SYNC_LOG.error(f"{where}: {target} has no run {meta.run_id} (the job tracked to "
+                           f"{meta.uri}); sync to that store, or --tracking-uri the one that "
+                           "holds the run")
+        else:
+            SYNC_LOG.warning(f"{where}: {target} {_failed(spool.describe(e))}; {todo} records "
+                             "kept in the spool")
+        return max(todo, 1)
+    before = spool.rejected_in(directory)
+    ends = [r["status"] for s in spool.STREAMS for _, r in spool.Stream(directory, s).pending(over)
+            if r.get("op") == "end"]
+    out = spool.Outcome()
+    if todo:
+        out = spool.deliver(directory, client, lambda: False, timeout_s, final=over)
+        if out.left:
+            SYNC_LOG.warning(f"{where}: {target} {_failed(out.error)} within {timeout_s:.0f} s: "
+                             f"{out.left} of {todo} records still left in the spool")
+        else:
+            print(f"{where}: delivered {todo - out.set_aside} records"
+                  + (f"; run ended {ends[-1]}" if ends else ""))
+    else:
+        print(f"{where}: up to date")
+    refused = spool.rejected_in(directory)
+    if refused:
+        new = f", {refused - before} of them now" if refused > before else ""
+        SYNC_LOG.warning(f"{where}: {refused} records set aside{new} (refused by the server as "
+                         f"records, or no records), kept with the reasons in "
+                         f"{directory / spool.REJECTED}")
+    if over and not out.left:
+        end_if_abandoned(client, meta, where)
+    return out.left + refused
+
+
+def _failed(error: str) -> str:
+    """"refused ..." when the server answered no, "did not answer (...)" when it was silent."""
+    return error if error.startswith("refused") else f"did not answer ({error})"
+
+
+def end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "") -> None:
+    """Everything the job recorded is in, the job is over, and the run still says RUNNING: its
+    end was never recorded (killed outright, or its last line torn). End it FAILED, saying so."""
+    try:
+        if client.get_run(meta.run_id).info.status != "RUNNING":
+            return
+        opening.end_failed(client, meta.run_id, why or (
+            "the job ended without recording its end (killed outright, or its last record "
+            "torn); ended by ddplab sync"))
+    except Exception as e:  # noqa: BLE001
+        print(f"{where}: could not end the run ({spool.describe(e)})", file=sys.stderr)
+        return
+    print(f"{where}: the job had ended without recording the run's end: ended it FAILED")
+
