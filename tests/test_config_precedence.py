@@ -133,3 +133,15 @@ def test_a_script_job_refuses_the_loops_own_keys_in_one_line(tmp_path, monkeypat
     ok = load(job if how != "file" else script, ["dist.threads_per_rank=2", "checkpoint.keep=1"],
               environ={})
     assert ok.script.path.endswith("train.py") and ok.dist.threads_per_rank == 2
+
+
+def test_a_script_jobs_printed_config_loads_again(tmp_path):
+    """`ddplab config my_train.py > exp.yaml; ddplab train exp.yaml`: the printed config leaves
+    out the loop's sections, which a script job refuses."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    printed = tmp_path / "exp.yaml"
+    printed.write_text(load(script, ["script.flags.lr=0.1"], environ={}).to_yaml())
+    again = load(printed, environ={})
+    assert again.script.path == str(script.resolve()) and again.script.flags == {"lr": 0.1}
+    assert "train:" in load(experiment(tmp_path), environ={}).to_yaml()  # a loop job's keeps them

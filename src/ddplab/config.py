@@ -683,7 +683,12 @@ class ExperimentConfig:
         return flatten(self.to_dict())
 
     def to_yaml(self) -> str:
-        text: str = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """As ``ddplab config`` prints it, loadable again: a script job's without the loop's
+        own sections, which a script job refuses."""
+        d = self.to_dict()
+        if self.script.path:
+            d = {k: v for k, v in d.items() if k not in LOOP_ONLY}
+        text: str = yaml.safe_dump(d, sort_keys=False)
         return text
 
     def global_batch(self, world_size: int) -> int:

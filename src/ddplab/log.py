@@ -33,7 +33,7 @@ def rank() -> int | None:
     return None
 
 
-class _Stderr(logging.StreamHandler[TextIO]):
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg] # subscripted only from 3.11
     """Always today's sys.stderr (a test, or an application, may replace it after start-up)."""
 
     @property

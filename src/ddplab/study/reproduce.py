@@ -230,8 +230,8 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (search, env.get("PYTHONPATH", "")) if p)
     logger("reproduce").info(f"reproducing {run_id} as {new}: {' '.join(cmd)}")
     code = subprocess.run(cmd, env=env, check=False).returncode
-    life.end_if_running(client, new, life.FAILED, f"the reproduction's job exited with code {code} "
-                        "before ending its run")
+    # No reason of ours: the job's own ddplab.error, if it sent one, is the right one.
+    life.end_if_running(client, new, life.FAILED)
     return _judge(client, run, new, code)
 
 
