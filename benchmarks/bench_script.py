@@ -10,7 +10,10 @@ training observed through torch's hooks); the same with `--set script.observe=fa
 `--set tracking.enabled=false` (observed, no run: no delivery process beside the ranks). The
 steady step time is the median of epochs 2-4 (between the script's `set_epoch` calls: the
 first epoch warms up, the last ends in the script's own test) over the steps in an epoch;
-medians over the reps, and the ratio to plain torchrun. The page: docs/results/bench-script.md.
+medians over the reps, and the ratio to plain torchrun; and, for the observed runs, what the
+observation's own hooks took of the steady steps, measured inside the script's process
+(summary.json ``observe_frac``), which the machine's noise does not blur. The page:
+docs/results/bench-script.md.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ def command(variant: str, samples: int, work: Path) -> list[str]:
             "--set", f"checkpoint.dir={work / 'ck'}", *off, "--", *script]
 
 
+def observe_frac(work: Path) -> float:
+    """The newest run's ``observe_frac`` (summary.json): the share of rank 0's steady steps its
+    observation's own hooks took, measured inside the script's process."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                order_by=["attributes.start_time DESC"], max_results=1)
+    path = client.download_artifacts(run.info.run_id, "summary.json", str(work))
+    return float(json.loads(Path(path).read_text()).get("observe_frac") or 0.0)
+
+
 def one_job(variant: str, samples: int, work: Path) -> float:
     """The steady step time (s) of one job."""
     clocks = Path(tempfile.mkdtemp(dir=work))
@@ -67,12 +82,15 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1536, help="synthetic images per epoch")
     args = ap.parse_args()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    own: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for rep in range(args.reps):
             order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
             for variant in order:
                 times[variant].append(one_job(variant, args.samples, work))
+                if variant == "script mode, observed":
+                    own.append(observe_frac(work))
                 print(f"rep {rep + 1}/{args.reps} {variant}: step {times[variant][-1] * 1000:.1f} ms",
                       flush=True)
     plain = statistics.median(times["plain torchrun"])
@@ -86,12 +104,18 @@ def main() -> None:
                     f"{', '.join(f'{t * 1000:.1f}' for t in times[v])} | {med / plain:.3f}x | "
                     f"{paired:.3f}x |")
     table = "\n".join(rows)
-    print("\n" + table)
+    inside = (f"The observation's own cost, measured inside the script's process (its hooks' "
+              f"time over rank 0's steady steps, summary.json `observe_frac`): median "
+              f"{statistics.median(own) * 100:.3f}% of a step (each rep: "
+              f"{', '.join(f'{x * 100:.3f}%' for x in own)}). The side-by-side step times "
+              "above differ from rep to rep by more than that on a shared machine: their "
+              "ratios carry the machine's noise, this figure does not.")
+    print("\n" + table + "\n\n" + inside)
     body = (f"The book's chapter 9 gloo script, unedited, {RANKS} ranks, batch {BATCH}, "
             f"{args.samples} synthetic images per epoch, 5 epochs; {args.reps} reps, the "
             "variants' order rotated each rep. Steady step time: the median of epochs 2-4 over "
             "the steps in an epoch (epoch_clock.py: one clock call per epoch, in every "
-            "variant).\n\n" + table + "\n")
+            "variant).\n\n" + table + "\n\n" + inside + "\n")
     results_page.write("bench-script", "Script mode's observation: what it costs a step", body)
 
 

@@ -99,6 +99,7 @@ def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float], wall_s
              straggler: str) -> dict[str, Any]:
     zero = ranks[0]
     epochs = zero.get("epochs") or []
+    steady = float(zero.get("steady_s") or 0.0)
     return {
         "mode": "script (observed)",
         "world_size": len(ranks),
@@ -108,11 +109,14 @@ def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float], wall_s
         "samples_per_s_steady": metrics.get("perf/samples_per_s"),
         "mfu": metrics.get("perf/mfu"),
         "final_loss": zero.get("loss"),
+        # What the observation itself took of rank 0's steady steps (its hooks' own time).
+        "observe_frac": round(float(zero.get("observe_s") or 0.0) / steady, 6) if steady else None,
         "epoch_time_s": [e.get("time_s") for e in epochs],
         "epoch_steps": [e.get("steps") for e in epochs],
         "per_rank": {str(r): {k: o.get(k) for k in ("steps", "samples", "samples_per_s",
                                                      "busy_s", "data_wait_s", "forward_s",
-                                                     "backward_s", "peak_rss_mb")}
+                                                     "backward_s", "observe_s",
+                                                     "peak_rss_mb")}
                      for r, o in sorted(ranks.items())},
         "straggler": straggler or None,
         "memory": {k: v for k, v in metrics.items() if k.startswith("memory/")},

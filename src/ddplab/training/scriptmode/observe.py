@@ -85,6 +85,8 @@ class Totals:
     busy: list[float] = field(default_factory=list)
     epochs: list[dict[str, float]] = field(default_factory=list)
     loss: float | None = None
+    observe_s: float = 0.0
+    """Time spent in the observation's own hooks during the steady steps: what it costs."""
 
     def report(self) -> dict[str, Any]:
         steady = self.steady_samples / self.steady_s if self.steady_s > 0 else 0.0
@@ -93,6 +95,7 @@ class Totals:
                 "samples_per_s": round(steady, 3), "busy_s": round(busy, 6),
                 "data_wait_s": round(self.wait_s, 4), "forward_s": round(self.forward_s, 4),
                 "backward_s": round(self.backward_s, 4), "epochs": self.epochs,
+                "observe_s": round(self.observe_s, 6), "steady_s": round(self.steady_s, 4),
                 "loss": self.loss}
 
 
@@ -115,6 +118,7 @@ class Observer:
         self.logged_step = 0
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
+        self.own_s = 0.0  # time in these hooks since the last step's end (_hooks' timed)
 
     # ---- the hooks ----
 
@@ -160,6 +164,8 @@ class Observer:
         t.steps += 1
         t.samples += self.samples
         self.epoch_steps += 1
+        if t.steps > WARMUP_STEPS + 1:  # (step 2's share holds step 1's one FLOP count)
+            t.observe_s += self.own_s
         if t.steps > WARMUP_STEPS:
             t.steady_samples += self.samples
             t.steady_s += now - start
@@ -167,6 +173,7 @@ class Observer:
             t.busy.append(wait + fwd)
             self.window.add(self.samples, now - start, wait, wait + fwd)
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
+        self.own_s = 0.0
         if t.steps == 1:
             self._count_flops()
             self.step_end = time.perf_counter()  # the count is not the next step's data wait
@@ -370,15 +377,27 @@ def _hooks(obs: Observer) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.utils.data.distributed import DistributedSampler
 
-    register_optimizer_step_post_hook(lambda opt, args, kwargs: obs.optimizer_step())
+    def timed(hook: Callable[..., None]) -> Callable[..., None]:
+        """``hook``, its time added to what the observation costs (Totals.observe_s)."""
+        def run(*args: Any, **kwargs: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                hook(*args, **kwargs)
+            finally:
+                obs.own_s += time.perf_counter() - t0
+        return run
+
+    step, forward, backward_hook = timed(obs.optimizer_step), timed(obs.forward), \
+        timed(obs.backward)
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: step())
     anywhere = torch.nn.modules.module.register_module_forward_pre_hook(
-        lambda m, args: obs.forward(m, args, {}))
+        lambda m, args: forward(m, args, {}))
 
     backward = torch.Tensor.backward
 
     @functools.wraps(backward)
     def observed_backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        obs.backward(self)
+        backward_hook(self)
         return backward(self, *args, **kwargs)
 
     torch.Tensor.backward = observed_backward  # type: ignore[method-assign]
@@ -401,7 +420,7 @@ def _hooks(obs: Observer) -> None:
             if obs.outer is None:  # the first DDP/FSDP built is the model (the loss is not)
                 obs.outer = self
                 anywhere.remove()
-                self.register_forward_pre_hook(obs.forward, with_kwargs=True)
+                self.register_forward_pre_hook(forward, with_kwargs=True)
 
         cls.__init__ = observed_init
 
