@@ -32,6 +32,7 @@ def test_train_in_process_runs_the_pipeline_to_one_finished_run(tmp_path, monkey
     (r,) = runs(store)
     assert r.info.run_id == run_id and r.info.status == "FINISHED"
     assert r.data.tags["ddplab.launcher"] == "none" and r.data.params["train.epochs"] == "2"
+    assert r.data.tags["ddplab.mode"] == "loop"  # the kind of job, recorded for both kinds
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 16 and summary["epoch_steps"] == [8, 8]  # 256 / 32 per epoch
     assert len(summary["epoch_samples_per_s"]) == 2 and "eval/accuracy" in summary["final_metrics"]

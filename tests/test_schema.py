@@ -291,11 +291,11 @@ class _Launch:
 
 
 def test_identity_tags_are_the_same_for_ddplabs_loop_and_a_script():
-    tags = schema.identity_tags(_Launch(), resumed_from="", rank0_host="h", machine="m",
+    tags = schema.identity_tags(_Launch(), kind="loop", resumed_from="", rank0_host="h", machine="m",
                                 git_sha="abc", lock="l", torch_build="t", image=None,
                                 versions={"torch": "2.5"}, scheduler={"ddplab.slurm_job_id": "7"})
     assert tags == {
-        "ddplab.world_size": 4, "ddplab.nnodes": 2, "ddplab.nproc_per_node": 2,
+        "ddplab.mode": "loop", "ddplab.world_size": 4, "ddplab.nnodes": 2, "ddplab.nproc_per_node": 2,
         "ddplab.launcher": "torchrun", "ddplab.rank0_host": "h", "ddplab.machine": "m",
         "ddplab.git_sha": "abc", "ddplab.lock": "l", "ddplab.torch_build": "t",
         "ddplab.image": "none", "ddplab.resumed_from": "none", "ddplab.version.torch": "2.5",

@@ -670,6 +670,13 @@ class ExperimentConfig:
             fail("name", self.name, "use 1-100 letters, digits, '.', '_' or '-', starting with a "
                   "letter or digit")
 
+    @property
+    def kind(self) -> str:
+        """Which kind of job this is: "script" (the user's own script runs its own loop:
+        scriptmode/) or "loop" (ddplab's loop). The one place it is decided; the run records it
+        (``ddplab.mode``), and a script job refuses the loop's own sections (LOOP_ONLY)."""
+        return "script" if self.script.path else "loop"
+
     def to_dict(self) -> dict[str, Any]:
         """As recorded and printed: a database URI's password masked (credentials.mask)."""
         from .logins import mask
@@ -686,7 +693,7 @@ class ExperimentConfig:
         """As ``ddplab config`` prints it, loadable again: a script job's without the loop's
         own sections, which a script job refuses."""
         d = self.to_dict()
-        if self.script.path:
+        if self.kind == "script":
             d = {k: v for k, v in d.items() if k not in LOOP_ONLY}
         text: str = yaml.safe_dump(d, sort_keys=False)
         return text
@@ -1028,7 +1035,7 @@ def load(path: str | Path | None, sets: Sequence[Override] = (),
                        if key == k or f"{key}.".startswith(f"{k}.")
                        or f"{k}.".startswith(f"{key}.")), source)
         raise ConfigError(f"{origin}: {e}") from None
-    if cfg.script.path or script_job:
+    if cfg.kind == "script" or script_job:
         _loop_only(raw, overridden, source)
     return _with_script(cfg, path, script_args)
 

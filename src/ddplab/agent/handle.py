@@ -192,7 +192,7 @@ def prestart(cfg: ExperimentConfig, le: LaunchEnv, env: dict[str, str]) -> None:
 def hang_watch(cfg: ExperimentConfig) -> float:
     """dist.hang_after_s where ranks beat: ddplab's loop, and a script whose steps are observed
     (script.observe); an unobserved script says nothing of its steps."""
-    return 0.0 if cfg.script.path and not cfg.script.observe else cfg.dist.hang_after_s
+    return 0.0 if cfg.kind == "script" and not cfg.script.observe else cfg.dist.hang_after_s
 
 
 def start_delivery(cfg: ExperimentConfig, le: LaunchEnv) -> Delivery | NoDelivery:

@@ -70,7 +70,7 @@ MFU_PEAK_TFLOPS = "ddplab.mfu.peak_tflops"
 MFU_PEAK_SOURCE = "ddplab.mfu.peak_source"
 
 # --- Script mode (training/scriptmode/) ------------------------------------------------------
-MODE = "ddplab.mode"  # "script"; absent on a run of ddplab's own loop
+MODE = "ddplab.mode"  # the kind of job: "loop" (ddplab's own) or "script" (config: kind)
 SCRIPT = "ddplab.script"
 SCRIPT_SHA256 = "ddplab.script_sha256"
 SCRIPT_GIT = "ddplab.script_git"
@@ -175,14 +175,15 @@ class Launch(Protocol):
     def launcher(self) -> str: ...
 
 
-def identity_tags(le: Launch, *, resumed_from: str | None, rank0_host: str, machine: str,
+def identity_tags(le: Launch, *, kind: str, resumed_from: str | None, rank0_host: str, machine: str,
                   git_sha: str, lock: str, torch_build: str, image: str | None,
                   versions: Mapping[str, Any], scheduler: Mapping[str, str]) -> dict[str, Any]:
     """The tags every run carries, of ddplab's loop and of a script alike: the launch, the
     host, the code and environment (an image or a resume absent: "none"), each package's
-    version and the batch scheduler's names (``scheduler``: capsule.scheduler_tags())."""
+    version and the batch scheduler's names (``scheduler``: capsule.scheduler_tags()); and
+    which kind of job it was (``kind``: config.ExperimentConfig.kind, "loop" or "script")."""
     return {
-        WORLD_SIZE: le.world_size, NNODES: le.nnodes, NPROC_PER_NODE: le.local_world_size,
+        MODE: kind, WORLD_SIZE: le.world_size, NNODES: le.nnodes, NPROC_PER_NODE: le.local_world_size,
         LAUNCHER: le.launcher, RANK0_HOST: rank0_host, MACHINE: machine, GIT_SHA: git_sha,
         LOCK: lock, TORCH_BUILD: torch_build, IMAGE: image or "none",
         RESUMED_FROM: resumed_from or "none",

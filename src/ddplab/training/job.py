@@ -199,7 +199,7 @@ def _tags(job: Job) -> dict[str, Any]:
     layout, le = job.layout, job.layout.le
     return {
         **schema.identity_tags(
-            le, resumed_from=job.resume.path, rank0_host=socket.gethostname(),
+            le, kind=job.cfg.kind, resumed_from=job.resume.path, rank0_host=socket.gethostname(),
             machine=host.summary(), git_sha=capsule.git_sha(), lock=capsule.lock_digest(),
             torch_build=capsule.torch_build(), image=capsule.container_image(),
             versions=capsule.versions(), scheduler=capsule.scheduler_tags()),

@@ -43,7 +43,7 @@ def train(path: str | None, overrides: Sequence[config.Override], summary_out: s
     on every rank instead of ddplab's loop (scriptmode/)."""
     t_start = time.perf_counter()
     cfg = config.load(path, overrides, script_args)
-    if cfg.script.path:
+    if cfg.kind == "script":  # the user's own script runs its own loop, as a sibling of this one
         from . import scriptmode
 
         return scriptmode.train(cfg, summary_out)

@@ -620,11 +620,12 @@ def _record_start(run: tracking.NullTracker, cfg: config.ExperimentConfig, le: L
     path = script.file  # the script, or the module's file (ddplab.script: "-m pkg.module")
     s = cfg.script
     run.set_tags({
-        schema.MODE: "script", schema.SCRIPT: s.path,
+        schema.SCRIPT: s.path,
         schema.SCRIPT_SHA256: identity["sha256"],
         schema.SCRIPT_GIT: git_state(path), schema.SCRIPT_ARGS: json.dumps(s.argv()),
         **schema.identity_tags(
-            le, resumed_from=resume, rank0_host=socket.gethostname(), machine=host.summary(),
+            le, kind=cfg.kind, resumed_from=resume, rank0_host=socket.gethostname(),
+            machine=host.summary(),
             git_sha=capsule.git_sha(), lock=capsule.lock_digest(),
             torch_build=capsule.torch_build(), image=capsule.container_image(),
             versions=capsule.versions(), scheduler=capsule.scheduler_tags()),
