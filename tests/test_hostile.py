@@ -386,6 +386,9 @@ def test_a_study_whose_server_dies_stops_with_one_line_and_a_rerun_leaves_nothin
     out, err = proc.communicate(timeout=600)
     assert time.monotonic() - t0 < 300, "the study hung on the dead server"
     assert proc.returncode == 1 and "stopped answering" in err and "Traceback" not in err, err[-3000:]
+    # The parent's own records (its end among them) wait in its spool, and the study says so.
+    (kept,) = (tmp_path / "checkpoints" / "studies").rglob("parent-*/spool/run/records.jsonl")
+    assert '"op":"end"' in kept.read_text() and "ddplab sync" in out + err, out[-2000:]
     server.start()
     again = subprocess.run([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
                            env=job_env(server.uri), capture_output=True, text=True, timeout=900)
@@ -396,6 +399,10 @@ def test_a_study_whose_server_dies_stops_with_one_line_and_a_rerun_leaves_nothin
     finished = {r.data.tags.get("ddplab.variant") for r in every if r.info.status == "FINISHED"
                 and r.data.tags.get("ddplab.study_role") == "job"}
     assert finished == {"one"}
+    # The rerun sent what the first left, then ended the parent itself: nothing is kept.
+    assert not list((tmp_path / "checkpoints" / "studies").rglob("parent-*"))
+    (parent,) = [r for r in every if r.data.tags.get("ddplab.study_role") == "parent"]
+    assert parent.info.status == "FINISHED" and parent.data.tags.get("ddplab.study.verdict")
     server.kill()
 
 

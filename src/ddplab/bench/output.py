@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..log import logger
-from ..tracking import life, schema
+from ..tracking import life, schema, spooled
 from .collectives import Result
 
 Matrix = dict[tuple[str, str], dict[str, str]]
@@ -133,7 +133,11 @@ class Report(Silent):
             run = life.create(client, self.experiment_id, run_name,
                               {schema.KIND: "bench-collectives"})
             self.run_id, self.uri = run.info.run_id, client.tracking_uri
-            client.log_batch(self.run_id, params=_params(params))
+            # Its records through a spool, as a job's: a server gone meanwhile loses none.
+            self.client = spooled.SpooledClient(client, self.uri, self.run_id,
+                                                self.experiment_id,
+                                                spooled.home("bench", self.run_id))
+            self.client.log_batch(self.run_id, params=_params(params))
 
     def say(self, text: str) -> None:
         logger("bench").info(text)
@@ -202,15 +206,21 @@ class Report(Silent):
             if (folder / name).exists():
                 self.client.log_artifact(self.run_id, str(folder / name))
         life.end(self.client, self.run_id, status)
+        kept = self.client.close(spooled.DELIVERY_S)
         print(f"\nMLflow run {self.run_id} {status}"
               + ui_address(self.uri, self.experiment_id, self.run_id), flush=True)
+        if kept:
+            logger("bench").warning(kept)
 
     def abort(self, status: str) -> None:
         if self.client is not None and self.run_id:
             life.end(self.client, self.run_id, status)
+            kept = self.client.close(spooled.DELIVERY_S)
+            if kept:
+                logger("bench").warning(kept)
 
 
 def _params(params: dict[str, Any]) -> list[Any]:
     from mlflow.entities import Param
 
-    return [Param(k, str(v)[:6000]) for k, v in params.items()]
+    return [Param(k, str(v)[:schema.PARAM_LIMIT]) for k, v in params.items()]

@@ -142,15 +142,16 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
         client.log_metric(parent_id, k, v)
     from ..tracking.ui_views import save_study_view
 
-    save_study_view(client, client.get_run(parent_id).info.experiment_id, [r.variant for r in rows])
+    parent = client.get_run(parent_id)
+    save_study_view(client, parent.info.experiment_id, [r.variant for r in rows])
     client.set_tag(parent_id, schema.STUDY_BEST, verdict.best or "none")
     client.set_tag(parent_id, schema.STUDY_VERDICT, verdict.text[:4000])
     client.set_tag(parent_id, schema.STUDY_WARNINGS, str(len(verdict.warnings)))
     warnings = "".join(f"\n- {w}" for w in verdict.warnings)
     client.set_tag(parent_id, "mlflow.note.content", f"{verdict.text}{warnings}"[:5000])
     if study is not None:
+        # A param is set once (MLflow refuses another value): a rerun that raised the repeats
+        # keeps the first value.
         for k, v in {**study.set, "repeats": study.repeats, "baseline": study.baseline}.items():
-            try:
+            if f"study.{k}" not in parent.data.params:
                 client.log_param(parent_id, f"study.{k}", str(v)[:schema.PARAM_LIMIT])
-            except Exception:  # noqa: BLE001 - a rerun that raised repeats: the first value stays
-                continue

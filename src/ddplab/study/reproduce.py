@@ -192,6 +192,7 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     from mlflow.exceptions import MlflowException
 
     from ..tracking import reachable_client, validated_uri
+    from ..tracking.spooled import DELIVERY_S, SpooledClient, home
     from .runner import job_env
 
     uri = validated_uri()
@@ -232,7 +233,13 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     code = subprocess.run(cmd, env=env, check=False).returncode
     # No reason of ours: the job's own ddplab.error, if it sent one, is the right one.
     life.end_if_running(client, new, life.FAILED)
-    return _judge(client, run, new, code)
+    # The verdict through a spool, as a job's records: a server gone meanwhile loses none.
+    recorder = SpooledClient(client, uri, new, run.info.experiment_id, home("reproduce", new))
+    verdict = _judge(recorder, run, new, code)
+    kept = recorder.close(DELIVERY_S)
+    if kept:
+        logger("reproduce").warning(kept)
+    return verdict
 
 
 def _judge(client: Any, run: Any, new: str, code: int) -> int:

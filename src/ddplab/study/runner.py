@@ -241,15 +241,27 @@ def _free_port() -> int:
 
 
 class Tracker:
-    """The study's parent run and its children, through MLflow's client."""
+    """The study's parent run and its children, through MLflow's client; the parent's own
+    records through a spool (tracking/spooled.py), as a job's are: a server gone at the end
+    loses none of them, and ``ddplab sync`` sends what it did not take."""
 
     def __init__(self, uri: str, study: Study) -> None:
         from ..tracking import experiment_id, reachable_client
 
-        self.client, self.uri, self.study = reachable_client(uri), uri, study
+        self.client: Any = reachable_client(uri)
+        self.uri, self.study = uri, study
         self.exp_id = experiment_id(self.client, study.name)
 
     def parent(self, fresh: bool, resolved: str) -> str:
+        """The parent run (continued, or new); from here its records go through its spool."""
+        from ..tracking import spooled
+
+        run_id = self._parent(fresh, resolved)
+        home = spooled.home("studies", f"{self.study.name}/parent-{run_id}")
+        self.client = spooled.SpooledClient(self.client, self.uri, run_id, self.exp_id, home)
+        return run_id
+
+    def _parent(self, fresh: bool, resolved: str) -> str:
         found = [] if fresh else self.client.search_runs(
             [self.exp_id], f"tags.{schema.STUDY_ROLE} = '{PARENT}'", order_by=["start_time DESC"],
             max_results=1)
@@ -257,6 +269,7 @@ class Tracker:
         if found:
             run_id: str = found[0].info.run_id
             self._same_settings(found[0], digest)
+            self._deliver_left(run_id)
             self.client.update_run(run_id, status="RUNNING")
             for k, v in {**digest, schema.STUDY_COMMAND: typed_command()}.items():
                 self.client.set_tag(run_id, k, v)
@@ -272,6 +285,19 @@ class Tracker:
         run = life.create(self.client, self.exp_id, f"study {self.study.name}", tags)
         self.client.log_text(run.info.run_id, mask(resolved), "study.yaml")
         return str(run.info.run_id)
+
+    def _deliver_left(self, run_id: str) -> None:
+        """What an earlier `ddplab study run` of this parent could not send (its server went):
+        sent first, its end included, before this one continues the parent."""
+        from ..tracking import TrackingError, spool, spooled
+
+        folder = spooled.home("studies", f"{self.study.name}/parent-{run_id}") / "spool" / "run"
+        if (folder / "meta.json").is_file():
+            out = spool.deliver(folder, self.client, lambda: False, spooled.DELIVERY_S,
+                                final=True)
+            if out.left:
+                raise TrackingError(f"{folder}: {out.left} records of the parent run, left by an "
+                                    f"earlier run of this study, could not be sent ({out.error})")
 
     def _same_settings(self, parent: Any, digest: dict[str, str]) -> None:
         """A rerun continues its parent only with the same settings: otherwise its FINISHED
@@ -408,12 +434,17 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
         status = "KILLED"
         console.print("interrupted: the study's parent run ends KILLED")
     finally:
+        from ..tracking.spooled import DELIVERY_S
         from . import report
 
         try:
+            tracker.client.deliver(5.0)  # what the report reads back (skipped variants)
             report.build(tracker.client, parent_id, study, console, uri)
         finally:
             life.end(tracker.client, parent_id, status)
+            kept = tracker.client.close(DELIVERY_S)
+            if kept:
+                console.print(f"WARNING: the study's parent {kept}", soft_wrap=True)
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1
 
 

@@ -16,6 +16,8 @@ local rank 0) sends the spool on and samples the node's system metrics
     life      the one owner of a run's creation and end, for jobs, studies, bench, reproduce
               and imports alike
     schema    every ``ddplab.*`` tag name and MLflow's limits: the run's vocabulary
+    spooled   the records of a run no job writes (a study's parent, a benchmark's, a
+              reproduction's verdict) through a spool, as a job's go
 """
 
 from __future__ import annotations
