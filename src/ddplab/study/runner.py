@@ -257,9 +257,15 @@ class Tracker:
         from ..tracking import spooled
 
         run_id = self._parent(fresh, resolved)
-        home = spooled.home("studies", f"{self.study.name}/parent-{run_id}")
-        self.client = spooled.SpooledClient(self.client, self.uri, run_id, self.exp_id, home)
+        self.client = spooled.SpooledClient(self.client, self.uri, run_id, self.exp_id,
+                                            self._home(run_id))
         return run_id
+
+    def _home(self, run_id: str) -> Path:
+        """Where the parent's spool waits for the server (tracking/spooled.py)."""
+        from ..tracking import spooled
+
+        return spooled.home("studies", f"{self.study.name}/parent-{run_id}")
 
     def _parent(self, fresh: bool, resolved: str) -> str:
         found = [] if fresh else self.client.search_runs(
@@ -291,7 +297,7 @@ class Tracker:
         sent first, its end included, before this one continues the parent."""
         from ..tracking import TrackingError, spool, spooled
 
-        folder = spooled.home("studies", f"{self.study.name}/parent-{run_id}") / "spool" / "run"
+        folder = spooled.folder(self._home(run_id))
         if (folder / "meta.json").is_file():
             out = spool.deliver(folder, self.client, lambda: False, spooled.DELIVERY_S,
                                 final=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import life, spool
-from .schema import BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS, PARAM_LIMIT, TAG_LIMIT
+from .schema import BATCH_PARAMS, BATCH_TAGS, PARAM_LIMIT, TAG_LIMIT
 
 #: How long the end of a study, benchmark or reproduction goes on sending its run's records to
 #: a server that does not answer; what is left stays for ``ddplab sync``.
@@ -32,6 +32,11 @@ def home(kind: str, run_id: str) -> Path:
     return ROOT / kind / run_id
 
 
+def folder(home: Path) -> Path:
+    """The spool folder under a run's ``home``."""
+    return home / "spool" / "run"
+
+
 class SpooledClient:
     """``client``, with ``run_id``'s records through the spool kept under ``home``
     (``home/spool/run``)."""
@@ -39,7 +44,7 @@ class SpooledClient:
     def __init__(self, client: Any, uri: str, run_id: str, experiment_id: str,
                  home: Path) -> None:
         self.client, self.run_id, self.home = client, run_id, home
-        self.folder = home / "spool" / "run"
+        self.folder = folder(home)
         spool.Meta(uri, run_id, experiment_id).write(self.folder)
         self.records = spool.Stream(self.folder, "records")
         self.kept = 0
@@ -77,10 +82,9 @@ class SpooledClient:
             self.client.log_batch(run_id, metrics=list(metrics), params=list(params),
                                   tags=list(tags))
             return
-        for i in range(0, len(metrics), BATCH_METRICS):
-            for m in metrics[i:i + BATCH_METRICS]:
-                self._append({"op": "log", "ts": int(m.timestamp), "step": int(m.step),
-                              "metrics": {m.key: float(m.value)}})
+        for m in metrics:  # each its own time and step; the sender batches them again
+            self._append({"op": "log", "ts": int(m.timestamp), "step": int(m.step),
+                          "metrics": {m.key: float(m.value)}})
         for i in range(0, len(params), BATCH_PARAMS):
             self._append({"op": "log", "params": {p.key: str(p.value)[:PARAM_LIMIT]
                                                   for p in params[i:i + BATCH_PARAMS]}})
@@ -146,11 +150,3 @@ class SpooledClient:
             with contextlib.suppress(OSError):
                 empty.rmdir()  # only when nothing else is in it
         return ""
-
-
-def deliver_left(folder: Path, client: Any, timeout_s: float) -> spool.Outcome | None:
-    """What an earlier process left in ``folder``'s spool, sent first (a rerun continuing the
-    run it recorded); None when there is no such spool."""
-    if not (folder / "meta.json").is_file():
-        return None
-    return spool.deliver(folder, client, lambda: False, timeout_s, final=True)
