@@ -1,5 +1,5 @@
 # ddplab: `make help` lists every goal.
-# Variables: EXPERIMENT, NPROC, NNODES, BENCH_NODES, ARGS, VENV, PYTHON, PYTEST_ARGS, TEST_WORKERS; images: REGISTRY, IMAGE_TAG,
+# Variables: EXPERIMENT, NPROC, NNODES, BENCH_NODES, ARGS, VENV, PYTHON, PYTEST_ARGS, TEST_WORKERS, CONTAINER_WORKERS; images: REGISTRY, IMAGE_TAG,
 # WITH_ONECCL, TORCH_INDEX_URL, INTEL_INDEX_URL (see docs/containers.md).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -13,6 +13,7 @@ PYTEST_ARGS ?= --durations=25
 # pytest-xdist workers for `make test`: one per core, at most 4 (each test starts 2-4 processes of
 # its own; more workers only queue on the cores). The container tier stays serial: on 2 cores two
 # workers had run 26 of its 29 tests after 28 min; one at a time all take 18 (each test's containers already fill the cores).
+CONTAINER_WORKERS ?= 2
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 UI_PORT    ?= 5000
 UI_ADDRESS  = http://127.0.0.1:$(UI_PORT)/\#/experiments?workflowType=machine_learning
@@ -89,8 +90,9 @@ test-distributed: $(STAMP) $(CCL_STAMP) ## Multi-process tests on CPU (gloo, and
 test-e2e: $(STAMP) $(CCL_STAMP) ## End-to-end tests with the README's own commands (make run, torchrun, ddplab)
 	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
 
-test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make images`)
-	$(BIN)/pytest -m container $(PYTEST_ARGS)
+# Two at a time: these tests wait on containers more than they compute (docs/testing.md).
+test-container: $(STAMP) ## Container tests on a real Docker engine (needs `make images`), CONTAINER_WORKERS (2) at a time
+	$(BIN)/pytest -m container -n $(CONTAINER_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 docs: $(STAMP) ## Regenerate docs/config-reference.md from the experiment schema (src/ddplab/config.py)
 	$(BIN)/python tools/config_doc.py

@@ -33,7 +33,9 @@ from tests.helpers.containers import (
     wait_exits,
 )
 
-pytestmark = pytest.mark.container
+# One worker runs this whole module under CI's `-n 2 --dist loadgroup`: its module-scoped
+# fixture (a cluster's stack, the images) is started once, not once per worker.
+pytestmark = [pytest.mark.container, pytest.mark.xdist_group("containers")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -47,7 +47,9 @@ import yaml
 from tests.conftest import REPO
 from tests.helpers.containers import sh
 
-pytestmark = pytest.mark.container
+# One worker runs this whole module under CI's `-n 2 --dist loadgroup`: its module-scoped
+# fixture (a cluster's stack, the images) is started once, not once per worker.
+pytestmark = [pytest.mark.container, pytest.mark.xdist_group("k8s")]
 K8S = REPO / "k8s"
 sys.path.insert(0, str(REPO / "docker" / "mlflow"))
 from make_secrets import k8s_manifests  # noqa: E402 - what `make k8s-secrets` creates
