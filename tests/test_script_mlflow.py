@@ -2,8 +2,9 @@
 (src/ddplab/training/scriptmode/mlflow_join.py; docs/your-own-script.md, "MLflow in your script").
 
 Real scripts under real torchrun (2 ranks) into a real store. One job (CI's time is short)
-runs the MLflow quickstart, the calls Lightning's MLFlowLogger makes, Hugging Face's Trainer with
-report_to="mlflow" and Accelerate's tracker, one after the other; each test reads its part.
+runs the MLflow quickstart, Hugging Face's Trainer with report_to="mlflow" and Accelerate's
+tracker, one after the other; each test reads its part. Lightning's Trainer with two
+MLFlowLoggers (the job's store, and another) is a job of its own, as a Lightning script is.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest
 from .conftest import ddplab, job_env, runs
 
 # The MLflow quickstart, on EVERY rank (usually only rank 0 logs; the others must not crash),
-# then Lightning's MLFlowLogger's calls (rank 0, as Lightning's rank_zero_only), Hugging Face's
-# Trainer (report_to="mlflow"), and Accelerate's tracker (its end_training ends the process group).
+# then Hugging Face's Trainer (report_to="mlflow"), and Accelerate's tracker (its end_training
+# ends the process group).
 PATTERNS = '''
 import os, sys, tempfile
 assert "mlflow" not in sys.modules, "ddplab imported MLflow into the script's process"
@@ -46,15 +47,6 @@ dist.barrier()
 assert mlflow.MlflowClient().get_run(job).info.status == "RUNNING", "the script ended the job's run"
 print(f"rank {rank}: quickstart done", flush=True)
 
-if rank == 0:
-    from lightning_like import MLFlowLoggerCalls
-    logger = MLFlowLoggerCalls(run_name="lit-run")
-    logger.log_hyperparams({"lit_hidden": 32})
-    for step in range(3):
-        logger.log_metrics({"lit/train_loss": 1.0 / (step + 1)}, step=step)
-    logger.finalize("success")
-    assert logger.run_id == job, "Lightning's calls made a second run"
-
 from hf_trainer import train_tiny_gpt2
 train_tiny_gpt2(tempfile.mkdtemp())
 
@@ -66,61 +58,44 @@ acc.end_training()  # ends its tracker, and destroys the process group
 assert mlflow.MlflowClient().get_run(job).info.status == "RUNNING", "a library ended the job's run"
 '''
 
-# What lightning.pytorch.loggers.MLFlowLogger does with MlflowClient (Lightning 2.x, its
-# `experiment` property, log_hyperparams, log_metrics, finalize): Lightning is not installed.
-LIGHTNING_LIKE = '''
+# A Lightning script as its docs write one: Trainer + MLFlowLogger, one logger into the job's
+# store, one into another store (a user's own), 2 epochs of 8 steps on each of 2 ranks.
+LIGHTNING = '''
 import os
-import time
 
-import mlflow
-from mlflow.entities import Metric, Param
-from mlflow.tracking import MlflowClient
-from mlflow.tracking.context.registry import resolve_tags
-from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
+import lightning as L
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 
-class MLFlowLoggerCalls:
-    def __init__(self, experiment_name="lightning_logs", run_name=None,
-                 tracking_uri=os.getenv("MLFLOW_TRACKING_URI"), run_id=None):
-        self._experiment_name, self._run_name, self._run_id = experiment_name, run_name, run_id
-        self._tracking_uri, self._experiment_id, self._initialized = tracking_uri, None, False
-        self._client = MlflowClient(tracking_uri)
+class Net(L.LightningModule):
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(),
+                                       torch.nn.Linear(hidden, 1))
 
-    @property
-    def experiment(self):
-        if self._initialized:
-            return self._client
-        mlflow.set_tracking_uri(self._tracking_uri)
-        if self._run_id is not None:
-            self._experiment_id = self._client.get_run(self._run_id).info.experiment_id
-        else:
-            found = self._client.get_experiment_by_name(self._experiment_name)
-            self._experiment_id = found.experiment_id if found is not None else \\
-                self._client.create_experiment(name=self._experiment_name, artifact_location=None)
-            tags = {MLFLOW_RUN_NAME: self._run_name} if self._run_name else {}
-            run = self._client.create_run(experiment_id=self._experiment_id, tags=resolve_tags(tags))
-            self._run_id = run.info.run_id
-        self._initialized = True
-        return self._client
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("lit/train_loss", loss)
+        return loss
 
-    @property
-    def run_id(self):
-        _ = self.experiment
-        return self._run_id
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
 
-    def log_hyperparams(self, params):
-        self.experiment.log_batch(run_id=self.run_id,
-                                  params=[Param(k, str(v)) for k, v in params.items()])
 
-    def log_metrics(self, metrics, step=None):
-        now = int(time.time() * 1000)
-        self.experiment.log_batch(run_id=self.run_id, metrics=[
-            Metric(key=k, value=v, timestamp=now, step=step or 0) for k, v in metrics.items()])
-
-    def finalize(self, status="success"):
-        status = {"success": "FINISHED", "failed": "FAILED"}.get(status, status)
-        if self.experiment.get_run(self.run_id):
-            self.experiment.set_terminated(self.run_id, status)
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+joined = MLFlowLogger(experiment_name="lit-exp", run_name="lit-run",
+                      tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+elsewhere = MLFlowLogger(experiment_name="lit-elsewhere", tracking_uri="sqlite:///other.db")
+trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                    strategy="ddp", max_epochs=2, logger=[joined, elsewhere],
+                    log_every_n_steps=2, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(Net(), DataLoader(data, batch_size=16))
 '''
 
 # Hugging Face's Trainer on a tiny GPT-2 built from its config (nothing downloaded); under
@@ -158,7 +133,6 @@ def patterns_job(tmp_path_factory, migrated_store):
     shutil.copyfile(migrated_store, root / "mlflow.db")
     store = f"sqlite:///{root / 'mlflow.db'}"
     (root / "patterns.py").write_text(PATTERNS)
-    (root / "lightning_like.py").write_text(LIGHTNING_LIKE)
     (root / "hf_trainer.py").write_text(HF_TRAINER)
     res = ddplab(["train", str(root / "patterns.py")], root,
                  job_env(store, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"), nproc=2)
@@ -196,16 +170,41 @@ def test_mlflow_quickstart_with_set_experiment_and_nested_runs_joins_the_jobs_ru
 
 
 @pytest.mark.e2e
-def test_lightning_mlflowloggers_client_calls_create_run_lands_in_the_jobs_run(patterns_job):
-    res, found, _ = patterns_job
-    run = _one_finished_run(res, found)
-    assert run.data.params["lit_hidden"] == "32"
-    assert run.data.metrics["lit/train_loss"] == pytest.approx(1 / 3)
-    assert "lit-run" in json.loads(run.data.tags["ddplab.script_run_names"])
-    assert "lightning_logs" in json.loads(run.data.tags["ddplab.script_experiments"])
-    note = (f"ddplab: lightning_like asked for a new MLflow run; its records go to the job's run "
-            f"{run.info.run_id}")
-    assert res.stderr.count(note) == 1, res.stderr[-3000:]
+def test_lightnings_mlflowlogger_lands_in_the_jobs_run_and_one_in_another_store_is_linked(
+        tmp_path, store, migrated_store):
+    """Lightning's MLFlowLogger makes its run through MlflowClient.create_run: in the job's store
+    that is the job's run; in another store (which ddplab does not own) it is the user's own
+    run, linked both ways and said in one line naming the fix."""
+    from mlflow import MlflowClient
+
+    shutil.copyfile(migrated_store, tmp_path / "other.db")  # two ranks would race to create it
+    (tmp_path / "lit.py").write_text(LIGHTNING)
+    res = ddplab(["train", str(tmp_path / "lit.py")], tmp_path, job_env(store), nproc=2)
+    run = _one_finished_run(res, runs(store))
+    job, tags = run.info.run_id, run.data.tags
+    assert run.info.run_name == "lit script 1n x 2r torchrun"
+    assert (tags["ddplab.script_experiment"], tags["ddplab.script_run_name"]) == ("lit-exp", "lit-run")
+    assert run.data.params["hidden"] == "16"
+    client = MlflowClient(store)
+    logged = {m.step: m.value for m in client.get_metric_history(job, "lit/train_loss")}
+    assert sorted(logged) == [1, 3, 5, 7, 9, 11, 13, 15]  # Lightning's steps, every 2nd
+    # The observation sees Lightning's loop too: its loss is Lightning's, its samples the batch's.
+    observed = {m.step: m.value for m in client.get_metric_history(job, "train/loss")}
+    assert observed[16] == pytest.approx(logged[15], abs=1e-6), (observed, logged)
+    assert run.data.metrics["perf/samples_per_s"] > 0
+    assert res.stderr.count(f"ddplab: lightning asked for a new MLflow run; its records go to "
+                            f"the job's run {job}") == 1, res.stderr[-3000:]
+
+    other = MlflowClient(f"sqlite:///{tmp_path / 'other.db'}")
+    (mine,) = other.search_runs([e.experiment_id for e in other.search_experiments()])
+    assert "lit/train_loss" in mine.data.metrics
+    assert mine.data.tags["ddplab.job_run_id"] == job
+    assert mine.data.tags["ddplab.job_tracking_uri"] == store
+    assert json.loads(tags["ddplab.script_other_runs"]) == [
+        {"tracking_uri": "sqlite:///other.db", "run_id": mine.info.run_id}]
+    said = (f"ddplab: lightning made its own MLflow run {mine.info.run_id} in another tracking "
+            f"store (sqlite:///other.db), not in the job's run {job}: leave its tracking_uri out")
+    assert res.stderr.count(said) == 1, res.stderr[-3000:]
 
 
 @pytest.mark.e2e

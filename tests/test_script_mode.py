@@ -513,6 +513,50 @@ def test_ddplab_run_starts_torchrun_for_a_script_and_its_arguments(tmp_path, sto
     assert json.loads(run.data.tags["ddplab.script_args"]) == ["--epochs", "1", "--samples", "128"]
 
 
+SCALED = '''
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+x, y = torch.randn(64, 8), torch.randn(64, 1)
+for step in range(1, 21):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    if step <= 10:  # AMP's pattern: the backward runs from the loss x 1024
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:  # the functional form
+        torch.autograd.backward(loss)
+        opt.step()
+    print(f"step {step} loss {loss.item():.6f}")
+'''
+
+
+@pytest.mark.e2e
+def test_the_loss_under_a_grad_scaler_and_through_autograd_backward_is_the_scripts(tmp_path, store):
+    """A GradScaler's backward starts from the scaled loss, and ``torch.autograd.backward(loss)``
+    does not go through ``Tensor.backward``: train/loss is still what the script printed."""
+    import re
+
+    from mlflow import MlflowClient
+
+    script = tmp_path / "scaled.py"
+    script.write_text(SCALED)
+    res = ddplab(["train", str(script)], tmp_path, job_env(store))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    printed = {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)", res.stdout)}
+    (run,) = runs(store)
+    logged = {m.step: m.value for m in MlflowClient(store).get_metric_history(
+        run.info.run_id, "train/loss")}
+    assert {10, 20} <= set(logged), logged
+    for step in (10, 20):
+        assert logged[step] == pytest.approx(printed[step], abs=1e-5), (step, logged, printed)
+    assert run.data.metrics["train/step_time_s"] > 0
+
+
 @pytest.mark.e2e
 def test_what_a_script_sets_before_importing_torch_holds_as_under_plain_python(tmp_path, store):
     """torch reads OMP_NUM_THREADS once, at its import: the book's chapter 9 scripts set it

@@ -87,6 +87,10 @@ reported; ``{"ok": N}`` counts the ranks that exited 0."""
 SCRIPT_EXPERIMENT = "ddplab.script_experiment"
 SCRIPT_RUN_NAME = "ddplab.script_run_name"
 SCRIPT_RUN_DESCRIPTION = "ddplab.script_run_description"
+# A run the script made in another tracking store, and that run's way back to the job's run.
+SCRIPT_OTHER_RUNS = "ddplab.script_other_runs"
+JOB_RUN_ID = "ddplab.job_run_id"
+JOB_TRACKING_URI = "ddplab.job_tracking_uri"
 
 # --- A failure: the error and the forensics (tracking/tracker.py, postmortem.py, ...) --------
 ERROR = "ddplab.error"

@@ -17,12 +17,16 @@ In a ddplab job, with the job's run in the tracking store the call goes to:
   ended by ddplab, FINISHED or FAILED once every rank has reported;
 - ``MlflowClient.create_run(...)`` (Lightning's MLFlowLogger, trackers built on the client)
   returns the job's run, says so in one line on stderr, and ``set_terminated``/``update_run``
-  of the job's run keep its status and name.
+  of the job's run keep its status and name;
+- a run the script makes through a client of ANOTHER tracking store (``MLFlowLogger(
+  tracking_uri="file:./mlruns")``) is made as asked, but linked both ways: it gets the job's run
+  id and store as tags, the job's run lists it (``ddplab.script_other_runs``), and one line on
+  stderr names it and the fix (leave ``tracking_uri`` out).
 
 Each tag keeps the first value asked for; with several, ``ddplab.script_experiments`` and
 ``ddplab.script_run_names`` list them all (JSON). Tags and notes come from rank 0's process;
 other ranks attach the same way, silently. Anything else (another run's id, another tracking
-store) is MLflow's own behaviour.
+store, beyond the link) is MLflow's own behaviour.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from types import FrameType, ModuleType
 from typing import Any
 from urllib.parse import urlparse
 
+from ... import logins
 from ...tracking import schema
 from .imports import after_import
 
@@ -48,6 +53,9 @@ EXPERIMENT_TAG = schema.SCRIPT_EXPERIMENT
 RUN_NAME_TAG = schema.SCRIPT_RUN_NAME
 DESCRIPTION_TAG = schema.SCRIPT_RUN_DESCRIPTION
 NOTE = "ddplab: {library} asked for a new MLflow run; its records go to the job's run {run_id}"
+ELSEWHERE = ("ddplab: {library} made its own MLflow run {run_id} in another tracking store ({uri}), "
+             "not in the job's run {job}: leave its tracking_uri out (or pass "
+             "os.environ['MLFLOW_TRACKING_URI']) for its records to join the job's run")
 FLUENT, CLIENT = "mlflow.tracking.fluent", "mlflow.tracking.client"
 
 
@@ -58,6 +66,7 @@ class _Job:
         self.run_id, self.uri, self.rank0 = run_id, uri, rank0
         self.experiment: Any = None  # the job run's Experiment, fetched once
         self.asked: dict[str, list[str]] = {EXPERIMENT_TAG: [], RUN_NAME_TAG: []}
+        self.elsewhere: list[dict[str, str]] = []  # runs the script made in other stores
         self.said: set[str] = set()
         self.lock = threading.Lock()
 
@@ -143,6 +152,24 @@ def _record(client: Any, tags: dict[str, str], **asked: str | None) -> None:
     client.log_batch(_job.run_id, tags=[RunTag(k, str(v)) for k, v in out.items()])
 
 
+def _link_elsewhere(client: Any, run_id: str) -> None:
+    """A run the script made in another store: tagged with the job's run, listed on the job's
+    run (rank 0), said once. A store that refuses a tag costs the link, never the script."""
+    assert _job is not None
+    uri = logins.mask(str(client.tracking_uri))
+    with contextlib.suppress(Exception):
+        client.set_tag(run_id, schema.JOB_RUN_ID, _job.run_id)
+        client.set_tag(run_id, schema.JOB_TRACKING_URI, logins.mask(_job.uri))
+    if not _job.rank0:
+        return
+    with _job.lock:
+        _job.elsewhere.append({"tracking_uri": uri, "run_id": run_id})
+        listed = json.dumps(_job.elsewhere)[:5000]
+    with contextlib.suppress(Exception):
+        type(client)(_job.uri).set_tag(_job.run_id, schema.SCRIPT_OTHER_RUNS, listed)
+    _say(ELSEWHERE.format(library=_caller_library(), run_id=run_id, uri=uri, job=_job.run_id))
+
+
 def _experiment_name(client: Any, experiment_id: Any) -> str | None:
     """The name of an experiment the script named by id, when it is not the job's."""
     if experiment_id is None or str(experiment_id) == _job_experiment(client).experiment_id:
@@ -182,8 +209,11 @@ def _patch_client(module: ModuleType) -> None:
     def create_run_joined(self: Any, experiment_id: str, start_time: int | None = None,
                           tags: dict[str, Any] | None = None, run_name: str | None = None) -> Any:
         if not joined(self):
-            return create_run(self, experiment_id, start_time=start_time, tags=tags,
-                              run_name=run_name)
+            run = create_run(self, experiment_id, start_time=start_time, tags=tags,
+                             run_name=run_name)
+            if _job is not None:
+                _link_elsewhere(self, run.info.run_id)
+            return run
         assert _job is not None
         own, name, note = _script_tags(tags)
         if note:

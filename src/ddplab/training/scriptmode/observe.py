@@ -5,8 +5,9 @@ script is edited and nothing waits on the device inside its step:
 
 - a **step** is an optimizer step (``register_optimizer_step_post_hook``) after a backward;
   a second optimizer stepping in the same step (a GAN's) is not another step;
-- the **loss** is the tensor ``.backward()`` is called on, kept detached and read
-  (``.item()``) only at log points;
+- the **loss** is the tensor a backward starts from (``loss.backward()`` or
+  ``torch.autograd.backward(loss)``; under a ``GradScaler``, the tensor it scaled, so the loss
+  is not the scaled one), kept detached and read (``.item()``) only at log points;
 - **samples** per step: the first dimension of the first tensor fed to the outermost
   DDP/FSDP module (a forward pre-hook attached when the script builds it), else to the first
   module called in the step; forwards without gradients are evaluation, not training;
@@ -34,6 +35,7 @@ import os
 import resource
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +114,8 @@ class Observer:
         self.t_forward = self.t_backward = 0.0
         self.samples = 0
         self.loss: torch.Tensor | None = None
+        # (the scaled tensor, what a GradScaler scaled): the loss its backward stands for
+        self.scaled: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
         self.sample: Any = None  # one sample of the first step, for the FLOP count
         self.outer: torch.nn.Module | None = None
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
@@ -143,16 +147,28 @@ class Observer:
         if self.sample is None and self.totals.steps == 0:
             self.sample = _one_sample(args, kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor | None) -> None:
+        """A backward from ``loss`` (None: from several tensors at once)."""
         if not self.t_backward:
             self.t_backward = time.perf_counter()
             self._beat("backward", None)
-        if loss.numel() == 1:
-            self.loss = loss.detach()
+        if loss is None or loss.numel() != 1:
+            return
+        if self.scaled is not None and self.scaled[0]() is loss:
+            loss = self.scaled[1]  # GradScaler.scale(loss).backward(): the loss, not x 65536
+        self.scaled = None
+        self.loss = loss.detach()
+
+    def scale(self, scaled: Any, outputs: Any) -> None:
+        """After ``GradScaler.scale(outputs)``: remember what the scaled tensor stands for."""
+        if isinstance(outputs, torch.Tensor) and isinstance(scaled, torch.Tensor) \
+                and scaled is not outputs:
+            self.scaled = (weakref.ref(scaled), outputs.detach())
 
     def optimizer_step(self) -> None:
         """After an optimizer's step: the step's end, if a forward or backward came since the
-        last one (``torch.autograd.backward(loss)`` is not seen: the step's end stands in)."""
+        last one (a backward through ``torch.autograd.grad`` is not seen: the step's end
+        stands in for its start)."""
         if not (self.t_backward or self.t_forward):
             return
         now = time.perf_counter()
@@ -271,14 +287,30 @@ class Observer:
                       "peak_source": peak_source, "peak_where": where}
 
 
-def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+def _the_loss(tensors: Any) -> torch.Tensor | None:
+    """The one tensor a backward starts from (None for several)."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors
+    if isinstance(tensors, (list, tuple)) and len(tensors) == 1 \
+            and isinstance(tensors[0], torch.Tensor):
+        return tensors[0]
+    return None
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any], depth: int = 3
+                  ) -> torch.Tensor | None:
+    """The first tensor in a forward's arguments, looking into a batch passed whole: a Hugging
+    Face dict, or Lightning's ``(batch, batch_idx)`` with ``batch`` a list or tuple."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value
-        if isinstance(value, dict):  # a Hugging Face batch passed whole
-            found = _first_tensor((), value)
-            if found is not None:
-                return found
+        found = None
+        if depth and isinstance(value, dict):
+            found = _first_tensor((), value, depth - 1)
+        elif depth and isinstance(value, (list, tuple)):
+            found = _first_tensor(tuple(value), {}, depth - 1)
+        if found is not None:
+            return found
     return None
 
 
@@ -389,18 +421,32 @@ def _hooks(obs: Observer) -> None:
 
     step, forward, backward_hook = timed(obs.optimizer_step), timed(obs.forward), \
         timed(obs.backward)
+    scale_hook = timed(obs.scale)
     register_optimizer_step_post_hook(lambda opt, args, kwargs: step())
     anywhere = torch.nn.modules.module.register_module_forward_pre_hook(
         lambda m, args: forward(m, args, {}))
 
-    backward = torch.Tensor.backward
+    # Tensor.backward calls torch.autograd.backward: one hook sees both forms. A call made
+    # inside a backward (a reentrant checkpoint recomputing its segment) is not a new one.
+    backward = torch.autograd.backward
 
     @functools.wraps(backward)
-    def observed_backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        backward_hook(self)
-        return backward(self, *args, **kwargs)
+    def observed_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:
+            backward_hook(_the_loss(tensors))
+        return backward(tensors, *args, **kwargs)
 
-    torch.Tensor.backward = observed_backward  # type: ignore[method-assign]
+    torch.autograd.backward = observed_backward
+
+    scale = torch.amp.GradScaler.scale  # torch.cuda.amp's and Accelerate's scalers inherit it
+
+    @functools.wraps(scale)
+    def observed_scale(self: Any, outputs: Any) -> Any:
+        scaled = scale(self, outputs)
+        scale_hook(scaled, outputs)
+        return scaled
+
+    torch.amp.GradScaler.scale = observed_scale  # type: ignore[method-assign]
 
     set_epoch = DistributedSampler.set_epoch
 
