@@ -25,8 +25,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import results as results_page  # benchmarks/ is this script's directory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,19 +64,76 @@ def observe_frac(work: Path) -> float:
     return float(json.loads(Path(path).read_text()).get("observe_frac") or 0.0)
 
 
-def one_job(variant: str, samples: int, work: Path) -> float:
-    """The steady step time (s) of one job."""
+def _is_script(cmdline: list[str]) -> bool:
+    """The script's own process: script mode's child, or a plain torchrun worker (which runs
+    the clock directly, not through torchrun's or ddplab's entry point)."""
+    line = " ".join(cmdline)
+    if "scriptmode.child" in line:
+        return True
+    return "epoch_clock.py" in line and "torchrun" not in line and "ddplab" not in line
+
+
+def sample_cpu(root: psutil.Process, stop: threading.Event,
+               samples: list[tuple[float, dict[int, tuple[float, bool]]]]) -> None:
+    """Every 0.25 s: each process of the job's tree, its CPU seconds so far and whether it is
+    the script's own; the rest (torchrun's agent, ddplab's supervisors and delivery process)
+    is what a launch structure costs the machine."""
+    kinds: dict[int, bool] = {}
+    while not stop.is_set():
+        now, snap = time.monotonic(), {}
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for proc in procs:
+            try:
+                if proc.pid not in kinds:
+                    kinds[proc.pid] = _is_script(proc.cmdline())
+                t = proc.cpu_times()
+                snap[proc.pid] = (t.user + t.system, kinds[proc.pid])
+            except psutil.Error:
+                continue
+        samples.append((now, snap))
+        stop.wait(0.25)
+
+
+def structure_share(samples: list[tuple[float, dict[int, tuple[float, bool]]]],
+                    start: float, end: float) -> float:
+    """CPU seconds the job's processes other than the script's own used between ``start`` and
+    ``end`` (time.monotonic), as a share of the script's own CPU seconds then."""
+    def at(t: float) -> dict[int, tuple[float, bool]]:
+        return min(samples, key=lambda s: abs(s[0] - t))[1]
+    first, last = at(start), at(end)
+    used = {True: 0.0, False: 0.0}
+    for pid, (cpu, script) in last.items():
+        used[script] += cpu - first.get(pid, (0.0, script))[0]
+    return used[False] / used[True] if used[True] else 0.0
+
+
+def one_job(variant: str, samples: int, work: Path) -> tuple[float, float]:
+    """The steady step time (s) of one job, and what its processes other than the script's own
+    used of the CPU over those steady epochs (a share of the script's own CPU)."""
     clocks = Path(tempfile.mkdtemp(dir=work))
     env = {**os.environ, "BENCH_CLOCK_DIR": str(clocks),
            "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
-    res = subprocess.run(command(variant, samples, work), cwd=work, env=env,
-                         capture_output=True, text=True, timeout=1800)
-    if res.returncode != 0:
-        sys.exit(f"benchmark job failed ({variant}, exit {res.returncode}):\n{res.stderr[-3000:]}")
+    proc = subprocess.Popen(command(variant, samples, work), cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop, cpu = threading.Event(), []  # type: ignore[var-annotated]
+    sampler = threading.Thread(target=sample_cpu, args=(psutil.Process(proc.pid), stop, cpu))
+    sampler.start()
+    try:
+        _, err = proc.communicate(timeout=1800)
+    finally:
+        stop.set()
+        sampler.join()
+    if proc.returncode != 0:
+        sys.exit(f"benchmark job failed ({variant}, exit {proc.returncode}):\n{err[-3000:]}")
+    # perf_counter and monotonic are both CLOCK_MONOTONIC on Linux: the marks and the samples
+    # share one clock.
     marks = json.loads((clocks / "rank0.json").read_text())
     epochs = [b - a for a, b in zip(marks, marks[1:], strict=False)][1:]  # epochs 2..4
     steps = -(-samples // RANKS // BATCH)
-    return statistics.median(epochs) / steps
+    return statistics.median(epochs) / steps, structure_share(cpu, marks[1], marks[-1])
 
 
 def main() -> None:
@@ -82,27 +142,32 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1536, help="synthetic images per epoch")
     args = ap.parse_args()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    others: dict[str, list[float]] = {v: [] for v in VARIANTS}
     own: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for rep in range(args.reps):
             order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
             for variant in order:
-                times[variant].append(one_job(variant, args.samples, work))
+                step, other = one_job(variant, args.samples, work)
+                times[variant].append(step)
+                others[variant].append(other)
                 if variant == "script mode, observed":
                     own.append(observe_frac(work))
-                print(f"rep {rep + 1}/{args.reps} {variant}: step {times[variant][-1] * 1000:.1f} ms",
-                      flush=True)
+                print(f"rep {rep + 1}/{args.reps} {variant}: step {step * 1000:.1f} ms, "
+                      f"other processes {other * 100:.2f}% of the script's CPU", flush=True)
     plain = statistics.median(times["plain torchrun"])
     rows = ["| how the script ran | steady step time (median) | each rep | vs plain torchrun "
-            "(medians) | vs plain torchrun (median of each rep's ratio) |", "|---|---|---|---|---|"]
+            "(medians) | vs plain torchrun (median of each rep's ratio) | the job's other processes' CPU "
+            "over those epochs, a share of the script's own (median) |",
+            "|---|---|---|---|---|---|"]
     for v in VARIANTS:
         med = statistics.median(times[v])
         paired = statistics.median(t / p for t, p in zip(times[v], times["plain torchrun"],
                                                           strict=True))
         rows.append(f"| {v} | {med * 1000:.1f} ms | "
                     f"{', '.join(f'{t * 1000:.1f}' for t in times[v])} | {med / plain:.3f}x | "
-                    f"{paired:.3f}x |")
+                    f"{paired:.3f}x | {statistics.median(others[v]) * 100:.2f}% |")
     table = "\n".join(rows)
     inside = (f"The observation's own cost, measured inside the script's process (its hooks' "
               f"time over rank 0's steady steps, summary.json `observe_frac`): median "
@@ -110,12 +175,21 @@ def main() -> None:
               f"{', '.join(f'{x * 100:.3f}%' for x in own)}). The side-by-side step times "
               "above differ from rep to rep by more than that on a shared machine: their "
               "ratios carry the machine's noise, this figure does not.")
-    print("\n" + table + "\n\n" + inside)
+    extra = {v: statistics.median(others[v]) - statistics.median(others["plain torchrun"])
+             for v in VARIANTS[1:]}
+    structure = ("What script mode's own processes (a supervisor per rank, the node's delivery "
+                 "process) take beside the script, counted from each process's CPU seconds "
+                 "(psutil, every 0.25 s) over the same steady epochs, less what torchrun's own "
+                 "agent takes under plain torchrun: "
+                 + ", ".join(f"{v}: {x * 100:+.2f}%" for v, x in extra.items())
+                 + " of the script's own CPU: the CPU a launch structure takes from the script's "
+                   "cores, which the machine's noise does not blur either.")
+    print("\n" + table + "\n\n" + inside + "\n\n" + structure)
     body = (f"The book's chapter 9 gloo script, unedited, {RANKS} ranks, batch {BATCH}, "
             f"{args.samples} synthetic images per epoch, 5 epochs; {args.reps} reps, the "
             "variants' order rotated each rep. Steady step time: the median of epochs 2-4 over "
             "the steps in an epoch (epoch_clock.py: one clock call per epoch, in every "
-            "variant).\n\n" + table + "\n\n" + inside + "\n")
+            "variant).\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
     results_page.write("bench-script", "Script mode's observation: what it costs a step", body)
 
 

@@ -47,6 +47,10 @@ FINISHED_MARK = ".ddplab-finished"
 JOB_FILE = "job.json"
 SCRIPT_DIR = "script"
 PEER_FAILED = "another rank failed"
+PEER_CHECK_S = 0.5
+"""How often a running script's supervisor asks the meeting store whether a peer failed. The
+script's own end wakes it at once (a thread blocked in waitpid): on a machine whose cores
+the ranks fill, every wake-up here takes a slice of a rank's core."""
 OWN_ENTRIES = {"spool", FINISHED_MARK, JOB_FILE, SCRIPT_DIR}
 """A run's folder, ``<checkpoint.dir>/<name>/<run id>/``: the script's own folder
 (``script/``, its ``DDPLAB_CHECKPOINT_DIR``), the node's spool beside it, the job that made
@@ -333,9 +337,15 @@ class Script:
         for p in pumps:
             p.start()
         stopped = ""
+        ended = threading.Event()
+
+        def reap() -> None:
+            proc.wait()
+            ended.set()
+
+        threading.Thread(target=reap, daemon=True).start()
         try:
-            while proc.poll() is None:
-                time.sleep(0.2)
+            while not ended.wait(PEER_CHECK_S):
                 # Only a script still running was stopped by us: one that died meanwhile (its
                 # own failure, which its peer's error may have been reported before) is not.
                 if not stopped and self.meeting.peer_failed() and proc.poll() is None:
