@@ -557,6 +557,51 @@ def test_the_loss_under_a_grad_scaler_and_through_autograd_backward_is_the_scrip
     assert run.data.metrics["train/step_time_s"] > 0
 
 
+FSDP_SCRIPT = '''
+import sys
+
+import torch
+import torch.distributed as dist
+
+# The observation attaches to FSDP only once the script imports it: nothing of FSDP's (600
+# modules, sympy's among them) is loaded for a script that never does.
+print("fsdp loaded before the script asked:", "torch.distributed.fsdp" in sys.modules,
+      "sympy" in sys.modules)
+from torch.distributed.fsdp import fully_shard  # FSDP2 (FSDP1's wrapper class needs a GPU)
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(12):
+    x, y = torch.randn(24, 8), torch.randn(24, 1)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.e2e
+def test_an_fsdp_script_is_observed_and_fsdp_is_not_loaded_for_it(tmp_path, store):
+    script = tmp_path / "fsdp_script.py"
+    script.write_text(FSDP_SCRIPT)
+    res = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert res.stdout.count("fsdp loaded before the script asked: False False") == 2, res.stdout
+    from mlflow import MlflowClient
+
+    (run,) = runs(store)
+    summary = json.loads(Path(MlflowClient(store).download_artifacts(
+        run.info.run_id, "summary.json")).read_text())
+    # FSDP2 is no wrapper: the batch is counted at the first module called, the sharded
+    # root: 12 steps x 24 samples x 2 ranks.
+    assert (summary["steps"], summary["samples"]) == (12, 576), summary
+    assert run.data.metrics["perf/samples_per_s"] > 0 and "train/loss" in run.data.metrics
+
+
 @pytest.mark.e2e
 def test_what_a_script_sets_before_importing_torch_holds_as_under_plain_python(tmp_path, store):
     """torch reads OMP_NUM_THREADS once, at its import: the book's chapter 9 scripts set it
