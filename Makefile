@@ -32,7 +32,8 @@ STAMP := $(VENV)/.ddplab-setup
 gpu-kit: $(STAMP) ## The GPU proof kit in .gpu-kit/: MLflow's client + SQL store wheels for CPython 3.12 (no torch; size printed; docs/benchmarks.md)
 	$(BIN)/python tools/gpu_kit.py
 
-# The peers are an optional extra (pyproject: peers), installed on first use, never in a lock.
+# The peers are an optional extra (pyproject: peers), installed on first use where missing (a dev
+# venv has them: the dev extra locks them for the script-mode tests).
 bench-peers: $(STAMP) ## ddplab beside a plain torchrun script, Lightning Fabric/Trainer and Accelerate on the same job: docs/results/bench-peers.md
 	@$(BIN)/python -c "import lightning, accelerate" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[peers]"
 	$(BIN)/python benchmarks/bench_peers.py $(ARGS)
