@@ -66,11 +66,15 @@ def observe_frac(work: Path) -> float:
 
 def _is_script(cmdline: list[str]) -> bool:
     """The script's own process: script mode's child, or a plain torchrun worker (which runs
-    the clock directly, not through torchrun's or ddplab's entry point)."""
-    line = " ".join(cmdline)
-    if "scriptmode.child" in line:
+    the clock itself, not torchrun and not ``python -m ddplab``), told apart by its arguments,
+    not by names a checkout's path may hold too."""
+    if "ddplab.training.scriptmode.child" in cmdline:
         return True
-    return "epoch_clock.py" in line and "torchrun" not in line and "ddplab" not in line
+    if len(cmdline) > 1 and Path(cmdline[1]).name == "torchrun":
+        return False
+    if any(a == "-m" and b.split(".")[0] == "ddplab" for a, b in zip(cmdline, cmdline[1:], strict=False)):
+        return False  # ddplab's supervisor, its delivery process
+    return any(Path(a).name == CLOCK.name for a in cmdline)
 
 
 def sample_cpu(root: psutil.Process, stop: threading.Event,
@@ -123,6 +127,10 @@ def one_job(variant: str, samples: int, work: Path) -> tuple[float, float]:
     sampler.start()
     try:
         _, err = proc.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     finally:
         stop.set()
         sampler.join()

@@ -51,11 +51,15 @@ def fresh_images():
              "DDPLAB_MPI_IMAGE": f"{prefix}/openmpi:latest",
              "DDPLAB_SLURM_IMAGE": f"{prefix}/slurm:latest"}
     yield names
-    # This runs before compose_factory's `down`: stop what still uses the images first.
-    for name in names.values():
-        ids = sh(["docker", "ps", "-aq", "--filter", f"ancestor={name}"]).stdout.split()
-        if ids:
-            sh(["docker", "rm", "-f", *ids])
+    # This runs before compose_factory's `down`: stop what still uses the images first. Only
+    # containers made from these names: a fresh image built from the cache can be the very image
+    # (same id) as `make images`' own, which another test running beside this one uses, and an
+    # `ancestor=` filter would match its containers too.
+    listed = sh(["docker", "ps", "-a", "--format", "{{.ID}}\t{{.Image}}"]).stdout.splitlines()
+    ids = [line.split("\t")[0] for line in listed
+           if line.split("\t")[-1] in set(names.values())]
+    if ids:
+        sh(["docker", "rm", "-f", *ids])
     left = [n for n in names.values() if _image_exists(n)]
     if left:
         sh(["docker", "rmi", *left], timeout=300)

@@ -524,8 +524,15 @@ x, y = torch.randn(64, 8), torch.randn(64, 1)
 for step in range(1, 21):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
-    if step <= 10:  # AMP's pattern: the backward runs from the loss x 1024
+    if step <= 5:  # AMP's pattern: the backward runs from the loss x 1024
         scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    elif step <= 10:  # a list scaled at once; a tensor backed twice (retain_graph)
+        mine, other = scaler.scale([loss, loss * 0])
+        mine.backward(retain_graph=True)
+        other.backward(retain_graph=True)
+        mine.backward()
         scaler.step(opt)
         scaler.update()
     else:  # the functional form

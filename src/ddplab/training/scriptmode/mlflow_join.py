@@ -163,11 +163,16 @@ def _link_elsewhere(client: Any, run_id: str) -> None:
     if not _job.rank0:
         return
     with _job.lock:
+        first_there = all(e["tracking_uri"] != uri for e in _job.elsewhere)
         _job.elsewhere.append({"tracking_uri": uri, "run_id": run_id})
-        listed = json.dumps(_job.elsewhere)[:5000]
+        # Whole entries, the first ones, as many as a tag holds: always valid JSON.
+        kept = list(_job.elsewhere)
+        while len(json.dumps(kept)) > 5000:
+            kept.pop()
     with contextlib.suppress(Exception):
-        type(client)(_job.uri).set_tag(_job.run_id, schema.SCRIPT_OTHER_RUNS, listed)
-    _say(ELSEWHERE.format(library=_caller_library(), run_id=run_id, uri=uri, job=_job.run_id))
+        type(client)(_job.uri).set_tag(_job.run_id, schema.SCRIPT_OTHER_RUNS, json.dumps(kept))
+    if first_there:  # once per store: a search making a run per trial is not a line per trial
+        _say(ELSEWHERE.format(library=_caller_library(), run_id=run_id, uri=uri, job=_job.run_id))
 
 
 def _experiment_name(client: Any, experiment_id: Any) -> str | None:

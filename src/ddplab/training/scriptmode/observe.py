@@ -114,8 +114,9 @@ class Observer:
         self.t_forward = self.t_backward = 0.0
         self.samples = 0
         self.loss: torch.Tensor | None = None
-        # (the scaled tensor, what a GradScaler scaled): the loss its backward stands for
-        self.scaled: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
+        # (a scaled tensor, what a GradScaler scaled) of the last scale(): the loss a backward
+        # from it stands for (a list of losses scaled at once gives one pair each)
+        self.scaled: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
         self.sample: Any = None  # one sample of the first step, for the FLOP count
         self.outer: torch.nn.Module | None = None
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
@@ -141,9 +142,7 @@ class Observer:
         if not self.t_forward:
             self.t_forward = now
             self._beat("forward", None)
-        batch = _first_tensor(args, kwargs)
-        if batch is not None and batch.dim() > 0:
-            self.samples += int(batch.shape[0])
+        self.samples += _batch_size(args, kwargs)
         if self.sample is None and self.totals.steps == 0:
             self.sample = _one_sample(args, kwargs)
 
@@ -154,16 +153,21 @@ class Observer:
             self._beat("backward", None)
         if loss is None or loss.numel() != 1:
             return
-        if self.scaled is not None and self.scaled[0]() is loss:
-            loss = self.scaled[1]  # GradScaler.scale(loss).backward(): the loss, not x 65536
-        self.scaled = None
+        for ref, unscaled in self.scaled:
+            if ref() is loss:  # GradScaler.scale(loss).backward(): the loss, not x 65536
+                loss = unscaled
+                break
         self.loss = loss.detach()
 
     def scale(self, scaled: Any, outputs: Any) -> None:
-        """After ``GradScaler.scale(outputs)``: remember what the scaled tensor stands for."""
-        if isinstance(outputs, torch.Tensor) and isinstance(scaled, torch.Tensor) \
-                and scaled is not outputs:
-            self.scaled = (weakref.ref(scaled), outputs.detach())
+        """After ``GradScaler.scale(outputs)`` (a tensor, or a list or tuple of them): remember
+        what each scaled tensor stands for, until the next ``scale`` (a tensor backed twice,
+        ``retain_graph``, is still the same loss)."""
+        pairs = zip(scaled, outputs, strict=False) if isinstance(outputs, (list, tuple)) \
+            and isinstance(scaled, (list, tuple)) else [(scaled, outputs)]
+        self.scaled = [(weakref.ref(s), o.detach()) for s, o in pairs
+                       if isinstance(s, torch.Tensor) and isinstance(o, torch.Tensor)
+                       and s is not o]
 
     def optimizer_step(self) -> None:
         """After an optimizer's step: the step's end, if a forward or backward came since the
@@ -297,21 +301,24 @@ def _the_loss(tensors: Any) -> torch.Tensor | None:
     return None
 
 
-def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any], depth: int = 3
-                  ) -> torch.Tensor | None:
-    """The first tensor in a forward's arguments, looking into a batch passed whole: a Hugging
-    Face dict, or Lightning's ``(batch, batch_idx)`` with ``batch`` a list or tuple."""
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Samples in a forward's arguments: the first dimension of the first tensor, looking into
+    a Hugging Face batch passed whole (a dict) and Lightning's ``(batch, batch_idx)`` (a list or
+    tuple); a list of 3-d tensors is torchvision's detection input, one image each."""
+    if len(args) >= 2 and isinstance(args[0], (list, tuple, dict)) and isinstance(args[1], int):
+        batch = args[0]  # Lightning's training_step(batch, batch_idx) through DDP
+        return _batch_size((), batch) if isinstance(batch, dict) else _batch_size(tuple(batch), {})
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            return value
-        found = None
-        if depth and isinstance(value, dict):
-            found = _first_tensor((), value, depth - 1)
-        elif depth and isinstance(value, (list, tuple)):
-            found = _first_tensor(tuple(value), {}, depth - 1)
-        if found is not None:
-            return found
-    return None
+            return int(value.shape[0]) if value.dim() > 0 else 0
+        if isinstance(value, dict):  # a Hugging Face batch passed whole
+            found = _batch_size((), value)
+            if found:
+                return found
+        if isinstance(value, list) and value \
+                and all(isinstance(v, torch.Tensor) and v.dim() == 3 for v in value):
+            return len(value)
+    return 0
 
 
 def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -438,15 +445,18 @@ def _hooks(obs: Observer) -> None:
 
     torch.autograd.backward = observed_backward
 
-    scale = torch.amp.GradScaler.scale  # torch.cuda.amp's and Accelerate's scalers inherit it
+    def observe_scale(cls: Any) -> None:
+        scale = cls.scale
 
-    @functools.wraps(scale)
-    def observed_scale(self: Any, outputs: Any) -> Any:
-        scaled = scale(self, outputs)
-        scale_hook(scaled, outputs)
-        return scaled
+        @functools.wraps(scale)
+        def observed_scale(self: Any, outputs: Any) -> Any:
+            scaled = scale(self, outputs)
+            scale_hook(scaled, outputs)
+            return scaled
 
-    torch.amp.GradScaler.scale = observed_scale  # type: ignore[method-assign]
+        cls.scale = observed_scale
+
+    observe_scale(torch.amp.GradScaler)  # torch.cuda.amp's and Accelerate's inherit its scale()
 
     set_epoch = DistributedSampler.set_epoch
 
@@ -474,3 +484,6 @@ def _hooks(obs: Observer) -> None:
     # FSDP only once the script imports it: importing it here cost every script ~0.6 s and 600
     # modules (sympy among them) before its first line.
     after_import("torch.distributed.fsdp", lambda fsdp: outermost(fsdp.FullyShardedDataParallel))
+    # FSDP's own scaler (Lightning's and Accelerate's under FSDP with fp16) has its own scale().
+    after_import("torch.distributed.fsdp.sharded_grad_scaler",
+                 lambda m: observe_scale(m.ShardedGradScaler))
