@@ -6,11 +6,13 @@ script is edited and nothing waits on the device inside its step:
 - a **step** is an optimizer step (``register_optimizer_step_post_hook``) after a backward;
   a second optimizer stepping in the same step (a GAN's) is not another step;
 - the **loss** is the tensor a backward starts from (``loss.backward()`` or
-  ``torch.autograd.backward(loss)``; under a ``GradScaler``, the tensor it scaled, so the loss
-  is not the scaled one), kept detached and read (``.item()``) only at log points;
+  ``torch.autograd.backward(loss)``; under a ``GradScaler`` or FSDP's ``ShardedGradScaler``,
+  the tensor it scaled, not the scaled one), kept detached and read (``.item()``) only at log
+  points;
 - **samples** per step: the first dimension of the first tensor fed to the outermost
   DDP/FSDP module (a forward pre-hook attached when the script builds it), else to the first
-  module called in the step; forwards without gradients are evaluation, not training;
+  module called in the step (inside a Hugging Face dict or Lightning's ``(batch, batch_idx)``;
+  a list of images counts its images); forwards without gradients are evaluation, not training;
 - **epochs** from ``DistributedSampler.set_epoch``;
 - per rank, **data wait** (the previous step's end to this step's first forward), **forward**
   and **backward + optimizer**, by the host clock (on a GPU these are launch times; the

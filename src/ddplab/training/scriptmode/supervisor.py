@@ -348,7 +348,8 @@ class Script:
             while not ended.wait(PEER_CHECK_S):
                 # Only a script still running was stopped by us: one that died meanwhile (its
                 # own failure, which its peer's error may have been reported before) is not.
-                if not stopped and self.meeting.peer_failed() and proc.poll() is None:
+                # (ended, not poll(): the reaping thread holds Popen's lock, poll() says None.)
+                if not stopped and self.meeting.peer_failed() and not ended.is_set():
                     stopped = PEER_FAILED
                     self._stacks(proc)
                     proc.terminate()
