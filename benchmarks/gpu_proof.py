@@ -36,6 +36,7 @@ PAGE_INTRO = ("Each step is a real ddplab command on this machine (benchmarks/gp
               "NCCL refuses two ranks on one device, which the refusal step shows in one line.\n\n")
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"
 LM = REPO / "experiments" / "lm-tiny.yaml"
+MULTIGPU = REPO / "experiments" / "scripts" / "multigpu_torchrun.py"  # pytorch/examples', as it is
 TRACEBACK = "Traceback (most recent call last)"
 
 
@@ -49,6 +50,9 @@ class Step:
     timeout_s: int = 240
     expect_refusal: bool = False
     """The step passes when ddplab refuses it in one line (exit 2), on any device."""
+    script: bool = False
+    """A user's script (script mode): on --device cpu a CUDA-only one fails as the script's own
+    error does, its traceback shown and ddplab's line naming it, the run FAILED."""
     result: dict = field(default_factory=dict)
 
 
@@ -100,6 +104,11 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
         Step("ch09-cores", f"the book's chapter 9 on {a.cores} cores: 1 process x {a.cores} threads "
              "against more processes with fewer threads (gloo)",
              ["ddplab", "study", "run", str(study_file(a, out)), "--fresh"], timeout_s=600),
+        Step("script-cuda", "script mode on CUDA: pytorch/examples' multigpu_torchrun.py, "
+             "unedited, one FINISHED run with its training observed (train/loss, samples/s, data "
+             "wait and forward from CUDA events)",
+             [*run, "1", str(MULTIGPU), "--", "40", "40", "--batch_size", "32"],
+             cuda_only=True, script=True),
         Step("peers", "ddplab beside a plain torchrun script, Lightning Fabric and Trainer, "
              "Accelerate on the same job (bench_peers.py)", peers_argv(a, out), timeout_s=400),
     ]
@@ -180,7 +189,10 @@ def run_step(step: Step, a: argparse.Namespace, out: Path, env: dict[str, str]) 
     wall = time.perf_counter() - t0
     last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), "")
     needs_cuda = step.cuda_only and a.device != "cuda"
-    if step.expect_refusal or needs_cuda:
+    if needs_cuda and step.script:
+        ok = code == 1 and "ddplab: error: the script failed on rank 0" in text
+        status = "failed as the script's own error" if ok else "NOT the script's error, named"
+    elif step.expect_refusal or needs_cuda:
         ok = code != 0 and TRACEBACK not in text and code != 124
         status = "refused in one line" if ok else "NOT a clean refusal"
     else:
@@ -225,6 +237,8 @@ def check_runs(steps: list[Step], uri: str) -> dict[str, dict]:
                             "peak_allocated_mb": m.get("memory/peak_allocated_mb"),
                             "peak_rss_mb": m.get("memory/peak_rss_mb"),
                             "eval_loss": m.get("eval/loss"),
+                            "train_loss": m.get("train/loss"),
+                            "data_wait_frac": m.get("train/data_wait_frac"),
                             "backend": t.get("ddplab.backend"), "device": t.get("ddplab.device"),
                             "world": t.get("ddplab.world_size"),
                             "peak_source": t.get("ddplab.mfu.peak_source"),
@@ -355,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     pack(out)
     print(body)
     bad = [s.name for s in steps if s.result and not s.result["ok"]]
-    unfinished = [f"{v['step']}:{k[:8]}" for k, v in runs.items() if v["status"] != "FINISHED"]
+    failing = {s.name for s in steps if s.script and s.cuda_only and a.device != "cuda"}
+    unfinished = [f"{v['step']}:{k[:8]}" for k, v in runs.items()
+                  if v["status"] != "FINISHED" and v["step"] not in failing]
     print(f"[proof] {len(steps) - len(bad)}/{len(steps)} steps as expected in "
           f"{summary['wall_s']:.0f}s; runs not FINISHED: {', '.join(unfinished) or 'none'}",
           flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,9 +92,12 @@ def test_every_step_of_the_proofs_plan_is_a_valid_command(tmp_path, device, quic
     a = argparse.Namespace(device=device, quick=quick, cores=16 if device == "cuda" else 2,
                            gpt_steps=600, only="")
     steps = {s.name: s for s in gpu_proof.plan(a, tmp_path)}
-    assert set(RUN_HERE.split(",")) < set(steps) and "ch09-cores" in steps
+    assert set(RUN_HERE.split(",")) < set(steps) and {"ch09-cores", "script-cuda"} < set(steps)
     for s in steps.values():
-        if s.argv[:2] == ["ddplab", "run"]:
+        if s.script:  # the script and its own arguments, as script mode takes them
+            assert s.argv[4].endswith(".py") and Path(s.argv[4]).is_file() and s.argv[5] == "--"
+            load(s.argv[4], [])
+        elif s.argv[:2] == ["ddplab", "run"]:
             exp, rest = s.argv[4], s.argv[5:]
             assert rest[::2] == ["--set"] * (len(rest) // 2), s.argv
             load(exp, rest[1::2])  # a ConfigError names the step's bad key

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from ..forensics.heartbeat import beat
 from ..workload import batches
 from ..workload.losses import Loss, cross_entropy, is_classification, prediction
+from . import marks
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -119,14 +120,11 @@ class StepClock:
             self.waited = True
             return time.perf_counter() - started[0], None
         end = self._event()
-        return time.perf_counter() - started[0], (started[1], end) if end is not None else None
+        span = (started[1], end) if started[1] is not None and end is not None else None
+        return time.perf_counter() - started[0], span
 
     def _event(self) -> Any:
-        if not self.cuda or self.exact:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return None if self.exact else marks.record(self.device)
 
 
 def micro_step(state: TrainState, batch: batches.Batch, group_size: int,
@@ -246,7 +244,7 @@ class Meter:
         point, after one wait) where it has one, else its host time."""
         if any(s is not None for s in self.spans):
             _sync(device)
-            self.step_times = [s[0].elapsed_time(s[1]) / 1000 if s is not None else host
+            self.step_times = [marks.seconds(*s) if s is not None else host
                                for s, host in zip(self.spans, self.step_times, strict=True)]
             self.spans = [None] * len(self.spans)
         return sum(self.step_times)

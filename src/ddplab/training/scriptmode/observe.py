@@ -15,8 +15,10 @@ script is edited and nothing waits on the device inside its step:
   a list of images counts its images); forwards without gradients are evaluation, not training;
 - **epochs** from ``DistributedSampler.set_epoch``;
 - per rank, **data wait** (the previous step's end to this step's first forward), **forward**
-  and **backward + optimizer**, by the host clock (on a GPU these are launch times; the
-  window's throughput is exact, the phase split is not);
+  and **backward + optimizer**: on a CPU by the host clock; on a GPU by marks on the device's
+  stream (CUDA events, marks.py) at those points, read once the device has passed them (a step
+  or more later, never waited for), so they are the device's times, not the host's launches
+  (its data wait is the time the device sat idle for input);
 - **FLOPs** per sample by ``torch.utils.flop_counter`` on one sample of the first step's batch,
   x 3 (or ``script.flops_per_sample``), and the device's peak (mfu.py), once after step 1;
 - a **heartbeat** per phase (forensics/heartbeat.py), so the node's hang watch names the rank,
@@ -31,6 +33,7 @@ rank 0's supervisor records the per-rank figures, the job's throughput, MFU, str
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -46,6 +49,7 @@ from typing import Any
 
 import torch
 
+from .. import marks
 from .env import FORENSICS_ENV, OBSERVE_ENV
 from .imports import after_import
 
@@ -55,6 +59,23 @@ epoch's end: the only places the loss is read from the device. Steps, not second
 script's rerun logs at the same steps, so ``ddplab reproduce`` compares like with like."""
 WARMUP_STEPS = 1
 """Steps left out of the steady figures (the first: lazy initialisation, allocator warm-up)."""
+MAX_UNREAD = 256
+"""Steps whose device marks are kept waiting to be read; past this many (a device hundreds of
+steps behind, or a mark on a stream that never runs) the oldest counts by the host clock."""
+FINISH_PATIENCE_S = 10.0
+"""At the script's end, how long its last steps' marks are waited for."""
+
+
+@dataclass
+class Step:
+    """One optimizer step: its phases by the host clock and, on a GPU, its device marks
+    (the previous step's end, the first forward, the backward, this step's end)."""
+
+    number: int
+    samples: int
+    host: tuple[float, float, float]
+    """data wait, forward, backward + optimizer (seconds)"""
+    marks: tuple[Any, Any, Any, Any] | None = None
 
 
 @dataclass
@@ -108,9 +129,20 @@ class Observer:
 
     def __init__(self, rank: int, world: int, flops_given: float,
                  write: Callable[[dict[str, Any]], None], spool: Callable[[dict[str, Any]], None],
-                 beat: Callable[[str, int | None], None]) -> None:
+                 beat: Callable[[str, int | None], None],
+                 marker_for: Callable[[torch.device], Callable[[], Any] | None] | None = None
+                 ) -> None:
         self.rank, self.world, self.flops_given = rank, world, flops_given
         self._write, self._spool, self._beat = write, spool, beat
+        # the model's device -> a function marking its stream (None: the host clock), chosen
+        # at the first training forward
+        self.marker_for = marker_for or _marker_for
+        self.marker: Callable[[], Any] | None = None
+        self.marker_chosen = False
+        self.m_forward: Any = None
+        self.m_backward: Any = None
+        self.m_end: Any = None  # the previous step's end mark
+        self.unread: collections.deque[Step] = collections.deque()
         self.totals, self.window = Totals(), Window()
         self.step_end = 0.0  # the previous step's end (0: none yet)
         self.t_forward = self.t_backward = 0.0
@@ -143,6 +175,10 @@ class Observer:
         now = time.perf_counter()
         if not self.t_forward:
             self.t_forward = now
+            if not self.marker_chosen:
+                self.marker_chosen = True
+                self.marker = self.marker_for(_input_device(module, args, kwargs))
+            self.m_forward = self._mark()
             self._beat("forward", None)
         self.samples += _batch_size(args, kwargs)
         if self.sample is None and self.totals.steps == 0:
@@ -152,6 +188,7 @@ class Observer:
         """A backward from ``loss`` (None: from several tensors at once)."""
         if not self.t_backward:
             self.t_backward = time.perf_counter()
+            self.m_backward = self._mark()
             self._beat("backward", None)
         if loss is None or loss.numel() != 1:
             return
@@ -178,30 +215,91 @@ class Observer:
         if not (self.t_backward or self.t_forward):
             return
         now = time.perf_counter()
+        end = self._mark()
         self.t_backward = self.t_backward or now
         t = self.totals
         first_forward = self.t_forward or self.t_backward
         start = self.step_end or first_forward
-        wait, fwd, bwd = first_forward - start, self.t_backward - first_forward, now - self.t_backward
         t.steps += 1
         t.samples += self.samples
         self.epoch_steps += 1
         if t.steps > WARMUP_STEPS + 1:  # (step 2's share holds step 1's one FLOP count)
             t.observe_s += self.own_s
-        if t.steps > WARMUP_STEPS:
-            t.steady_samples += self.samples
-            t.steady_s += now - start
-            t.wait_s, t.forward_s, t.backward_s = t.wait_s + wait, t.forward_s + fwd, t.backward_s + bwd
-            t.busy.append(wait + fwd)
-            self.window.add(self.samples, now - start, wait, wait + fwd)
+        step = Step(t.steps, self.samples, (first_forward - start, self.t_backward - first_forward,
+                                            now - self.t_backward))
+        m_forward = self.m_forward or self.m_backward or end
+        m_backward = self.m_backward or end
+        m_start = self.m_end or m_forward
+        if end is not None and None not in (m_start, m_forward, m_backward):
+            step.marks = (m_start, m_forward, m_backward, end)
+            self.unread.append(step)
+        else:
+            self._count(step, *step.host)
+        self._read()
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
+        self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
         if t.steps == 1:
             self._count_flops()
             self.step_end = time.perf_counter()  # the count is not the next step's data wait
+            self.m_end = self._mark() or self.m_end
         self._beat("data loading", t.steps + 1)
         if t.steps - self.logged_step >= LOG_EVERY_STEPS:
             self.log_point()
+
+    def _mark(self) -> Any:
+        return self.marker() if self.marker is not None else None
+
+    def _count(self, step: Step, wait: float, forward: float, rest: float) -> None:
+        """A step's phases into the window and the totals (the warm-up's left out)."""
+        if step.number <= WARMUP_STEPS:
+            return
+        t, took = self.totals, wait + forward + rest
+        t.steady_samples += step.samples
+        t.steady_s += took
+        t.wait_s, t.forward_s, t.backward_s = t.wait_s + wait, t.forward_s + forward, \
+            t.backward_s + rest
+        t.busy.append(wait + forward)
+        self.window.add(step.samples, took, wait, wait + forward)
+
+    def _read(self, patience_s: float = 0.0) -> None:
+        """Count the steps whose marks the device has passed, oldest first; wait for the rest
+        only up to ``patience_s`` (the script's end)."""
+        deadline = time.perf_counter() + patience_s
+        while self.unread:
+            step = self.unread[0]
+            if self._passed(step):
+                self.unread.popleft()
+                self._count(step, *self._device_phases(step))
+            elif not self.unread:
+                return  # the device failed: every step was counted by the host clock
+            elif len(self.unread) > MAX_UNREAD:
+                self.unread.popleft()
+                self._count(step, *step.host)
+            elif time.perf_counter() < deadline:
+                time.sleep(0.001)
+            else:
+                return
+
+    def _passed(self, step: Step) -> bool:
+        assert step.marks is not None
+        try:
+            return marks.passed(step.marks[3])
+        except RuntimeError:  # a CUDA error: no mark can be read any more
+            while self.unread:
+                failed = self.unread.popleft()
+                self._count(failed, *failed.host)
+            return False
+
+    @staticmethod
+    def _device_phases(step: Step) -> tuple[float, float, float]:
+        assert step.marks is not None
+        start, forward, backward, end = step.marks
+        try:
+            return (marks.seconds(start, forward), marks.seconds(forward, backward),
+                    marks.seconds(backward, end))
+        except RuntimeError:  # marks on two streams or devices (the script switched)
+            return step.host
 
     def set_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
@@ -223,7 +321,9 @@ class Observer:
         """Read the loss, write rank 0's live figures and this rank's totals."""
         step = self.totals.steps
         if self.loss is not None:
-            self.totals.loss = float(self.loss.item())
+            with contextlib.suppress(RuntimeError):  # a failed device: the last loss read stays
+                self.totals.loss = float(self.loss.item())
+        self._read()  # after the loss's read, which the device's work up to it had to pass
         w, self.window = self.window, Window()
         metrics: dict[str, float] = dict(extra or {})
         if self.totals.loss is not None:
@@ -254,7 +354,8 @@ class Observer:
                                  "own_names": sorted(_script_names())}})
 
     def finish(self) -> None:
-        """The script has ended (any way): the last epoch and log point."""
+        """The script has ended (any way): the last steps' marks, epoch and log point."""
+        self._read(FINISH_PATIENCE_S)
         if self.epoch >= 0 and self.epoch_steps:
             self.end_epoch()
             self.epoch_steps = 0
@@ -333,6 +434,22 @@ def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return {k: v[:1].detach().clone() if isinstance(v, torch.Tensor) and v.dim() else v
                 for k, v in kwargs.items()}
     return None
+
+
+def _marker_for(device: torch.device) -> Callable[[], Any] | None:
+    return functools.partial(marks.record, device) if device.type == "cuda" else None
+
+
+def _input_device(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> torch.device:
+    """Where the step runs: the model's parameters' device (DDP moves a CPU batch there
+    itself), else the first tensor fed to it."""
+    with contextlib.suppress(StopIteration):
+        return next(module.parameters()).device
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
 
 
 def _device(model: torch.nn.Module | None) -> torch.device:

@@ -1,0 +1,140 @@
+"""The script observer's clock on a GPU: its phases are the device's, read late, never waited for.
+
+No GPU runs here, so the device is a fake one (named so): a clock the test moves, and marks
+that behave as CUDA events do (``query()`` is True once the device has passed them,
+``elapsed_time`` in milliseconds). The Observer is driven by the calls its hooks make (forward
+pre-hook, backward, optimizer step) on a real model; on a CPU, the script-mode tests
+(test_script_mode.py) check the same figures against what real scripts print.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddplab.training.scriptmode import observe
+
+
+class FakeGpuMark:
+    """A CUDA event on the fake device: stamped with the device time at which the device
+    reaches it; readable (query) once the device has got that far."""
+
+    def __init__(self, device: FakeGpu) -> None:
+        self.device, self.at = device, device.queued
+
+    def query(self) -> bool:
+        if self.device.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.device.queries += 1
+        return self.at <= self.device.done
+
+    def elapsed_time(self, end: FakeGpuMark) -> float:
+        assert self.query() and end.query(), "read before the device passed it (a host wait)"
+        return (end.at - self.at) * 1000
+
+
+class FakeGpu:
+    """A device whose timeline the test writes: ``queued`` is the device time at which the
+    next mark will be stamped, ``done`` how far the device has got."""
+
+    def __init__(self) -> None:
+        self.queued, self.done, self.queries, self.broken = 0.0, -1.0, 0, False
+
+    def marker_for(self, device: torch.device):
+        return lambda: FakeGpuMark(self)
+
+
+def observer(gpu: FakeGpu) -> tuple[observe.Observer, list[dict]]:
+    written: list[dict] = []
+    obs = observe.Observer(0, 2, 1.0e6, written.append, lambda record: None,
+                           lambda phase, step: None, marker_for=gpu.marker_for)
+    return obs, written
+
+
+def step(obs: observe.Observer, gpu: FakeGpu, model: nn.Module, start: float,
+         wait: float, forward: float, rest: float) -> None:
+    """One training step as the hooks see it, the device spending ``wait`` idle for input,
+    then ``forward`` and ``rest`` (backward and optimizer) from device time ``start``."""
+    x = torch.randn(8, 4)
+    gpu.queued = start + wait
+    obs.forward(model, (x,), {})
+    loss = model(x).square().mean()
+    gpu.queued = start + wait + forward
+    obs.backward(loss)
+    loss.backward()
+    gpu.queued = start + wait + forward + rest
+    obs.optimizer_step()
+
+
+def test_on_a_fake_gpu_the_phases_are_the_devices_read_once_passed_and_never_waited_for():
+    gpu, model = FakeGpu(), nn.Linear(4, 2)
+    obs, _ = observer(gpu)
+    # Step 1 (the warm-up, then the FLOP count), ending at device time 1.0.
+    step(obs, gpu, model, 0.0, 0.0, 0.5, 0.5)
+    gpu.queued = 1.0  # the count's own mark (nothing queued by it on this device)
+    # Steps 2..10, each 2 s on the device: 0.5 idle for input, 0.5 forward, 1.0 the rest
+    # (step j ends at device time 2j - 1). The device is three steps behind the host: as
+    # step k ends, it has passed step k - 3's end, and nothing it has not passed is read.
+    for k in range(2, 11):
+        start = 1.0 + 2 * (k - 2)
+        gpu.done = 2 * (k - 3) - 1
+        step(obs, gpu, model, start, 0.5, 0.5, 1.0)
+        t = obs.totals
+        assert t.steps == k
+        assert len(t.busy) == max(0, k - 4), k  # steps 2..k-3 read (step 1: the warm-up)
+    # At the log point (step 10), the window held only what was read: 6 steps of 2 s each.
+    record = obs.pending
+    assert record is not None and record["step"] == 10
+    m = record["metrics"]
+    assert m["train/step_time_s"] == pytest.approx(2.0)
+    assert m["train/data_wait_frac"] == pytest.approx(0.25)
+    # rank 0's 8 samples a step over 2 s, x 2 ranks
+    assert m["train/samples_per_s"] == pytest.approx(8 / 2.0 * 2)
+    assert obs.totals.busy == [pytest.approx(1.0)] * 6  # data wait + forward, the device's
+    assert len(obs.unread) == 3
+    # The script ends: its last steps are read once the device gets there.
+    gpu.done = 1e9
+    obs.finish()
+    t = obs.totals
+    assert not obs.unread and len(t.busy) == 9
+    assert t.steady_s == pytest.approx(18.0) and t.steady_samples == 72
+    assert t.wait_s == pytest.approx(4.5) and t.forward_s == pytest.approx(4.5)
+    assert t.backward_s == pytest.approx(9.0)
+    report = t.report()
+    assert report["samples_per_s"] == pytest.approx(72 / 18.0)
+
+
+def test_on_a_fake_gpu_that_fails_or_never_catches_up_the_observer_neither_raises_nor_hangs(
+        monkeypatch):
+    monkeypatch.setattr(observe, "FINISH_PATIENCE_S", 0.2)
+    gpu, model = FakeGpu(), nn.Linear(4, 2)
+    obs, _ = observer(gpu)
+    for k in range(1, 5):
+        step(obs, gpu, model, 2.0 * k, 0.5, 0.5, 1.0)
+    assert len(obs.unread) == 4  # nothing has passed
+    obs.finish()  # the device never got there: waited 0.2 s, then left unread
+    assert obs.totals.busy == [] and obs.totals.steps == 4
+
+    gpu, model = FakeGpu(), nn.Linear(4, 2)
+    obs, _ = observer(gpu)
+    for k in range(1, 5):
+        step(obs, gpu, model, 2.0 * k, 0.5, 0.5, 1.0)
+    gpu.broken = True  # a CUDA error: every mark's read raises from now on
+    obs.finish()  # counted by the host clock instead, without raising
+    assert not obs.unread and len(obs.totals.busy) == 3
+
+
+def test_on_a_cpu_the_observer_keeps_the_host_clock_and_marks_nothing():
+    made = []
+    obs = observe.Observer(0, 1, 1.0e6, lambda r: None, lambda r: None, lambda p, s: None)
+    model = nn.Linear(4, 2)
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        obs.forward(model, (x,), {})
+        loss = model(x).sum()
+        obs.backward(loss)
+        loss.backward()
+        obs.optimizer_step()
+    assert obs.marker is None and not obs.unread and made == []
+    assert len(obs.totals.busy) == 2 and obs.totals.steady_samples == 16
