@@ -188,7 +188,7 @@ def run_step(step: Step, a: argparse.Namespace, out: Path, env: dict[str, str]) 
     text = log.read_text(errors="replace")
     wall = time.perf_counter() - t0
     last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), "")
-    needs_cuda = step.cuda_only and a.device != "cuda"
+    needs_cuda = step.cuda_only and no_cuda(a, step)
     if needs_cuda and step.script:
         ok = code == 1 and "ddplab: error: the script failed on rank 0" in text
         status = "failed as the script's own error" if ok else "NOT the script's error, named"
@@ -202,6 +202,26 @@ def run_step(step: Step, a: argparse.Namespace, out: Path, env: dict[str, str]) 
     step.result = {"status": status, "ok": ok, "exit": code, "wall_s": round(wall, 1),
                    "last_line": last[-300:], "run_ids": sorted(set(runs))}
     print(f"[proof] {step.name}: {status} in {wall:.0f}s  {last[-160:]}", flush=True)
+
+
+def no_cuda(a: argparse.Namespace, step: Step) -> bool:
+    """Whether this CUDA-only step meets no GPU: a ddplab job by --device; a script by the
+    machine (it picks its device itself)."""
+    if not step.script:
+        return a.device != "cuda"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def check_clock(steps: list[Step], runs: dict[str, dict]) -> None:
+    """A script's run on a GPU must have timed its phases with CUDA events, not the host."""
+    for step in steps:
+        if not (step.script and step.result.get("ok") and step.result.get("exit") == 0):
+            continue
+        clocks = {runs.get(r, {}).get("clock") for r in step.result.get("run_ids", [])}
+        if clocks != {"cuda events"}:
+            step.result.update(ok=False, status=f"ok, but its phases were timed by {clocks}")
 
 
 def fill_resume(step: Step, out: Path, prior: Step) -> None:
@@ -238,6 +258,7 @@ def check_runs(steps: list[Step], uri: str) -> dict[str, dict]:
                             "peak_rss_mb": m.get("memory/peak_rss_mb"),
                             "eval_loss": m.get("eval/loss"),
                             "train_loss": m.get("train/loss"),
+                            "clock": t.get("ddplab.script_clock"),
                             "data_wait_frac": m.get("train/data_wait_frac"),
                             "backend": t.get("ddplab.backend"), "device": t.get("ddplab.device"),
                             "world": t.get("ddplab.world_size"),
@@ -358,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                                 page_name(a, f"ch09-{a.cores}-cores")],
                                cwd=out / "work", env=env, capture_output=True, check=False)
     runs = check_runs(steps, uri)
+    check_clock(steps, runs)
     body = page(steps, runs, info, a)
     summary = {"machine": info, "device": a.device, "quick": a.quick,
                "wall_s": round(time.perf_counter() - t0, 1),
@@ -369,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     pack(out)
     print(body)
     bad = [s.name for s in steps if s.result and not s.result["ok"]]
-    failing = {s.name for s in steps if s.script and s.cuda_only and a.device != "cuda"}
+    failing = {s.name for s in steps if s.script and s.cuda_only and no_cuda(a, s)}
     unfinished = [f"{v['step']}:{k[:8]}" for k, v in runs.items()
                   if v["status"] != "FINISHED" and v["step"] not in failing]
     print(f"[proof] {len(steps) - len(bad)}/{len(steps)} steps as expected in "

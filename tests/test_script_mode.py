@@ -185,6 +185,7 @@ def _observed_like_ddplabs_loop(store: str, run, printed: str, console: str) -> 
             "memory/peak_rss_mb"} <= set(metrics)
     summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json")).read_text())
     assert summary["steps"] == 10 and summary["samples"] == 640 and summary["epoch_steps"] == [2] * 5
+    assert summary["clock"] == run.data.tags["ddplab.script_clock"] == "host"  # a CPU's
     # What the observation's own hooks took of the steady steps: measured, and small.
     assert 0 < summary["observe_frac"] < 0.02 and summary["per_rank"]["1"]["observe_s"] > 0
     assert "done in " in console and "10 steps, train/loss" in console

@@ -40,9 +40,17 @@ class FakeGpu:
 
     def __init__(self) -> None:
         self.queued, self.done, self.queries, self.broken = 0.0, -1.0, 0, False
+        self.model_on_it = True
 
     def marker_for(self, device: torch.device):
-        return lambda: FakeGpuMark(self)
+        return (lambda: FakeGpuMark(self)) if self.model_on_it else None
+
+
+class HostWait:
+    """A loss whose read would wait for the device."""
+
+    def item(self) -> float:
+        raise AssertionError("the loss was read: a host wait on the device")
 
 
 def observer(gpu: FakeGpu) -> tuple[observe.Observer, list[dict]]:
@@ -72,7 +80,6 @@ def test_on_a_fake_gpu_the_phases_are_the_devices_read_once_passed_and_never_wai
     obs, _ = observer(gpu)
     # Step 1 (the warm-up, then the FLOP count), ending at device time 1.0.
     step(obs, gpu, model, 0.0, 0.0, 0.5, 0.5)
-    gpu.queued = 1.0  # the count's own mark (nothing queued by it on this device)
     # Steps 2..10, each 2 s on the device: 0.5 idle for input, 0.5 forward, 1.0 the rest
     # (step j ends at device time 2j - 1). The device is three steps behind the host: as
     # step k ends, it has passed step k - 3's end, and nothing it has not passed is read.
@@ -98,14 +105,22 @@ def test_on_a_fake_gpu_the_phases_are_the_devices_read_once_passed_and_never_wai
     obs.finish()
     t = obs.totals
     assert not obs.unread and len(t.busy) == 9
-    assert t.steady_s == pytest.approx(18.0) and t.steady_samples == 72
+    assert t.steady_s == pytest.approx(18.0) and t.steady_samples == 72  # steps 2..10
+    assert observer_report(obs)["clock"] == "cuda events"
     assert t.wait_s == pytest.approx(4.5) and t.forward_s == pytest.approx(4.5)
     assert t.backward_s == pytest.approx(9.0)
     report = t.report()
     assert report["samples_per_s"] == pytest.approx(72 / 18.0)
 
 
-def test_on_a_fake_gpu_that_fails_or_never_catches_up_the_observer_neither_raises_nor_hangs(
+def observer_report(obs: observe.Observer) -> dict:
+    written: list[dict] = []
+    obs._write = written.append
+    obs.save()
+    return written[-1]["observe"]
+
+
+def test_on_a_fake_gpu_that_fails_captures_or_never_catches_up_the_observer_neither_raises_nor_waits(
         monkeypatch):
     monkeypatch.setattr(observe, "FINISH_PATIENCE_S", 0.2)
     gpu, model = FakeGpu(), nn.Linear(4, 2)
@@ -113,20 +128,31 @@ def test_on_a_fake_gpu_that_fails_or_never_catches_up_the_observer_neither_raise
     for k in range(1, 5):
         step(obs, gpu, model, 2.0 * k, 0.5, 0.5, 1.0)
     assert len(obs.unread) == 4  # nothing has passed
-    obs.finish()  # the device never got there: waited 0.2 s, then left unread
-    assert obs.totals.busy == [] and obs.totals.steps == 4
+    obs.loss = HostWait()
+    obs.finish()  # the device never got there: its marks waited 0.2 s for, its loss not read
+    assert obs.totals.busy == [] and obs.totals.steps == 4 and not obs.unread
 
     gpu, model = FakeGpu(), nn.Linear(4, 2)
     obs, _ = observer(gpu)
     for k in range(1, 5):
         step(obs, gpu, model, 2.0 * k, 0.5, 0.5, 1.0)
     gpu.broken = True  # a CUDA error: every mark's read raises from now on
-    obs.finish()  # counted by the host clock instead, without raising
-    assert not obs.unread and len(obs.totals.busy) == 3
+    obs.finish()  # left out of the steady figures, without raising
+    assert not obs.unread and obs.totals.busy == [] and obs.marker is None
+    assert observer_report(obs)["clock"].startswith("host (the GPU failed")
+
+    # The script captures a CUDA graph: no mark is asked about, no loss read, until it ends.
+    gpu, model = FakeGpu(), nn.Linear(4, 2)
+    obs, _ = observer(gpu)
+    step(obs, gpu, model, 0.0, 0.5, 0.5, 1.0)
+    monkeypatch.setattr(observe.marks, "capturing", lambda: True)
+    asked = gpu.queries
+    obs.loss = HostWait()
+    obs.log_point()
+    assert gpu.queries == asked and len(obs.unread) == 1
 
 
-def test_on_a_cpu_the_observer_keeps_the_host_clock_and_marks_nothing():
-    made = []
+def test_on_a_cpu_the_observer_keeps_the_host_clock_until_the_model_is_on_a_fake_gpu():
     obs = observe.Observer(0, 1, 1.0e6, lambda r: None, lambda r: None, lambda p, s: None)
     model = nn.Linear(4, 2)
     for _ in range(3):
@@ -136,5 +162,17 @@ def test_on_a_cpu_the_observer_keeps_the_host_clock_and_marks_nothing():
         obs.backward(loss)
         loss.backward()
         obs.optimizer_step()
-    assert obs.marker is None and not obs.unread and made == []
+    assert obs.marker is None and not obs.unread  # the real chooser, on a CPU model
     assert len(obs.totals.busy) == 2 and obs.totals.steady_samples == 16
+    assert observer_report(obs)["clock"] == "host"
+    # A script that warms up on the CPU, then moves its model to the GPU: found at that step.
+    gpu = FakeGpu()
+    gpu.model_on_it, obs.marker_for = False, gpu.marker_for
+    step(obs, gpu, model, 10.0, 0.5, 0.5, 1.0)
+    assert obs.marker is None and len(obs.totals.busy) == 3
+    gpu.model_on_it, gpu.done = True, 1e9
+    for k in range(2):
+        step(obs, gpu, model, 20.0 + 2 * k, 0.5, 0.5, 1.0)
+    assert obs.marker is not None and len(obs.totals.busy) == 5
+    assert obs.totals.busy[-1] == pytest.approx(1.0)  # the device's wait + forward
+    assert observer_report(obs)["clock"] == "cuda events"

@@ -77,6 +77,9 @@ SCRIPT_GIT = "ddplab.script_git"
 SCRIPT_ARGS = "ddplab.script_args"
 CHECKPOINT_DIR = "ddplab.checkpoint_dir"
 SCRIPT_WORLD_SIZE = "ddplab.script_world_size"
+SCRIPT_CLOCK = "ddplab.script_clock"
+"""What timed the observed steps' phases: "cuda events" (a GPU's, read once it passed them) or
+"host" (a CPU's clock; observe.py)."""
 SCRIPT_RANKS = "ddplab.script_ranks"
 """How each rank's script ended, for ``ddplab diagnose`` (tracking/postmortem.py): a JSON list,
 one entry per rank that did not exit 0, ``{"rank", "host", "code", "why", "stopped",

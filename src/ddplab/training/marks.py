@@ -18,11 +18,18 @@ def record(device: torch.device) -> Any:
     """A mark on ``device``'s current stream (the stream the step's kernels are queued on), or
     None where there is nothing to mark: not a GPU, or a stream being captured into a CUDA
     graph (an event recorded there would be part of the graph, or refused)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or capturing():
         return None
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def capturing() -> bool:
+    """Whether this thread's current stream is being captured into a CUDA graph: then no mark
+    may be recorded or asked about, and nothing read to the host (each would break the
+    capture). Never initialises CUDA."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def passed(mark: Any) -> bool:

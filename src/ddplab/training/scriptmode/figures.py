@@ -54,6 +54,8 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
         metrics["perf/mfu"] = round(mfu, 6)
     own = set(zero.get("own_names") or [])
     metrics = {k: v for k, v in metrics.items() if k not in own}
+    if zero.get("clock"):
+        tags[schema.SCRIPT_CLOCK] = str(zero["clock"])
     fig = Figures(metrics=metrics, tags=tags, step=int(zero["steps"]))
     fig.straggler = _straggler(ranks, outcomes)
     if fig.straggler:
@@ -109,6 +111,7 @@ def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float], wall_s
         "samples_per_s_steady": metrics.get("perf/samples_per_s"),
         "mfu": metrics.get("perf/mfu"),
         "final_loss": zero.get("loss"),
+        "clock": zero.get("clock"),
         # What the observation itself took of rank 0's steady steps (its hooks' own time).
         "observe_frac": round(float(zero.get("observe_s") or 0.0) / steady, 6) if steady else None,
         "epoch_time_s": [e.get("time_s") for e in epochs],

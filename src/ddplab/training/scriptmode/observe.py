@@ -60,8 +60,10 @@ script's rerun logs at the same steps, so ``ddplab reproduce`` compares like wit
 WARMUP_STEPS = 1
 """Steps left out of the steady figures (the first: lazy initialisation, allocator warm-up)."""
 MAX_UNREAD = 256
-"""Steps whose device marks are kept waiting to be read; past this many (a device hundreds of
-steps behind, or a mark on a stream that never runs) the oldest counts by the host clock."""
+"""Steps whose device marks are kept waiting to be read. A step whose marks cannot be read
+(past this many: a device hundreds of steps behind; a failed device; the script's end, after
+FINISH_PATIENCE_S) is left out of the steady figures, as the warm-up is: the host clock on a
+GPU times launches, not the step."""
 FINISH_PATIENCE_S = 10.0
 """At the script's end, how long its last steps' marks are waited for."""
 
@@ -134,15 +136,17 @@ class Observer:
                  ) -> None:
         self.rank, self.world, self.flops_given = rank, world, flops_given
         self._write, self._spool, self._beat = write, spool, beat
-        # the model's device -> a function marking its stream (None: the host clock), chosen
-        # at the first training forward
+        # the model's device -> a function marking its stream (None: the host clock), looked
+        # for at each step's first forward until a GPU is found (a script may warm up on the
+        # CPU, then move its model); dropped for good if the device fails
         self.marker_for = marker_for or _marker_for
         self.marker: Callable[[], Any] | None = None
-        self.marker_chosen = False
+        self.marks_failed = False
         self.m_forward: Any = None
         self.m_backward: Any = None
         self.m_end: Any = None  # the previous step's end mark
         self.unread: collections.deque[Step] = collections.deque()
+        self.unread_at_end = False  # the device never passed the last steps' marks
         self.totals, self.window = Totals(), Window()
         self.step_end = 0.0  # the previous step's end (0: none yet)
         self.t_forward = self.t_backward = 0.0
@@ -175,9 +179,8 @@ class Observer:
         now = time.perf_counter()
         if not self.t_forward:
             self.t_forward = now
-            if not self.marker_chosen:
-                self.marker_chosen = True
-                self.marker = self.marker_for(_input_device(module, args, kwargs))
+            if self.marker is None and not self.marks_failed:
+                self.marker = self.marker_for(_step_device(module, args, kwargs))
             self.m_forward = self._mark()
             self._beat("forward", None)
         self.samples += _batch_size(args, kwargs)
@@ -248,7 +251,14 @@ class Observer:
             self.log_point()
 
     def _mark(self) -> Any:
-        return self.marker() if self.marker is not None else None
+        if self.marker is None:
+            return None
+        try:
+            return self.marker()
+        except RuntimeError:  # the device failed: the script's own next call says so, not ours
+            self.marker, self.marks_failed = None, True
+            self._drop_unread()
+            return None
 
     def _count(self, step: Step, wait: float, forward: float, rest: float) -> None:
         """A step's phases into the window and the totals (the warm-up's left out)."""
@@ -265,41 +275,39 @@ class Observer:
     def _read(self, patience_s: float = 0.0) -> None:
         """Count the steps whose marks the device has passed, oldest first; wait for the rest
         only up to ``patience_s`` (the script's end)."""
+        if self.unread and marks.capturing():
+            return  # asking about a mark would break the script's CUDA graph capture
         deadline = time.perf_counter() + patience_s
         while self.unread:
             step = self.unread[0]
-            if self._passed(step):
+            try:
+                # all four: the script may have switched streams within the step
+                done = all(marks.passed(m) for m in step.marks or ())
+                phases = self._device_phases(step) if done else None
+            except RuntimeError:  # a failed device: no mark can be read any more
+                self.marker, self.marks_failed = None, True
+                self._drop_unread()
+                return
+            if phases is not None:
                 self.unread.popleft()
-                self._count(step, *self._device_phases(step))
-            elif not self.unread:
-                return  # the device failed: every step was counted by the host clock
+                self._count(step, *phases)
             elif len(self.unread) > MAX_UNREAD:
                 self.unread.popleft()
-                self._count(step, *step.host)
             elif time.perf_counter() < deadline:
                 time.sleep(0.001)
             else:
                 return
 
-    def _passed(self, step: Step) -> bool:
-        assert step.marks is not None
-        try:
-            return marks.passed(step.marks[3])
-        except RuntimeError:  # a CUDA error: no mark can be read any more
-            while self.unread:
-                failed = self.unread.popleft()
-                self._count(failed, *failed.host)
-            return False
+    def _drop_unread(self) -> None:
+        """Steps whose marks cannot be read: left out of the steady figures (MAX_UNREAD)."""
+        self.unread.clear()
 
     @staticmethod
     def _device_phases(step: Step) -> tuple[float, float, float]:
         assert step.marks is not None
         start, forward, backward, end = step.marks
-        try:
-            return (marks.seconds(start, forward), marks.seconds(forward, backward),
-                    marks.seconds(backward, end))
-        except RuntimeError:  # marks on two streams or devices (the script switched)
-            return step.host
+        return (marks.seconds(start, forward), marks.seconds(forward, backward),
+                marks.seconds(backward, end))
 
     def set_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
@@ -320,7 +328,9 @@ class Observer:
     def log_point(self, extra: dict[str, float] | None = None) -> None:
         """Read the loss, write rank 0's live figures and this rank's totals."""
         step = self.totals.steps
-        if self.loss is not None:
+        # Not while the script captures a CUDA graph (a read breaks the capture), nor on a
+        # device that has not passed the steps before (the script's end: it may never).
+        if self.loss is not None and not marks.capturing() and not self.unread_at_end:
             with contextlib.suppress(RuntimeError):  # a failed device: the last loss read stays
                 self.totals.loss = float(self.loss.item())
         self._read()  # after the loss's read, which the device's work up to it had to pass
@@ -350,12 +360,16 @@ class Observer:
                 self._spool(record)
 
     def save(self) -> None:
+        clock = "cuda events" if self.marker is not None else \
+            "host (the GPU failed: its CUDA events could not be read)" if self.marks_failed else "host"
         self._write({"observe": {**self.totals.report(), **self.flops, **_memory(),
-                                 "own_names": sorted(_script_names())}})
+                                 "clock": clock, "own_names": sorted(_script_names())}})
 
     def finish(self) -> None:
         """The script has ended (any way): the last steps' marks, epoch and log point."""
         self._read(FINISH_PATIENCE_S)
+        self.unread_at_end = bool(self.unread)
+        self._drop_unread()
         if self.epoch >= 0 and self.epoch_steps:
             self.end_epoch()
             self.epoch_steps = 0
@@ -440,12 +454,15 @@ def _marker_for(device: torch.device) -> Callable[[], Any] | None:
     return functools.partial(marks.record, device) if device.type == "cuda" else None
 
 
-def _input_device(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                  ) -> torch.device:
-    """Where the step runs: the model's parameters' device (DDP moves a CPU batch there
-    itself), else the first tensor fed to it."""
+def _step_device(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> torch.device:
+    """Where the step runs: a GPU if the model's parameters are on one (DDP moves a CPU batch
+    there itself) or the first tensor fed to it is (FSDP offloading its parameters to the
+    CPU), else the CPU."""
     with contextlib.suppress(StopIteration):
-        return next(module.parameters()).device
+        device = next(module.parameters()).device
+        if device.type == "cuda":
+            return device
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value.device
