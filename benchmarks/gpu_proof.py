@@ -78,6 +78,16 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
              ["ddplab", "doctor", qs, *dev]),
         Step("quickstart-nccl", "the quickstart on nccl, one rank on the GPU, to FINISHED",
              [*run, "1", qs, *sets("dist.device=cuda", "dist.backend=nccl"), *q], cuda_only=True),
+        Step("no-sync", "the quickstart's steady steps (bf16, fused AdamW, pinned input) under "
+             "torch.cuda.set_sync_debug_mode('error') (train.sync_debug): a host wait in "
+             "ddplab's step would fail the job",
+             [*run, "1", qs, *sets("dist.device=cuda", "dist.backend=nccl", "train.amp=bf16",
+                                   "train.sync_debug=error", "train.epochs=2"), *q],
+             cuda_only=True),
+        Step("flight-recorder", "NCCL's Flight Recorder dumped through ddplab's reader on one "
+             "rank after real all-reduces (gloo's on --device cpu)",
+             [sys.executable, str(REPO / "benchmarks" / "flight_recorder_check.py"),
+              "--device", a.device]),
         Step("nccl-2-ranks-1-gpu", "two nccl ranks on one GPU are refused in one line, not a hang",
              [*run, "2", qs, *sets("dist.device=cuda", "dist.backend=nccl")],
              cuda_only=True, expect_refusal=True),
@@ -110,13 +120,16 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
              [*run, "1", str(MULTIGPU), "--", "40", "40", "--batch_size", "32"],
              cuda_only=True, script=True),
         Step("peers", "ddplab beside a plain torchrun script, Lightning Fabric and Trainer, "
-             "Accelerate on the same job (bench_peers.py)", peers_argv(a, out), timeout_s=400),
+             "Accelerate on the same job (bench_peers.py)", peers_argv(a, out), timeout_s=480),
     ]
     return [s for s in steps if not a.only or s.name in a.only.split(",")]
 
 
 def peers_argv(a: argparse.Namespace, out: Path) -> list[str]:
-    on = (["--device", "cuda", "--nproc", "1", "--rounds", "2"] if a.device == "cuda" else
+    # On the GPU: the plain script, ddplab tracked and untracked, Fabric and Accelerate, three
+    # interleaved rounds (~25 s a job: ~6 minutes, a call of its own with --only peers).
+    on = (["--device", "cuda", "--nproc", "1", "--rounds", "3",
+           "--only", "plain,ddplab,ddplab-untracked,fabric,accelerate"] if a.device == "cuda" else
           ["--device", "cpu", "--nproc", "2", "--rounds", "1"])
     quick = ["--only", "plain,ddplab-untracked", "--epochs", "2", "--samples", "512"] if a.quick else []
     return [sys.executable, str(REPO / "benchmarks" / "bench_peers.py"), *on, *quick,

@@ -156,7 +156,7 @@ def _host_waits_in_steady_steps(monkeypatch, exact: bool) -> dict[str, int]:
     cuda = torch.device("cuda")
     real_init = loop.StepClock.__init__
     monkeypatch.setattr(loop.StepClock, "__init__",
-                        lambda self, device, exact=False: real_init(self, cuda, exact))
+                        lambda self, device, exact=False, *rest: real_init(self, cuda, exact, *rest))
     steady = {"on": False}
 
     def counting(name, original):
@@ -179,3 +179,32 @@ def test_the_steady_step_never_waits_on_the_device_unless_asked(monkeypatch):
     assert _host_waits_in_steady_steps(monkeypatch, exact=False) == {
         "synchronize": 0, "item": 0, "cpu": 0, "tolist": 0}
     assert _host_waits_in_steady_steps(monkeypatch, exact=True)["synchronize"] == 5
+
+
+def test_sync_debug_covers_each_steady_step_and_nothing_else(monkeypatch):
+    """train.sync_debug: torch's sync debug mode is on while each step after the first runs
+    (where the optimizer steps), off where the loop yields (log points wait there)."""
+    mode = {"now": "default", "calls": 0}
+
+    def set_mode(m):
+        mode["now"], mode["calls"] = m, mode["calls"] + 1
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    data = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(6)]
+    s = state(model, sync_debug="off")
+    list(loop.train_epoch(s, data))
+    assert mode["calls"] == 0  # off, or (next) on a CPU: never touched
+    s = state(model, sync_debug="error")
+    list(loop.train_epoch(s, data))
+    assert mode["calls"] == 0
+    # A fake GPU (none runs here): the clock is told the device is CUDA, as in the test above.
+    monkeypatch.setattr(loop.StepClock, "_event", lambda self: None)
+    monkeypatch.setattr(loop, "_sync", lambda device: None)
+    real_init = loop.StepClock.__init__
+    monkeypatch.setattr(loop.StepClock, "__init__", lambda self, device, exact=False,
+                        sync_debug="off": real_init(self, torch.device("cuda"), exact, sync_debug))
+    at_step: list[str] = []
+    s.optimizer.register_step_post_hook(lambda opt, args, kwargs: at_step.append(mode["now"]))
+    at_yield = [mode["now"] for _ in loop.train_epoch(s, data)]
+    assert at_step == ["default"] + ["error"] * 5 and at_yield == ["default"] * 6

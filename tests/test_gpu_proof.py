@@ -23,7 +23,8 @@ import bench_peers  # noqa: E402
 # FSDP with bf16, MFU both ways, the peers' benchmark, the store coming home. Left out (each is
 # a whole job of what other tests run: amp, checkpoint and resume in test_run.py, the chapter 9
 # study and its page in test_study.py), their commands are checked by the plan test below.
-RUN_HERE = "doctor,quickstart-nccl,nccl-2-ranks-1-gpu,dp,gloo-2-ranks,fsdp-bf16,gpt,peers"
+RUN_HERE = ("doctor,quickstart-nccl,no-sync,flight-recorder,nccl-2-ranks-1-gpu,dp,gloo-2-ranks,"
+            "fsdp-bf16,gpt,peers")
 
 
 @pytest.mark.e2e
@@ -43,11 +44,14 @@ def test_the_proof_runs_every_cpu_step_and_refuses_the_cuda_ones_in_one_line(tmp
     assert proof.returncode == 0, proof.stdout[-4000:] + proof.stderr[-2000:]
     got = json.loads((out / "proof.json").read_text())
     steps = got["steps"]
-    for name in ("quickstart-nccl", "nccl-2-ranks-1-gpu", "dp"):  # need CUDA: one line each
+    cuda_only = ("quickstart-nccl", "no-sync", "nccl-2-ranks-1-gpu", "dp")
+    for name in cuda_only:  # need CUDA: one line each
         assert steps[name]["status"] == "refused in one line", steps[name]
         assert "Traceback" not in (out / "logs" / f"{name}.log").read_text()
     ran = [s for s in steps.values() if s["status"] == "ok"]
-    assert len(ran) == len(steps) - 3, {k: v["status"] for k, v in steps.items()}
+    assert len(ran) == len(steps) - len(cuda_only), {k: v["status"] for k, v in steps.items()}
+    # ddplab's Flight Recorder reader on a real (gloo) group: every all-reduce in the dump
+    assert "5 entries (5 all-reduces" in (out / "logs" / "flight-recorder.log").read_text()
     runs = got["runs"]
     assert runs and all(r["status"] == "FINISHED" for r in runs.values()), runs
     by_step = {r["step"]: r for r in runs.values()}

@@ -336,6 +336,13 @@ class TrainConfig:
     its own wall time. Off: the step never waits on the device; a GPU's step times come from
     CUDA events read at log points (the same window figures, no host wait; a synchronize per
     step cost 12% on an H100). No effect on a CPU, which never waits."""
+    sync_debug: Literal["off", "warn", "error"] = "off"
+    """A GPU's steady steps (the second of each epoch on) run under
+    ``torch.cuda.set_sync_debug_mode``: a call in the step that makes the host wait on the device
+    (a ``.item()`` in your loss, a copy from unpinned memory) warns, or raises with the line that
+    made it. Log points, evaluation and checkpoints are outside the step and may wait. With
+    train.amp fp16, GradScaler's step reads its inf check (a wait by design). No effect on a
+    CPU."""
     eval_every_epochs: int = 1
     """Evaluate after every N epochs, and always after the last."""
     eval_every_steps: int = 0

@@ -158,7 +158,8 @@ def _model(cfg: config.ExperimentConfig, device: torch.device, loaders: data.Loa
         grad_clip=cfg.train.grad_clip, channels_last=cfg.model.channels_last,
         loss=losses.get(cfg.train.loss, parts.loss),
         metrics=userparts.build_metrics(cfg, info.model_kwargs(), device),
-        shape=batches.Shape.of(cfg), exact_step_times=cfg.train.exact_step_times)
+        shape=batches.Shape.of(cfg), exact_step_times=cfg.train.exact_step_times,
+        sync_debug=cfg.train.sync_debug)
     if payload is not None:
         checkpoint.restore(state, payload, world_size)
     return state, ipex, basis

@@ -60,6 +60,8 @@ class TrainState:
     """Samples this rank consumed in the current epoch (resume skips them)."""
     exact_step_times: bool = False
     """train.exact_step_times: a synchronize after every step (StepClock)."""
+    sync_debug: str = "off"
+    """train.sync_debug: torch's sync debug mode around the steady steps (StepClock.steady)."""
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         dtype = AMP_DTYPES[self.amp]
@@ -106,9 +108,24 @@ class StepClock:
     points); ``exact`` (train.exact_step_times) waits for the device after every step instead.
     The first step is waited for, so the time to the first step is the device's too."""
 
-    def __init__(self, device: torch.device, exact: bool = False) -> None:
+    def __init__(self, device: torch.device, exact: bool = False, sync_debug: str = "off"
+                 ) -> None:
         self.device, self.cuda = device, device.type == "cuda"
         self.exact, self.waited = exact, False
+        self.sync_debug = sync_debug
+
+    @contextlib.contextmanager
+    def steady(self) -> Iterator[None]:
+        """train.sync_debug around a step after the first (whose lazy initialisation waits):
+        a host wait inside it warns or raises where it is made."""
+        on = self.cuda and self.sync_debug != "off" and self.waited
+        if on:
+            torch.cuda.set_sync_debug_mode(self.sync_debug)
+        try:
+            yield
+        finally:
+            if on:
+                torch.cuda.set_sync_debug_mode("default")
 
     def start(self) -> tuple[float, Any]:
         return time.perf_counter(), self._event()
@@ -163,25 +180,27 @@ def train_epoch(state: TrainState, loader: DataLoader[Any], max_steps: int = 0) 
     state.model.train()
     n_micro = len(loader)
     fetched = iter(loader)
-    clock = StepClock(state.device, state.exact_step_times)
+    clock = StepClock(state.device, state.exact_step_times, state.sync_debug)
     for start in range(0, n_micro, state.grad_accum):
         if max_steps and state.step >= max_steps:
             return
         group = min(state.grad_accum, n_micro - start)
         started = clock.start()
-        loss_sum, samples, data_time = torch.zeros((), device=state.device), 0, 0.0
+        data_time = 0.0
         forward_s: list[float] = []
-        for i in range(group):
-            beat("data loading", state.step + 1)  # the step in the making, as its metrics say
-            t_fetch = time.perf_counter()
-            # record_function: the data wait, as profiles show it
-            with record_function("ddplab/data"), _naming_the_sample(loader):
-                batch = state.batch(next(fetched))
-            data_time += time.perf_counter() - t_fetch
-            loss_sum += micro_step(state, batch, group, sync_grads=i == group - 1,
-                                   forward_s=forward_s)
-            samples += batch.size
-        optimizer_step(state)
+        with clock.steady():
+            loss_sum, samples = torch.zeros((), device=state.device), 0
+            for i in range(group):
+                beat("data loading", state.step + 1)  # the step in the making, as its metrics say
+                t_fetch = time.perf_counter()
+                # record_function: the data wait, as profiles show it
+                with record_function("ddplab/data"), _naming_the_sample(loader):
+                    batch = state.batch(next(fetched))
+                data_time += time.perf_counter() - t_fetch
+                loss_sum += micro_step(state, batch, group, sync_grads=i == group - 1,
+                                       forward_s=forward_s)
+                samples += batch.size
+            optimizer_step(state)
         step_s, span = clock.stop(started)
         state.samples_in_epoch += samples
         yield StepResult(state.step, state.epoch, samples, loss_sum, step_s, data_time,
