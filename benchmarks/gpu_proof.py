@@ -109,7 +109,8 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
                 if a.quick else [])]),
         Step("resume", "the run goes on from that checkpoint on the device (a new run that names "
              "the one it continues)", []),  # argv filled in once the checkpoint exists
-        Step("gpt", "the lm GPT sized to keep the GPU busy for about a minute: MFU, memory",
+        Step("gpt", "the lm GPT sized to keep the GPU busy for about a minute: MFU, memory, and "
+             "5 steady steps profiled (the gpt-profile page: kernel time, gaps, top kernels)",
              [*run, "1", *lm, *dev, *one, *gpt_sets(a)], timeout_s=420),
         Step("ch09-cores", f"the book's chapter 9 on {a.cores} cores: 1 process x {a.cores} threads "
              "against more processes with fewer threads (gloo)",
@@ -144,7 +145,9 @@ def page_name(a: argparse.Namespace, what: str) -> str:
 def gpt_sets(a: argparse.Namespace) -> list[str]:
     if a.quick:
         return sets("train.max_steps=6", "train.log_every=2", "data.seq_len=32",
-                    "model.args={n_layer: 1, n_head: 2, n_embd: 32}", "train.amp=bf16")
+                    "model.args={n_layer: 1, n_head: 2, n_embd: 32}", "train.amp=bf16",
+                    "profile.enabled=true", "profile.wait=2", "profile.warmup=1",
+                    "profile.active=2")
     # GPT-2 small's shape (85 M parameters with a byte vocabulary) on 1,024-byte sequences,
     # bf16 and compiled: about 20 TFLOP a step.
     # tests/ (4 MB of text: ~110 steps an epoch) and no checkpoint per epoch: on docs/ alone
@@ -154,7 +157,10 @@ def gpt_sets(a: argparse.Namespace) -> list[str]:
                 "data.seq_len=1024", "data.batch_size=32", "data.eval_batch_size=32",
                 "train.amp=bf16", "model.compile=true", f"train.max_steps={a.gpt_steps}",
                 "train.epochs=100", "train.log_every=25", "train.eval_every_steps=0",
-                "train.eval_every_epochs=100", "optim.warmup_steps=50", "optim.lr=0.0006")
+                "train.eval_every_epochs=100", "optim.warmup_steps=50", "optim.lr=0.0006",
+                # 5 steady steps profiled near the end (profile_page.py: kernels and gaps)
+                "profile.enabled=true", f"profile.wait={max(a.gpt_steps - 30, 1)}",
+                "profile.warmup=2", "profile.active=5")
 
 
 def study_file(a: argparse.Namespace, out: Path) -> Path:
@@ -385,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             fill_resume(step, out, by_name["checkpoint"])
         run_step(step, a, out, env)
+        if step.name == "gpt" and step.result["ok"] and step.result["run_ids"]:
+            made = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_page.py"),
+                                   step.result["run_ids"][0], "--page", page_name(a, "gpt-profile"),
+                                   "--page-dir", str(out / "work" / "docs" / "results")],
+                                  cwd=out / "work", env=env, capture_output=True, text=True,
+                                  check=False)
+            (out / "logs" / "gpt-profile.log").write_text(made.stdout + made.stderr)
         if step.name == "ch09-cores" and step.result["ok"]:
             parent = re.findall(r"parent run ([0-9a-f]{32})", (out / "logs" / "ch09-cores.log").read_text())
             if parent:

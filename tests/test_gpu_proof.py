@@ -57,10 +57,13 @@ def test_the_proof_runs_every_cpu_step_and_refuses_the_cuda_ones_in_one_line(tmp
     by_step = {r["step"]: r for r in runs.values()}
     for step in ("gpt", "gloo-2-ranks"):  # the GPT by its formula, the CNN by the flop counter
         assert 0 < by_step[step]["mfu"] < 1, by_step[step]
-    pages = ["cpu-proof-proof.md", "cpu-proof-peers.md"]
+    pages = ["cpu-proof-proof.md", "cpu-proof-peers.md", "cpu-proof-gpt-profile.md"]
     listed = subprocess.run(["tar", "tzf", str(out / "pages.tar.gz")], capture_output=True, text=True)
     assert all(f"results/{p}" in listed.stdout for p in pages), listed.stdout
     assert "| commit | 0123456789 |" in (out / "work" / "docs" / "results" / pages[0]).read_text()
+    # The GPT's profiled steps: busy against gaps and the top names (ops on a CPU, kernels on a GPU)
+    profile = (out / "work" / "docs" / "results" / pages[2]).read_text()
+    assert "outermost aten ops of the training thread" in profile and "| `aten::" in profile
 
     store = f"sqlite:///{tmp_path / 'home.db'}"
     imported = [subprocess.run([sys.executable, "-m", "ddplab", "import", str(out / "store.tar.gz"),
@@ -153,3 +156,24 @@ def test_the_kit_leaves_out_what_the_gpu_machine_has():
     for name in ("mlflow-skinny", "sqlalchemy", "alembic"):
         assert not gpu_kit.MACHINE_HAS.match(name) and name in gpu_kit.ROOTS
     assert set(gpu_kit.ROOTS) <= set(gpu_kit.pins(REPO / "requirements.lock"))
+
+
+def test_the_profile_page_counts_a_gpu_traces_kernels_once_and_their_gaps():
+    """A GPU's Chrome trace as torch.profiler writes it (none is recorded here): kernels on two
+    streams, overlapping, with idle time between; memcpy counts as device work."""
+    import profile_page
+
+    def x(name, cat, ts, dur, tid=7):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = {"traceEvents": [
+        x("ProfilerStep#10", "user_annotation", 0, 1000, tid=1),
+        x("ProfilerStep#11", "user_annotation", 1000, 1000, tid=1),
+        x("ampere_gemm", "kernel", 100, 400), x("ncclAllReduce", "kernel", 300, 400, tid=8),
+        x("ampere_gemm", "kernel", 1100, 400), x("Memcpy HtoD", "gpu_memcpy", 1600, 100),
+        x("aten::mm", "cpu_op", 0, 50, tid=1)]}
+    got = profile_page.analyse(trace)
+    assert got["what"] == "kernels (GPU)" and got["steps"] == 2
+    assert got["window_ms"] == pytest.approx(1.6)  # first kernel at 100 us, last ends at 1,700
+    assert got["busy_frac"] == pytest.approx((600 + 400 + 100) / 1600)  # the overlap once
+    assert got["top"][0] == ("ampere_gemm", 2, pytest.approx(0.8), pytest.approx(800 / 1100))
