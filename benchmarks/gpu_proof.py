@@ -155,7 +155,8 @@ def gpt_sets(a: argparse.Namespace) -> list[str]:
     return sets(f"data.root={REPO / 'tests'}", "checkpoint.every_epochs=0",
                 "model.args={n_layer: 12, n_head: 12, n_embd: 768, dropout: 0.0}",
                 "data.seq_len=1024", "data.batch_size=32", "data.eval_batch_size=32",
-                "train.amp=bf16", "model.compile=true", f"train.max_steps={a.gpt_steps}",
+                "train.amp=bf16", "model.compile=true", f"model.compile_mode={a.gpt_compile_mode}",
+                f"train.max_steps={a.gpt_steps}",
                 "train.epochs=100", "train.log_every=25", "train.eval_every_steps=0",
                 "train.eval_every_epochs=100", "optim.warmup_steps=50", "optim.lr=0.0006",
                 # 5 steady steps profiled near the end (profile_page.py: kernels and gaps)
@@ -363,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2,
                     help="cores for the chapter 9 study (default: all)")
     ap.add_argument("--gpt-steps", type=int, default=600)
+    ap.add_argument("--gpt-compile-mode", default="default",
+                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                    help="the GPT's model.compile_mode (a call each, to choose by measurement)")
     ap.add_argument("--only", default="", help="comma-separated step names")
     ap.add_argument("--budget-s", type=int, default=480,
                     help="stop starting steps after this long, so the results are still packed")

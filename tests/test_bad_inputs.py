@@ -103,6 +103,8 @@ CASES = [
      "dist.fsdp.mixed_precision: got 'bf16'; it applies to dist.strategy 'fsdp'"),
     ("fsdp offload on cpu", None, ["dist.strategy=fsdp", "dist.fsdp.cpu_offload=true"], {}, [],
      "dist.fsdp.cpu_offload: got True; it moves GPU memory"),
+    ("compile mode without compile", None, ["model.compile_mode=max-autotune"], {}, [],
+     "model.compile_mode: got 'max-autotune'; only with model.compile: true"),
     ("fsdp with compile", None, ["dist.strategy=fsdp", "model.compile=true"], {}, [],
      "model.compile: got True; not combined with dist.strategy 'fsdp'"),
     ("fsdp wrap not a class", None, ["dist.fsdp.wrap=my-block"], {}, [],

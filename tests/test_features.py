@@ -141,6 +141,16 @@ def test_compile_wraps_ddp_and_computes_what_eager_does(one_rank_group):
     assert hasattr(compiled, "_orig_mod") and strategy.unwrap(compiled) is strategy.unwrap(eager)
     x = torch.randn(4, 3, 8, 8)
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)
+    # model.compile_mode reaches torch.compile (the modes themselves are torch's)
+    asked: list[str] = []
+    real = torch.compile
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(torch, "compile", lambda m, mode=None: asked.append(mode) or real(m))
+    try:
+        strategy.wrap(strategy.unwrap(eager), ModelConfig(compile=True, compile_mode="reduce-overhead"), CPU)
+    finally:
+        monkeypatch.undo()
+    assert asked == ["reduce-overhead"]
 
 
 def _host_waits_in_steady_steps(monkeypatch, exact: bool) -> dict[str, int]:

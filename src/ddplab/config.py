@@ -171,6 +171,11 @@ class ModelConfig:
     """Use the channels_last memory format (faster convolutions on recent CPUs and GPUs)."""
     compile: bool = False
     """Wrap the DDP model in torch.compile."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune",
+                          "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile's ``mode`` (with model.compile): reduce-overhead adds CUDA graphs (fewer
+    launches for small steps), max-autotune also benchmarks kernel choices while it compiles
+    (minutes, once). Which is fastest depends on the model and the GPU: measure it."""
     ipex: bool = True
     """On CPU, run ipex.optimize when intel_extension_for_pytorch imports and matches torch."""
     flops_per_sample: float = 0.0
@@ -181,6 +186,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_part("name", self.name, MODEL_NAMES)
         check_range(self, "flops_per_sample", 0)
+        if self.compile_mode != "default" and not self.compile:
+            fail("compile_mode", self.compile_mode, "only with model.compile: true (it is "
+                 "torch.compile's mode)")
         if self.name == "gpt":
             _check_gpt_args(self.args)
         elif self.args and not is_import_path(self.name):

@@ -83,7 +83,7 @@ def wrap(model: nn.Module, cfg: ModelConfig, device: torch.device,
               find_unused_parameters=d.find_unused_parameters)
     _register_hook(ddp, d.comm_hook)
     # a module compiles to a module (OptimizedModule); torch.compile's annotation says Callable
-    return cast(nn.Module, torch.compile(ddp)) if cfg.compile else ddp
+    return cast(nn.Module, torch.compile(ddp, mode=cfg.compile_mode)) if cfg.compile else ddp
 
 
 def _register_hook(ddp: DDP, name: str) -> None:
