@@ -200,6 +200,7 @@ def test_sync_debug_covers_each_steady_step_and_nothing_else(monkeypatch):
         mode["now"], mode["calls"] = m, mode["calls"] + 1
 
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode["now"])
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     data = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(6)]
     s = state(model, sync_debug="off")
@@ -218,3 +219,6 @@ def test_sync_debug_covers_each_steady_step_and_nothing_else(monkeypatch):
     s.optimizer.register_step_post_hook(lambda opt, args, kwargs: at_step.append(mode["now"]))
     at_yield = [mode["now"] for _ in loop.train_epoch(s, data)]
     assert at_step == ["default"] + ["error"] * 5 and at_yield == ["default"] * 6
+    mode["now"] = "warn"  # the user's own mode, set before: back to it after each step
+    at_yield = [mode["now"] for _ in loop.train_epoch(s, data)]
+    assert at_step[6:] == ["warn"] + ["error"] * 5 and at_yield == ["warn"] * 6

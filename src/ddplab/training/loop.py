@@ -118,14 +118,15 @@ class StepClock:
     def steady(self) -> Iterator[None]:
         """train.sync_debug around a step after the first (whose lazy initialisation waits):
         a host wait inside it warns or raises where it is made."""
-        on = self.cuda and self.sync_debug != "off" and self.waited
-        if on:
-            torch.cuda.set_sync_debug_mode(self.sync_debug)
+        if not (self.cuda and self.sync_debug != "off" and self.waited):
+            yield
+            return
+        before = torch.cuda.get_sync_debug_mode()  # a mode the user set stays theirs
+        torch.cuda.set_sync_debug_mode(self.sync_debug)
         try:
             yield
         finally:
-            if on:
-                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
 
     def start(self) -> tuple[float, Any]:
         return time.perf_counter(), self._event()
