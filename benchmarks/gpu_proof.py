@@ -78,7 +78,7 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
              ["ddplab", "doctor", qs, *dev]),
         Step("quickstart-nccl", "the quickstart on nccl, one rank on the GPU, to FINISHED",
              [*run, "1", qs, *sets("dist.device=cuda", "dist.backend=nccl"), *q], cuda_only=True),
-        Step("no-sync", "the quickstart's steady steps (bf16, fused AdamW, pinned input) under "
+        Step("no-sync", "the quickstart's steady steps (bf16, fused SGD, pinned input) under "
              "torch.cuda.set_sync_debug_mode('error') (train.sync_debug): a host wait in "
              "ddplab's step would fail the job",
              [*run, "1", qs, *sets("dist.device=cuda", "dist.backend=nccl", "train.amp=bf16",
@@ -111,7 +111,8 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
              "the one it continues)", []),  # argv filled in once the checkpoint exists
         Step("gpt", "the lm GPT sized to keep the GPU busy for about a minute: MFU, memory, and "
              "5 steady steps profiled (the gpt-profile page: kernel time, gaps, top kernels)",
-             [*run, "1", *lm, *dev, *one, *gpt_sets(a)], timeout_s=420),
+             [*run, "1", *lm, *dev, *one, *gpt_sets(a)],
+             timeout_s=900 if a.gpt_compile_mode.startswith("max-autotune") else 420),
         Step("ch09-cores", f"the book's chapter 9 on {a.cores} cores: 1 process x {a.cores} threads "
              "against more processes with fewer threads (gloo)",
              ["ddplab", "study", "run", str(study_file(a, out)), "--fresh"], timeout_s=600),
@@ -120,7 +121,7 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
              "wait and forward from CUDA events)",
              [*run, "1", str(MULTIGPU), "--", "40", "40", "--batch_size", "32"],
              cuda_only=True, script=True),
-        Step("peers", "ddplab beside a plain torchrun script, Lightning Fabric and Trainer, "
+        Step("peers", "ddplab (tracked and not) beside a plain torchrun script, Lightning Fabric and "
              "Accelerate on the same job (bench_peers.py)", peers_argv(a, out), timeout_s=480),
     ]
     return [s for s in steps if not a.only or s.name in a.only.split(",")]
@@ -162,7 +163,10 @@ def gpt_sets(a: argparse.Namespace) -> list[str]:
                 # 5 steps profiled once compiled (profile_page.py: kernels and gaps), inside the
                 # first epoch (~120 steps), which the steady throughput and MFU leave out: the
                 # profiler's steps and its trace's export cost nothing in perf/mfu
-                "profile.enabled=true", "profile.wait=30", "profile.warmup=2", "profile.active=5")
+                "profile.enabled=true", "profile.wait=30", "profile.warmup=2", "profile.active=5",
+                # max-autotune benchmarks kernels inside the first step for minutes: not a hang
+                *(["dist.hang_after_s=1500"] if a.gpt_compile_mode.startswith("max-autotune")
+                  else []))
 
 
 def study_file(a: argparse.Namespace, out: Path) -> Path:

@@ -54,7 +54,9 @@ def outermost(events: list[dict]) -> list[dict]:
 def analyse(trace: dict) -> dict:
     """The profiled steps: their window, the busy time in it, the gaps, the top names."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep")]
+    # the host's step ranges (the trace repeats each on the GPU's streams as gpu_user_annotation)
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep")
+             and e.get("cat") != "gpu_user_annotation"]
     device = [e for e in events if e.get("cat") in DEVICE_KINDS]
     if device:
         work, what = device, "kernels (GPU)"

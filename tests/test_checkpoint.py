@@ -114,6 +114,17 @@ def test_a_resume_may_change_where_it_tracks_and_saves_but_not_what_it_computes(
     assert "optim.lr: 0.01 -> 0.5" in str(refused.value) and "tracking" not in str(refused.value)
     allowed = _cfg("optim.lr=0.5", "checkpoint.resume_changes=allow")
     assert ("optim.lr", 0.01, 0.5) in checkpoint.check_resume(saved, allowed, "ck.pt")
+    # How steps are timed and checked may change; a checkpoint written before a key existed
+    # had its default (so an older checkpoint resumes), a value other than the default is a change
+    debug = _cfg("train.sync_debug=warn", "train.exact_step_times=true")
+    assert {k for k, _, _ in checkpoint.check_resume(saved, debug, "ck.pt")} == {
+        "train.sync_debug", "train.exact_step_times"}
+    older = {**saved, "train": {k: v for k, v in saved["train"].items() if k != "sync_debug"},
+             "model": {k: v for k, v in saved["model"].items() if k != "compile_mode"}}
+    assert checkpoint.check_resume(older, _cfg(), "ck.pt") == []
+    with pytest.raises(ConfigError, match="model.compile_mode: 'default' -> 'max-autotune'"):
+        checkpoint.check_resume(older, _cfg("model.compile=true", "model.compile_mode=max-autotune"),
+                                "ck.pt")
 
 
 def test_a_resume_on_another_world_size_keeps_the_global_batch_or_says_which_batch_does():

@@ -192,8 +192,9 @@ def test_the_steady_step_never_waits_on_the_device_unless_asked(monkeypatch):
 
 
 def test_sync_debug_covers_each_steady_step_and_nothing_else(monkeypatch):
-    """train.sync_debug: torch's sync debug mode is on while each step after the first runs
-    (where the optimizer steps), off where the loop yields (log points wait there)."""
+    """train.sync_debug: torch's sync debug mode is on while each step after the epoch's first
+    and the process's second runs (where the optimizer steps), off where the loop yields (log
+    points wait there)."""
     mode = {"now": "default", "calls": 0}
 
     def set_mode(m):
@@ -215,10 +216,29 @@ def test_sync_debug_covers_each_steady_step_and_nothing_else(monkeypatch):
     real_init = loop.StepClock.__init__
     monkeypatch.setattr(loop.StepClock, "__init__", lambda self, device, exact=False,
                         sync_debug="off": real_init(self, torch.device("cuda"), exact, sync_debug))
+    s = state(model, sync_debug="error")  # a new process's: its first two steps are not checked
     at_step: list[str] = []
     s.optimizer.register_step_post_hook(lambda opt, args, kwargs: at_step.append(mode["now"]))
     at_yield = [mode["now"] for _ in loop.train_epoch(s, data)]
-    assert at_step == ["default"] + ["error"] * 5 and at_yield == ["default"] * 6
+    # the epoch's first step (lazy initialisation) and the process's second (DDP's bucket
+    # rebuild, which reads back to the host) run unchecked, every later step checked
+    assert at_step == ["default", "default"] + ["error"] * 4 and at_yield == ["default"] * 6
     mode["now"] = "warn"  # the user's own mode, set before: back to it after each step
     at_yield = [mode["now"] for _ in loop.train_epoch(s, data)]
     assert at_step[6:] == ["warn"] + ["error"] * 5 and at_yield == ["warn"] * 6
+
+
+def test_an_evaluation_leaves_the_model_in_the_mode_it_found(one_rank_group):
+    """train.eval_every_steps evaluates mid-epoch: dropout and batch norm must train again after
+    it, not for the rest of the epoch in eval mode."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    s = state(model)
+    data = DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=8)
+    model.train()
+    assert loop.evaluate(model, data, s).correct >= 0 and model.training
+    assert all(m.training for m in model.modules())
+    model.eval()
+    loop.evaluate(model, data, s)
+    assert not model.training

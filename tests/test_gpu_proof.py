@@ -169,6 +169,8 @@ def test_the_profile_page_counts_a_gpu_traces_kernels_once_and_their_gaps():
     trace = {"traceEvents": [
         x("ProfilerStep#10", "user_annotation", 0, 1000, tid=1),
         x("ProfilerStep#11", "user_annotation", 1000, 1000, tid=1),
+        x("ProfilerStep#10", "gpu_user_annotation", 100, 700),  # the same steps, on the GPU
+        x("ProfilerStep#11", "gpu_user_annotation", 1100, 600),
         x("ampere_gemm", "kernel", 100, 400), x("ncclAllReduce", "kernel", 300, 400, tid=8),
         x("ampere_gemm", "kernel", 1100, 400), x("Memcpy HtoD", "gpu_memcpy", 1600, 100),
         x("aten::mm", "cpu_op", 0, 50, tid=1)]}

@@ -175,7 +175,8 @@ class ModelConfig:
                           "max-autotune-no-cudagraphs"] = "default"
     """torch.compile's ``mode`` (with model.compile): reduce-overhead adds CUDA graphs (fewer
     launches for small steps), max-autotune also benchmarks kernel choices while it compiles
-    (minutes, once). Which is fastest depends on the model and the GPU: measure it."""
+    (minutes, inside the first step: raise dist.hang_after_s above that, or the hang watch stops
+    the job). Which is fastest depends on the model and the GPU: measure it."""
     ipex: bool = True
     """On CPU, run ipex.optimize when intel_extension_for_pytorch imports and matches torch."""
     flops_per_sample: float = 0.0
@@ -345,11 +346,13 @@ class TrainConfig:
     CUDA events read at log points (the same window figures, no host wait; a synchronize per
     step cost 12% on an H100). No effect on a CPU, which never waits."""
     sync_debug: Literal["off", "warn", "error"] = "off"
-    """A GPU's steady steps (the second of each epoch on) run under
+    """A GPU's steady steps (the second of each epoch on, never the process's first two: DDP
+    rebuilds its gradient buckets at its second step, a wait by design) run under
     ``torch.cuda.set_sync_debug_mode``: a call in the step that makes the host wait on the device
-    (a ``.item()`` in your loss, a copy from unpinned memory) warns, or raises with the line that
-    made it. Log points, evaluation and checkpoints are outside the step and may wait. With
-    train.amp fp16, GradScaler's step reads its inf check (a wait by design). No effect on a
+    and that torch detects (``.item()``, ``.cpu()``, ``.tolist()`` in your loss, a blocking copy;
+    not an explicit ``synchronize``) warns, or raises with the line that made it. Log points,
+    evaluation and checkpoints are outside the step and may wait. With train.amp fp16 and an
+    unfused optimizer, GradScaler's step reads its inf check (a wait by design). No effect on a
     CPU."""
     eval_every_epochs: int = 1
     """Evaluate after every N epochs, and always after the last."""

@@ -26,10 +26,12 @@ from .loop import TrainState
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
 
-# What a resume may change: how long to train, how often to log and save, where to track.
-# Everything else (model, data, optimizer, batch, seed, backend) changes what the run computes.
+# What a resume may change: how long to train, how often to log and save, where to track, how
+# steps are timed and checked. Everything else (model, data, optimizer, batch, seed, backend)
+# changes what the run computes.
 RESUMABLE_KEYS = ("description", "train.epochs", "train.max_steps", "train.log_every",
-                  "train.eval_every_epochs", "dist.timeout_s")
+                  "train.eval_every_epochs", "dist.timeout_s", "train.exact_step_times",
+                  "train.sync_debug")
 RESUMABLE_SECTIONS = ("tracking.", "checkpoint.")
 # How the work is split may change too (checkpoints hold the full state, see strategy.py), as
 # long as the global batch holds: another strategy, world size, per-rank batch or accumulation.
@@ -122,10 +124,14 @@ def _load_weights_and_optimizer(state: TrainState, payload: dict[str, Any]) -> N
 
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, checkpoint's value, this job's value) for every key that differs."""
-    from ..config import flatten
+    """(key, checkpoint's value, this job's value) for every key that differs. A key the
+    checkpoint's config lacks (written before the key existed) had its default: a new key's
+    default is what ddplab did before it."""
+    from ..config import ExperimentConfig, flatten
 
-    old, new = flatten(saved), flatten(now)
+    defaults = flatten(ExperimentConfig().to_dict())
+    new = flatten(now)
+    old = {**{k: v for k, v in defaults.items() if k in new}, **flatten(saved)}
     return [(k, old.get(k, "(absent)"), new.get(k, "(absent)"))
             for k in sorted(set(old) | set(new)) if old.get(k, "(absent)") != new.get(k, "(absent)")]
 

@@ -62,6 +62,8 @@ class TrainState:
     """train.exact_step_times: a synchronize after every step (StepClock)."""
     sync_debug: str = "off"
     """train.sync_debug: torch's sync debug mode around the steady steps (StepClock.steady)."""
+    steps_run: int = 0
+    """Optimizer steps this process has taken (not saved: a resumed process starts again)."""
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         dtype = AMP_DTYPES[self.amp]
@@ -115,10 +117,11 @@ class StepClock:
         self.sync_debug = sync_debug
 
     @contextlib.contextmanager
-    def steady(self) -> Iterator[None]:
-        """train.sync_debug around a step after the first (whose lazy initialisation waits):
-        a host wait inside it warns or raises where it is made."""
-        if not (self.cuda and self.sync_debug != "off" and self.waited):
+    def steady(self, steps_run: int) -> Iterator[None]:
+        """train.sync_debug around a step after the epoch's first (whose lazy initialisation
+        waits) and the process's second (DDP rebuilds its buckets there, reading their order
+        back to the host): a host wait inside it warns or raises where it is made."""
+        if not (self.cuda and self.sync_debug != "off" and self.waited and steps_run >= 2):
             yield
             return
         before = torch.cuda.get_sync_debug_mode()  # a mode the user set stays theirs
@@ -189,7 +192,7 @@ def train_epoch(state: TrainState, loader: DataLoader[Any], max_steps: int = 0) 
         started = clock.start()
         data_time = 0.0
         forward_s: list[float] = []
-        with clock.steady():
+        with clock.steady(state.steps_run):
             loss_sum, samples = torch.zeros((), device=state.device), 0
             for i in range(group):
                 beat("data loading", state.step + 1)  # the step in the making, as its metrics say
@@ -202,6 +205,7 @@ def train_epoch(state: TrainState, loader: DataLoader[Any], max_steps: int = 0) 
                                        forward_s=forward_s)
                 samples += batch.size
             optimizer_step(state)
+        state.steps_run += 1
         step_s, span = clock.stop(started)
         state.samples_in_epoch += samples
         yield StepResult(state.step, state.epoch, samples, loss_sum, step_s, data_time,
@@ -344,13 +348,23 @@ def _lockstep_batches(model: nn.Module, loader: DataLoader[Any], state: TrainSta
     return [state.batch(loader.collate_fn([loader.dataset[0]]))] * missing
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader[Any], state: TrainState) -> EvalResult:
     """Each rank evaluates its unpadded shard; the sums are all-reduced, so the totals are exact.
+    The model goes back to the mode it was in: an evaluation in the middle of an epoch
+    (train.eval_every_steps) leaves dropout and batch norm training for the rest of it.
 
     ``model`` is the plain module: DDP's forward may broadcast buffers, a collective that would
     hang when shards differ in length by a batch.
     """
+    training = model.training
+    try:
+        return _evaluate(model, loader, state)
+    finally:
+        model.train(training)
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, loader: DataLoader[Any], state: TrainState) -> EvalResult:
     model.eval()
     beat("evaluation")
     # loss sum, correct, samples, scored predictions, batches that were not classification
