@@ -148,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--samples", type=int, default=1536, help="synthetic images per epoch")
+    ap.add_argument("--page", default="bench-script", help="docs/results/<page>.md")
+    ap.add_argument("--page-dir", default="", help="write the page here instead of docs/results")
     args = ap.parse_args()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     others: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -198,7 +200,8 @@ def main() -> None:
             "variants' order rotated each rep. Steady step time: the median of epochs 2-4 over "
             "the steps in an epoch (epoch_clock.py: one clock call per epoch, in every "
             "variant).\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
-    results_page.write("bench-script", "Script mode's observation: what it costs a step", body)
+    results_page.write(args.page, "Script mode's observation: what it costs a step", body,
+                       folder=Path(args.page_dir) if args.page_dir else results_page.RESULTS)
 
 
 if __name__ == "__main__":
