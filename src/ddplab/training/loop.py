@@ -190,10 +190,9 @@ def train_epoch(state: TrainState, loader: DataLoader[Any], max_steps: int = 0) 
             return
         group = min(state.grad_accum, n_micro - start)
         started = clock.start()
-        data_time = 0.0
+        loss_sum, samples, data_time = torch.zeros((), device=state.device), 0, 0.0
         forward_s: list[float] = []
         with clock.steady(state.steps_run):
-            loss_sum, samples = torch.zeros((), device=state.device), 0
             for i in range(group):
                 beat("data loading", state.step + 1)  # the step in the making, as its metrics say
                 t_fetch = time.perf_counter()

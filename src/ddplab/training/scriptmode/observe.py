@@ -146,7 +146,6 @@ class Observer:
         self.m_backward: Any = None
         self.m_end: Any = None  # the previous step's end mark
         self.unread: collections.deque[Step] = collections.deque()
-        self.unread_at_end = False  # the device never passed the last steps' marks
         self.totals, self.window = Totals(), Window()
         self.step_end = 0.0  # the previous step's end (0: none yet)
         self.t_forward = self.t_backward = 0.0
@@ -328,9 +327,8 @@ class Observer:
     def log_point(self, extra: dict[str, float] | None = None) -> None:
         """Read the loss, write rank 0's live figures and this rank's totals."""
         step = self.totals.steps
-        # Not while the script captures a CUDA graph (a read breaks the capture), nor on a
-        # device that has not passed the steps before (the script's end: it may never).
-        if self.loss is not None and not marks.capturing() and not self.unread_at_end:
+        # Not while the script captures a CUDA graph (a read breaks the capture).
+        if self.loss is not None and not marks.capturing():
             with contextlib.suppress(RuntimeError):  # a failed device: the last loss read stays
                 self.totals.loss = float(self.loss.item())
         self._read()  # after the loss's read, which the device's work up to it had to pass
@@ -368,7 +366,8 @@ class Observer:
     def finish(self) -> None:
         """The script has ended (any way): the last steps' marks, epoch and log point."""
         self._read(FINISH_PATIENCE_S)
-        self.unread_at_end = bool(self.unread)
+        if self.unread:  # the device never passed the last steps: their loss is not read (it
+            self.loss = None  # may never be); the last one read stays
         self._drop_unread()
         if self.epoch >= 0 and self.epoch_steps:
             self.end_epoch()
