@@ -128,7 +128,10 @@ def login_server(tmp_path_factory):
            "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{root / 'mlflow.db'}",
            "MLFLOW_ARTIFACTS_DESTINATION": str(root / "artifacts"), "MLFLOW_HOST": "127.0.0.1",
            "MLFLOW_PORT": str(port), "MLFLOW_WORKERS": "1",
-           "MLFLOW_ALLOWED_HOSTS": f"127.0.0.1:{port},localhost:{port}"}
+           "MLFLOW_ALLOWED_HOSTS": f"127.0.0.1:{port},localhost:{port}",
+           # serve.py's basic-auth ini outlives it (it execs the server; in the image /tmp goes
+           # with the container): here it goes with the test's folder, not into the host's /tmp.
+           "TMPDIR": str(root)}
     proc = subprocess.Popen([sys.executable, str(REPO / "docker" / "mlflow" / "serve.py")],
                             cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
