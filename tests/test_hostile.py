@@ -369,7 +369,8 @@ def test_a_study_whose_server_dies_stops_with_one_line_and_a_rerun_leaves_nothin
     server = Server(tmp_path)
     server.start()
     # The server dies as the first job's training starts (its spool appears); the job keeps
-    # its records in the spool and gives up on delivering after 5 s instead of 60.
+    # its records in the spool and gives up on delivering after 5 s instead of 60, and so does
+    # the study's parent (the study's set reaches it too).
     # One variant: the rerun's point is the killed job's run (a second variant only added a job);
     # of one rank: nothing here is about several ranks (a second rank only added a process).
     path = tiny_study(tmp_path, set={**TINY, "train.epochs": 6, "tracking.delivery_timeout_s": 5},

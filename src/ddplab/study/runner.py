@@ -299,8 +299,8 @@ class Tracker:
 
         folder = spooled.folder(self._home(run_id))
         if (folder / "meta.json").is_file():
-            out = spool.deliver(folder, self.client, lambda: False, spooled.DELIVERY_S,
-                                final=True)
+            out = spool.deliver(folder, self.client, lambda: False,
+                                self.study.delivery_timeout_s(), final=True)
             if out.left:
                 raise TrackingError(f"{folder}: {out.left} records of the parent run, left by an "
                                     f"earlier run of this study, could not be sent ({out.error})")
@@ -440,7 +440,6 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
         status = "KILLED"
         console.print("interrupted: the study's parent run ends KILLED")
     finally:
-        from ..tracking.spooled import DELIVERY_S
         from . import report
 
         try:
@@ -448,7 +447,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
             report.build(tracker.client, parent_id, study, console, uri)
         finally:
             life.end(tracker.client, parent_id, status)
-            kept = tracker.client.close(DELIVERY_S)
+            kept = tracker.client.close(study.delivery_timeout_s())
             if kept:
                 console.print(f"WARNING: the study's parent {kept}", soft_wrap=True)
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1

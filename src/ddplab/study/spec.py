@@ -179,6 +179,11 @@ class Study:
     def config(self, v: Variant) -> ExperimentConfig:
         return load(self.experiment, v.overrides(self.set, list(self.extra)))
 
+    def delivery_timeout_s(self) -> float:
+        """How long the parent run's end goes on sending to a server that does not answer: its
+        baseline job's ``tracking.delivery_timeout_s`` (the study's ``set`` reaches both)."""
+        return self.config(self.variant(self.baseline)).tracking.delivery_timeout_s
+
     def plan(self) -> list[tuple[Variant, int]]:
         """Every (variant, repeat), repeats interleaved and rotated: repeat r starts at variant
         r, so a noisy machine's drift spreads over all variants instead of favouring one.

@@ -19,8 +19,9 @@ from typing import Any
 from . import life, spool
 from .schema import BATCH_PARAMS, BATCH_TAGS, PARAM_LIMIT, TAG_LIMIT
 
-#: How long the end of a study, benchmark or reproduction goes on sending its run's records to
-#: a server that does not answer; what is left stays for ``ddplab sync``.
+#: How long the end of a benchmark or reproduction goes on sending its run's records to a
+#: server that does not answer; what is left stays for ``ddplab sync``. (A study's parent takes
+#: its jobs' ``tracking.delivery_timeout_s``: Study.delivery_timeout_s.)
 DELIVERY_S = 30.0
 
 #: Where a run that no job writes keeps its spool until the server has it all:
