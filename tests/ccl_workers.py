@@ -204,3 +204,21 @@ def missing_peer(rank: int, world: int, tmp: str) -> None:
         time.sleep(8)  # alive but silent, past rank 0's timeout
         torch.save({}, Path(tmp) / "rank1.pt")
     ccl.release_shm()  # no _finish on a broken group, but its libfabric regions still go
+
+
+def alone_in_a_group_of_two(tmp: str, timeout_s: int) -> None:
+    """Rank 0 of 2 on ccl whose rank 1 never comes (it died during set-up): prints what
+    init_process_group raised, then ends as ddplab's ranks do (os._exit), with 3."""
+    import os
+    import sys
+
+    from tests.dist_workers import _group
+
+    try:
+        _group(0, 2, tmp, "ccl", timeout_s)
+    except RuntimeError as e:
+        print("raised:", str(e).strip().splitlines()[0], flush=True)
+        os._exit(3)
+    print("made a group of 2 alone", flush=True)
+    sys.stdout.flush()
+    os._exit(0)

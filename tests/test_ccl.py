@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ddplab.distributed import choice, oneccl
 from ddplab.launchers.detect import LaunchEnv
 from tests import ccl_workers, dist_workers
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs
-from tests.helpers import fresh_copy
+from tests.helpers import fresh_copy, wait_all
 from tests.helpers.dist import reference, spawn
 
 
@@ -306,6 +307,22 @@ def test_oneccl_is_told_each_rank_is_alone_on_its_host_only_across_nodes(world, 
 
 
 @pytest.mark.distributed
+def test_a_rank_that_never_joins_is_an_error_after_the_timeout_not_a_hang(tmp_path):
+    """oneCCL makes its communicator in a barrier whose reads never time out: rank 0 of a
+    group whose rank 1 died during set-up waited there for ever (seen in this suite: a 2-node
+    job, one node's torchrun gone, the other still blocked 20 minutes on). Now it raises after
+    the group's timeout, saying why, and its process ends."""
+    built()
+    code = (f"from tests import ccl_workers; ccl_workers.alone_in_a_group_of_two({str(tmp_path)!r}, 5)")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "a rank did not join it (it failed or was stopped during set-up)" in out.stdout
+    assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("node1_cores, backend_run, why", [
     ("0,1", "ccl", "all 2 ranks agree"),
     ("0", "gloo", "because rank 1 (host "),
@@ -326,8 +343,9 @@ def test_auto_on_two_nodes_agrees_on_one_backend(tmp_path, node1_cores, backend_
                f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
                "-m", "ddplab", "train", str(REPO / "experiments" / "quickstart.yaml"), *QUICK]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=job_env(store), text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = [p.communicate(timeout=400)[0] for p in procs]
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    outs = wait_all(procs, timeout=400)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     (run,) = runs(store)
     tags = run.data.tags

@@ -20,7 +20,7 @@ import yaml
 
 from ddplab.tracking import spool
 from tests.conftest import QUICK, REPO, job_env, runs
-from tests.helpers import Server, printed_losses
+from tests.helpers import Server, printed_losses, wait_all
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
@@ -113,8 +113,9 @@ def test_two_jobs_started_together_on_a_fresh_store_both_finish(tmp_path, store)
     args = [str(BIN / "ddplab"), "train", QUICKSTART, *QUICK, "--set", "train.max_steps=2"]
     procs = [subprocess.Popen([*args, "--set", f"checkpoint.dir={tmp_path / f'ck{i}'}"],
                               cwd=tmp_path, env=job_env(store), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for i in range(2)]
+    outs = wait_all(procs, timeout=300)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-1500:] for o in outs)
     finished = runs(store)
     assert sorted(r.info.status for r in finished) == ["FINISHED", "FINISHED"]

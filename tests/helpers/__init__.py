@@ -45,6 +45,27 @@ def faulty_experiment(folder: Path, **fault: object) -> Path:
     return exp
 
 
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each process's output (started with start_new_session=True, stdout PIPE, text), read
+    together: one waiting on another never fills its pipe. On a timeout every process group is
+    killed (nothing left running) and the test fails with each one's last lines."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        reads = [pool.submit(p.communicate) for p in procs]
+        done, _ = concurrent.futures.wait(reads, timeout=timeout)
+        if len(done) < len(procs):
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        outs = [r.result()[0] or "" for r in reads]
+    if len(done) < len(procs):
+        tails = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-2000:]}"
+                          for i, (p, o) in enumerate(zip(procs, outs, strict=True)))
+        pytest.fail(f"not all ended within {timeout:.0f} s; killed\n{tails}")
+    return outs
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

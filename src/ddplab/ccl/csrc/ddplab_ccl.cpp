@@ -27,6 +27,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -212,7 +213,7 @@ class CclBackend : public c10d::Backend {
              std::chrono::milliseconds timeout)
       : c10d::Backend(rank, size), timeout_(timeout), queue_(std::make_shared<Queue>()) {
     ccl::init();
-    comm_ = std::make_unique<ccl::communicator>(connect(store, rank, size));
+    comm_ = std::make_unique<ccl::communicator>(connect(store, rank, size, timeout));
     thread_ = std::thread(drain, queue_);
   }
 
@@ -454,8 +455,14 @@ class CclBackend : public c10d::Backend {
   // that the launcher already set up (torchrun's, or ddplab's env:// one); the others read it
   // there, so no MPI/PMI launcher is needed. The Store handed to a backend is already
   // prefixed per process group, so one key serves every group.
+  //
+  // oneCCL then makes the communicator in a barrier over its key-value store whose socket reads
+  // never time out: a rank that died during set-up (a crash, the OOM killer, its node lost) left
+  // every other rank blocked there for ever. So the communicator is made on a thread of its own
+  // and waited for up to the group's timeout (dist.timeout_s); past it the rank raises, and the
+  // thread stays in its read until the process ends (ddplab's ranks end by _exit).
   static ccl::communicator connect(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                   int size) {
+                                   int size, std::chrono::milliseconds timeout) {
     const std::string key = "ddplab_ccl_kvs_address";
     ccl::shared_ptr_class<ccl::kvs> kvs;
     if (rank == 0) {
@@ -469,7 +476,22 @@ class CclBackend : public c10d::Backend {
       std::copy(bytes.begin(), bytes.end(), addr.begin());
       kvs = ccl::create_kvs(addr);
     }
-    return ccl::create_communicator(size, rank, kvs);
+    auto made = std::make_shared<std::promise<ccl::communicator>>();
+    auto communicator = made->get_future();
+    std::thread([made, size, rank, kvs]() {
+      try {
+        made->set_value(ccl::create_communicator(size, rank, kvs));
+      } catch (...) {
+        made->set_exception(std::current_exception());
+      }
+    }).detach();
+    if (communicator.wait_for(timeout) != std::future_status::ready) {
+      C10_THROW_ERROR(DistNetworkError,
+                      "ccl (ddplab): oneCCL's communicator of " + std::to_string(size) +
+                          " ranks was not made within " + std::to_string(timeout.count() / 1000) +
+                          " s: a rank did not join it (it failed or was stopped during set-up)");
+    }
+    return communicator.get();
   }
 
   // Per-peer element counts of all_to_all_single: torch's splits count rows (dim 0); none
