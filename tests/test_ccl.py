@@ -25,7 +25,7 @@ from ddplab.distributed import choice, oneccl
 from ddplab.launchers.detect import LaunchEnv
 from tests import ccl_workers, dist_workers
 from tests.conftest import QUICK, REPO, ddplab, job_env, runs
-from tests.helpers import fresh_copy, wait_all
+from tests.helpers import fresh_copy, left_behind, shm_regions, wait_all
 from tests.helpers.dist import reference, spawn
 
 
@@ -212,19 +212,6 @@ def test_make_run_on_ccl_gives_a_finished_run_that_says_which_ccl(tmp_path):
     assert "oneCCL 2022.2.0" in tags["ddplab.backend_reason"]
     assert tags["ddplab.version.ddplab_ccl"].startswith("oneccl 2022.2.0")
     assert left_behind(before) == set()  # each rank's libfabric shm region is gone
-
-
-def left_behind(before: set[str]) -> set[str]:
-    """Regions made since ``before`` whose process is gone: leaked. A ccl job of another test
-    running beside this one (make test's workers) has regions too, while its ranks live."""
-    return {r for r in shm_regions() - before if not Path(f"/proc/{r.split(':')[0]}").exists()}
-
-
-def shm_regions() -> set[str]:
-    """libfabric shm transport's regions in /dev/shm (``<pid>:<n>:<n>``)."""
-    import re
-
-    return {p.name for p in Path("/dev/shm").iterdir() if re.fullmatch(r"\d+:\d+:\d+", p.name)}
 
 
 def test_release_takes_only_this_process_regions_and_doctor_counts_the_orphans(tmp_path):

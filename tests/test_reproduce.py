@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import csv
 import io
-from pathlib import Path
 
 import pytest
 
 from ddplab.study import reproduce
+from tests.helpers import artifact_text
 
 
 @pytest.mark.parametrize("metric, timing", [
@@ -54,7 +54,7 @@ def judge(store: str, original: dict, again: dict, capsys) -> tuple[int, str, di
     code = reproduce._judge(c, c.get_run(first), new, 0)
     (line,) = capsys.readouterr().out.strip().splitlines()
     rows = list(csv.DictReader(io.StringIO(
-        Path(c.download_artifacts(new, "reproduce/differences.csv")).read_text())))
+        artifact_text(c, new, "reproduce/differences.csv"))))
     return code, line, c.get_run(new).data.tags, rows
 
 

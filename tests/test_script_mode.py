@@ -21,7 +21,7 @@ from ddplab import cli, config
 from ddplab.study.spec import load_study
 
 from .conftest import REPO, ddplab, job_env, runs
-from .helpers import BIN, Server, free_port
+from .helpers import BIN, Server, artifact_text, free_port, left_behind, shm_regions
 
 SCRIPTS = REPO / "experiments" / "scripts"
 BOOK_GLOO = SCRIPTS / "gloo_distributed-cnn_cifar10.py"
@@ -134,8 +134,7 @@ def _logs(store: str, run_id: str) -> dict[str, str]:
     client = MlflowClient(store)
     out = {}
     for a in client.list_artifacts(run_id, "logs"):
-        local = client.download_artifacts(run_id, a.path)
-        out[Path(a.path).name] = Path(local).read_text()
+        out[Path(a.path).name] = artifact_text(client, run_id, a.path)
     return out
 
 
@@ -183,7 +182,7 @@ def _observed_like_ddplabs_loop(store: str, run, printed: str, console: str) -> 
     assert metrics["perf/samples_per_s"] == pytest.approx(per_rank, rel=1e-3)
     assert {"train/step_time_s", "train/data_wait_frac", "train/rank1_busy_s",
             "memory/peak_rss_mb"} <= set(metrics)
-    summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json")).read_text())
+    summary = json.loads(artifact_text(client, run.info.run_id, "summary.json"))
     assert summary["steps"] == 10 and summary["samples"] == 640 and summary["epoch_steps"] == [2] * 5
     assert summary["clock"] == run.data.tags["ddplab.script_clock"] == "host"  # a CPU's
     # What the observation's own hooks took of the steady steps: measured, and small.
@@ -444,12 +443,15 @@ def test_the_books_oneccl_script_runs_on_ddplabs_ccl_standing_in(tmp_path, store
 
     if ccl.missing():
         pytest.skip(f"ddplab's ccl is not built here ({ccl.missing()}); make test builds it")
+    before = shm_regions()
     res = ddplab(["train", str(BOOK_ONECCL), "--", "--synthetic", "128"], tmp_path,
                  job_env(store), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.backend"] == "ccl"
     assert "standing in for oneccl_bindings_for_pytorch" in run.data.tags["ddplab.ccl_impl"]
+    # The script's processes end by os._exit too: their libfabric regions (64 MB each) go.
+    assert left_behind(before) == set()
 
 
 @pytest.mark.mpi
@@ -602,8 +604,7 @@ def test_an_fsdp_script_is_observed_and_fsdp_is_not_loaded_for_it(tmp_path, stor
     from mlflow import MlflowClient
 
     (run,) = runs(store)
-    summary = json.loads(Path(MlflowClient(store).download_artifacts(
-        run.info.run_id, "summary.json")).read_text())
+    summary = json.loads(artifact_text(MlflowClient(store), run.info.run_id, "summary.json"))
     # FSDP2 is no wrapper: the batch is counted at the first module called, the sharded
     # root: 12 steps x 24 samples x 2 ranks.
     assert (summary["steps"], summary["samples"]) == (12, 576), summary

@@ -66,6 +66,26 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     return outs
 
 
+def artifact_text(client, run_id: str, path: str) -> str:
+    """A run's artifact as text. MLflow's download_artifacts without a destination copies into
+    a temporary folder of its own that it never removes: one left in /tmp per call."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return Path(client.download_artifacts(run_id, path, tmp)).read_text()
+
+
+def left_behind(before: set[str]) -> set[str]:
+    """Regions made since ``before`` whose process is gone: leaked. A ccl job of another test
+    running beside this one (make test's workers) has regions too, while its ranks live."""
+    return {r for r in shm_regions() - before if not Path(f"/proc/{r.split(':')[0]}").exists()}
+
+
+def shm_regions() -> set[str]:
+    """libfabric shm transport's regions in /dev/shm (``<pid>:<n>:<n>``)."""
+    return {p.name for p in Path("/dev/shm").iterdir() if re.fullmatch(r"\d+:\d+:\d+", p.name)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -113,12 +113,11 @@ def register() -> tuple[bool, str]:
 def release_shm(shm: Path = Path("/dev/shm")) -> int:
     """Unlink the shared-memory regions libfabric's shm transport (CCL_ATL_SHM=1) made for this
     process; returns how many. libfabric removes them only in its library destructor or its
-    signal handler, which a rank ending by ``os._exit`` (cli.entry) never runs: each region
-    left (``/dev/shm/<pid>:<n>:<n>``) kept about 20 MB of RAM, 64 MB reserved, until reboot,
-    so a few hundred ccl ranks filled /dev/shm. Removing the name is safe at the end: peers
-    that mapped the region keep their mapping. A no-op where the backend was never loaded."""
-    if not any(module for module, _ in _loaded.values()):
-        return 0
+    signal handler, which a rank ending by ``os._exit`` (cli.entry, a script's process in
+    script mode) never runs: each region left (``/dev/shm/<pid>:<n>:<n>``) kept about 20 MB of
+    RAM, 64 MB reserved, until reboot, so a few hundred ccl ranks filled /dev/shm. Removing the
+    name is safe at the end: peers that mapped the region keep their mapping. Whichever oneCCL
+    made them (ddplab's build, Intel's bindings a script imported): only this process's names."""
     mine = str(os.getpid())
     gone = 0
     for name in [n for n, owner in _shm_regions(shm) if owner == mine]:

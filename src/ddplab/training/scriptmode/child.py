@@ -210,14 +210,17 @@ def _ours(filename: str) -> bool:
 def _exit(code: int) -> None:
     """The script's atexit handlers run, then the process ends without interpreter teardown:
     a script that never destroyed its process group would otherwise risk gloo's abort at exit
-    (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop)."""
+    (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop, and likewise gives
+    back the shared memory a ccl process group's libfabric made, whose own clean-up is skipped)."""
     import atexit
 
+    from ... import ccl
     from ...log import flush_std
 
     try:
         atexit._run_exitfuncs()
     finally:
+        ccl.release_shm()
         flush_std()
         os._exit(code)
 
