@@ -37,6 +37,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=weight)
 
 
+@pytest.fixture(autouse=True)
+def _artifacts_in_the_tests_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store opened in the test's own process puts a new experiment's artifacts at MLflow's
+    default, ./mlruns of the working directory: the checkout (make test left a mlruns/ of a
+    dozen runs in it). Here they go to the test's folder, where a test that changes into that
+    folder expects them anyway. (Jobs in child processes use their own working directory.)"""
+    from mlflow.tracking._tracking_service import utils
+
+    monkeypatch.setattr(utils, "DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH", str(tmp_path / "mlruns"))
+
+
 @pytest.fixture(scope="session")
 def migrated_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty MLflow store with its schema made, once per session: each new store cost its

@@ -151,6 +151,7 @@ def test_the_study_file_recorded_in_the_parent_run_is_masked(tmp_path, clean_env
                                     "variants": [{"name": "a"}]}))
     study = spec.load_study(path)
     logged = {}
+    monkeypatch.chdir(tmp_path)  # the parent's spool, under ./checkpoints: not the checkout's
 
     class Client:
         def search_runs(self, *a, **k):
