@@ -5,6 +5,7 @@ purpose on rank 1 at one step, under real torchrun with 2 ranks."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import statistics
@@ -17,17 +18,18 @@ import pytest
 
 from ddplab.forensics.watch import Ending, verdict
 from tests.conftest import job_env, runs
-from tests.helpers import faulty_experiment
+from tests.helpers import faulty_experiment, left_behind, shm_regions
 
 BIN = Path(sys.executable).parent
 HOST = socket.gethostname()
 
 
-def run_faulty(tmp_path: Path, store: str, fault: str, where: str = "data", step: int = 5):
+def run_faulty(tmp_path: Path, store: str, fault: str, where: str = "data", step: int = 5,
+               *extra: str):
     exp = faulty_experiment(tmp_path)
     t0 = time.monotonic()
     out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddplab",
-                          "train", str(exp), "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
+                          "train", str(exp), "--set", f"checkpoint.dir={tmp_path / 'ck'}", *extra],
                          cwd=tmp_path, env=job_env(store, FAULT=fault, FAULT_WHERE=where,
                                                    FAULT_STEP=str(step)),
                          capture_output=True, text=True, timeout=300)
@@ -156,7 +158,11 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
 
     records = {"pg_status": {"0": {"last_enqueued_collective": "9", "last_completed_collective": "8"}},
                "entries": [{"pg_id": 0, "collective_seq_id": 9, "profiling_name": "gloo:broadcast"}]}
-    code = ("import json, sys\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+    shm = tmp_path / "shm"  # /dev/shm's stand-in: the rank's ccl region, and a live process's
+    shm.mkdir()
+    (shm / f"{os.getpid()}:0:0").write_bytes(b"x")
+    code = ("import json, os, sys\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"Path({str(shm)!r}, f'{{os.getpid()}}:0:0').write_bytes(b'x')\n"
             f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2, lambda: json.dumps({records!r}).encode())\n"
             "heartbeat.beat('data loading', 3)\n"
             "heartbeat.beat('forward')\n"
@@ -175,6 +181,23 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     stack = (tmp_path / "rank-1.stack.txt").read_text()
     assert "in stuck_in_the_forward" in stack, stack
     assert verdict(watch.endings(), 1).startswith("rank 1 (host h) stopped at step 3 in forward ")
+    # The killed rank's libfabric region goes with it (its own clean-up never ran); not others'.
+    assert watch.release_shm(shm) == 1
+    assert [p.name for p in shm.iterdir()] == [f"{os.getpid()}:0:0"]
+
+
+@pytest.mark.e2e
+def test_a_hung_ccl_job_stopped_by_the_watch_leaves_no_shared_memory(tmp_path, store):
+    """The watch SIGKILLs hung ranks, whose libfabric clean-up then never runs: their node's
+    delivery process removes their shm regions (64 MB reserved each, until reboot) after."""
+    from ddplab import ccl
+
+    assert ccl.missing() is None, f"{ccl.missing()} (make test builds it: make setup-ccl)"
+    before = shm_regions()
+    out, run, _ = run_faulty(tmp_path, store, "sleep", "data", 3, "--set", "dist.backend=ccl")
+    assert run.info.status == "FAILED" and run.data.tags["ddplab.backend"] == "ccl", out.stderr[-3000:]
+    assert run.data.tags["ddplab.error"].startswith(f"rank 1 (host {HOST}) stopped at step 3")
+    assert left_behind(before) == set()
 
 
 @pytest.mark.parametrize("env, says", [

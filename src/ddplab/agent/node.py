@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     since = time.time()
     # (The watch ticks with the delivery's cycle, every 3 s: a hang is seen within that.)
     out = spool.deliver(args.spool, client, producing, args.timeout, final=True)
+    watch.release_shm()
     holds_rank0 = (args.spool / "records.jsonl").exists()
     verdict = postmortem.record(client, meta.run_id, watch, args.node, args.world_size, holds_rank0)
     if not out.left and not alive.closed.exists() and holds_rank0:

@@ -110,15 +110,16 @@ def register() -> tuple[bool, str]:
     return True, why
 
 
-def release_shm(shm: Path = Path("/dev/shm")) -> int:
+def release_shm(shm: Path = Path("/dev/shm"), pid: int | None = None) -> int:
     """Unlink the shared-memory regions libfabric's shm transport (CCL_ATL_SHM=1) made for this
     process; returns how many. libfabric removes them only in its library destructor or its
     signal handler, which a rank ending by ``os._exit`` (cli.entry, a script's process in
     script mode) never runs: each region left (``/dev/shm/<pid>:<n>:<n>``) kept about 20 MB of
     RAM, 64 MB reserved, until reboot, so a few hundred ccl ranks filled /dev/shm. Removing the
     name is safe at the end: peers that mapped the region keep their mapping. Whichever oneCCL
-    made them (ddplab's build, Intel's bindings a script imported): only this process's names."""
-    mine = str(os.getpid())
+    made them (ddplab's build, Intel's bindings a script imported): only this process's names,
+    or ``pid``'s: a rank that died outright, whose node's delivery process cleans up after it."""
+    mine = str(pid or os.getpid())
     gone = 0
     for name in [n for n, owner in _shm_regions(shm) if owner == mine]:
         try:

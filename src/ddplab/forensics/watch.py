@@ -170,6 +170,14 @@ class Watch:
         crash = _read(crash_path(self.directory, b.rank))
         return Ending(b.rank, b.step, b.phase, b.time, "died", crash, self.host)
 
+    def release_shm(self, shm: Path = Path("/dev/shm")) -> int:
+        """The ccl shared memory of this node's ranks that died outright (the watch's own SIGKILL
+        after a hang, the OOM killer's), whose clean-up never ran (ccl.release_shm): 64 MB
+        reserved each until reboot. Returns how many regions went."""
+        from ..ccl import release_shm
+
+        return sum(release_shm(shm, b.pid) for b in read(self.directory) if not alive(b.pid))
+
     def files(self) -> list[Path]:
         """The stacks, crash dumps and errors its ranks left (the run's forensics/)."""
         return sorted(p for pattern in ("rank-*.txt", "rank-*.flight-recorder.json")
