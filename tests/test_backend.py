@@ -128,3 +128,8 @@ def test_a_oneccl_failure_at_start_is_not_blamed_on_missing_peers(monkeypatch):
     store = RuntimeError("Timed out after 601 seconds waiting for clients. 1/2 clients joined.")
     said = group.init_failure(store, le, 600)
     assert "waited 600s (dist.timeout_s) for rank 0's store at localhost:43367" in said
+    # Every rank met at the store, one never joined oneCCL's communicator: not "its store".
+    joined = RuntimeError("ccl (ddplab): oneCCL's communicator of 2 ranks was not made within "
+                          "600 s: a rank did not join it (it failed or was stopped during set-up)")
+    said = group.init_failure(joined, le, 600)
+    assert said == f"rank 1 of 2: {joined}"

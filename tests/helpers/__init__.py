@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -47,18 +48,29 @@ def faulty_experiment(folder: Path, **fault: object) -> Path:
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     """Each process's output (started with start_new_session=True, stdout PIPE, text), read
-    together: one waiting on another never fills its pipe. On a timeout every process group is
-    killed (nothing left running) and the test fails with each one's last lines."""
+    together: one waiting on another never fills its pipe. On a timeout every process and its
+    descendants (torchrun's workers and ddplab's delivery process run in sessions of their own,
+    holding the pipe) are killed, and the test fails with each one's last lines."""
     import concurrent.futures
+
+    import psutil
 
     with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
         reads = [pool.submit(p.communicate) for p in procs]
         done, _ = concurrent.futures.wait(reads, timeout=timeout)
         if len(done) < len(procs):
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-        outs = [r.result()[0] or "" for r in reads]
+            for p, r in zip(procs, reads, strict=True):
+                if r.done():
+                    continue
+                tree = []  # before any kill: a killed parent's children go to init
+                with contextlib.suppress(psutil.Error):
+                    tree = psutil.Process(p.pid).children(recursive=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)  # its group, orphans included
+                for child in tree:
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
+        outs = [r.result(timeout=60)[0] or "" for r in reads]
     if len(done) < len(procs):
         tails = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-2000:]}"
                           for i, (p, o) in enumerate(zip(procs, outs, strict=True)))

@@ -66,6 +66,8 @@ def init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int) -> str:
         return (f"rank {le.rank} of {le.world_size}: the ccl backend did not start ({first}); "
                 "`ddplab doctor` shows oneCCL's transport and provider; dist.backend=gloo "
                 "avoids oneCCL")
+    if first.startswith("ccl (ddplab):"):  # the ranks met at the store; one never joined oneCCL
+        return f"rank {le.rank} of {le.world_size}: {first}"
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     whom = (f"the other {le.world_size - 1} rank(s) to join its store at {where}" if le.is_rank0
             else f"rank 0's store at {where} (MASTER_ADDR:MASTER_PORT) and the other ranks")

@@ -173,10 +173,12 @@ class Watch:
     def release_shm(self, shm: Path = Path("/dev/shm")) -> int:
         """The ccl shared memory of this node's ranks that died outright (the watch's own SIGKILL
         after a hang, the OOM killer's), whose clean-up never ran (ccl.release_shm): 64 MB
-        reserved each until reboot. Returns how many regions went."""
+        reserved each until reboot. Returns how many regions went. A rank that ended itself
+        (done, failed) released its own: its pid is not looked at again."""
         from ..ccl import release_shm
 
-        return sum(release_shm(shm, b.pid) for b in read(self.directory) if not alive(b.pid))
+        return sum(release_shm(shm, b.pid) for b in read(self.directory)
+                   if b.phase not in ("done", "failed") and not alive(b.pid))
 
     def files(self) -> list[Path]:
         """The stacks, crash dumps and errors its ranks left (the run's forensics/)."""

@@ -248,6 +248,9 @@ class Tracker:
     def __init__(self, uri: str, study: Study) -> None:
         from ..tracking import experiment_id, reachable_client
 
+        # Read once, at the start: the study's end must not depend on the experiment file still
+        # loading hours later (an edit meanwhile would leave the parent RUNNING, undelivered).
+        self.delivery_s = study.delivery_timeout_s()
         self.client: Any = reachable_client(uri)
         self.uri, self.study = uri, study
         self.exp_id = experiment_id(self.client, study.name)
@@ -300,7 +303,7 @@ class Tracker:
         folder = spooled.folder(self._home(run_id))
         if (folder / "meta.json").is_file():
             out = spool.deliver(folder, self.client, lambda: False,
-                                self.study.delivery_timeout_s(), final=True)
+                                self.delivery_s, final=True)
             if out.left:
                 raise TrackingError(f"{folder}: {out.left} records of the parent run, left by an "
                                     f"earlier run of this study, could not be sent ({out.error})")
@@ -447,7 +450,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
             report.build(tracker.client, parent_id, study, console, uri)
         finally:
             life.end(tracker.client, parent_id, status)
-            kept = tracker.client.close(study.delivery_timeout_s())
+            kept = tracker.client.close(tracker.delivery_s)
             if kept:
                 console.print(f"WARNING: the study's parent {kept}", soft_wrap=True)
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1

@@ -30,6 +30,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -485,7 +486,16 @@ class CclBackend : public c10d::Backend {
         made->set_exception(std::current_exception());
       }
     }).detach();
-    if (communicator.wait_for(timeout) != std::future_status::ready) {
+    // At most a year: a script's timedelta.max would overflow the clock's arithmetic. The GIL
+    // is let go meanwhile, so the process's other Python threads run.
+    auto limit = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
+    std::future_status status;
+    {
+      std::optional<pybind11::gil_scoped_release> nogil;
+      if (PyGILState_Check()) nogil.emplace();
+      status = communicator.wait_for(limit);
+    }
+    if (status != std::future_status::ready) {
       C10_THROW_ERROR(DistNetworkError,
                       "ccl (ddplab): oneCCL's communicator of " + std::to_string(size) +
                           " ranks was not made within " + std::to_string(timeout.count() / 1000) +

@@ -213,14 +213,17 @@ def _exit(code: int) -> None:
     (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop, and likewise gives
     back the shared memory a ccl process group's libfabric made, whose own clean-up is skipped)."""
     import atexit
+    import contextlib
 
-    from ... import ccl
     from ...log import flush_std
 
     try:
         atexit._run_exitfuncs()
     finally:
-        ccl.release_shm()
+        with contextlib.suppress(BaseException):  # nothing may keep the process from _exit
+            from ... import ccl
+
+            ccl.release_shm()
         flush_std()
         os._exit(code)
 
