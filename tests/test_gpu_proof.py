@@ -67,7 +67,8 @@ def test_the_proof_runs_every_cpu_step_and_refuses_the_cuda_ones_in_one_line(tmp
 
     store = f"sqlite:///{tmp_path / 'home.db'}"
     imported = [subprocess.run([sys.executable, "-m", "ddplab", "import", str(out / "store.tar.gz"),
-                                "--tracking-uri", store], capture_output=True, text=True, timeout=300)
+                                "--tracking-uri", store], capture_output=True, text=True, timeout=300,
+                               cwd=tmp_path)  # the store's new experiments keep artifacts in ./mlruns
                 for _ in range(2)]
     assert imported[0].returncode == 0, imported[0].stderr[-2000:]
     total = len(runs)

@@ -440,6 +440,7 @@ def test_sys_exit_in_user_code_is_a_failure_in_one_line(tmp_path, capsys, monkey
     from ddplab import cli
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.chdir(tmp_path)  # the run's artifacts, in ./mlruns of its store: not the checkout's
     exp = tmp_path / "examples"
     shutil.copytree(SPIRALS.parent, exp)
     name = f"exiting_{when}_{code}"  # one module per case: this process imports each once
