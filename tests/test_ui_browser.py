@@ -75,7 +75,9 @@ def ui(tmp_path_factory):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no chromium at {CHROMIUM}: apt-get install chromium (make test-browser)")
     tmp = tmp_path_factory.mktemp("ui")
-    uri, exp, parent = _store(tmp)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp)  # the store's artifacts, in ./mlruns: the test's folder, not the checkout
+        uri, exp, parent = _store(tmp)
     port = _free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "UI_PORT": str(port)}
     log = open(tmp / "ui.log", "w+")  # noqa: SIM115 - read after the server is gone
