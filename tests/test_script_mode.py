@@ -568,6 +568,7 @@ def test_the_loss_under_a_grad_scaler_and_through_autograd_backward_is_the_scrip
 
 
 FSDP_SCRIPT = '''
+import os
 import sys
 
 import torch
@@ -575,8 +576,10 @@ import torch.distributed as dist
 
 # The observation attaches to FSDP only once the script imports it: nothing of FSDP's (600
 # modules, sympy's among them) is loaded for a script that never does.
-print("fsdp loaded before the script asked:", "torch.distributed.fsdp" in sys.modules,
-      "sympy" in sys.modules)
+# One write each: the two ranks share the pipe, and print's pieces of one rank can fall between
+# the other's.
+os.write(1, f"fsdp loaded before the script asked: {'torch.distributed.fsdp' in sys.modules} "
+            f"{'sympy' in sys.modules}\\n".encode())
 from torch.distributed.fsdp import fully_shard  # FSDP2 (FSDP1's wrapper class needs a GPU)
 
 dist.init_process_group("gloo")
