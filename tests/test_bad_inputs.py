@@ -135,7 +135,7 @@ CASES = [
     ("resume empty", None, ["checkpoint.resume="], {}, [], "checkpoint.resume: got ''"),
     ("flops negative", None, ["model.flops_per_sample=-1"], {}, [],
      "model.flops_per_sample: got -1.0; must be in [0, inf)"),
-    ("mfu not a bool", None, ["train.mfu=maybe"], {}, [], "train.mfu: got 'maybe'; expected bool"),
+    ("mfu not a bool", None, ["train.mfu=maybe"], {}, [], "train.mfu: got 'maybe'; expected true or false"),
     ("target key empty", None, ["data.target_key="], {}, [], "data.target_key: got ''; must name"),
     ("input keys hold the target", None, ["data.input_keys=[labels]"], {}, [],
      "data.input_keys: got ['labels']; must be keys other than data.target_key"),
@@ -465,6 +465,25 @@ def test_a_bad_node_count_in_the_environment_is_one_line(monkeypatch, capsys):
     assert e.value.code == 2 and "NNODES" in err and "'abc'" in err and "Traceback" not in err
     monkeypatch.setenv("NNODES", "2")
     assert cli.main(["config", QUICKSTART]) == 0  # other commands never read it
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--sett", "x=1", "t.py"], "ddplab train: error: unrecognized arguments: --sett t.py; "
+                                         "did you mean --set? (see ddplab train --help)"),
+    (["study", "run", "--dryrun", "s.yaml"], "ddplab study run: error: unrecognized arguments: "
+                                             "--dryrun; did you mean --dry-run?"),
+    (["train", "--nproc-per-node", "2", "t.py"], "--nproc-per-node is a launcher's: ddplab run "
+                                                 "--nproc-per-node N ..."),
+    (["run", "--nproc-per-node", "2", "t.py", "--lr", "3"],
+     "go after --: ddplab run --nproc-per-node 2 t.py -- --lr 3 (see ddplab run --help)"),
+    (["bogus"], "ddplab: error: argument command: invalid choice: 'bogus'"),
+])
+def test_a_mistyped_command_line_is_one_line_saying_what_was_meant(argv, says, capsys):
+    """argparse's own errors, as ddplab's: one line, no usage block, the likely fix."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
 
 
 def test_every_subcommand_has_a_handler():

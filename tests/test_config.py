@@ -33,7 +33,7 @@ def test_defaults_then_file_then_overrides(tmp_path):
     ("train:\n  epochs: 0\n", [], r"train.epochs: got 0; must be >= 1"),
     ("model:\n  name: resnet9\n", [], r"model.name: got 'resnet9'; choose one of: cnn, resnet18"),
     ("dist:\n  backend: nvlink\n", [], r"dist.backend: got 'nvlink'; expected one of 'auto'"),
-    ("train:\n  deterministic: 1\n", [], r"train.deterministic: got 1; expected bool"),
+    ("train:\n  deterministic: 1\n", [], r"train.deterministic: got 1; expected true or false"),
     ("data:\n  batch_size: true\n", [], r"data.batch_size: got True; expected int"),
     ("", ["train.epochs=x"], r"--set 'train.epochs=x': train.epochs: got 'x'; expected int"),
     ("", ["trian.epochs=2"], r"--set 'trian.epochs=2': trian: unknown key"),

@@ -123,8 +123,9 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
     proc.wait(timeout=120)  # no hang: torchrun stops the survivors
-    # Measured about 3 s; 30 s is far below the 120 s collective timeout a hang would take.
-    assert proc.returncode != 0 and time.monotonic() - t0 < 30
+    # Measured about 3 s; 60 s (room for a loaded CI machine, where the job's ending runs at
+    # nice 19) is still half the 120 s collective timeout a hang would take.
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
     (failed,) = runs(store)
     rejected = [p.read_text()[-2000:] for p in (tmp_path / "ck").rglob("rejected.jsonl")]
     assert failed.info.status == "FAILED" and failed.data.tags.get("ddplab.error"), (
@@ -167,7 +168,7 @@ def test_sigkill_of_rank0_still_ends_the_run_failed(tmp_path, store):
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
     while runs(store)[0].info.status == "RUNNING":
-        assert time.monotonic() - t0 < 60, "the run stayed RUNNING"
+        assert time.monotonic() - t0 < 90, "the run stayed RUNNING"
         time.sleep(0.5)
     (run,) = runs(store)
     assert run.info.status == "FAILED" and "global rank 0 lost" in run.data.tags["ddplab.error"]
@@ -191,7 +192,7 @@ def test_a_lone_process_killed_outright_does_not_leave_its_run_running(tmp_path,
     proc.wait()
     t0 = time.monotonic()
     while runs(store)[0].info.status == "RUNNING":
-        assert time.monotonic() - t0 < 30, "the run stayed RUNNING"
+        assert time.monotonic() - t0 < 60, "the run stayed RUNNING"
         time.sleep(0.5)
     (run,) = runs(store)
     assert run.info.status == "FAILED"

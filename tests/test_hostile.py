@@ -192,29 +192,25 @@ def test_sync_to_a_store_without_the_run_delivers_nothing_and_says_so(tmp_path, 
 # ---- class 1: a proxy that refuses for a while ----
 
 class RefusingProxy:
-    """127.0.0.1 proxy to a real server; for ``window_s`` from the first log-batch on, it answers
-    every log-batch with ``statuses`` in turn, each for its share of the window (a proxy or an
-    auth layer having a bad 15 s), and forwards everything else. The window opens on the job's
-    first record, not on a clock started at launch: on a loaded machine the job may take longer
-    than the window to send one."""
+    """127.0.0.1 proxy to a real server; from the job's first log-batch on, it answers the
+    log-batches with ``statuses`` in turn, ``each`` times per status (a proxy or an auth layer
+    having a bad spell), then forwards them again; everything else is forwarded throughout. The
+    spell is counted in refusals, not seconds: the delivery's back-off (up to 10 s between sends
+    while the job runs) and a loaded machine's slow job would let a clock's window end before
+    its second status was ever served."""
 
-    def __init__(self, upstream_port: int, statuses: tuple[int, ...] = (403,),
-                 window_s: float = 15.0) -> None:
-        self.statuses, self.window_s = statuses, window_s
+    def __init__(self, upstream_port: int, statuses: tuple[int, ...] = (403,), each: int = 2) -> None:
+        self.statuses, self.each = statuses, each
         self.refused: dict[int, int] = dict.fromkeys(statuses, 0)
-        self.opened: float | None = None
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if "log-batch" in self.path and outer.opened is None:
-                    outer.opened = time.monotonic()
-                if "log-batch" in self.path and time.monotonic() - outer.opened < outer.window_s:
-                    # One status per part of the window (not alternating: a record refused with
-                    # one is retried alone and would meet the other, hiding how each is treated).
-                    part = (time.monotonic() - outer.opened) / outer.window_s
-                    status = outer.statuses[min(int(part * len(outer.statuses)), len(outer.statuses) - 1)]
+                # One status after the other (not alternating: a record refused with one is
+                # retried alone and would meet the other, hiding how each is treated).
+                status = next((s for s in outer.statuses if outer.refused[s] < outer.each), None)
+                if "log-batch" in self.path and status is not None:
                     outer.refused[status] += 1
                     self.send_response(status)
                     # As each says it: an auth layer's JSON 403 (MLflow reads its error code), a

@@ -107,7 +107,11 @@ def _ddplab(args: list[str], cwd: Path, store: str, timeout: int = 300) -> subpr
 def test_unshifted_labels_under_a_loss_of_ddplabs_are_refused_before_training(tmp_path, store):
     out = _ddplab(["train", str(experiment(tmp_path)), "--set", "train.loss=cross_entropy"],
                   tmp_path, store)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    # "[ddplab] checks: still importing transformers (6 s)": progress a slow import shows on a
+    # busy machine, beside the one line of the refusal.
+    said = [line for line in out.stderr.splitlines()
+            if line.strip() and not line.startswith("[ddplab] checks: still ")]
+    assert out.returncode == 2 and len(said) == 1, out.stderr[-2000:]
     assert "the targets equal the input ids" in out.stderr and "train.loss: model" in out.stderr
     assert runs(store) == []
 

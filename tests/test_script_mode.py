@@ -185,8 +185,10 @@ def _observed_like_ddplabs_loop(store: str, run, printed: str, console: str) -> 
     summary = json.loads(artifact_text(client, run.info.run_id, "summary.json"))
     assert summary["steps"] == 10 and summary["samples"] == 640 and summary["epoch_steps"] == [2] * 5
     assert summary["clock"] == run.data.tags["ddplab.script_clock"] == "host"  # a CPU's
-    # What the observation's own hooks took of the steady steps: measured, and small.
-    assert 0 < summary["observe_frac"] < 0.02 and summary["per_rank"]["1"]["observe_s"] > 0
+    # What the observation's own hooks took of the steady steps: measured, and small (0.2% in
+    # make bench-script; a few ms of a busy machine's preemption inside a hook of these 8 tiny
+    # steps would cross 2%, so the bound here is loose and the target is the benchmark's).
+    assert 0 < summary["observe_frac"] < 0.1 and summary["per_rank"]["1"]["observe_s"] > 0
     assert "done in " in console and "10 steps, train/loss" in console
 
 
@@ -209,6 +211,7 @@ def test_mlflow_and_track_land_in_the_one_run_and_a_rank_failure_is_named(tmp_pa
         bad = ddplab(["train", str(script), "--set", "checkpoint.resume=never", "--",
                       "--fault", fault], tmp_path, job_env(store), nproc=2)
         assert bad.returncode != 0
+        assert "done in " not in bad.stdout + bad.stderr  # a success's closing line, not a failure's
         failed = [r for r in runs(store) if r.info.status == "FAILED"]
         assert len(failed) == (1 if fault == "raise" else 2)
         error = max(failed, key=lambda r: r.info.start_time).data.tags["ddplab.error"]
@@ -264,6 +267,23 @@ def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp
     assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
     assert "resuming from epoch 2" in again.stdout
     assert run.data.tags["ddplab.resumed_from"] == run.info.run_id
+    # The run ends as the finished attempt ended: its figures (logged after the failed attempt's
+    # steps, which the observation of a resumed script cannot number), not the failed one's;
+    # one value per step; the failed attempt's verdict and ranks' endings set aside.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    summary = json.loads(artifact_text(client, run.info.run_id, "summary.json"))
+    assert run.data.metrics["perf/wall_s"] == pytest.approx(summary["wall_time_s"], abs=1e-3)
+    assert run.data.metrics["train/rank1_samples_per_s"] == summary["per_rank"]["1"]["samples_per_s"]
+    # (train/loss and perf/samples_per_s are the script's own, logged on its own steps.)
+    for name in ("perf/wall_s", "train/rank1_samples_per_s", "train/step_time_s", "epoch/time_s"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, name)]
+        assert len(steps) == len(set(steps)), (name, steps)
+    assert not {k for k in run.data.tags if k.startswith(("ddplab.verdict", "ddplab.forensics.",
+                                                          "ddplab.error"))}, run.data.tags
+    aside = [a.path for a in client.list_artifacts(run.info.run_id, "resumes")]
+    assert any(p.startswith("resumes/error-before-step") for p in aside), aside
 
 
 # A plain DDP script that logs nothing, whose rank 1 loads its data slowly (or hangs there).
@@ -514,6 +534,16 @@ def test_ddplab_run_starts_torchrun_for_a_script_and_its_arguments(tmp_path, sto
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "torchrun"
     assert json.loads(run.data.tags["ddplab.script_args"]) == ["--epochs", "1", "--samples", "128"]
+    # A failed job ends on its run too: after torchrun's own report, the run's id and address.
+    bad = subprocess.run([str(BIN / "ddplab"), "run", "--nproc-per-node", "2", str(MY_TRAIN),
+                          "--", "--epochs", "1", "--samples", "128"], cwd=tmp_path,
+                         env=job_env(store, MY_TRAIN_FAIL_AT_STEP="1"), capture_output=True,
+                         text=True, timeout=300)
+    failed = next(r for r in runs(store) if r.info.status == "FAILED")
+    last = bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode != 0 and last.startswith(f"[ddplab] MLflow run {failed.info.run_id} "
+                                                   "FAILED in "), bad.stderr[-3000:]
+    assert "done in " not in bad.stdout + bad.stderr
 
 
 SCALED = '''

@@ -25,6 +25,8 @@ SPEED_WORDS = ("samples/s", "speedup", "faster", "slower", "efficiency", "busy m
     ("tokens_per_s", "max"), ("train_samples_per_second", "max"), ("throughput", "max"),
     ("perf/mfu", "max"), ("eval/f1", "max"), ("roc_auc", "max"),
     ("gpu/temp", None), ("grad_accum", None), ("score", None), ("acc_loss", None),
+    # A rate of something lower-is-better says both: an error rate is not a throughput.
+    ("errors_per_second", None), ("loss_per_s", None), ("throughput_time", None),
 ])
 def test_the_one_rule_infers_the_direction_from_the_name_or_says_it_cannot(metric, mode):
     assert spec.inferred_mode(metric) == mode
@@ -52,6 +54,12 @@ def test_a_metric_the_rule_cannot_place_is_refused_in_one_line(tmp_path, store, 
     assert "Traceback" not in err
     assert f"{tmp_path / 'study.yaml'}: metric_mode: " in line and "'gpu/temp'" in line
     assert line.endswith("set metric_mode: max or min")
+    # metric_mode against the default metric's own direction, no metric named: a slip.
+    assert cli.main(["study", "run", str(write_study(tmp_path, metric_mode="min")),
+                     "--dry-run"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("metric_mode: 'min' without a metric: the default, perf/samples_per_s, "
+                         "is compared as higher is better; name the metric you mean (metric: NAME)")
 
 
 @pytest.mark.parametrize("fields, says", [

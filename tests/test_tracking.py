@@ -8,6 +8,7 @@ import pytest
 
 from ddplab.config import TrackingConfig
 from ddplab.tracking import NullTracker, check_reachable, resolve_uri
+from tests.conftest import REPO
 
 
 def test_uri_precedence(tmp_path, monkeypatch):
@@ -99,8 +100,9 @@ def test_waits_for_a_server_that_comes_up_late(tmp_path, monkeypatch):
         _create_or_attach(TrackingConfig(uri="http://x:1", wait_s=1), "x", "", "", tmp_path)
 
 
-def test_the_printed_address_opens_the_run_in_the_model_training_view(monkeypatch):
+def test_the_printed_address_opens_the_run_in_the_model_training_view(monkeypatch, tmp_path):
     from ddplab.tracking import ui_address
+    from ddplab.tracking.store import embedded_store
 
     monkeypatch.delenv("DDPLAB_UI_URL", raising=False)
     assert ui_address("http://mlflow:5000/", "3", "abc") == (
@@ -108,8 +110,17 @@ def test_the_printed_address_opens_the_run_in_the_model_training_view(monkeypatc
     monkeypatch.setenv("DDPLAB_UI_URL", "http://localhost:5123")  # compose: the browser's name
     assert ui_address("http://mlflow:5000", "3", "abc").startswith(": http://localhost:5123/#/")
     monkeypatch.delenv("DDPLAB_UI_URL")
-    local = ui_address("sqlite:////x/mlflow.db", "3", "abc")
-    assert "make ui" in local and local.endswith("/#/experiments/3/runs/abc?workflowType=machine_learning")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(REPO)  # the checkout, whose make ui serves its own mlflow.db
+    local = ui_address(embedded_store(), "3", "abc")
+    assert "browse it with `make ui`, then" in local
+    assert local.endswith("/#/experiments/3/runs/abc?workflowType=machine_learning")
+    # Any other store, or outside a checkout: the command that serves that very store.
+    for where in (REPO, tmp_path):
+        monkeypatch.chdir(where)
+        other = ui_address("sqlite:////x/mlflow.db", "3", "abc")
+        assert "browse it with `mlflow server --app-name ddplab --backend-store-uri " \
+               "sqlite:////x/mlflow.db`, then http://127.0.0.1:5000/#/experiments/3/" in other
 
 
 def test_every_rank_can_call_what_rank_0_calls():

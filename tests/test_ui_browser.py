@@ -114,13 +114,31 @@ def page(ui):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         context = browser.new_context(viewport={"width": 1500, "height": 950})  # a first visit
-        yield context.new_page()
+        page = context.new_page()
+        page.set_default_timeout(UI_WAIT_MS)
+        yield page
         browser.close()
 
 
 # CI runs this tier beside the container tier on 2 busy cores, where MLflow's UI (a few MB of
 # JavaScript, then its API calls through one server worker) once took over 30 s to draw a table.
 UI_WAIT_MS = 90_000
+
+
+def _open_experiment(page, name: str) -> None:
+    """Click the experiment's link in the list, as a user does. A click that lands while the list
+    is still being drawn can be lost with the element it hit (seen in CI): one more click, once
+    the link is there again, if the address has not moved to the experiment."""
+    link = page.get_by_role("link", name=name, exact=True).first
+    for attempt in range(2):
+        link.wait_for()
+        link.click()
+        try:
+            page.wait_for_url(re.compile(r"#/experiments/\d+"), timeout=UI_WAIT_MS // (2 - attempt))
+            return
+        except Exception:  # noqa: BLE001 - playwright's TimeoutError: the click was lost
+            if attempt:
+                raise
 
 
 def _runs_table(page) -> None:
@@ -135,7 +153,7 @@ def test_make_ui_address_opens_the_runs_and_the_next_experiment_stays_there(ui, 
     page.goto(ui.address)
     page.get_by_role("link", name="quickstart", exact=True).wait_for(timeout=UI_WAIT_MS)
     page.screenshot(path=ui.shots / "1-experiments.png")
-    page.get_by_role("link", name="quickstart", exact=True).click()
+    _open_experiment(page, "quickstart")
     _runs_table(page)
     assert re.search(r"#/experiments/\d+/runs", page.url), page.url
     page.get_by_text("quickstart gloo 1n x 2r x 1t torchrun").first.wait_for(timeout=UI_WAIT_MS)
@@ -143,14 +161,14 @@ def test_make_ui_address_opens_the_runs_and_the_next_experiment_stays_there(ui, 
     # The experiment links inside the UI drop ?workflowType: only the stored first-visit
     # choice keeps the next one in the runs view (MLflow alone lands in GenAI's Traces here).
     page.go_back()
-    page.get_by_role("link", name="a-study", exact=True).click()
+    _open_experiment(page, "a-study")
     _runs_table(page)
     page.screenshot(path=ui.shots / "3-study-runs.png")
 
 
 def test_the_bare_address_opens_the_model_training_view_too(ui, page):
     page.goto(f"http://127.0.0.1:{ui.port}/")
-    page.get_by_role("link", name="quickstart", exact=True).first.click()
+    _open_experiment(page, "quickstart")
     _runs_table(page)
 
 
@@ -201,10 +219,11 @@ def test_the_team_servers_ui_asks_for_a_login_then_opens_on_the_runs(login_serve
         context = browser.new_context(viewport={"width": 1500, "height": 950},
                                       http_credentials={"username": "admin", "password": ADMIN_PASSWORD})
         page = context.new_page()
+        page.set_default_timeout(UI_WAIT_MS)
         # The Default experiment's own address, without ?workflowType: the runs, not GenAI's
         # traces, by the first-visit choice alone (clicking through the list is tested above).
         page.goto(login_server + "/#/experiments/0")
         _runs_table(page)
-        page.get_by_text("admin", exact=True).first.wait_for(timeout=10_000)
+        page.get_by_text("admin", exact=True).first.wait_for()
         page.screenshot(path=str(Path(os.environ.get("DDPLAB_SCREENSHOTS", tmp_path)) / "login.png"))
         browser.close()

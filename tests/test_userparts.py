@@ -459,9 +459,11 @@ def test_a_slow_user_part_says_what_the_checks_wait_for(capfd):
 
     from ddplab.workload.userparts import still_working
 
-    with still_working("calling mymod:slow (data.dataset)", first_s=0.2, every_s=0.3):
-        time.sleep(0.7)
-    time.sleep(0.4)  # nothing more once it returned
+    # Lines due at 0.3 s and 1.3 s, the next at 2.3 s: half a second of room on either side
+    # for a busy machine's late wake-ups.
+    with still_working("calling mymod:slow (data.dataset)", first_s=0.3, every_s=1.0):
+        time.sleep(1.8)
+    time.sleep(1.0)  # nothing more once it returned
     lines = [x for x in capfd.readouterr().err.splitlines() if "checks: still" in x]
     assert len(lines) == 2 and "calling mymod:slow (data.dataset) (0 s)" in lines[0]
 

@@ -20,11 +20,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import subprocess
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from . import __version__
 from .log import flush_std, logger
@@ -35,10 +36,20 @@ if TYPE_CHECKING:
 EXIT_ERROR, EXIT_USAGE = 1, 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, but bad input is one line (what is wrong, and where the help is), not the
+    usage block first; its sub-commands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddplab", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="ddplab", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"ddplab {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    # (its parsers are _Parser: argparse makes them of the parent's class)
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               p.add_subparsers(dest="command", required=True))
     overrides: dict[str, Any] = {"action": "append", "default": [], "metavar": "KEY=VALUE",
                                  "help": "override a config value, e.g. --set train.epochs=3 (repeatable)"}
     t = sub.add_parser("train", help="run an experiment under any launcher (or none)")
@@ -96,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     rr = sub.add_parser("reproduce", help="re-run a recorded run and compare the results")
     rr.add_argument("run_id")
     rr.add_argument("--strict", action="store_true",
-                    help="refuse when the code (git sha) or package versions differ")
+                    help="refuse when the code (git sha; a script run: the script's sha256) "
+                         "or package versions differ")
     rr.set_defaults(func=_study)
     dg = sub.add_parser("diagnose", help="why a job failed or hung: which rank, where, its stacks")
     dg.add_argument("run_id")
@@ -202,18 +214,51 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = ""
-        script = f"-m {args.module}" if getattr(args, "module", "") else str(args.experiment)
-        if args.command in ("train", "run") and (script.endswith(".py") or args.module):
-            hint = (f"; a script's own arguments go after --: ddplab {args.command} {script} "
-                    f"-- {' '.join(unknown)}")
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        chosen = _chosen(parser, args)
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}{_hint(chosen, args, argv, unknown)}")
     if args.command in ("train", "run") and not (args.experiment or args.module):
         parser.error(f"{args.command}: give an experiment (a .yaml file, or your own script's "
                      ".py), or -m MODULE")
     if script_args is not None:
         args.script_args = script_args
     return args
+
+
+LAUNCH_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--standalone",
+                "--rdzv-endpoint", "--master-port", "--max-restarts")
+"""torchrun's own options: a launcher's, not ``ddplab train``'s (which runs inside one)."""
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub-)command's own parser that ``args`` went through (``ddplab study run``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest or "", None)
+            if name in action.choices:
+                return _chosen(action.choices[name], args)
+    return parser
+
+
+def _hint(chosen: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
+          unknown: list[str]) -> str:
+    """What the user likely meant by the arguments no parser took: a launcher's flag given to
+    ``train``, a misspelled option, or a script's own arguments before the ``--``."""
+    known = sorted(o for o in chosen._option_string_actions if o.startswith("--"))
+    for flag in (u.split("=", 1)[0] for u in unknown if u.startswith("--")):
+        if args.command == "train" and flag in LAUNCH_FLAGS:
+            return (f"; {flag} is a launcher's: ddplab run {flag} N ... (or torchrun {flag} N "
+                    "-m ddplab train ...)")
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+        if close:
+            return f"; did you mean {close[0]}?"
+    if args.command not in ("train", "run"):
+        return ""
+    script = f"-m {args.module}" if args.module else str(args.experiment)
+    if script.endswith(".py") or args.module:
+        own = [a for a in argv if a not in unknown]  # the command as typed, less the script's
+        return (f"; a script's own arguments go after --: ddplab {' '.join(own)} "
+                f"-- {' '.join(unknown)}")
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -278,9 +323,9 @@ def _store_refusal(e: BaseException, uris: list[str] | None = None) -> StoreUnus
 def _say_run(e: BaseException) -> None:
     """A failed or stopped job's last line: where its run is (jobend.Signals put it on ``e``;
     progress lines come from rank 0 only)."""
-    line = getattr(e, "run_line", "")
-    if line:
-        logger().info(line)
+    from .training.jobend import say_last
+
+    say_last(getattr(e, "run_line", ""))
 
 
 def _raised_in_user_code(e: BaseException) -> str:
@@ -435,6 +480,8 @@ def _train(experiment: str | None, overrides: list[str], summary_out: str,
     from .errors import DdplabError
 
     warnings.filterwarnings("default")
+    # SQLAlchemy's deprecations inside MLflow's store: nothing the user can act on.
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"mlflow(\.|$)")
     try:
         if module:  # a packaged script: script mode, whatever the experiment file says
             from .launchers.local import load_job

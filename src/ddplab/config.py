@@ -746,6 +746,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):  # an optional key: None is "left out", not a type
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if tp is bool:
+        return "true or false"  # as YAML and --set write it
     return getattr(tp, "__name__", str(tp))
 
 

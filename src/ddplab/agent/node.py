@@ -74,6 +74,14 @@ def serve(uri: str) -> tuple[Path | None, int, Any]:
     not left RUNNING."""
     answers = os.fdopen(os.dup(1), "w")  # rank 0 reads these; anything else printed: stderr
     os.dup2(2, 1)
+    try:
+        return _answer(uri, answers)
+    finally:
+        with contextlib.suppress(OSError):  # rank 0 gone, an answer unsent: nothing to tell
+            answers.close()
+
+
+def _answer(uri: str, answers: Any) -> tuple[Path | None, int, Any]:
     client, opened = preload(uri), None
     while True:
         line = sys.stdin.readline()

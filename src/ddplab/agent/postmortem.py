@@ -158,7 +158,8 @@ def _rank_place(e: dict[str, Any]) -> str:
            else f"exit code {code}")
     if e.get("stopped"):
         how = f"stopped ({e['stopped']}), {how}"
-    why = str(e.get("why", ""))[:200]
+    why = str(e.get("why", ""))
+    why = why if len(why) <= 200 else why[:199] + "…"  # cut, and said so
     place = e.get("raised_at") or e.get("where")
     return (f"{head}: {how}" + (f": {why}" if why and not why.startswith("killed by") else "")
             + (f"; at {place}" if place else "")

@@ -16,10 +16,13 @@ instead of torchrun's failure banner (the ranks said what failed, and where the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -118,13 +121,36 @@ def run(a: argparse.Namespace) -> int:
     (torchrun's ``main`` is its ``run`` under ``@record``, whose only addition here would be a
     log line that no error file is defined for this process.)"""
     preflight(a)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    from ..training.jobend import RUN_LINE_ENV
+
+    # Rank 0 leaves its last line (the run's address) here: said again after torchrun's own
+    # output when the job failed, so the console ends on the run, as a finished job's does.
+    fd, last = tempfile.mkstemp(prefix="ddplab-run-line-")
+    os.close(fd)
+    os.environ[RUN_LINE_ENV] = last
+    try:
+        code = _torchrun(a)
+        if code:
+            with contextlib.suppress(OSError):
+                line = Path(last).read_text().strip()
+                if line:
+                    from ..log import logger
+
+                    logger().info(line)
+        return code
+    finally:
+        os.environ.pop(RUN_LINE_ENV, None)
+        Path(last).unlink(missing_ok=True)
+
+
+def _torchrun(a: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
     try:
         torchrun(parse_args(torchrun_args(a)))
     except ChildFailedError as e:

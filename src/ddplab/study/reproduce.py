@@ -182,6 +182,8 @@ def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[s
 
 
 def reproduce(run_id: str, strict: bool) -> int:
+    # One small file fetched: no progress bar of MLflow's in the verdict's output.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     # The config and the new job's checkpoints are scratch: the new run keeps what matters, and
     # each reproduction would otherwise leave tens of MB in the temporary directory.
     with tempfile.TemporaryDirectory(prefix="ddplab-reproduce-") as work:

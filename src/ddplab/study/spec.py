@@ -322,7 +322,8 @@ _RATE = re.compile(r"per_s(ec(ond)?)?$|throughput")
 _LOWER = re.compile(r"loss|error|perplexity|(^|[^a-z])(err|ppl)([^a-z]|$)|_s$|time$")
 _HIGHER = re.compile(r"accuracy|(^|[^a-z])(acc|mfu|f1|auc)([^a-z]|$)")
 RULE = ("lower is better: a name containing loss, error, err, perplexity or ppl, or ending in _s "
-        "or time; higher: acc, accuracy, a rate (*_per_s, *_per_second, throughput), mfu, f1, auc")
+        "or time; higher: acc, accuracy, a rate (*_per_s, *_per_second, throughput), mfu, f1, auc; "
+        "a name with words of both, such as errors_per_s, says neither")
 
 
 def inferred_mode(metric: str) -> str | None:
@@ -333,11 +334,12 @@ def inferred_mode(metric: str) -> str | None:
     ``accuracy``, ``samples_per_s`` and any ``*_per_s``/``*_per_second``, ``throughput``,
     ``mfu``, ``f1``, ``auc``). The short words count as words (``val/acc``, ``top1_acc``, not
     ``grad_accum``); a rate is higher-is-better though it ends in ``_s``. None when the name
-    says neither, or both (``acc_loss``): the study must say."""
+    says neither, or both (``acc_loss``; a rate of errors or losses, ``errors_per_s``): the
+    study must say."""
     name = metric.strip().lower()
-    if _RATE.search(name):
-        return "max"
-    lower, higher = bool(_LOWER.search(name)), bool(_HIGHER.search(name))
+    stem = _RATE.sub("", name)  # what the rate is of (samples_per_s: samples)
+    lower = bool(_LOWER.search(stem))
+    higher = bool(_RATE.search(name)) or bool(_HIGHER.search(stem))
     return None if lower == higher else "min" if lower else "max"
 
 
@@ -349,9 +351,13 @@ def _metric(f: StudyFile, script: bool) -> tuple[str, str, str]:
     """(the compared metric, max|min, where the mode came from): the study's, else the loop's
     throughput or, for a script, its wall time."""
     if f.metric is None:
-        metric = "perf/wall_s" if script else THROUGHPUT
-        return (metric, f.metric_mode, "metric_mode") if f.metric_mode else \
-            (metric, "min" if script else "max", "default")
+        metric, its = ("perf/wall_s", "min") if script else (THROUGHPUT, "max")
+        if f.metric_mode and f.metric_mode != its:
+            # A wall time where higher is better, a throughput where lower is: a slip, surely.
+            raise ConfigError(f"metric_mode: {f.metric_mode!r} without a metric: the default, "
+                              f"{metric}, is compared as {better(its)}; name the metric "
+                              "you mean (metric: NAME)")
+        return metric, its, "metric_mode" if f.metric_mode else "default"
     if f.metric_mode:
         return f.metric, f.metric_mode, "metric_mode"
     mode = inferred_mode(f.metric)

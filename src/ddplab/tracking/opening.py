@@ -125,19 +125,34 @@ def _opened(run: Any, uri: str, logged_through: int = -1) -> Opened:
 def _attach(client: Any, req: Request) -> Opened:
     """A resumed attempt continues its run: what an earlier attempt left undelivered goes first
     (its error and end included), then the steps it logged stay as they are (one value per
-    step), and its error moves aside, so a run that now finishes does not still say it failed."""
+    step), and what it said of its end moves aside (its error, the verdict, each node's ranks'
+    endings, a straggler), so a run that now finishes does not still say it failed."""
     for left in spool.find([Path(req.spool_root) / req.run_id]):
         spool.deliver(left, client, lambda: False, timeout_s=30.0, final=True)
     run = client.get_run(req.run_id)
     client.update_run(req.run_id, status="RUNNING")
     history = client.get_metric_history(req.run_id, "train/loss")
     through = max((m.step for m in history), default=-1)
-    error = run.data.tags.get(schema.ERROR)
-    if error is not None:
-        client.log_text(req.run_id, error, f"resumes/error-before-step{through:08d}.txt")
-        client.delete_tag(req.run_id, schema.ERROR)
-        _delete_artifact(run.info.artifact_uri, "error.txt")
+    _move_aside_its_end(client, run, through)
     return _opened(run, req.uri, through)
+
+
+def _move_aside_its_end(client: Any, run: Any, through: int) -> None:
+    """The earlier attempt's ending, from its tags into ``resumes/error-before-step<N>.txt``
+    (its error first, as it was)."""
+    tags = run.data.tags
+    ended = [k for k in (schema.ERROR, schema.ERROR_RANK0, schema.VERDICT, schema.STRAGGLER)
+             if k in tags] + sorted(k for k in tags if k.startswith(schema.FORENSICS_PREFIX))
+    if not ended:
+        return
+    error = tags.get(schema.ERROR)
+    rest = "\n\n".join(f"{k}: {tags[k]}" for k in ended if k != schema.ERROR)
+    text = "\n\n".join(t for t in (error, rest) if t)
+    client.log_text(run.info.run_id, text, f"resumes/error-before-step{through:08d}.txt")
+    for k in ended:
+        client.delete_tag(run.info.run_id, k)
+    if error is not None:
+        _delete_artifact(run.info.artifact_uri, "error.txt")
 
 
 def _delete_artifact(artifact_uri: str, path: str) -> None:

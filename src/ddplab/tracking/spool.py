@@ -189,7 +189,10 @@ class Meta:
 
     def write(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "meta.json").write_text(json.dumps(self.__dict__, indent=1))
+        # Whole or not at all: `ddplab sync`, a test or a crash may meet it mid-write.
+        tmp = directory / f".meta.json.{os.getpid()}"
+        tmp.write_text(json.dumps(self.__dict__, indent=1))
+        os.replace(tmp, directory / "meta.json")
 
 
 def _still_whole(record: dict[str, Any]) -> bool:

@@ -49,7 +49,18 @@ def ui_address(uri: str, experiment_id: str, run_id: str = "", view: str = "") -
     ui, uri = mask(os.environ.get("DDPLAB_UI_URL", "")), mask(uri)
     if ui or uri.startswith(("http://", "https://")):
         return f": {(ui or uri).rstrip('/')}/{route}"
-    return f" in {uri}; browse it with `make ui`, then http://127.0.0.1:5000/{route}"
+    return f" in {uri}; browse it with {_ui_command(uri)}, then http://127.0.0.1:5000/{route}"
+
+
+def _ui_command(uri: str) -> str:
+    """`make ui` where it serves this store (the checkout's own mlflow.db, or the store its
+    MLFLOW_TRACKING_URI names, from the checkout); anywhere else MLflow's server with ddplab's
+    app over this store, which make ui runs."""
+    here = Path.cwd()
+    if (here / "Makefile").is_file() and (here / "src" / "ddplab").is_dir():
+        if uri in (embedded_store(), os.environ.get("MLFLOW_TRACKING_URI")):
+            return "`make ui`"
+    return f"`mlflow server --app-name ddplab --backend-store-uri {uri}`"
 
 
 # What MLflow's client can open (mlflow.tracking._tracking_service.utils, store registry).

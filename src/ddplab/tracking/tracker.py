@@ -55,6 +55,8 @@ class NullTracker:
     open_cpu_s: float = 0.0
     """CPU seconds this process spent creating or attaching to the run (rank 0: MLflow's
     import and the first calls to the store)."""
+    logged_through: int = -1
+    """Steps up to here are already in the run (an earlier attempt's): not logged again."""
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
@@ -77,7 +79,6 @@ class MlflowTracker(NullTracker):
         self.records: spool.Stream | None = None
         self.finished = False
         self.logged_through = opened.logged_through
-        """Steps up to here are already in the run (an earlier attempt's): not logged again."""
 
     @property
     def client(self) -> Any:

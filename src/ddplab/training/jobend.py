@@ -95,6 +95,27 @@ def who_stops(env: Mapping[str, str]) -> str:
     return "a peer rank failed, or the job was stopped"
 
 
+RUN_LINE_ENV = "DDPLAB_RUN_LINE"
+"""A file where rank 0 also leaves the job's last line: ``ddplab run`` says it again after
+torchrun's own closing output, so that a failed job too ends on its run's address."""
+
+
+def say_last(line: str, active: bool = True) -> None:
+    """The job's last line (``where``), on rank 0's console and in RUN_LINE_ENV's file."""
+    if not active or not line:
+        return
+    from ..log import logger
+
+    logger().info(line)
+    path = os.environ.get(RUN_LINE_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(line)
+        except OSError:
+            pass  # the console has it
+
+
 def where(tracker: tracking.NullTracker, status: str = "FINISHED") -> str:
     """A job's last line: its run, how it ended and where a browser shows it."""
     if not tracker.run_id:

@@ -29,9 +29,8 @@ from ..launchers import LaunchEnv
 from . import checkpoint, checks
 from .fit import finish, fit
 from .job import build, record_start
-from .jobend import Signals, Terminated, where
+from .jobend import Signals, Terminated, say_last, where
 from .profiling import profiling
-from .summary import Console
 
 __all__ = ["Signals", "Terminated", "train"]
 
@@ -60,7 +59,7 @@ def train(path: str | None, overrides: Sequence[config.Override], summary_out: s
                 fit(job)
             finish(job)
         group.finish_together()  # no rank leaves before rank 0 has ended the run
-    Console(le.is_rank0).say(where(run))
+    say_last(where(run), le.is_rank0)
     return run.run_id
 
 

@@ -12,3 +12,6 @@ OBSERVE_ENV = "DDPLAB_OBSERVE"
 no observation (observe.py)."""
 FORENSICS_ENV = "DDPLAB_FORENSICS"
 """The node's forensics folder, where the script's heartbeat goes (tracked jobs only)."""
+STEP_OFFSET_ENV = "DDPLAB_STEP_OFFSET"
+"""Rank 0's first step number for what it logs: 0, or one past the steps an earlier attempt of
+the same run logged (a resumed attempt's observation counts its steps from 1 again)."""

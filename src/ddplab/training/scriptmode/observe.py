@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from .. import marks
-from .env import FORENSICS_ENV, OBSERVE_ENV
+from .env import FORENSICS_ENV, OBSERVE_ENV, STEP_OFFSET_ENV
 from .imports import after_import
 
 LOG_EVERY_STEPS = 10
@@ -161,6 +161,7 @@ class Observer:
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
         self.own_s = 0.0  # time in these hooks since the last step's end (_hooks' timed)
+        self.step_offset = 0  # the run's step of this attempt's step 0 (STEP_OFFSET_ENV)
 
     # ---- the hooks ----
 
@@ -344,7 +345,7 @@ class Observer:
         self.logged_step = step
         if self.rank == 0 and metrics and step:
             self.flush()
-            self.pending = {"op": "log", "step": step, "metrics": metrics}
+            self.pending = {"op": "log", "step": self.step_offset + step, "metrics": metrics}
         self.save()
 
     def flush(self) -> None:
@@ -524,6 +525,8 @@ def install(rank: int, world: int, report: Callable[[dict[str, Any]], None]) -> 
 
     spool = track._append  # the node's spool, as the script's own ddplab.track records
     obs = Observer(rank, world, float(given or 0), report, spool, _heartbeat(rank, world))
+    with contextlib.suppress(ValueError):
+        obs.step_offset = int(os.environ.get(STEP_OFFSET_ENV) or 0)
     _hooks(obs)
     after_import("mlflow", _watch_mlflow)
     return obs

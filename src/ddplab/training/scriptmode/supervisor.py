@@ -39,7 +39,7 @@ from ...forensics.heartbeat import stack_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
 from ...tracking import capsule, schema, spool
-from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, T0_ENV
+from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
 from .figures import Figures, figures
 from .meeting import Meeting
 
@@ -280,17 +280,15 @@ class Script:
         self.run_dir = root / (run.run_id or "untracked")
         self.ckpt_dir = self.run_dir / SCRIPT_DIR  # the script's: the spool is not in it
         self.spool = spool.spool_dir(root, run.run_id, le.node_rank) if run.run_id else None
-        fd, report = tempfile.mkstemp(prefix=f"ddplab-script-rank{le.rank}-", suffix=".json")
-        os.close(fd)
-        self.report_file = Path(report)
-        self.stack_file = self.report_file.with_suffix(".stack.txt")
+        # The script's report and stacks (made by run_to_end, which removes them whatever
+        # happens: made here, a job stopped before the script started left them in /tmp).
+        self.report_file = self.stack_file = Path(f"/nonexistent/ddplab-script-rank{le.rank}")
         self.forensics = forensics_dir(self.spool) if self.spool and s.observe else None
-        if self.forensics is not None:
-            # The node's hang watch asks the observed script for its stacks here (SIGUSR2).
-            self.forensics.mkdir(parents=True, exist_ok=True)
-            self.stack_file = stack_path(self.forensics, le.rank)
         self.tails = (Tail(sys.stdout.buffer, s.log_tail_kb * 1024),
                       Tail(sys.stderr.buffer, s.log_tail_kb * 1024))
+        # A resumed attempt's records continue the run's step axis after the earlier attempt's
+        # (its observation counts from 1 again, and the run keeps one value per step).
+        self.step_offset = run.logged_through + 1
 
     def env(self) -> dict[str, str]:
         le, s = self.le, self.cfg.script
@@ -316,6 +314,7 @@ class Script:
             env.pop("DDPLAB_SPOOL", None)
         env.pop(OBSERVE_ENV, None)
         env.pop(FORENSICS_ENV, None)
+        env[STEP_OFFSET_ENV] = str(self.step_offset)
         if s.observe:
             env[OBSERVE_ENV] = str(s.flops_per_sample)
             if self.forensics is not None:
@@ -326,6 +325,21 @@ class Script:
         """Start the script, pass its output through, and wait for its end, a peer's failure
         or a signal (raised here by run.Signals: the script is then stopped the same way)."""
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        fd, report = tempfile.mkstemp(prefix=f"ddplab-script-rank{self.le.rank}-", suffix=".json")
+        os.close(fd)
+        self.report_file = Path(report)
+        self.stack_file = self.report_file.with_suffix(".stack.txt")
+        if self.forensics is not None:
+            # The node's hang watch asks the observed script for its stacks here (SIGUSR2).
+            self.forensics.mkdir(parents=True, exist_ok=True)
+            self.stack_file = stack_path(self.forensics, self.le.rank)
+        try:
+            return self._supervise()
+        finally:  # read by then (_keep_logs); here only when something else went wrong first
+            self.report_file.unlink(missing_ok=True)
+            self.stack_file.unlink(missing_ok=True)
+
+    def _supervise(self) -> dict[str, Any]:
         s = self.cfg.script
         target = ["-m", s.module] if s.module else [str(self.file)]
         proc = subprocess.Popen(
@@ -493,7 +507,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
     """Script mode's pipeline: launch environment -> checks -> meeting -> run -> the script on
     every rank -> how every rank ended -> the run's end. Returns the run id ("" untracked)."""
     from .. import checks
-    from ..jobend import Signals, where
+    from ..jobend import Signals, say_last, where
     from ..summary import Console
 
     t0 = time.time()
@@ -540,11 +554,11 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 console = Console(True)
                 if seen.straggler:
                     console.say(f"warning: {seen.straggler}")
-                if seen.line:
-                    console.say(seen.line)
                 failed = _verdict(everyone, le.world_size, None)
                 if failed is not None:
-                    raise failed
+                    raise failed  # its line, not "done in" (the figures are in the run)
+                if seen.line:
+                    console.say(seen.line)
             elif own["failed"]:
                 # Its own failure, the user's traceback in torchrun's error file; a peer's
                 # consequence a second later, so torchrun names the cause first.
@@ -553,7 +567,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                                    own["t"] + later)
         if le.is_rank0 and run.run_id:
             (script.run_dir / FINISHED_MARK).write_text(run.run_id)
-    Console(le.is_rank0).say(where(run))
+    say_last(where(run), le.is_rank0)
     return run.run_id
 
 
@@ -699,10 +713,10 @@ def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, d
                       ("first_collective_s", "perf/time_to_first_collective_s")):
         if key in seen:
             metrics[name] = float(seen[key])
-    run.log_metrics(metrics, 0)
+    run.log_metrics(metrics, script.step_offset)
     fig = figures(outcomes, script.wall_s)
     if fig.metrics:
-        run.log_metrics(fig.metrics, fig.step)
+        run.log_metrics(fig.metrics, script.step_offset + fig.step)
         run.set_tags(fig.tags)
         run.log_text(json.dumps(fig.summary, indent=2, default=str), "summary.json")
     return fig
