@@ -474,8 +474,11 @@ def test_a_bad_node_count_in_the_environment_is_one_line(monkeypatch, capsys):
                                              "--dryrun; did you mean --dry-run?"),
     (["train", "--nproc-per-node", "2", "t.py"], "--nproc-per-node is a launcher's: ddplab run "
                                                  "--nproc-per-node N ..."),
-    (["run", "--nproc-per-node", "2", "t.py", "--lr", "3"],
-     "go after --: ddplab run --nproc-per-node 2 t.py -- --lr 3 (see ddplab run --help)"),
+    (["run", "--nproc-per-node", "2", "t.py", "--lr", "2"],
+     "go after --: ddplab run --nproc-per-node 2 t.py -- --lr 2 (see ddplab run --help)"),
+    # After the script's name, a flag near one of ddplab's (--seed, --set) is still the script's.
+    (["train", "t.py", "--seed", "0"], "go after --: ddplab train t.py -- --seed 0"),
+    (["train", "-m", "pkg.mod", "--x", "1"], "go after --: ddplab train -m pkg.mod -- --x 1"),
     (["bogus"], "ddplab: error: argument command: invalid choice: 'bogus'"),
 ])
 def test_a_mistyped_command_line_is_one_line_saying_what_was_meant(argv, says, capsys):

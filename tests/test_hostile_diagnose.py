@@ -92,6 +92,13 @@ def test_the_delivery_records_the_tag_whole():
     postmortem.record(client, "r", Watch(), "node1", 2, holds_rank0=False)  # type: ignore[arg-type]
     text = client.tags["ddplab.forensics.node1"]
     assert len(text) <= TAG_LIMIT and len(from_json(text)) == 2
+    # A restarted attempt took the run over (torchrun --max-restarts): this attempt's endings
+    # stay off the run it goes on with.
+    taken = Client()
+    taken.tags = {}
+    assert postmortem.record(taken, "r", Watch(), "node0", 2, holds_rank0=True,  # type: ignore[arg-type]
+                             superseded=lambda: True) == ""
+    assert taken.tags == {}
 
 
 def test_the_error_tag_keeps_its_first_line():

@@ -286,6 +286,60 @@ def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp
     assert any(p.startswith("resumes/error-before-step") for p in aside), aside
 
 
+# A script whose own train/loss is one value at step 0 (mlflow.log_metric without a step, after
+# its first step), whose first attempt fails on rank 1 at step 25 and whose second, resumed,
+# runs 6 steps.
+RESUMED_AT_STEP_0 = '''
+import os
+from pathlib import Path
+
+import mlflow
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+snapshot = Path(os.environ["DDPLAB_CHECKPOINT_DIR"]) / f"rank{dist.get_rank()}.pt"
+first = not snapshot.exists()
+torch.save({}, snapshot)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(30 if first else 6):
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step == 0 and dist.get_rank() == 0:
+        mlflow.log_metric("train/loss", loss.item())  # at step 0, as MLflow logs without one
+    if first and step == 25 and dist.get_rank() == 1:
+        raise ValueError("crash at step 25")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.e2e
+def test_a_resumed_script_whose_own_loss_is_at_step_0_still_ends_with_its_own_figures(
+        tmp_path, store):
+    """The run's steps are not the script's alone: the failed attempt's end figures sit at its
+    observed step count (25), above any step of the script's own train/loss (0): the resumed
+    attempt's, logged after the highest step of any metric, are the run's at the end."""
+    script = tmp_path / "resumed.py"
+    script.write_text(RESUMED_AT_STEP_0)
+    assert ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2).returncode != 0
+    again = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.resumed_from"] == run.info.run_id
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    summary = json.loads(artifact_text(client, run.info.run_id, "summary.json"))
+    assert summary["steps"] == 6, summary
+    assert run.data.metrics["perf/wall_s"] == pytest.approx(summary["wall_time_s"], abs=1e-3)
+    for r in ("0", "1"):
+        assert run.data.metrics[f"train/rank{r}_busy_s"] == summary["per_rank"][r]["busy_s"]
+
+
 # A plain DDP script that logs nothing, whose rank 1 loads its data slowly (or hangs there).
 SLOW_DATA = '''
 import argparse, time, torch, torch.distributed as dist

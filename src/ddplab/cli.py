@@ -224,9 +224,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-LAUNCH_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--standalone",
-                "--rdzv-endpoint", "--master-port", "--max-restarts")
-"""torchrun's own options: a launcher's, not ``ddplab train``'s (which runs inside one)."""
+LAUNCHERS = {"--nproc-per-node": "ddplab run --nproc-per-node N", "--nproc_per_node":
+             "ddplab run --nproc-per-node N", "--nnodes": "ddplab launch --nnodes N"}
+"""torchrun's options that ``ddplab train`` (which runs inside a launcher) may be given by
+mistake, and ddplab's launcher that takes each; torchrun's others: torchrun itself."""
+TORCHRUN_ONLY = ("--standalone", "--rdzv-endpoint", "--rdzv_endpoint", "--master-port",
+                 "--master_port", "--max-restarts", "--max_restarts")
 
 
 def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -242,23 +245,46 @@ def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
 def _hint(chosen: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
           unknown: list[str]) -> str:
     """What the user likely meant by the arguments no parser took: a launcher's flag given to
-    ``train``, a misspelled option, or a script's own arguments before the ``--``."""
+    ``train``, a script's own arguments before the ``--`` (any after the script's name), or a
+    misspelled option of the command's."""
     known = sorted(o for o in chosen._option_string_actions if o.startswith("--"))
+    script = ""
+    if args.command in ("train", "run"):
+        script = f"-m {args.module}" if args.module else str(args.experiment or "")
+        script = script if script.endswith(".py") or args.module else ""
+    after = script and _after_script(argv, args)
     for flag in (u.split("=", 1)[0] for u in unknown if u.startswith("--")):
-        if args.command == "train" and flag in LAUNCH_FLAGS:
-            return (f"; {flag} is a launcher's: ddplab run {flag} N ... (or torchrun {flag} N "
-                    "-m ddplab train ...)")
+        if args.command == "train" and (flag in LAUNCHERS or flag in TORCHRUN_ONLY):
+            return (f"; {flag} is a launcher's: "
+                    f"{LAUNCHERS.get(flag, f'torchrun {flag} ... -m ddplab train')} ...")
+        if after and flag in after:
+            break  # the script's, typed where ddplab's own options go
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
         if close:
             return f"; did you mean {close[0]}?"
-    if args.command not in ("train", "run"):
+    if not script:
         return ""
-    script = f"-m {args.module}" if args.module else str(args.experiment)
-    if script.endswith(".py") or args.module:
-        own = [a for a in argv if a not in unknown]  # the command as typed, less the script's
-        return (f"; a script's own arguments go after --: ddplab {' '.join(own)} "
-                f"-- {' '.join(unknown)}")
-    return ""
+    experiment = str(args.experiment or "")
+    if args.module and experiment and not experiment.endswith((".yaml", ".yml")):
+        unknown = [*unknown, experiment]  # a value of the script's, taken for the experiment
+        unknown.sort(key=lambda t: len(argv) - argv[::-1].index(t))
+    # The command as typed less the script's arguments, matched from the end (they come last:
+    # a value of ddplab's equal to one of theirs, --nproc-per-node 2 ... --lr 2, stays).
+    own: list[str] = []
+    pending = list(unknown)
+    for token in reversed(argv):
+        if pending and token == pending[-1]:
+            pending.pop()
+        else:
+            own.insert(0, token)
+    return (f"; a script's own arguments go after --: ddplab {' '.join(own)} "
+            f"-- {' '.join(unknown)}")
+
+
+def _after_script(argv: list[str], args: argparse.Namespace) -> set[str]:
+    """The tokens typed after the script's name (or -m's module): its own, surely."""
+    name = args.module or str(args.experiment)
+    return set(argv[argv.index(name) + 1:]) if name in argv else set()
 
 
 def run(args: argparse.Namespace) -> int:

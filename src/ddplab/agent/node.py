@@ -192,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     out = spool.deliver(args.spool, client, producing, args.timeout, final=True)
     watch.release_shm()
     holds_rank0 = (args.spool / "records.jsonl").exists()
-    verdict = postmortem.record(client, meta.run_id, watch, args.node, args.world_size, holds_rank0)
+    # A restarted attempt (torchrun --max-restarts, an elastic pod) may have taken the run over
+    # meanwhile: this attempt's endings must not land on the run it goes on with.
+    verdict = postmortem.record(client, meta.run_id, watch, args.node, args.world_size, holds_rank0,
+                                superseded=lambda: _taken_over(args.spool, since))
     if not out.left and not alive.closed.exists() and holds_rank0:
         # Global rank 0's process is gone without closing its spool: killed outright (by the
         # watch, when it saw a hang: the verdict says why, and no peer is left to wait for).
@@ -212,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
+def _taken_over(directory: Path, since: float) -> bool:
+    """A restarted attempt attached to the run after ``since``: it rewrote the spool's meta.json."""
+    with contextlib.suppress(OSError):
+        return (directory / META_JSON).stat().st_mtime > since
+    return False
+
+
 def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
                    world_size: int, pid: int, verdict: str = "", stopped: bool = False) -> None:
     """Global rank 0's process died outright (SIGKILL, the OOM killer) and nothing recorded the
@@ -222,9 +232,7 @@ def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
     from .orphan import GRACE_S
 
     def taken_over() -> bool:
-        with contextlib.suppress(OSError):
-            return (directory / META_JSON).stat().st_mtime > since
-        return False
+        return _taken_over(directory, since)
 
     deadline = time.monotonic() + (GRACE_S + 5 if world_size > 1 and not stopped else 0)
     while time.monotonic() < deadline and not taken_over():

@@ -12,6 +12,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..forensics.watch import Ending, Watch, from_json, to_json, verdict
@@ -24,10 +25,11 @@ time); a node that never reports is named as such."""
 
 
 def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
-           holds_rank0: bool) -> str:
-    """This node's endings and files into the run; on rank 0's node, the verdict (returned)."""
+           holds_rank0: bool, superseded: Callable[[], bool] = lambda: False) -> str:
+    """This node's endings and files into the run; on rank 0's node, the verdict (returned).
+    Nothing once ``superseded`` says a restarted attempt took the run over (its end is its own)."""
     endings = watch.endings()
-    if not endings or all(e.what == "done" for e in endings):
+    if not endings or all(e.what == "done" for e in endings) or superseded():
         return ""
     try:
         for f in watch.files():
@@ -38,7 +40,7 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
     if not holds_rank0:
         return ""
     line = verdict(_everyone(client, run_id, node, endings, world_size), world_size)
-    if line:
+    if line and not superseded():  # (the wait for the other nodes' endings took up to 15 s)
         with contextlib.suppress(Exception):  # ended with it anyway (delivery.py)
             client.set_tag(run_id, schema.VERDICT, line)
     return line

@@ -55,6 +55,9 @@ class Opened:
     existing_params: dict[str, str] = field(default_factory=dict)
     logged_through: int = -1
     """Steps up to here are already in the run (an earlier attempt's): not logged again."""
+    last_step: int = -1
+    """The highest step any of the run's metrics is at (system metrics, whose steps are
+    seconds, left out): a resumed script's figures go after it (scriptmode's step offset)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,7 +122,14 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
 
 def _opened(run: Any, uri: str, logged_through: int = -1) -> Opened:
     return Opened(run.info.run_id, run.info.experiment_id, uri,
-                  run.info.start_time or spool.now_ms(), dict(run.data.params), logged_through)
+                  run.info.start_time or spool.now_ms(), dict(run.data.params), logged_through,
+                  _last_step(run, logged_through))
+
+
+def _last_step(run: Any, logged_through: int) -> int:
+    # Each metric's latest value comes with its step (MLflow's RunData keeps them whole).
+    latest = getattr(run.data, "_metric_objs", None) or []
+    return max([logged_through, *(int(m.step) for m in latest if not m.key.startswith("system/"))])
 
 
 def _attach(client: Any, req: Request) -> Opened:

@@ -55,12 +55,20 @@ def ui_address(uri: str, experiment_id: str, run_id: str = "", view: str = "") -
 def _ui_command(uri: str) -> str:
     """`make ui` where it serves this store (the checkout's own mlflow.db, or the store its
     MLFLOW_TRACKING_URI names, from the checkout); anywhere else MLflow's server with ddplab's
-    app over this store, which make ui runs."""
+    app over this store, which make ui runs. ``uri`` is masked: a store with a login is named
+    by the variable that holds it, so the command runs as printed."""
+    import shlex
+
+    from ..logins import mask
+
     here = Path.cwd()
+    env = os.environ.get("MLFLOW_TRACKING_URI", "")
+    named = bool(env) and uri == mask(env)
     if (here / "Makefile").is_file() and (here / "src" / "ddplab").is_dir():
-        if uri in (embedded_store(), os.environ.get("MLFLOW_TRACKING_URI")):
+        if uri == embedded_store() or named:
             return "`make ui`"
-    return f"`mlflow server --app-name ddplab --backend-store-uri {uri}`"
+    store = '"$MLFLOW_TRACKING_URI"' if named and env != uri else shlex.quote(uri)
+    return f"`mlflow server --app-name ddplab --backend-store-uri {store}`"
 
 
 # What MLflow's client can open (mlflow.tracking._tracking_service.utils, store registry).

@@ -57,6 +57,8 @@ class NullTracker:
     import and the first calls to the store)."""
     logged_through: int = -1
     """Steps up to here are already in the run (an earlier attempt's): not logged again."""
+    last_step: int = -1
+    """The highest step of any metric already in the run (opening.Opened.last_step)."""
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
@@ -78,7 +80,7 @@ class MlflowTracker(NullTracker):
         self.existing_params = dict(opened.existing_params)
         self.records: spool.Stream | None = None
         self.finished = False
-        self.logged_through = opened.logged_through
+        self.logged_through, self.last_step = opened.logged_through, opened.last_step
 
     @property
     def client(self) -> Any:

@@ -102,16 +102,17 @@ torchrun's own closing output, so that a failed job too ends on its run's addres
 
 def say_last(line: str, active: bool = True) -> None:
     """The job's last line (``where``), on rank 0's console and in RUN_LINE_ENV's file."""
-    if not active or not line:
-        return
-    from ..log import logger
+    from ..log import logger, rank
 
+    if not active or not line or rank() not in (None, 0):
+        return
     logger().info(line)
     path = os.environ.get(RUN_LINE_ENV)
     if path:
-        try:
-            with open(path, "w") as f:
+        try:  # whole or not at all (the launcher reads it once torchrun is done)
+            with open(f"{path}.{os.getpid()}", "w") as f:
                 f.write(line)
+            os.replace(f"{path}.{os.getpid()}", path)
         except OSError:
             pass  # the console has it
 

@@ -287,8 +287,8 @@ class Script:
         self.tails = (Tail(sys.stdout.buffer, s.log_tail_kb * 1024),
                       Tail(sys.stderr.buffer, s.log_tail_kb * 1024))
         # A resumed attempt's records continue the run's step axis after the earlier attempt's
-        # (its observation counts from 1 again, and the run keeps one value per step).
-        self.step_offset = run.logged_through + 1
+        # (its observation counts from 1 again; a metric's value is the one at its highest step).
+        self.step_offset = max(run.logged_through, run.last_step) + 1
 
     def env(self) -> dict[str, str]:
         le, s = self.le, self.cfg.script
