@@ -210,3 +210,23 @@ def test_a_sigterm_says_who_sends_it_where_ddplab_can_tell(env, says):
     from ddplab.training.jobend import who_stops
 
     assert who_stops(env).startswith(says)
+
+
+def test_a_sigterm_while_a_rank_reports_its_end_is_raised_after_the_report():
+    """torchrun's SIGTERM (a peer failed) came while script mode's rank 0 was making its report:
+    the report was lost and the rank read "ended without reporting" (seen in CI). Held, the
+    signal is raised once the held work is done, and only then; a real SIGTERM, from a thread
+    as the kernel may deliver it to any thread."""
+    import os
+    import signal
+    import threading
+
+    from ddplab.training.jobend import Signals, Terminated
+
+    done = []
+    with Signals() as signals, pytest.raises(Terminated, match="terminated by SIGTERM"):
+        with signals.held():
+            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+            time.sleep(0.5)  # the handler has run by now, in the main thread, and held it
+            done.append("reported")
+    assert done == ["reported"] and signals.status() == "FAILED"

@@ -224,14 +224,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-LAUNCHERS = {"--nproc-per-node": "ddplab run --nproc-per-node N", "--nproc_per_node":
-             "ddplab run --nproc-per-node N", "--nnodes": "ddplab launch --nnodes N"}
-"""torchrun's options that ``ddplab train`` (which runs inside a launcher) may be given by
-mistake, and ddplab's launcher that takes each; torchrun's others: torchrun itself."""
-TORCHRUN_ONLY = ("--standalone", "--rdzv-endpoint", "--rdzv_endpoint", "--master-port",
-                 "--master_port", "--max-restarts", "--max_restarts")
-
-
 def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
     """The (sub-)command's own parser that ``args`` went through (``ddplab study run``'s)."""
     for action in parser._actions:
@@ -247,6 +239,8 @@ def _hint(chosen: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
     """What the user likely meant by the arguments no parser took: a launcher's flag given to
     ``train``, a script's own arguments before the ``--`` (any after the script's name), or a
     misspelled option of the command's."""
+    from .launchers.targets import MISPLACED_FOR_TRAIN
+
     known = sorted(o for o in chosen._option_string_actions if o.startswith("--"))
     script = ""
     if args.command in ("train", "run"):
@@ -254,9 +248,8 @@ def _hint(chosen: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         script = script if script.endswith(".py") or args.module else ""
     after = script and _after_script(argv, args)
     for flag in (u.split("=", 1)[0] for u in unknown if u.startswith("--")):
-        if args.command == "train" and (flag in LAUNCHERS or flag in TORCHRUN_ONLY):
-            return (f"; {flag} is a launcher's: "
-                    f"{LAUNCHERS.get(flag, f'torchrun {flag} ... -m ddplab train')} ...")
+        if args.command == "train" and flag in MISPLACED_FOR_TRAIN:
+            return f"; {flag} is a launcher's: {MISPLACED_FOR_TRAIN[flag]} ..."
         if after and flag in after:
             break  # the script's, typed where ddplab's own options go
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)

@@ -175,3 +175,15 @@ def local(launcher: str, ranks: int, forward: Sequence[str] = ()) -> Torchrun | 
     or the one a run's recorded launch environment was started by (``DETECTED``)."""
     kind = DETECTED.get(launcher, launcher)
     return Mpirun(ranks, tuple(forward)) if kind == "mpirun" else Torchrun(ranks)
+
+
+#: torchrun's options typed after ``ddplab train`` (which runs inside a launcher, taking none of
+#: them): the launcher that takes each, for the command line's one-line hint (cli.py).
+MISPLACED_FOR_TRAIN: dict[str, str] = {
+    "--nproc-per-node": "ddplab run --nproc-per-node N",
+    "--nproc_per_node": "ddplab run --nproc-per-node N",
+    "--nnodes": "ddplab launch --nnodes N",
+    **{flag: f"torchrun {flag} ... -m ddplab train" for flag in (
+        "--standalone", "--rdzv-endpoint", "--rdzv_endpoint", "--master-port", "--master_port",
+        "--max-restarts", "--max_restarts")},
+}

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -28,6 +29,8 @@ class Signals:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
         self.run: tracking.NullTracker | None = None
+        self.holding = False
+        self.pending: BaseException | None = None
 
     def attach(self, run: tracking.NullTracker) -> None:
         """The job's run: a job that fails or is stopped names it last too (``run_line``)."""
@@ -43,10 +46,29 @@ class Signals:
             return
         self.received = signum
         if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if signum == signal.SIGHUP:
-            raise Terminated("terminated by SIGHUP (the terminal or ssh session closed)")
-        raise Terminated(f"terminated by SIGTERM ({who_stops(os.environ)})")
+            e: BaseException = KeyboardInterrupt()
+        elif signum == signal.SIGHUP:
+            e = Terminated("terminated by SIGHUP (the terminal or ssh session closed)")
+        else:
+            e = Terminated(f"terminated by SIGTERM ({who_stops(os.environ)})")
+        if self.holding:
+            self.pending = e
+            return
+        raise e
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A signal in here is raised when it ends: what it does (a rank's report of how it
+        ended) is not cut short. (Signals a thread blocks still reach the process through the
+        others: this holds them in Python, where the handler runs.)"""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            raise pending
 
     def status(self) -> str:
         """Ctrl-C and a closed terminal stop the job (KILLED); SIGTERM is also how launchers end

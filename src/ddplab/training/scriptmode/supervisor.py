@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -42,6 +42,9 @@ from ...tracking import capsule, schema, spool
 from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
 from .figures import Figures, figures
 from .meeting import Meeting
+
+if TYPE_CHECKING:
+    from ..jobend import Signals
 
 FINISHED_MARK = ".ddplab-finished"
 JOB_FILE = "job.json"
@@ -272,8 +275,9 @@ class Script:
     """The script's process on this rank."""
 
     def __init__(self, cfg: config.ExperimentConfig, le: LaunchEnv, run: tracking.NullTracker,
-                 meeting: Meeting, t0: float) -> None:
+                 meeting: Meeting, t0: float, signals: Signals) -> None:
         self.cfg, self.le, self.run, self.meeting, self.t0 = cfg, le, run, meeting, t0
+        self.signals = signals
         s = cfg.script
         self.file = s.file()  # the script, or the module's file (-m pkg.module)
         root = Path(cfg.checkpoint.dir).resolve() / cfg.name
@@ -406,15 +410,19 @@ class Script:
 
     def _end(self, proc: subprocess.Popen[bytes], pumps: list[threading.Thread], stopped: str
              ) -> dict[str, Any]:
-        for p in pumps:
-            p.join(timeout=10)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        self.wall_s = time.time() - self.t0
-        outcome = self.outcome(proc.returncode, stopped)
-        self._keep_logs()
-        self.meeting.report(outcome)
+        # torchrun's SIGTERM (a peer failed: this rank's script often failed of it too) must not
+        # cut this rank's report short: its ending would read "ended without reporting" (seen in
+        # CI). Held until the report is made, then raised as ever.
+        with self.signals.held():
+            for p in pumps:
+                p.join(timeout=10)
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            self.wall_s = time.time() - self.t0
+            outcome = self.outcome(proc.returncode, stopped)
+            self._keep_logs()
+            self.meeting.report(outcome)
         return outcome
 
     def observed(self) -> dict[str, Any]:
@@ -523,7 +531,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
         with tracking.job_run(cfg, le, None, resume, signals, share=meeting.share_from_rank0,
                               run_name=name, beats=False) as run:
             signals.attach(run)  # a failed job names its run last too (cli.py)
-            script = Script(cfg, le, run, meeting, t0)
+            script = Script(cfg, le, run, meeting, t0, signals)
             if le.is_rank0:
                 if run.run_id:
                     write_identity(script.run_dir, identity, run.run_id)
