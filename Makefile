@@ -25,7 +25,7 @@ STAMP := $(VENV)/.ddplab-setup
 
 .PHONY: help setup lock run ui docs test test-unit test-distributed test-e2e test-container lint bench bench-startup doctor \
 	clean-runs images image-cpu image-cuda image-mlflow run-cpu-oneccl run-cuda-nccl run-multinode \
-	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser k8s-validate \
+	multinode-down lint-docker image-mpi run-mpi-multinode mpi-down test-mpi test-browser test-kit k8s-validate \
 	k8s-emulate k8s-render k8s-apply scan study bench-collectives image-slurm slurm-up slurm-down setup-ccl \
 	clean-images image-cpu-intel image-postgres k8s-secrets gpu-kit bench-peers
 
@@ -74,7 +74,10 @@ doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
 test: $(STAMP) $(CCL_STAMP) ## Build ddplab's ccl (setup-ccl), then the tiers that need no Docker or Open MPI: unit, distributed, end-to-end
-	$(BIN)/pytest -m "not container and not mpi and not browser" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not container and not mpi and not browser and not kit" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+test-kit: $(STAMP) ## The GPU proof kit built as for a bare GPU machine and run on CPU: its CPU steps finish, its CUDA ones refuse in one line
+	$(BIN)/pytest -m kit $(PYTEST_ARGS)
 
 test-mpi: $(STAMP) ## Native mpirun tests (needs Open MPI: apt-get install openmpi-bin)
 	$(BIN)/pytest -m mpi $(PYTEST_ARGS)

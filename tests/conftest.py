@@ -19,8 +19,7 @@ QUICK = [  # a smaller quickstart for tests that need a real job but not its ful
 ]
 
 
-LONGEST = ("test_a_study_whose_server_dies", "test_the_proof_runs_every_cpu_step",
-           "test_a_tiny_study_gives_a_parent")
+LONGEST = ("test_a_study_whose_server_dies", "test_a_tiny_study_gives_a_parent")
 """The tests of 100 s and more (make test's --durations): started first of all, so that none of
 them starts last and runs on alone while the other worker idles."""
 

@@ -28,6 +28,7 @@ RUN_HERE = ("doctor,quickstart-nccl,no-sync,flight-recorder,nccl-2-ranks-1-gpu,d
 
 
 @pytest.mark.e2e
+@pytest.mark.kit
 def test_the_proof_runs_every_cpu_step_and_refuses_the_cuda_ones_in_one_line(tmp_path):
     kit, out = tmp_path / "kit", tmp_path / "proof"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
