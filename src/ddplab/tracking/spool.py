@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DdplabError
+from ..files import write_text_atomic
 from . import life
 from .schema import BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS  # MLflow's log_batch limits
 
@@ -121,9 +122,7 @@ class Stream:
             return 0
 
     def mark(self, offset: int) -> None:
-        tmp = self.mark_path.with_suffix(".tmp")
-        tmp.write_text(str(offset))
-        os.replace(tmp, self.mark_path)
+        write_text_atomic(self.mark_path, str(offset))
 
     def pending(self, final: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
         """(end offset, record) for each complete line not yet delivered. A line that is not a
@@ -189,10 +188,8 @@ class Meta:
 
     def write(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        # Whole or not at all: `ddplab sync`, a test or a crash may meet it mid-write.
-        tmp = directory / f".meta.json.{os.getpid()}"
-        tmp.write_text(json.dumps(self.__dict__, indent=1))
-        os.replace(tmp, directory / "meta.json")
+        # `ddplab sync`, a test or a crash may meet it mid-write.
+        write_text_atomic(directory / "meta.json", json.dumps(self.__dict__, indent=1))
 
 
 def _still_whole(record: dict[str, Any]) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import tracking
 from ..errors import DdplabError
+from ..files import write_text_atomic
 
 
 class Terminated(DdplabError):
@@ -132,9 +133,7 @@ def say_last(line: str, active: bool = True) -> None:
     path = os.environ.get(RUN_LINE_ENV)
     if path:
         try:  # whole or not at all (the launcher reads it once torchrun is done)
-            with open(f"{path}.{os.getpid()}", "w") as f:
-                f.write(line)
-            os.replace(f"{path}.{os.getpid()}", path)
+            write_text_atomic(path, line)
         except OSError:
             pass  # the console has it
 

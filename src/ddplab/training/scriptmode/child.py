@@ -30,6 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any, cast
 
+from ...files import write_text_atomic
 from . import mlflow_join
 from .env import REPORT_ENV, STACKS_ENV, T0_ENV
 from .imports import after_import
@@ -49,9 +50,7 @@ def _report(update: dict[str, Any]) -> None:
     except (OSError, ValueError):
         known = {}
     known.update(update)
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(known))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(known))
 
 
 def _since_start() -> float:

@@ -35,6 +35,7 @@ from ... import config, tracking
 from ...agent.protocol import forensics_dir
 from ...distributed import host
 from ...errors import DdplabError
+from ...files import write_text_atomic
 from ...forensics.heartbeat import stack_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
@@ -238,9 +239,7 @@ def _adopt_earlier_layout(run_dir: Path) -> None:
 def write_identity(run_dir: Path, identity: dict[str, Any], run_id: str) -> None:
     """``job.json``: the job now running in ``run_dir`` (a resumed run: this attempt's)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{JOB_FILE}.tmp"
-    tmp.write_text(json.dumps({**identity, "run_id": run_id}, indent=1))
-    os.replace(tmp, run_dir / JOB_FILE)
+    write_text_atomic(run_dir / JOB_FILE, json.dumps({**identity, "run_id": run_id}, indent=1))
 
 
 def git_state(script: Path) -> str:

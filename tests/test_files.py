@@ -1,0 +1,46 @@
+"""Unit: ddplab.files, the one way a file another process reads is written (whole or not at all)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ddplab.files import write_text_atomic
+
+READER = """
+import sys, time
+from pathlib import Path
+path, size = Path(sys.argv[1]), int(sys.argv[2])
+seen = 0
+deadline = time.monotonic() + 60
+while seen < 400 and time.monotonic() < deadline:
+    text = path.read_text()
+    if len(text) != size or len(set(text)) != 1:
+        sys.exit(f"half a file: {len(text)} characters of {size}, {sorted(set(text))}")
+    seen += 1
+print(seen)
+"""
+
+
+def test_a_reader_in_another_process_never_meets_half_a_file(tmp_path):
+    path, size = tmp_path / "meta.json", 1 << 20
+    write_text_atomic(path, "a" * size)
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(path), str(size)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    n = 0
+    while reader.poll() is None:
+        write_text_atomic(path, "ab"[n % 2] * size)
+        n += 1
+    out, err = reader.communicate()
+    assert reader.returncode == 0, err
+    assert int(out) == 400 and n > 10
+    assert [p.name for p in tmp_path.iterdir()] == ["meta.json"]  # no temporary left
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "job.json"
+    write_text_atomic(path, "old")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomic(path, "new \udc80")  # not encodable: fails after the temporary opened
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["job.json"]
