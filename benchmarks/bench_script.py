@@ -3,7 +3,7 @@
     make bench-script                     (= python benchmarks/bench_script.py)
     python benchmarks/bench_script.py --reps 5 --samples 2048
 
-Each rep runs, in a rotated order, the book's gloo CNN script (`experiments/scripts/
+Each rep runs, in a balanced order (WILLIAMS), the book's gloo CNN script (`experiments/scripts/
 gloo_distributed-cnn_cifar10.py`, unedited, 2 ranks, 5 epochs of `--synthetic N` images) four
 ways: under plain `torchrun`; under `torchrun -m ddplab train` (script mode, tracked, its
 training observed through torch's hooks); the same with `--set script.observe=false`; and with
@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import results as results_page  # benchmarks/ is this script's directory
@@ -39,6 +40,10 @@ CLOCK = Path(__file__).resolve().parent / "scripts" / "epoch_clock.py"
 BATCH, RANKS = 32, 2
 VARIANTS = ("plain torchrun", "script mode, observed", "script mode, observe=false",
             "script mode, untracked")
+WILLIAMS = (0, 1, 3, 2)
+"""Rep r runs the variants r, r+1, r+3, r+2 (mod 4): over 4 reps each variant runs in each
+place once and follows each other variant once (a Williams square), so neither the place in a
+rep nor the job before weighs on one variant more than another."""
 
 
 def command(variant: str, samples: int, work: Path) -> list[str]:
@@ -78,7 +83,8 @@ def _is_script(cmdline: list[str]) -> bool:
 
 
 def sample_cpu(root: psutil.Process, stop: threading.Event,
-               samples: list[tuple[float, dict[int, tuple[float, bool]]]]) -> None:
+               samples: list[tuple[float, dict[int, tuple[float, bool]]]],
+               seen: dict[int, psutil.Process]) -> None:
     """Every 0.25 s: each process of the job's tree, its CPU seconds so far and whether it is
     the script's own; the rest (torchrun's agent, ddplab's supervisors and delivery process)
     is what a launch structure costs the machine."""
@@ -90,9 +96,10 @@ def sample_cpu(root: psutil.Process, stop: threading.Event,
         except psutil.Error:
             return
         for proc in procs:
+            seen.setdefault(proc.pid, proc)
             try:
-                if proc.pid not in kinds:
-                    kinds[proc.pid] = _is_script(proc.cmdline())
+                if not kinds.get(proc.pid):  # met between fork and exec, a child still has its
+                    kinds[proc.pid] = _is_script(proc.cmdline())  # parent's command line
                 t = proc.cpu_times()
                 snap[proc.pid] = (t.user + t.system, kinds[proc.pid])
             except psutil.Error:
@@ -114,16 +121,30 @@ def structure_share(samples: list[tuple[float, dict[int, tuple[float, bool]]]],
     return used[False] / used[True] if used[True] else 0.0
 
 
-def one_job(variant: str, samples: int, work: Path) -> tuple[float, float]:
-    """The steady step time (s) of one job, and what its processes other than the script's own
-    used of the CPU over those steady epochs (a share of the script's own CPU)."""
+class Job(NamedTuple):
+    """One job's steady epochs: rank 0's wall time and its own process's CPU time per step, and
+    what the job's other processes used of the CPU then (a share of the script's own CPU)."""
+    step_s: float
+    cpu_s: float
+    others: float
+
+    @property
+    def machine_cpu_s(self) -> float:
+        """The CPU a step costs the machine: the script's own and its share of the launch
+        structure's (a rank's CPU per step, scaled by the whole job's)."""
+        return self.cpu_s * (1 + self.others)
+
+
+def one_job(variant: str, samples: int, work: Path) -> Job:
+    """Runs one job and measures its steady epochs (2-4) from rank 0's epoch clock."""
     clocks = Path(tempfile.mkdtemp(dir=work))
     env = {**os.environ, "BENCH_CLOCK_DIR": str(clocks),
            "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
     proc = subprocess.Popen(command(variant, samples, work), cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stop, cpu = threading.Event(), []  # type: ignore[var-annotated]
-    sampler = threading.Thread(target=sample_cpu, args=(psutil.Process(proc.pid), stop, cpu))
+    stop, cpu, seen = threading.Event(), [], {}  # type: ignore[var-annotated]
+    sampler = threading.Thread(target=sample_cpu,
+                               args=(psutil.Process(proc.pid), stop, cpu, seen))
     sampler.start()
     try:
         _, err = proc.communicate(timeout=1800)
@@ -134,59 +155,81 @@ def one_job(variant: str, samples: int, work: Path) -> tuple[float, float]:
     finally:
         stop.set()
         sampler.join()
+        # A tracked job's delivery process may still be finishing the run after torchrun is
+        # done: the next job starts on a machine it no longer shares.
+        psutil.wait_procs(list(seen.values()), timeout=120)
     if proc.returncode != 0:
         sys.exit(f"benchmark job failed ({variant}, exit {proc.returncode}):\n{err[-3000:]}")
     # perf_counter and monotonic are both CLOCK_MONOTONIC on Linux: the marks and the samples
     # share one clock.
     marks = json.loads((clocks / "rank0.json").read_text())
-    epochs = [b - a for a, b in zip(marks, marks[1:], strict=False)][1:]  # epochs 2..4
     steps = -(-samples // RANKS // BATCH)
-    return statistics.median(epochs) / steps, structure_share(cpu, marks[1], marks[-1])
+    steady = list(zip(marks, marks[1:], strict=False))[1:]  # epochs 2..4
+
+    def per_step(i: int) -> float:
+        return statistics.median(b[i] - a[i] for a, b in steady) / steps
+
+    return Job(per_step(0), per_step(1), structure_share(cpu, marks[1][0], marks[-1][0]))
+
+
+def _column(jobs: dict[str, list[Job]], v: str, field: str) -> tuple[float, str, float]:
+    """A variant's median of one figure, each rep's value (ms), and the median of each rep's
+    ratio to plain torchrun's (the reps' jobs ran next to each other)."""
+    mine = [getattr(j, field) for j in jobs[v]]
+    plain = [getattr(j, field) for j in jobs["plain torchrun"]]
+    paired = statistics.median(m / p for m, p in zip(mine, plain, strict=True))
+    return statistics.median(mine), ", ".join(f"{x * 1000:.1f}" for x in mine), paired
+
+
+def _table(jobs: dict[str, list[Job]]) -> str:
+    rows = ["| how the script ran | steady step time (median) | each rep | vs plain torchrun "
+            "(medians) | vs plain torchrun (median of each rep's ratio) | rank 0's own CPU a step "
+            "(median) | vs plain torchrun (median of each rep's ratio) | the CPU a step costs "
+            "the machine, vs plain torchrun (median of each rep's ratio) | the job's other "
+            "processes' CPU over those epochs, a share of the script's own (median) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    plain = statistics.median(j.step_s for j in jobs["plain torchrun"])
+    for v in VARIANTS:
+        step, each, paired = _column(jobs, v, "step_s")
+        cpu, _, cpu_paired = _column(jobs, v, "cpu_s")
+        _, _, machine = _column(jobs, v, "machine_cpu_s")
+        others = statistics.median(j.others for j in jobs[v])
+        rows.append(f"| {v} | {step * 1000:.1f} ms | {each} | {step / plain:.3f}x | "
+                    f"{paired:.3f}x | {cpu * 1000:.1f} ms | {cpu_paired:.3f}x | {machine:.3f}x | "
+                    f"{others * 100:.2f}% |")
+    return "\n".join(rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=4, help="a multiple of 4 balances the order")
     ap.add_argument("--samples", type=int, default=1536, help="synthetic images per epoch")
     ap.add_argument("--page", default="bench-script", help="docs/results/<page>.md")
     ap.add_argument("--page-dir", default="", help="write the page here instead of docs/results")
     args = ap.parse_args()
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    others: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    jobs: dict[str, list[Job]] = {v: [] for v in VARIANTS}
     own: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for rep in range(args.reps):
-            order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
+            order = [VARIANTS[(rep + k) % len(VARIANTS)] for k in WILLIAMS]
             for variant in order:
-                step, other = one_job(variant, args.samples, work)
-                times[variant].append(step)
-                others[variant].append(other)
+                job = one_job(variant, args.samples, work)
+                jobs[variant].append(job)
                 if variant == "script mode, observed":
                     own.append(observe_frac(work))
-                print(f"rep {rep + 1}/{args.reps} {variant}: step {step * 1000:.1f} ms, "
-                      f"other processes {other * 100:.2f}% of the script's CPU", flush=True)
-    plain = statistics.median(times["plain torchrun"])
-    rows = ["| how the script ran | steady step time (median) | each rep | vs plain torchrun "
-            "(medians) | vs plain torchrun (median of each rep's ratio) | the job's other processes' CPU "
-            "over those epochs, a share of the script's own (median) |",
-            "|---|---|---|---|---|---|"]
-    for v in VARIANTS:
-        med = statistics.median(times[v])
-        paired = statistics.median(t / p for t, p in zip(times[v], times["plain torchrun"],
-                                                          strict=True))
-        rows.append(f"| {v} | {med * 1000:.1f} ms | "
-                    f"{', '.join(f'{t * 1000:.1f}' for t in times[v])} | {med / plain:.3f}x | "
-                    f"{paired:.3f}x | {statistics.median(others[v]) * 100:.2f}% |")
-    table = "\n".join(rows)
+                print(f"rep {rep + 1}/{args.reps} {variant}: step {job.step_s * 1000:.1f} ms, "
+                      f"rank 0's CPU {job.cpu_s * 1000:.1f} ms a step, other processes "
+                      f"{job.others * 100:.2f}% of the script's CPU", flush=True)
+    table = _table(jobs)
     inside = (f"The observation's own cost, measured inside the script's process (its hooks' "
               f"time over rank 0's steady steps, summary.json `observe_frac`): median "
               f"{statistics.median(own) * 100:.3f}% of a step (each rep: "
               f"{', '.join(f'{x * 100:.3f}%' for x in own)}). The side-by-side step times "
               "above differ from rep to rep by more than that on a shared machine: their "
               "ratios carry the machine's noise, this figure does not.")
-    extra = {v: statistics.median(others[v]) - statistics.median(others["plain torchrun"])
-             for v in VARIANTS[1:]}
+    others = {v: statistics.median(j.others for j in jobs[v]) for v in VARIANTS}
+    extra = {v: others[v] - others["plain torchrun"] for v in VARIANTS[1:]}
     structure = ("What script mode's own processes (a supervisor per rank, the node's delivery "
                  "process) take beside the script, counted from each process's CPU seconds "
                  "(psutil, every 0.25 s) over the same steady epochs, less what torchrun's own "
@@ -197,9 +240,14 @@ def main() -> None:
     print("\n" + table + "\n\n" + inside + "\n\n" + structure)
     body = (f"The book's chapter 9 gloo script, unedited, {RANKS} ranks, batch {BATCH}, "
             f"{args.samples} synthetic images per epoch, 5 epochs; {args.reps} reps, the "
-            "variants' order rotated each rep. Steady step time: the median of epochs 2-4 over "
-            "the steps in an epoch (epoch_clock.py: one clock call per epoch, in every "
-            "variant).\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
+            "variants' order a Williams square (over 4 reps, each in each place once and after "
+            "each other once; each job starts once the last one's processes are gone). Steady "
+            "step time: the median of epochs 2-4 over "
+            "the steps in an epoch (epoch_clock.py: two clock calls per epoch, in every "
+            "variant); the CPU figures are rank 0's own process's CPU seconds over the same "
+            "epochs (`time.process_time`), which a busy machine's preemptions do not lengthen, "
+            "and that times one plus the share the job's other processes used then: the CPU a "
+            "step costs the machine.\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
     results_page.write(args.page, "Script mode's observation: what it costs a step", body,
                        folder=Path(args.page_dir) if args.page_dir else results_page.RESULTS)
 

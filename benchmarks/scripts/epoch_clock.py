@@ -1,7 +1,8 @@
 """Runs a training script as ``__main__`` (``python epoch_clock.py SCRIPT ARGS...``) and writes
 when each of its epochs began (``DistributedSampler.set_epoch``) into
-``$BENCH_CLOCK_DIR/rank<RANK>.json``: one clock call per epoch, the same in every variant
-bench_script.py compares, so the comparison is of what the variants add, not of this."""
+``$BENCH_CLOCK_DIR/rank<RANK>.json``: ``[wall seconds, this process's CPU seconds]`` per epoch,
+two clock calls per epoch, the same in every variant bench_script.py compares, so the
+comparison is of what the variants add, not of this."""
 
 import json
 import os
@@ -12,12 +13,12 @@ from pathlib import Path
 
 from torch.utils.data.distributed import DistributedSampler
 
-marks: list[float] = []
+marks: list[tuple[float, float]] = []
 set_epoch = DistributedSampler.set_epoch
 
 
 def clocked(self, epoch):  # noqa: ANN001, ANN201 - the sampler's own signature
-    marks.append(time.perf_counter())
+    marks.append((time.perf_counter(), time.process_time()))
     set_epoch(self, epoch)
 
 
