@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
+from ddplab.poll import poll
 from ddplab.tracking import spool
 
 
@@ -86,6 +90,28 @@ def test_a_delivery_started_before_its_run_delivers_once_attached(store):
     assert delivery.proc.returncode == 0
     assert client.get_run(run_id).info.status == "FINISHED"
     assert [m.value for m in client.get_metric_history(run_id, "loss")] == [0.5]
+
+
+def test_a_delivery_attached_to_its_run_takes_the_lowest_priority_its_session_included(store):
+    """Once it delivers, the process runs at nice 19, and so does its session's scheduling
+    group where the kernel groups by session (autogroup): in a session of its own, nice alone
+    would rank it only against itself, and a busy delivery would take half a rank's core."""
+    from ddplab.tracking import RunRef
+
+    client, run_id, d = store
+    delivery = _early_delivery()
+    pid = delivery.proc.pid
+    group = Path(f"/proc/{pid}/autogroup")
+    try:
+        before = group.read_text() if group.exists() else ""
+        delivery.attach(d, RunRef(run_id, client.tracking_uri, "0", spool.now_ms()))
+        assert poll(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 60, 0.1)
+        if before:  # a kernel without autogroup has no such file: nice is then enough
+            assert before.split()[-1] == "0", before
+            assert poll(lambda: group.read_text().split()[-1] == "19", 60, 0.1), group.read_text()
+    finally:
+        spool.Stream(d, "records").append({"op": "end", "ts": 2, "status": "FINISHED"})
+        assert delivery.close() == 0
 
 
 def test_a_delivery_whose_run_never_opened_exits_at_once(tmp_path, monkeypatch):
