@@ -122,11 +122,11 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
              [*run, "1", str(MULTIGPU), "--", "40", "40", "--batch_size", "32"],
              cuda_only=True, script=True),
         Step("bench-script", "script mode's cost on the book's chapter 9 script, unedited: plain "
-             "torchrun vs script mode observed, observe=false and untracked, 3 rotated reps "
+             "torchrun vs script mode observed, observe=false and untracked, 4 reps in a balanced order "
              "(bench_script.py; its step time within 2% of plain's, on a quiet machine's cores)",
-             [sys.executable, str(REPO / "benchmarks" / "bench_script.py"), "--reps", "3",
+             [sys.executable, str(REPO / "benchmarks" / "bench_script.py"), "--reps", "4",
               "--page", page_name(a, "bench-script"),
-              "--page-dir", str(out / "work" / "docs" / "results")], timeout_s=480),
+              "--page-dir", str(out / "work" / "docs" / "results")], timeout_s=540),
         Step("peers", "ddplab (tracked and not) beside a plain torchrun script, Lightning Fabric and "
              "Accelerate on the same job (bench_peers.py)", peers_argv(a, out), timeout_s=480),
     ]
