@@ -180,3 +180,30 @@ def test_one_odd_param_name_is_set_aside_alone_not_with_the_other_80(store):
     assert run.data.metrics["loss"] == 2.0 and run.info.status == "FINISHED"
     rejected = (d / "rejected.jsonl").read_text()
     assert "a/../b" in rejected and "model.args.k1" not in rejected
+
+
+def test_a_mark_of_a_deleted_spools_file_does_not_skip_the_new_files_records(tmp_path):
+    """The script deletes the spool while the delivery sends what it read; its next record
+    makes the folder again; the delivery's mark then lands beside the new file. It must not
+    count the new file's first records as delivered."""
+    import shutil
+
+    d = tmp_path / "node0"
+    d.mkdir()
+    old = spool.Stream(d, "track")
+    for step in range(6):
+        old.append({"op": "log", "ts": step, "step": step, "metrics": {"score": float(step)}})
+    old.close()
+    delivery = spool.Stream(d, "track")
+    read = list(delivery.pending())
+    shutil.rmtree(d)  # the script, mid-send
+    d.mkdir()
+    new = spool.Stream(d, "track")
+    for step in (6, 7):
+        new.append({"op": "log", "ts": step, "step": step, "metrics": {"score": float(step)}})
+    new.close()
+    delivery.mark(read[-1][0])  # the send of the old file's records is done
+    assert [r["step"] for _, r in spool.Stream(d, "track").pending()] == [6, 7]
+    again = spool.Stream(d, "track")
+    again.mark(list(again.pending())[-1][0])
+    assert spool.Stream(d, "track").left() == 0  # a mark of this file holds

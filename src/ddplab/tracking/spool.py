@@ -24,6 +24,7 @@ mode and ``wandb sync``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from . import life
 from .schema import BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS  # MLflow's log_batch limits
 
 STREAMS = ("records", "system", "track")
+TAIL = 64  # bytes before a delivered offset whose digest the mark keeps (which file it is of)
 CLOSED = "closed"  # written by the training process when it will append nothing more
 
 
@@ -56,6 +58,7 @@ class Stream:
     def __init__(self, directory: Path, name: str) -> None:
         self.path = directory / f"{name}.jsonl"
         self.mark_path = directory / f"{name}.delivered"
+        self._read: tuple[int, bytes] = (0, b"")  # pending()'s last read: where, and what
         self.fd: int | None = None
 
     def append(self, record: dict[str, Any]) -> None:
@@ -116,13 +119,30 @@ class Stream:
         return len(kept), len(data.splitlines()) - len(kept)
 
     def delivered(self) -> int:
+        """The offset delivered so far, 0 when the mark is of another file: a deleted spool's,
+        written by a delivery that read the old file after the folder came back (the script's
+        next record made it again), would skip the new file's first records."""
         try:
-            return int(self.mark_path.read_text() or 0)
+            offset, *seen = self.mark_path.read_text().split()
+            return int(offset) if not seen or seen[0] == self._tail(int(offset)) else 0
         except (FileNotFoundError, ValueError):
             return 0
 
+    def _tail(self, offset: int) -> str:
+        """What the TAIL bytes before ``offset`` hold (a digest): which file a mark is of."""
+        begin, raw = self._read
+        if not begin <= max(0, offset - TAIL) or offset - begin > len(raw):
+            try:
+                with self.path.open("rb") as f:
+                    begin = max(0, offset - TAIL)
+                    f.seek(begin)
+                    raw = f.read(offset - begin)
+            except OSError:
+                return ""
+        return hashlib.sha1(raw[max(0, offset - TAIL) - begin:offset - begin]).hexdigest()[:16]
+
     def mark(self, offset: int) -> None:
-        write_text_atomic(self.mark_path, str(offset))
+        write_text_atomic(self.mark_path, f"{offset} {self._tail(offset)}")
 
     def pending(self, final: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
         """(end offset, record) for each complete line not yet delivered. A line that is not a
@@ -132,10 +152,13 @@ class Stream:
         start = self.delivered()
         try:
             with self.path.open("rb") as f:
-                f.seek(start)
-                data = f.read()
+                begin = max(0, start - TAIL)
+                f.seek(begin)
+                raw = f.read()
         except FileNotFoundError:
             return
+        self._read = (begin, raw)  # the mark is of these bytes, not of a file made since
+        data = raw[start - begin:]
         offset = start
         for line in data.splitlines(keepends=True):
             if not line.endswith(b"\n") and not final:
