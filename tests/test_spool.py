@@ -204,6 +204,7 @@ def test_a_mark_of_a_deleted_spools_file_does_not_skip_the_new_files_records(tmp
     new.close()
     delivery.mark(read[-1][0])  # the send of the old file's records is done
     assert [r["step"] for _, r in spool.Stream(d, "track").pending()] == [6, 7]
+    assert [r["step"] for _, r in delivery.pending()] == [6, 7]  # the same delivery's next round
     again = spool.Stream(d, "track")
     again.mark(list(again.pending())[-1][0])
     assert spool.Stream(d, "track").left() == 0  # a mark of this file holds

@@ -124,13 +124,14 @@ class Stream:
         next record made it again), would skip the new file's first records."""
         try:
             offset, *seen = self.mark_path.read_text().split()
-            return int(offset) if not seen or seen[0] == self._tail(int(offset)) else 0
+            return int(offset) if not seen or seen[0] == self._tail(int(offset), cached=False) else 0
         except (FileNotFoundError, ValueError):
             return 0
 
-    def _tail(self, offset: int) -> str:
-        """What the TAIL bytes before ``offset`` hold (a digest): which file a mark is of."""
-        begin, raw = self._read
+    def _tail(self, offset: int, cached: bool = True) -> str:
+        """What the TAIL bytes before ``offset`` hold (a digest): which file a mark is of. A
+        mark is of what pending() read (``cached``); a check of it, of the file as it is now."""
+        begin, raw = self._read if cached else (0, b"")
         if not begin <= max(0, offset - TAIL) or offset - begin > len(raw):
             try:
                 with self.path.open("rb") as f:
