@@ -29,3 +29,38 @@ def test_both_kinds_of_job_take_the_same_errors_for_consequences():
                 "Timed out after 30 s", "terminated by SIGTERM"):
         assert watch.is_secondary(why) and supervisor._secondary({"why": why}), why
     assert not watch.is_secondary("ValueError: bad batch")
+
+
+# faulthandler's dump of a rank asked for its stack while it was already unwinding its own
+# exception (formatting the traceback, which imports): none of the script's frames (seen in CI).
+UNWINDING = '''Thread 0x00007f01 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+
+Current thread 0x00007f00 (most recent call first):
+  File "<frozen importlib._bootstrap_external>", line 147 in _path_stat
+  File "<frozen importlib._bootstrap>", line 1178 in _find_and_load
+  File "/repo/src/ddplab/training/scriptmode/child.py", line 170 in _run
+'''
+WAITING = '''Current thread 0x00007f00 (most recent call first):
+  File "/venv/torch/distributed/distributed_c10d.py", line 4800 in barrier
+  File "/work/faulty.py", line 14 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+'''
+RAISED = '''Traceback (most recent call last):
+  File "/work/faulty.py", line 12, in <module>
+    loss.backward()
+  File "/venv/torch/_tensor.py", line 625, in backward
+RuntimeError: Connection closed by peer
+'''
+
+
+def test_a_stopped_rank_is_placed_in_its_script_even_when_asked_while_unwinding(tmp_path):
+    def where(stack: str, traceback: str) -> str:
+        (tmp_path / "stack.txt").write_text(stack)
+        rank = type("Rank", (), {"stack_file": tmp_path / "stack.txt",
+                                 "file": tmp_path / "faulty.py"})()
+        return supervisor.Script.where(rank, traceback)
+
+    assert where(WAITING, RAISED) == "faulty.py:14 in <module>"  # where it waited: its stack
+    assert where(UNWINDING, RAISED) == "faulty.py:12 in <module>"  # where it raised
+    assert where(UNWINDING, "") == "<frozen importlib._bootstrap_external>:147 in _path_stat"

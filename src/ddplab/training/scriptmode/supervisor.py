@@ -397,15 +397,21 @@ class Script:
             time.sleep(0.05)
 
     def where(self, traceback: str = "") -> str:
-        """'my_train.py:45 in <module>': the innermost frame of the script's own file in the
-        main thread's dumped stack, else the innermost frame ('' without a dump); with
-        ``traceback`` (the script's own, innermost frame last), in that instead."""
-        if traceback:
-            return _innermost(traceback, self.file, last_first=False)
+        """'my_train.py:45 in <module>': where a stopped rank was, the innermost frame of the
+        script's own file in the main thread's dumped stack. A script that had raised already
+        when its stack was asked for was unwinding past its own frames (formatting its
+        traceback, importing for it: seen in CI): then where its ``traceback`` (innermost frame
+        last) says it raised; else the stack's innermost frame ('' without a dump)."""
+        stack = ""
         with contextlib.suppress(OSError):
-            return _innermost(self.stack_file.read_text().split("Current thread", 1)[-1],
-                              self.file, last_first=True)
-        return ""
+            stack = self.stack_file.read_text().split("Current thread", 1)[-1]
+        return (_innermost(stack, self.file, last_first=True, own=True)
+                or _innermost(traceback, self.file, last_first=False)
+                or _innermost(stack, self.file, last_first=True))
+
+    def raised_at(self, traceback: str) -> str:
+        """Where a failed rank's script raised: its traceback's frame of the script's file."""
+        return _innermost(traceback, self.file, last_first=False)
 
     def _end(self, proc: subprocess.Popen[bytes], pumps: list[threading.Thread], stopped: str
              ) -> dict[str, Any]:
@@ -444,9 +450,9 @@ class Script:
         elif code:
             out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
         out["traceback"] = seen.get("traceback", "")[-6000:]
-        if stopped and (where := self.where()):
+        if stopped and (where := self.where(out["traceback"])):
             out["where"] = where  # where a stopped rank was: its stack, asked for
-        elif code and (where := self.where(out["traceback"])):
+        elif code and (where := self.raised_at(out["traceback"])):
             out["raised_at"] = where  # where a failed rank's script raised
         with contextlib.suppress(OSError):
             if self.spool is not None and "File " in self.stack_file.read_text():
@@ -477,13 +483,13 @@ class Script:
             stream.close()
 
 
-def _innermost(stack: str, script: Path, last_first: bool) -> str:
+def _innermost(stack: str, script: Path, last_first: bool, own: bool = False) -> str:
     """The innermost frame of ``script``'s own file in a stack (faulthandler's dump: innermost
-    first; a traceback: innermost last), else the innermost frame at all."""
+    first; a traceback: innermost last), else (unless ``own``) the innermost frame at all."""
     frames = re.findall(r'File "([^"]+)", line (\d+),? in (\S+)', stack)
     if not last_first:
         frames.reverse()
-    mine = [f for f in frames if Path(f[0]).name == script.name] or frames
+    mine = [f for f in frames if Path(f[0]).name == script.name] or ([] if own else frames)
     if not mine:
         return ""
     file, line, func = mine[0]
