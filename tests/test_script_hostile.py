@@ -70,6 +70,15 @@ def _scores(store: str, run_id: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in MlflowClient(store).get_metric_history(run_id, "score"))
 
 
+def _left(root: Path, run_id: str) -> str:
+    """What the run's spool still holds, for a failure's message: each file's last lines."""
+    said = []
+    for path in sorted((root / "checkpoints").glob(f"*/{run_id}/spool/**/*")):
+        if path.is_file() and path.suffix in (".jsonl", ".json", ".delivered", ""):
+            said.append(f"{path.name}: {path.read_text(errors='replace')[-600:]}")
+    return "\n".join(said) or "no spool left"
+
+
 @pytest.mark.e2e
 def test_a_script_deleting_its_folder_or_the_spool_never_leaves_a_run_running(tmp_path, store):
     script = tmp_path / "hostile.py"
@@ -94,7 +103,8 @@ def test_a_script_deleting_its_folder_or_the_spool_never_leaves_a_run_running(tm
         assert "spool" in error and "was deleted during the job (by the script?)" in error, error
         assert "was deleted during the job" in res.stderr
         # What came after the deletion, and ddplab's own end records, still got in.
-        assert [s for s, _ in _scores(store, run_id)][-3:] == [3, 4, 5]
+        assert [s for s, _ in _scores(store, run_id)][-3:] == [3, 4, 5], (
+            _left(tmp_path, run_id), res.stderr[-3000:])
         assert "perf/wall_s" in run.data.metrics and run.data.tags["ddplab.mode"] == "script"
     assert not [r for r in runs(store) if r.info.status == "RUNNING"]
 

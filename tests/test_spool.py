@@ -114,6 +114,27 @@ def test_a_delivery_attached_to_its_run_takes_the_lowest_priority_its_session_in
         assert delivery.close() == 0
 
 
+def test_a_delivery_yields_while_the_ranks_run_and_no_longer_once_they_are_gone():
+    """Its session's group at nice 19 while the job runs, and back at 0 once the ranks are gone
+    (the process's own nice stays 19): on a machine busy with other work, the job's end must
+    not wait behind it. In a session of its own, as the delivery process runs."""
+    import subprocess
+    import sys
+
+    said = subprocess.run(
+        [sys.executable, "-c", "import os\n"
+         "from ddplab.agent.node import Yielding\n"
+         "def now():\n"
+         "    try: group = open('/proc/self/autogroup').read().split()[-1]\n"
+         "    except OSError: group = '-'\n"
+         "    print(os.getpriority(os.PRIO_PROCESS, 0), group)\n"
+         "y = Yielding(); now(); y.end(); now()"],
+        capture_output=True, text=True, timeout=60, start_new_session=True, check=True).stdout.split()
+    assert said[0] == said[2] == "19", said
+    if Path("/proc/self/autogroup").exists():  # a kernel without autogroup: nice is enough
+        assert (said[1], said[3]) == ("19", "0"), said
+
+
 def test_a_delivery_whose_run_never_opened_exits_at_once(tmp_path, monkeypatch):
     """Rank 0 could not open the run (a dead server, say): the process it started for the run
     exits within seconds, writing nothing, instead of outliving the failed job. It runs in

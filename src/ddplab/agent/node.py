@@ -149,25 +149,45 @@ class Producer:
         return os.getppid() == self.parent and not self.closed.exists()
 
 
-def lowest_priority() -> None:
-    """nice 19, and where the kernel groups tasks by session (autogroup: most distributions'
+class Yielding:
+    """This process at the lowest priority while the ranks run (made so), and back at its
+    group's usual one once they are gone (``end``).
+
+    nice 19, and where the kernel groups tasks by session (autogroup: most distributions'
     default) the same for this process's group. Its own session (handle.py) is a group of its
     own, weighed against each rank's group as a whole: nice alone ranks it only within its
     group, where it is alone, and a busy delivery took half of a rank's core (measured: two
     busy processes beside a nice-19 one in its own session kept 52% of their loops, 92% once
-    its group was niced too)."""
-    with contextlib.suppress(OSError):
-        os.nice(19)
+    its group was niced too). Once the ranks are gone it yields to nobody of the job's: on a
+    machine busy with other work, a group at nice 19 gets ~1.5% of a core, and the job's end
+    (its last records, the run's status) waited behind that work. The group's nice goes back
+    to 0 (any user may raise a group's nice and lower it back to 0); the process's own nice
+    stays, which within its group of one weighs nothing."""
+
+    def __init__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.nice(19)
+        self.ended = not _group_nice(19)
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            _group_nice(0)
+
+
+def _group_nice(value: int) -> bool:
+    """Set this process's autogroup's nice; False where the kernel has no autogroup."""
     # The kernel takes one such change in 0.1 s from a user without CAP_SYS_ADMIN (EAGAIN):
     # two nodes' delivery processes on one machine start together.
     for _ in range(20):
         try:
-            Path("/proc/self/autogroup").write_text("19")
-            return
+            Path("/proc/self/autogroup").write_text(str(value))
+            return True
         except BlockingIOError:
             time.sleep(0.06)
         except OSError:  # no autogroup in this kernel
-            return
+            return False
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         args.spool, args.t0_ms, client = serve(args.uri)
         if args.spool is None:
             return 0
-    lowest_priority()  # from here every cycle taken here is taken from the ranks
+    # Read once, now: the script may delete its spool before this process gets a cycle at
+    # nice 19 (seen in CI: a delivery that read meta.json late died, and the run's records
+    # stayed in the spool put back).
+    meta = spool.Meta.read(args.spool)
     sampler = (SystemSampler(spool.Stream(args.spool, "system"), args.node,
                              args.system_interval, args.t0_ms or spool.now_ms())
                if args.system_interval > 0 else None)
@@ -198,18 +221,22 @@ def main(argv: list[str] | None = None) -> int:
         if sampler:
             sampler.tick()
         watch.tick()
-        return alive()
+        if alive():
+            return True
+        yielding.end()  # the ranks are gone: the run's end must not wait behind other work
+        return False
 
-    meta = spool.Meta.read(args.spool)
     client = make_client(meta.uri, client if meta.uri == args.uri else None)
     # What starting costs (importing MLflow, opening its store) apart from what running costs:
     # the first is paid once per job, the second grows with the job.
     started = os.times()
-    (args.spool / STARTUP_JSON).write_text(json.dumps(
-        {"cpu_s": round(started.user + started.system, 3)}))
+    with contextlib.suppress(OSError):  # the spool deleted already (by the script?)
+        (args.spool / STARTUP_JSON).write_text(json.dumps(
+            {"cpu_s": round(started.user + started.system, 3)}))
     since = time.time()
+    yielding = Yielding()  # from here every cycle taken here is taken from the ranks
     # (The watch ticks with the delivery's cycle, every 3 s: a hang is seen within that.)
-    out = spool.deliver(args.spool, client, producing, args.timeout, final=True)
+    out = spool.deliver(args.spool, client, producing, args.timeout, final=True, meta=meta)
     watch.release_shm()
     holds_rank0 = (args.spool / "records.jsonl").exists()
     # A restarted attempt (torchrun --max-restarts, an elastic pod) may have taken the run over

@@ -394,13 +394,13 @@ class Outcome:
 
 
 def deliver(directory: Path, client: Any, producing: Callable[[], bool], timeout_s: float,
-            pause_s: float = 3.0, final: bool = False) -> Outcome:
+            pause_s: float = 3.0, final: bool = False, meta: Meta | None = None) -> Outcome:
     """Send this spool's records while ``producing()`` and, once it says False, until nothing is
     left or ``timeout_s`` has passed. A transient failure (server down, or refusing for a while)
     is retried with backoff, never dropped; only what the server refuses as a record, or what is
     no record, is set aside in rejected.jsonl. ``final``: the writer is gone (a torn last line is
-    set aside too)."""
-    sender = Sender(client, Meta.read(directory), directory / REJECTED)
+    set aside too). ``meta``: the spool's, read before (else from its meta.json now)."""
+    sender = Sender(client, meta or Meta.read(directory), directory / REJECTED)
     streams = [Stream(directory, s) for s in STREAMS]
     backoff, deadline, error = pause_s, None, ""
     while True:
