@@ -40,10 +40,22 @@ CLOCK = Path(__file__).resolve().parent / "scripts" / "epoch_clock.py"
 BATCH, RANKS = 32, 2
 VARIANTS = ("plain torchrun", "script mode, observed", "script mode, observe=false",
             "script mode, untracked")
-WILLIAMS = (0, 1, 3, 2)
-"""Rep r runs the variants r, r+1, r+3, r+2 (mod 4): over 4 reps each variant runs in each
-place once and follows each other variant once (a Williams square), so neither the place in a
-rep nor the job before weighs on one variant more than another."""
+SHORT = dict(zip(("plain", "observed", "observe-off", "untracked"), VARIANTS, strict=True))
+
+
+def williams(n: int) -> list[int]:
+    """The first rep's order of n variants (n even) in a Williams square: 0, 1, n-1, 2, n-2...
+    Rep r runs each of them plus r (mod n): over n reps each variant runs in each place once and
+    follows each other variant once, so neither the place in a rep nor the job before weighs on
+    one variant more than another (4 variants: 0, 1, 3, 2)."""
+    order, low, high = [0], 1, n - 1
+    while len(order) < n:
+        order.append(low)
+        low += 1
+        if len(order) < n:
+            order.append(high)
+            high -= 1
+    return order
 
 
 def command(variant: str, samples: int, work: Path) -> list[str]:
@@ -122,10 +134,12 @@ def structure_share(samples: list[tuple[float, dict[int, tuple[float, bool]]]],
 
 
 class Job(NamedTuple):
-    """One job's steady epochs: rank 0's wall time and its own process's CPU time per step, and
-    what the job's other processes used of the CPU then (a share of the script's own CPU)."""
+    """One job's steady epochs: rank 0's wall time, its own process's CPU time and the time its
+    threads waited for a CPU, per step, and what the job's other processes used of the CPU then
+    (a share of the script's own CPU)."""
     step_s: float
     cpu_s: float
+    wait_s: float
     others: float
 
     @property
@@ -169,7 +183,8 @@ def one_job(variant: str, samples: int, work: Path) -> Job:
     def per_step(i: int) -> float:
         return statistics.median(b[i] - a[i] for a, b in steady) / steps
 
-    return Job(per_step(0), per_step(1), structure_share(cpu, marks[1][0], marks[-1][0]))
+    return Job(per_step(0), per_step(1), per_step(2),
+               structure_share(cpu, marks[1][0], marks[-1][0]))
 
 
 def _column(jobs: dict[str, list[Job]], v: str, field: str) -> tuple[float, str, float]:
@@ -186,40 +201,51 @@ def _table(jobs: dict[str, list[Job]]) -> str:
             "(medians) | vs plain torchrun (median of each rep's ratio) | rank 0's own CPU a step "
             "(median) | vs plain torchrun (median of each rep's ratio) | the CPU a step costs "
             "the machine, vs plain torchrun (median of each rep's ratio) | the job's other "
-            "processes' CPU over those epochs, a share of the script's own (median) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "processes' CPU over those epochs, a share of the script's own (median) | rank 0's "
+            "threads waiting for a CPU a step (median) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     plain = statistics.median(j.step_s for j in jobs["plain torchrun"])
-    for v in VARIANTS:
+    for v in jobs:
         step, each, paired = _column(jobs, v, "step_s")
         cpu, _, cpu_paired = _column(jobs, v, "cpu_s")
         _, _, machine = _column(jobs, v, "machine_cpu_s")
         others = statistics.median(j.others for j in jobs[v])
+        wait = statistics.median(j.wait_s for j in jobs[v])
         rows.append(f"| {v} | {step * 1000:.1f} ms | {each} | {step / plain:.3f}x | "
                     f"{paired:.3f}x | {cpu * 1000:.1f} ms | {cpu_paired:.3f}x | {machine:.3f}x | "
-                    f"{others * 100:.2f}% |")
+                    f"{others * 100:.2f}% | {wait * 1000:.2f} ms |")
     return "\n".join(rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=4, help="a multiple of 4 balances the order")
+    ap.add_argument("--reps", type=int, default=4,
+                    help="a multiple of the variants' number balances the order")
+    ap.add_argument("--variants", default=",".join(SHORT),
+                    help=f"which to run, comma-separated, of {','.join(SHORT)}, plain among "
+                         "them (an even number balances the order)")
     ap.add_argument("--samples", type=int, default=1536, help="synthetic images per epoch")
     ap.add_argument("--page", default="bench-script", help="docs/results/<page>.md")
     ap.add_argument("--page-dir", default="", help="write the page here instead of docs/results")
     args = ap.parse_args()
-    jobs: dict[str, list[Job]] = {v: [] for v in VARIANTS}
+    names = [v.strip() for v in args.variants.split(",")]
+    if "plain" not in names or not set(names) <= set(SHORT):
+        ap.error(f"--variants: {args.variants!r}; each one of {','.join(SHORT)}, plain among them")
+    chosen = [SHORT[n] for n in names]
+    jobs: dict[str, list[Job]] = {v: [] for v in chosen}
     own: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for rep in range(args.reps):
-            order = [VARIANTS[(rep + k) % len(VARIANTS)] for k in WILLIAMS]
+            order = [chosen[(rep + k) % len(chosen)] for k in williams(len(chosen))]
             for variant in order:
                 job = one_job(variant, args.samples, work)
                 jobs[variant].append(job)
-                if variant == "script mode, observed":
+                if variant == VARIANTS[1]:
                     own.append(observe_frac(work))
                 print(f"rep {rep + 1}/{args.reps} {variant}: step {job.step_s * 1000:.1f} ms, "
-                      f"rank 0's CPU {job.cpu_s * 1000:.1f} ms a step, other processes "
+                      f"rank 0's CPU {job.cpu_s * 1000:.1f} ms a step, waiting for a CPU "
+                      f"{job.wait_s * 1000:.2f} ms, other processes "
                       f"{job.others * 100:.2f}% of the script's CPU", flush=True)
     table = _table(jobs)
     inside = (f"The observation's own cost, measured inside the script's process (its hooks' "
@@ -227,9 +253,9 @@ def main() -> None:
               f"{statistics.median(own) * 100:.3f}% of a step (each rep: "
               f"{', '.join(f'{x * 100:.3f}%' for x in own)}). The side-by-side step times "
               "above differ from rep to rep by more than that on a shared machine: their "
-              "ratios carry the machine's noise, this figure does not.")
-    others = {v: statistics.median(j.others for j in jobs[v]) for v in VARIANTS}
-    extra = {v: others[v] - others["plain torchrun"] for v in VARIANTS[1:]}
+              "ratios carry the machine's noise, this figure does not.") if own else ""
+    others = {v: statistics.median(j.others for j in jobs[v]) for v in jobs}
+    extra = {v: others[v] - others[VARIANTS[0]] for v in jobs if v != VARIANTS[0]}
     structure = ("What script mode's own processes (a supervisor per rank, the node's delivery "
                  "process) take beside the script, counted from each process's CPU seconds "
                  "(psutil, every 0.25 s) over the same steady epochs, less what torchrun's own "
@@ -247,7 +273,9 @@ def main() -> None:
             "variant); the CPU figures are rank 0's own process's CPU seconds over the same "
             "epochs (`time.process_time`), which a busy machine's preemptions do not lengthen, "
             "and that times one plus the share the job's other processes used then: the CPU a "
-            "step costs the machine.\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
+            "step costs the machine; the wait is the time rank 0's threads spent runnable but "
+            "without a CPU (the kernel's schedstat), what other work on the cores took from it."
+            "\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
     results_page.write(args.page, "Script mode's observation: what it costs a step", body,
                        folder=Path(args.page_dir) if args.page_dir else results_page.RESULTS)
 

@@ -1,7 +1,9 @@
 """Runs a training script as ``__main__`` (``python epoch_clock.py SCRIPT ARGS...``) and writes
 when each of its epochs began (``DistributedSampler.set_epoch``) into
-``$BENCH_CLOCK_DIR/rank<RANK>.json``: ``[wall seconds, this process's CPU seconds]`` per epoch,
-two clock calls per epoch, the same in every variant bench_script.py compares, so the
+``$BENCH_CLOCK_DIR/rank<RANK>.json``: ``[wall seconds, this process's CPU seconds, the seconds
+its threads spent runnable but waiting for a CPU]`` per epoch (the last from the kernel's
+scheduler statistics, /proc/self/task/*/schedstat; 0 where the kernel keeps none), a few clock
+calls and file reads per epoch, the same in every variant bench_script.py compares, so the
 comparison is of what the variants add, not of this."""
 
 import json
@@ -13,12 +15,24 @@ from pathlib import Path
 
 from torch.utils.data.distributed import DistributedSampler
 
-marks: list[tuple[float, float]] = []
+marks: list[tuple[float, float, float]] = []
 set_epoch = DistributedSampler.set_epoch
 
 
+def waited() -> float:
+    """Seconds this process's threads have spent on a run queue, runnable, not running: the
+    time other work on its cores took from it (schedstat's second field, nanoseconds)."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that just ended; no schedstat
+            continue
+    return total / 1e9
+
+
 def clocked(self, epoch):  # noqa: ANN001, ANN201 - the sampler's own signature
-    marks.append((time.perf_counter(), time.process_time()))
+    marks.append((time.perf_counter(), time.process_time(), waited()))
     set_epoch(self, epoch)
 
 
