@@ -45,7 +45,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.helpers.containers import sh
+from tests.helpers.containers import remove, sh
 
 # One worker runs this whole module under CI's `-n 2 --dist loadgroup`: its module-scoped
 # fixture (a cluster's stack, the images) is started once, not once per worker.
@@ -160,8 +160,7 @@ def stack(tmp_path_factory):
     try:
         yield net, start_mlflow(net, started, tmp_path_factory.mktemp("tracking"))
     finally:
-        for c in started:
-            sh(["docker", "rm", "-f", c])
+        remove(*started)
         sh(["docker", "network", "rm", net])
 
 
@@ -171,8 +170,7 @@ def cluster(stack):
     net, base = stack
     started: list[str] = []
     yield net, started, base
-    for c in started:
-        sh(["docker", "rm", "-f", c])
+    remove(*started)
 
 
 def state(container: str) -> dict:
@@ -187,9 +185,9 @@ def run(net: str, started: list[str], name: str, aliases: list[str], flags: list
         cmd += ["--network-alias", a]
     for k, v in env.items():
         cmd += ["-e", f"{k}={v}"]
+    started.append(name)  # removed when the test ends even if it was created but did not start
     out = sh([*cmd, *flags, image, *args])
     assert out.returncode == 0, out.stderr
-    started.append(name)
 
 
 def start_mlflow(net: str, started: list[str], tmp: Path) -> str:
@@ -422,8 +420,8 @@ def test_trainer_v2_trainjobs_run_as_the_trainer_runs_them(cluster, tmp_path):
         metrics = {m["key"] for m in run_["data"]["metrics"]}
         for node in range(2):
             assert any(k.startswith(f"system/node{node}/cpu_utilization") for k in metrics), metrics
-        for pod_name in pods:  # the JobSet ends: its pods go before the next TrainJob's start
-            sh(["docker", "rm", "-f", pod_name])
+        remove(*pods)  # the JobSet ends: its pods go before the next TrainJob's start
+        for pod_name in pods:
             started.remove(pod_name)
 
 

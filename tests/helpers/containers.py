@@ -37,6 +37,21 @@ def sh(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def remove(*containers: str, within_s: float = 120) -> None:
+    """Remove these containers and wait until their names are free: a loaded engine has answered
+    `docker rm -f` with an error and kept the name, and the next pod of that name then failed to
+    start (seen in CI). Fails the caller with the engine's words if a name stays taken."""
+    deadline, left, said = time.monotonic() + within_s, list(containers), ""
+    while left:
+        said = sh(["docker", "rm", "-f", *left], timeout=300).stderr.strip()
+        left = [c for c in left
+                if sh(["docker", "container", "inspect", c], timeout=60).returncode == 0]
+        if left and time.monotonic() > deadline:
+            pytest.fail(f"docker rm -f {' '.join(left)}: still there after {within_s:.0f} s: {said}")
+        if left:
+            time.sleep(2)
+
+
 def rest(base: str, path: str, body: dict | None = None, login: str = "") -> dict:
     """MLflow's REST API; ``login`` ("user:password") for a server that asks for one."""
     headers = {"Content-Type": "application/json"}
