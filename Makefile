@@ -11,8 +11,8 @@ NPROC      ?= 2
 ARGS       ?=
 PYTEST_ARGS ?= --durations=25
 # pytest-xdist workers for `make test`: one per core, at most 4 (each test starts 2-4 processes of
-# its own; more workers only queue on the cores). The container tier stays serial: on 2 cores two
-# workers had run 26 of its 29 tests after 28 min; one at a time all take 18 (each test's containers already fill the cores).
+# its own; more workers only queue on the cores). The container tier runs two at a time: its tests
+# wait on servers, healthchecks and containers more than they compute (docs/testing.md).
 CONTAINER_WORKERS ?= 2
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 UI_PORT    ?= 5000

@@ -34,6 +34,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("distributed") else 2
 
     items.sort(key=weight)
+    _xdist_groups(items)
+
+
+def _xdist_groups(items: list[pytest.Item]) -> None:
+    """`--dist loadgroup` (make test-container) sends an `xdist_group`'s tests to one worker by
+    a suffix pytest-xdist 3.8 adds to each test's id, through `item._nodeid`; pytest 9.2 builds
+    the id from `item._id` instead, so the suffix was lost and the k8s emulation's tests ran on
+    two workers at once, starting pods of the same name (CI: "name already in use"). The suffix
+    is added here where xdist's did not take; with no `xdist_group`, nothing changes."""
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        grouped = "@" in item.nodeid.rpartition("]")[2]  # xdist's own test: an "@" after any "]"
+        if names and getattr(item.config.option, "loadgroup", False) and not grouped:
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 @pytest.fixture(autouse=True)
