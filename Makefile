@@ -65,9 +65,10 @@ run: $(STAMP) ## Run the main job: EXPERIMENT (quickstart, or your script.py) wi
 	$(BIN)/ddplab run --nproc-per-node $(NPROC) $(EXPERIMENT) $(ARGS)
 
 # --app-name ddplab: MLflow's server app, opening on the runs (src/ddplab/tracking/mlflow_app.py).
+# Without MLflow's job runner (seven more processes for GenAI jobs ddplab runs none of), unless set.
 ui: $(STAMP) ## Open the MLflow UI over the same store; prints its address (UI_PORT, default 5000)
 	@echo "MLflow UI, runs view: $(UI_ADDRESS)"
-	$(BIN)/mlflow server --app-name ddplab --workers 1 --backend-store-uri "$(MLFLOW_TRACKING_URI)" \
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} $(BIN)/mlflow server --app-name ddplab --workers 1 --backend-store-uri "$(MLFLOW_TRACKING_URI)" \
 		--host 127.0.0.1 --port $(UI_PORT)
 
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine

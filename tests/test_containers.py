@@ -33,9 +33,9 @@ from tests.helpers.containers import (
     wait_exits,
 )
 
-# One worker runs this whole module under CI's `-n 2 --dist loadgroup`: its module-scoped
-# fixture (a cluster's stack, the images) is started once, not once per worker.
-pytestmark = [pytest.mark.container, pytest.mark.xdist_group("containers")]
+# No xdist_group: these tests share nothing but the images, so `--dist loadgroup` spreads them
+# over both workers beside the compose tests (the k8s emulation's module stays on one worker).
+pytestmark = pytest.mark.container
 
 
 @pytest.fixture(scope="module", autouse=True)
