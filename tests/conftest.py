@@ -47,7 +47,8 @@ def _xdist_groups(items: list[pytest.Item]) -> None:
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                         for m in item.iter_markers("xdist_group")})
         grouped = "@" in item.nodeid.rpartition("]")[2]  # xdist's own test: an "@" after any "]"
-        if names and getattr(item.config.option, "loadgroup", False) and not grouped:
+        if names and getattr(item.config.option, "loadgroup", False) and not grouped \
+                and hasattr(item, "_id"):  # before pytest 9.2, xdist's own suffix works
             item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
