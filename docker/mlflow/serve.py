@@ -116,7 +116,7 @@ def main() -> None:
         os.execvp("mlflow", ["mlflow", "db", "upgrade", uri])
     login = with_login(uri)
     # MLflow's job runner starts seven more processes, each importing MLflow (~30 s of CPU at
-    # start, measured) and leave their queues in /dev/shm, for MLflow's GenAI jobs: ddplab runs
+    # start, measured) and leaves their queues in /dev/shm, for MLflow's GenAI jobs: ddplab runs
     # none. A caller may still set it.
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execvp("mlflow", [
