@@ -38,9 +38,9 @@ def sh(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
 
 
 def remove(*containers: str, within_s: float = 120) -> None:
-    """Remove these containers and wait until their names are free: a loaded engine has answered
-    `docker rm -f` with an error and kept the name, and the next pod of that name then failed to
-    start (seen in CI). Fails the caller with the engine's words if a name stays taken."""
+    """Remove these containers and wait until their names are free, so that the next pod of the
+    same name starts (`docker rm -f`'s own exit status was never read). Fails the caller with the
+    engine's words if a name stays taken, instead of the next test failing on "already in use"."""
     deadline, left, said = time.monotonic() + within_s, list(containers), ""
     while left:
         said = sh(["docker", "rm", "-f", *left], timeout=300).stderr.strip()
