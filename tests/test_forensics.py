@@ -136,6 +136,18 @@ def test_a_hang_across_nodes_names_the_rank_behind_and_who_waits_where():
         "(gloo:all_reduce), which rank 1 never entered")
 
 
+def test_a_hang_whose_peer_failed_when_the_rank_behind_was_ended_names_both():
+    """Node 1's watch ends rank 1 (stopped in its dataset) before node 0's watch fires: rank 0's
+    all-reduce then fails on the closed connection (CI saw the line name rank 1 alone)."""
+    endings = [Ending(0, 7, "backward", 101.0, "failed",
+                      "RuntimeError: [gloo] Connection closed by peer", "node-1"),
+               Ending(1, 7, "data loading", 90.0, "stopped", "", "node-2")]
+    assert verdict(endings, 2, now=100.0) == (
+        "rank 1 (host node-2) stopped at step 7 in data loading 10 s ago; rank 0 stopped after it")
+    assert verdict(endings[1:], 3, now=100.0).endswith(
+        "10 s ago; ranks 0,2 reported nothing (their node lost?)")
+
+
 def test_a_lost_node_is_the_cause_when_the_others_only_saw_it_go():
     endings = [Ending(0, 9, "backward", 10.0, "failed", "RuntimeError: Connection reset by peer", "a"),
                Ending(1, 9, "backward", 10.5, "failed", "Terminated: terminated by SIGTERM", "a")]

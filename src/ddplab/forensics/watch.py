@@ -247,13 +247,18 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None) ->
     # Each node's watch sees only its own ranks, and names one of them stopped: across nodes,
     # the rank behind is the one furthest behind of all (the others wait for it).
     hung = [e for e in endings if e.what in ("stopped", "waits")]
-    if any(e.what == "stopped" for e in hung):
-        behind = min(hung, key=behind_key)
-        return _hang_line(behind, [e for e in hung if e is not behind], now)
     failed = [e for e in endings if e.what in ("failed", "died")]
-    causes = [e for e in failed if e.what == "died" or not is_secondary(e.detail)]
     missing = sorted(set(range(world_size)) - {e.rank for e in endings})
     lost = f"{_ranks(missing)} reported nothing (their node lost?)"
+    if any(e.what == "stopped" for e in hung):
+        # A rank whose node's watch had not fired yet fails when its stopped peer is ended
+        # (its collective's connection closes): it stopped after the rank behind.
+        behind = min(hung, key=behind_key)
+        line = _hang_line(behind, [e for e in hung if e is not behind], now)
+        if failed:
+            line += f"; {_ranks(sorted(e.rank for e in failed))} stopped after it"
+        return line + (f"; {lost}" if missing else "")
+    causes = [e for e in failed if e.what == "died" or not is_secondary(e.detail)]
     if not causes:
         # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
         # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
