@@ -75,7 +75,7 @@ doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
 test: $(STAMP) $(CCL_STAMP) ## Build ddplab's ccl (setup-ccl), then the tiers that need no Docker or Open MPI: unit, distributed, end-to-end
-	$(BIN)/pytest -m "not container and not mpi and not browser and not kit" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not container and not mpi and not browser and not kit" -n $(TEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
 
 test-kit: $(STAMP) ## The GPU proof kit built as for a bare GPU machine and run on CPU: its CPU steps finish, its CUDA ones refuse in one line
 	$(BIN)/pytest -m kit $(PYTEST_ARGS)

@@ -19,18 +19,27 @@ QUICK = [  # a smaller quickstart for tests that need a real job but not its ful
 ]
 
 
-LONGEST = ("test_a_study_whose_server_dies", "test_a_tiny_study_gives_a_parent")
-"""The tests of 100 s and more (make test's --durations): started first of all, so that none of
-them starts last and runs on alone while the other worker idles."""
+LONGEST = ("tests/test_k8s_emulation.py",  # one xdist_group: ~11 min on one worker
+           "tests/test_compose_fresh.py::test_compose_slurm",
+           "tests/test_compose_fresh.py::test_compose_mpi",
+           "tests/test_compose_fresh.py::test_compose_up",
+           "tests/test_containers.py::test_compose_multinode",
+           "tests/test_study_compose.py",
+           "tests/test_study.py::test_a_tiny_study_gives_a_parent",
+           "tests/test_hostile.py::test_a_study_whose_server_dies")
+"""The longest tests of each tier, longest first (CI's --durations): started before all others,
+so that none of them starts last and runs on alone while the other worker idles."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The long tests first (end-to-end, then multi-process), the quick ones last: pytest-xdist
-    hands tests out in this order, so the quick ones fill the workers' gaps at the end instead of
-    one worker finishing a two-minute study alone (longest first: the tier's wall time falls)."""
+    hands tests out in this order (make test: one at a time, --maxschedchunk 1), so the quick
+    ones fill the workers' gaps at the end instead of one worker finishing a two-minute study
+    alone (longest first: the tier's wall time falls)."""
     def weight(item: pytest.Item) -> int:
-        if item.name.startswith(LONGEST):
-            return -1
+        first = [i for i, prefix in enumerate(LONGEST) if item.nodeid.startswith(prefix)]
+        if first:
+            return first[0] - len(LONGEST)
         return 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("distributed") else 2
 
     items.sort(key=weight)
