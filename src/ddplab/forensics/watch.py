@@ -251,12 +251,13 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None) ->
     missing = sorted(set(range(world_size)) - {e.rank for e in endings})
     lost = f"{_ranks(missing)} reported nothing (their node lost?)"
     if any(e.what == "stopped" for e in hung):
-        # A rank whose node's watch had not fired yet fails when its stopped peer is ended
+        # A rank whose node's watch had not fired yet raises when its stopped peer is ended
         # (its collective's connection closes): it stopped after the rank behind.
         behind = min(hung, key=behind_key)
         line = _hang_line(behind, [e for e in hung if e is not behind], now)
-        if failed:
-            line += f"; {_ranks(sorted(e.rank for e in failed))} stopped after it"
+        after = sorted(e.rank for e in failed if e.what == "failed")
+        if after:
+            line += f"; {_ranks(after)} stopped after it"
         return line + (f"; {lost}" if missing else "")
     causes = [e for e in failed if e.what == "died" or not is_secondary(e.detail)]
     if not causes:
