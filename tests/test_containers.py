@@ -274,10 +274,12 @@ def assert_a_hang_across_nodes_is_named(c, tmp_path: Path) -> None:
         listed = rest(c.base, f"/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}"
                               f"&path=forensics/{node}", login=c.login())
         found |= {f["path"] for f in listed.get("files", [])}
-    # Rank 0's evidence is its stacks when its own watch stopped it, or its traceback (the
-    # all-reduce that failed on the closed connection) when its peer's end stopped it first.
+    # Each rank's evidence is its stacks when its own node's watch stopped it, or its traceback
+    # when the other node's end reached it first (rank 0: its all-reduce failed on the closed
+    # connection; rank 1: its launcher's SIGTERM once node 0's job ended): the line says which.
     rank0 = "error" if "rank 0 stopped after it" in error else "stack"
-    assert {f"forensics/node0/rank-0.{rank0}.txt", "forensics/node1/rank-1.stack.txt"} <= found, \
+    rank1 = "error" if "(ended when the job stopped)" in error else "stack"
+    assert {f"forensics/node0/rank-0.{rank0}.txt", f"forensics/node1/rank-1.{rank1}.txt"} <= found, \
         (error, found)
     codes = wait_exits(c, c.service, 2, time.monotonic() + 120)
     assert len(codes) == 2 and all(code != 0 for code in codes), codes

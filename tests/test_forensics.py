@@ -148,6 +148,29 @@ def test_a_hang_whose_peer_failed_when_the_rank_behind_was_ended_names_both():
         "10 s ago; ranks 0,2 reported nothing (their node lost?)")
 
 
+def test_a_hang_whose_rank_behind_was_ended_by_its_launcher_still_names_it_behind():
+    """The other order: node 1's watch fires first and stops rank 0 (in backward), its job ends,
+    and node 2's launcher SIGTERMs rank 1, asleep in its data, before node 2's watch fires. Rank
+    1 is still the rank the other waited for; the line said rank 0 stopped, rank 1 after it."""
+    endings = [Ending(0, 7, "backward", 90.5, "stopped", "", "node-1"),
+               Ending(1, 7, "data loading", 101.0, "failed",
+                      "Terminated: terminated by SIGTERM (its launcher ...)", "node-2")]
+    assert verdict(endings, 2, now=102.0) == (
+        "rank 1 (host node-2) stopped at step 7 in data loading (ended when the job stopped); "
+        "rank 0 waits in backward (gradient all-reduce)")
+
+
+def test_a_rank_that_raised_is_the_cause_even_when_its_peer_then_hung():
+    """On ccl across nodes a peer's end is no error: rank 0 waits until its watch stops it.
+    The rank that raised is the cause; the one its watch stopped, stopped after it."""
+    endings = [Ending(0, 7, "backward", 90.5, "stopped", "", "node-1"),
+               Ending(1, 7, "forward", 90.0, "failed", "ValueError: bad sample 17\n\ntrace",
+                      "node-2")]
+    assert verdict(endings, 2, now=200.0) == (
+        "rank 1 (host node-2) failed (ValueError: bad sample 17) at step 7 in forward; rank 0 "
+        "stopped after it")
+
+
 def test_a_lost_node_is_the_cause_when_the_others_only_saw_it_go():
     endings = [Ending(0, 9, "backward", 10.0, "failed", "RuntimeError: Connection reset by peer", "a"),
                Ending(1, 9, "backward", 10.5, "failed", "Terminated: terminated by SIGTERM", "a")]

@@ -101,6 +101,36 @@ def test_the_delivery_records_the_tag_whole():
     assert taken.tags == {}
 
 
+def test_when_the_verdict_appears_the_runs_error_names_the_cause_already(run_in):
+    """Rank 0 ended the run FAILED with what it saw; the verdict names rank 1. Whoever reads the
+    run as soon as ddplab.verdict is there (a user, a test, a study) finds ddplab.error naming
+    rank 1 already, rank 0's own error beside it: the verdict is written last."""
+    client, run_id = run_in
+    client.set_tag(run_id, "ddplab.error", "DistBackendError: Connection closed by peer")
+    seen: dict[str, str] = {}
+    set_tag = client.set_tag
+
+    def spy(run: str, key: str, value: str) -> None:
+        if key == "ddplab.verdict":
+            seen.update(client.get_run(run).data.tags)  # the run as a reader finds it then
+        set_tag(run, key, value)
+
+    class Watch:
+        def endings(self) -> list[Ending]:
+            return two_rank_failure("ValueError: bad sample 17")
+
+        def files(self) -> list[Path]:
+            return []
+
+    client.set_tag = spy
+    line = postmortem.record(client, run_id, Watch(), "node0", 2,  # type: ignore[arg-type]
+                             holds_rank0=True)
+    assert line.startswith("rank 1 (host h1) failed (ValueError: bad sample 17) at step 7"), line
+    assert seen["ddplab.error"] == line, seen
+    assert seen["ddplab.error.rank0"] == "DistBackendError: Connection closed by peer", seen
+    assert client.get_run(run_id).data.tags["ddplab.verdict"] == line
+
+
 def test_the_error_tag_keeps_its_first_line():
     from ddplab.tracking.tracker import ERROR_LIMIT, error_tag
 

@@ -248,8 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         # watch, when it saw a hang: the verdict says why, and no peer is left to wait for).
         _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent, verdict,
                        stopped=watch.hang is not None)
-    elif verdict and holds_rank0:
-        postmortem.name_the_cause(client, meta.run_id, verdict)
     if verdict:  # the job's last line: after torchrun's report, which blames whoever it saw first
         print(f"ddplab: {verdict} (every rank's stack and error: ddplab diagnose {meta.run_id})",
               file=sys.stderr)

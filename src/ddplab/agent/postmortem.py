@@ -41,6 +41,9 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
         return ""
     line = verdict(_everyone(client, run_id, node, endings, world_size), world_size)
     if line and not superseded():  # (the wait for the other nodes' endings took up to 15 s)
+        # The verdict is the postmortem's last word: whoever reads the run once it is there
+        # finds ddplab.error naming the cause already, not rank 0's view of it a moment before.
+        name_the_cause(client, run_id, line)
         with contextlib.suppress(Exception):  # ended with it anyway (delivery.py)
             client.set_tag(run_id, schema.VERDICT, line)
     return line

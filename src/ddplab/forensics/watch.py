@@ -250,23 +250,19 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None) ->
     failed = [e for e in endings if e.what in ("failed", "died")]
     missing = sorted(set(range(world_size)) - {e.rank for e in endings})
     lost = f"{_ranks(missing)} reported nothing (their node lost?)"
-    if any(e.what == "stopped" for e in hung):
-        # A rank whose node's watch had not fired yet raises when its stopped peer is ended
-        # (its collective's connection closes): it stopped after the rank behind.
-        behind = min(hung, key=behind_key)
-        line = _hang_line(behind, [e for e in hung if e is not behind], now)
-        after = sorted(e.rank for e in failed if e.what == "failed")
-        if after:
-            line += f"; {_ranks(after)} stopped after it"
-        return line + (f"; {lost}" if missing else "")
-    causes = [e for e in failed if e.what == "died" or not is_secondary(e.detail)]
+    raised = [e for e in failed if e.what == "failed" and not is_secondary(e.detail)]
+    if any(e.what == "stopped" for e in hung) and not raised:
+        return _hang_verdict(hung, failed, now) + (f"; {lost}" if missing else "")
+    # A rank that raised is the cause even when its peers then hung (on ccl across nodes a
+    # peer's end is no error: the others wait until their watch stops them).
+    causes = raised + [e for e in failed if e.what == "died"]
     if not causes:
         # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
         # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
         return f"{lost}; {_ranks(sorted(e.rank for e in failed))} stopped after it" \
             if missing and failed else ""
     first = min(causes, key=lambda e: e.time)
-    after = sorted(e.rank for e in failed if e is not first)
+    after = sorted(e.rank for e in failed + hung if e is not first)
     line = f"rank {first.rank} (host {first.host}) {_how(first)} at step {first.step} in {first.phase}"
     if after:
         line += f"; {_ranks(after)} stopped after it"
@@ -275,10 +271,26 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None) ->
 
 
 
+def _hang_verdict(hung: list[Ending], failed: list[Ending], now: float | None) -> str:
+    """A hang: the rank furthest behind of all, where the others wait, who raised after it.
+    Each node's watch stops its own ranks, and which fires first is a race. A rank whose watch
+    had not fired yet raises where it is when the hang's end reaches it: a peer's collective
+    closed on it, or its launcher's SIGTERM once another node's job ended. Such a rank, when
+    it is the furthest behind (asleep in its data, say), is the rank the others waited for."""
+    ended = [e for e in failed if e.what == "failed"]
+    behind = min(hung + ended, key=behind_key)
+    line = _hang_line(behind, [e for e in hung if e is not behind], now)
+    after = sorted(e.rank for e in ended if e is not behind)
+    return line + (f"; {_ranks(after)} stopped after it" if after else "")
+
+
 def _hang_line(stopped: Ending, waiting: list[Ending], now: float | None) -> str:
-    ago = (now or time.time()) - stopped.time
+    # A rank its watch stopped: how long since its last heartbeat. One that raised when the
+    # hang's end reached it: only where it was (the error's time is when it was ended).
+    ago = (f"{(now or time.time()) - stopped.time:.0f} s ago" if stopped.what != "failed"
+           else "(ended when the job stopped)")
     line = (f"rank {stopped.rank} (host {stopped.host}) stopped at step {stopped.step} in "
-            f"{stopped.phase} {ago:.0f} s ago")
+            f"{stopped.phase} {ago}")
     by_phase: dict[str, list[int]] = {}
     for e in waiting:
         by_phase.setdefault(WAITS_IN.get(e.phase, e.phase), []).append(e.rank)
