@@ -166,9 +166,20 @@ def test_a_rank_that_raised_is_the_cause_even_when_its_peer_then_hung():
     endings = [Ending(0, 7, "backward", 90.5, "stopped", "", "node-1"),
                Ending(1, 7, "forward", 90.0, "failed", "ValueError: bad sample 17\n\ntrace",
                       "node-2")]
-    assert verdict(endings, 2, now=200.0) == (
+    assert verdict(endings, 2, now=200.0, hang_after_s=8) == (
         "rank 1 (host node-2) failed (ValueError: bad sample 17) at step 7 in forward; rank 0 "
         "stopped after it")
+
+
+def test_an_error_raised_after_a_watch_stopped_the_rank_behind_is_not_the_cause():
+    """A transport's words for a peer's end that SECONDARY does not know (oneCCL's, say),
+    raised once node 2's watch had stopped rank 1 (its heartbeat 8 s old or more): the hang is
+    the cause, as when the error is a known one."""
+    endings = [Ending(0, 7, "backward", 99.0, "failed",
+                      "RuntimeError: oneCCL: ofi.cpp:212 fi_cq_readerr: Transport endpoint", "n1"),
+               Ending(1, 7, "data loading", 90.0, "stopped", "", "n2")]
+    assert verdict(endings, 2, now=100.0, hang_after_s=8) == (
+        "rank 1 (host n2) stopped at step 7 in data loading 10 s ago; rank 0 stopped after it")
 
 
 def test_a_lost_node_is_the_cause_when_the_others_only_saw_it_go():

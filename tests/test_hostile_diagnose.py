@@ -82,6 +82,8 @@ def test_the_delivery_records_the_tag_whole():
             self.tags[key] = value
 
     class Watch:
+        hang_after_s = 300.0
+
         def endings(self) -> list[Ending]:
             return two_rank_failure()
 
@@ -116,6 +118,8 @@ def test_when_the_verdict_appears_the_runs_error_names_the_cause_already(run_in)
         set_tag(run, key, value)
 
     class Watch:
+        hang_after_s = 300.0
+
         def endings(self) -> list[Ending]:
             return two_rank_failure("ValueError: bad sample 17")
 

@@ -241,21 +241,29 @@ def is_secondary(error: str) -> bool:
     return any(s in first for s in SECONDARY)
 
 
-def verdict(endings: list[Ending], world_size: int, now: float | None = None) -> str:
+def verdict(endings: list[Ending], world_size: int, now: float | None = None,
+            hang_after_s: float = 0.0) -> str:
     """The one line: who stopped or failed first, where, and what the others did. "" when no
-    rank failed (every one done, or stopped by Ctrl-C)."""
+    rank failed (every one done, or stopped by Ctrl-C). ``hang_after_s``: the job's, when
+    known (no watch stopped a rank sooner after its last heartbeat)."""
     # Each node's watch sees only its own ranks, and names one of them stopped: across nodes,
     # the rank behind is the one furthest behind of all (the others wait for it).
     hung = [e for e in endings if e.what in ("stopped", "waits")]
     failed = [e for e in endings if e.what in ("failed", "died")]
     missing = sorted(set(range(world_size)) - {e.rank for e in endings})
     lost = f"{_ranks(missing)} reported nothing (their node lost?)"
-    raised = [e for e in failed if e.what == "failed" and not is_secondary(e.detail)]
-    if any(e.what == "stopped" for e in hung) and not raised:
+    stopped = [e for e in hung if e.what == "stopped"]
+    # A rank that raised an error of its own before any watch could stop a rank is the cause
+    # even when its peers then hung (on ccl across nodes a peer's end is no error: they wait
+    # until their watch stops them). One that raised later may be an end it saw, worded in a
+    # way SECONDARY does not know (a transport's error): the hang stays the cause.
+    acted = min((e.time for e in stopped), default=float("inf")) + hang_after_s
+    raised = [e for e in failed if e.what == "failed" and not is_secondary(e.detail)
+              and e.time < acted]
+    if stopped and not raised:
         return _hang_verdict(hung, failed, now) + (f"; {lost}" if missing else "")
-    # A rank that raised is the cause even when its peers then hung (on ccl across nodes a
-    # peer's end is no error: the others wait until their watch stops them).
-    causes = raised + [e for e in failed if e.what == "died"]
+    causes = raised + [e for e in failed if e.what == "died"
+                       or (not stopped and not is_secondary(e.detail))]
     if not causes:
         # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
         # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
