@@ -182,6 +182,20 @@ def test_an_error_raised_after_a_watch_stopped_the_rank_behind_is_not_the_cause(
         "rank 1 (host n2) stopped at step 7 in data loading 10 s ago; rank 0 stopped after it")
 
 
+def test_a_rank_killed_outright_while_blocked_is_not_the_cause_of_its_peers_error():
+    """Rank 1 raises at 100.0; rank 0, blocked in an all-reduce since 99.8 (ccl: its peer's end
+    is no error), cannot run its SIGTERM handler, so torchrun SIGKILLs it 30 s later: a death
+    without a dump, timed by its last heartbeat, before rank 1's error. Rank 1 is the cause."""
+    endings = [Ending(0, 7, "backward", 99.8, "died", "", "a"),
+               Ending(1, 7, "forward", 100.0, "failed", "ValueError: bad sample 17\n\ntrace", "a")]
+    assert verdict(endings, 2) == ("rank 1 (host a) failed (ValueError: bad sample 17) at step 7 "
+                                   "in forward; rank 0 stopped after it")
+    # A crash with its dump keeps its time: a SIGSEGV before the error is the cause.
+    crashed = [Ending(0, 7, "backward", 99.8, "died", "Fatal Python error: Segmentation fault", "a"),
+               endings[1]]
+    assert verdict(crashed, 2).startswith("rank 0 (host a) died (Segmentation fault) at step 7")
+
+
 def test_a_lost_node_is_the_cause_when_the_others_only_saw_it_go():
     endings = [Ending(0, 9, "backward", 10.0, "failed", "RuntimeError: Connection reset by peer", "a"),
                Ending(1, 9, "backward", 10.5, "failed", "Terminated: terminated by SIGTERM", "a")]

@@ -269,7 +269,7 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
         # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
         return f"{lost}; {_ranks(sorted(e.rank for e in failed))} stopped after it" \
             if missing and failed else ""
-    first = min(causes, key=lambda e: e.time)
+    first = min(causes, key=_cause_order)
     after = sorted(e.rank for e in failed + hung if e is not first)
     line = f"rank {first.rank} (host {first.host}) {_how(first)} at step {first.step} in {first.phase}"
     if after:
@@ -277,6 +277,14 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     return line + (f"; {lost}" if missing else "")
 
 
+
+
+def _cause_order(e: Ending) -> tuple[bool, float]:
+    """The earliest cause first, but a silent death (SIGKILL: no dump, and its time only its
+    last heartbeat) after any rank that raised or crashed. A rank blocked in a collective that
+    its peer will never join runs no signal handler: its launcher's SIGTERM does nothing, and
+    its SIGKILL 30 s later leaves a death timed before the peer's own error."""
+    return e.what == "died" and not e.detail, e.time
 
 
 def _hang_verdict(hung: list[Ending], failed: list[Ending], now: float | None) -> str:
