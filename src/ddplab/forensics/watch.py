@@ -262,8 +262,7 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
               and e.time < acted]
     if stopped and not raised:
         return _hang_verdict(hung, failed, now) + (f"; {lost}" if missing else "")
-    causes = raised + [e for e in failed if e.what == "died"
-                       or (not stopped and not is_secondary(e.detail))]
+    causes = raised + [e for e in failed if e.what == "died"]  # (no watch acted: every raise)
     if not causes:
         # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
         # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
