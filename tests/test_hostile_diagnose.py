@@ -39,6 +39,21 @@ def two_rank_failure(detail: str = TRACEBACK) -> list[Ending]:
                    + detail, "h0")]
 
 
+def watch_of(endings: list[Ending]) -> type:
+    """A node's watch after the job (the delivery process's view): these endings, no files."""
+
+    class Watch:
+        hang_after_s = 300.0
+
+        def endings(self) -> list[Ending]:
+            return endings
+
+        def files(self) -> list[Path]:
+            return []
+
+    return Watch
+
+
 @pytest.fixture
 def run_in(store: str, monkeypatch: pytest.MonkeyPatch):
     """A FAILED run in a fresh store the environment names; its client and id."""
@@ -81,15 +96,7 @@ def test_the_delivery_records_the_tag_whole():
         def set_tag(self, run_id: str, key: str, value: str) -> None:
             self.tags[key] = value
 
-    class Watch:
-        hang_after_s = 300.0
-
-        def endings(self) -> list[Ending]:
-            return two_rank_failure()
-
-        def files(self) -> list[Path]:
-            return []
-
+    Watch = watch_of(two_rank_failure())
     client = Client()
     postmortem.record(client, "r", Watch(), "node1", 2, holds_rank0=False)  # type: ignore[arg-type]
     text = client.tags["ddplab.forensics.node1"]
@@ -117,15 +124,7 @@ def test_when_the_verdict_appears_the_runs_error_names_the_cause_already(run_in)
             seen.update(client.get_run(run).data.tags)  # the run as a reader finds it then
         set_tag(run, key, value)
 
-    class Watch:
-        hang_after_s = 300.0
-
-        def endings(self) -> list[Ending]:
-            return two_rank_failure("ValueError: bad sample 17")
-
-        def files(self) -> list[Path]:
-            return []
-
+    Watch = watch_of(two_rank_failure("ValueError: bad sample 17"))
     client.set_tag = spy
     line = postmortem.record(client, run_id, Watch(), "node0", 2,  # type: ignore[arg-type]
                              holds_rank0=True)

@@ -276,8 +276,6 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     return line + (f"; {lost}" if missing else "")
 
 
-
-
 def _cause_order(e: Ending) -> tuple[bool, float]:
     """The earliest cause first, but a silent death (SIGKILL: no dump, and its time only its
     last heartbeat) after any rank that raised or crashed. A rank blocked in a collective that
