@@ -196,6 +196,32 @@ def test_a_rank_killed_outright_while_blocked_is_not_the_cause_of_its_peers_erro
     assert verdict(crashed, 2).startswith("rank 0 (host a) died (Segmentation fault) at step 7")
 
 
+def test_a_rank_that_died_while_its_peer_hung_is_the_cause():
+    """On ccl a peer's death is no error: rank 0 waits in its all-reduce until its node's watch
+    stops it (the watch, 9 s after rank 0's last beat, finds rank 1 dead). A crash with its
+    dump, or a death without one where rank 1 was behind, is the cause, not rank 0's hang."""
+    stopped = Ending(0, 5, "backward", 100.0, "stopped", "last heartbeat 9 s before", "vm")
+    segv = Ending(1, 5, "data loading", 99.9, "died", "Fatal Python error: Segmentation fault\n\n"
+                  "Current thread (most recent call first):", "vm")
+    assert verdict([stopped, segv], 2, now=120.0, hang_after_s=8) == (
+        "rank 1 (host vm) died (Segmentation fault) at step 5 in data loading; rank 0 stopped "
+        "after it")
+    oom = Ending(1, 5, "data loading", 99.9, "died", "", "vm")
+    assert verdict([stopped, oom], 2, now=120.0, hang_after_s=8) == (
+        "rank 1 (host vm) died outright (killed by a signal: SIGKILL, or the OOM killer) at step 5 "
+        "in data loading; rank 0 stopped after it")
+
+
+def test_a_rank_killed_while_it_waited_for_the_rank_behind_is_named_after_the_hang():
+    """Rank 1 asleep in its data on node 2 is stopped by its watch; rank 0, blocked in the
+    all-reduce on node 1, was SIGKILLed by its launcher once node 2's job ended (no dump, its
+    last beat in backward): the hang is the cause, rank 0 named after it."""
+    endings = [Ending(0, 7, "backward", 91.0, "died", "", "n1"),
+               Ending(1, 7, "data loading", 90.0, "stopped", "", "n2")]
+    assert verdict(endings, 2, now=100.0, hang_after_s=8) == (
+        "rank 1 (host n2) stopped at step 7 in data loading 10 s ago; rank 0 stopped after it")
+
+
 def test_a_lost_node_is_the_cause_when_the_others_only_saw_it_go():
     endings = [Ending(0, 9, "backward", 10.0, "failed", "RuntimeError: Connection reset by peer", "a"),
                Ending(1, 9, "backward", 10.5, "failed", "Terminated: terminated by SIGTERM", "a")]

@@ -79,6 +79,46 @@ def test_a_failed_script_job_says_its_run_last_torchrun_shows_the_users_error_an
     assert "Traceback" not in garbled.out + garbled.err and "verdict:" in garbled.out
 
 
+CRASHES = '''
+import ctypes
+import torch, torch.distributed as dist
+import oneccl_bindings_for_pytorch  # noqa: F401 - as the book's oneCCL script does
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(8):
+    if step == 5 and dist.get_rank() == 1:
+        ctypes.string_at(0)  # SIGSEGV
+    loss = model(torch.randn(8, 4)).sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+
+@pytest.mark.e2e
+def test_a_script_that_crashes_after_loading_oneccl_is_said_to_have_crashed(tmp_path, store):
+    """oneCCL's transport, Debian's libfabric (ddplab's ccl stands in for Intel's bindings),
+    links Omni-Path's libraries, which take SIGSEGV when loaded and exit(1) with a C backtrace:
+    the run said "failed: python(_start+0x21)[0x5585...]" and "died outright (SIGKILL...)".
+    The crash is a crash: its signal in the error, the verdict and the rank's stack."""
+    script = tmp_path / "crashes.py"
+    script.write_text(CRASHES)
+    out = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    assert out.returncode == 1
+    (run,) = runs(store)
+    tags = run.data.tags
+    assert run.info.status == "FAILED"
+    assert tags["ddplab.error"].startswith("the script failed on rank 1 (host ") and \
+        ": killed by SIGSEGV; then rank(s) 0 failed or were stopped" in tags["ddplab.error"], tags
+    assert re.match(r"rank 1 \(host [^)]+\) died \(Segmentation fault\) at step 6 in data loading; "
+                    r"rank 0 stopped after it$", tags["ddplab.verdict"]), tags["ddplab.verdict"]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    crash = client.download_artifacts(run.info.run_id, "forensics/node0/rank-1.crash.txt",
+                                      str(tmp_path))
+    assert 'crashes.py", line 10 in <module>' in open(crash).read()
+
+
 PACKAGE = {
     "__init__.py": "",
     "helper.py": "WORDS = 'from the package'\n",

@@ -78,23 +78,31 @@ def _load(where: Path) -> tuple[ModuleType | None, str]:
     why = missing(where)
     if why:
         return None, why
-    try:
-        from .fabric import preload
+    from ..forensics.heartbeat import crash_handlers_kept
 
-        preload(where)  # a libfabric of our own, where the system has none
-        # The extension NEEDs libccl.so.1 by name: load it from here first (it finds its
-        # plugin loader libccl.so.2 beside itself through its $ORIGIN run path).
-        ctypes.CDLL(str(where / "lib" / "libccl.so.1"), mode=ctypes.RTLD_GLOBAL)
-        spec = importlib.util.spec_from_file_location(
-            EXT_NAME, where / f"{EXT_NAME}.so",
-            loader=importlib.machinery.ExtensionFileLoader(EXT_NAME, str(where / f"{EXT_NAME}.so")))
-        if spec is None or spec.loader is None:
-            raise ImportError(f"no module spec for {where / f'{EXT_NAME}.so'}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    try:
+        with crash_handlers_kept():  # libfabric's Omni-Path libraries take SIGSEGV when loaded
+            module = _open(where)
     except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
         return None, f"ddplab's ccl backend does not load ({type(e).__name__}: {e})"
     return module, f"ddplab's own backend over oneCCL {module.oneccl_version()}"
+
+
+def _open(where: Path) -> ModuleType:
+    from .fabric import preload
+
+    preload(where)  # a libfabric of our own, where the system has none
+    # The extension NEEDs libccl.so.1 by name: load it from here first (it finds its
+    # plugin loader libccl.so.2 beside itself through its $ORIGIN run path).
+    ctypes.CDLL(str(where / "lib" / "libccl.so.1"), mode=ctypes.RTLD_GLOBAL)
+    spec = importlib.util.spec_from_file_location(
+        EXT_NAME, where / f"{EXT_NAME}.so",
+        loader=importlib.machinery.ExtensionFileLoader(EXT_NAME, str(where / f"{EXT_NAME}.so")))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module spec for {where / f'{EXT_NAME}.so'}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def register() -> tuple[bool, str]:

@@ -50,8 +50,11 @@ def import_ccl() -> CclImpl:
     The bindings refuse a torch of another version in many ways (ImportError, OSError for
     an ABI mismatch, AttributeError), so anything that goes wrong means "not available".
     """
+    from ..forensics.heartbeat import crash_handlers_kept
+
     try:
-        module = importlib.import_module("oneccl_bindings_for_pytorch")
+        with crash_handlers_kept():  # their libfabric's providers may take SIGSEGV (ccl/)
+            module = importlib.import_module("oneccl_bindings_for_pytorch")
         return CclImpl("intel-bindings", f"Intel's bindings {_version(module)}",
                        getattr(module, "cwd", None))
     except Exception as e:  # noqa: BLE001 - see docstring

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DdplabError
+from ..forensics.heartbeat import crash_handlers_kept
 from ..launchers import LaunchEnv
 from .choice import BackendChoice, BackendError
 
@@ -21,6 +22,13 @@ T = TypeVar("T")
 
 def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.device,
                        timeout_s: int, store: dist.Store | None = None) -> None:
+    # A ccl group's libfabric may take SIGSEGV as it starts (forensics/heartbeat.py).
+    with crash_handlers_kept():
+        _init_process_group(choice, le, device, timeout_s, store)
+
+
+def _init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.device,
+                        timeout_s: int, store: dist.Store | None) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if choice.name == "mpi":
         dist.init_process_group("mpi", timeout=timeout)  # MPI knows rank and size itself

@@ -14,6 +14,7 @@ but it does not hold the GIL either.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import json
 import mmap
@@ -22,7 +23,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -31,6 +32,8 @@ PHASES = ("setup", "data loading", "forward", "backward", "optimizer", "evaluati
 INDEX = {p: i for i, p in enumerate(PHASES)}
 RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size
 STACK_SIGNAL = signal.SIGUSR2
+FATAL_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)
+"""The signals faulthandler answers with the crashing thread's stack."""
 
 
 def hb_path(directory: Path, rank: int) -> Path:
@@ -101,9 +104,19 @@ class Heartbeat:
         """SIGUSR2 -> every thread's stack into rank-R.stack.txt; a fatal signal -> the stack
         into rank-R.crash.txt. (The files stay open: faulthandler writes from a signal handler.)"""
         stacks = stack_path(self.directory, self.rank).open("w")
-        crash = crash_path(self.directory, self.rank).open("w")
-        self._stacks = [stacks, crash]
+        self._stacks.append(stacks)
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
+        self.record_crashes()
+
+    def record_crashes(self) -> None:
+        """A fatal signal (SIGSEGV...) -> the crashing process's stacks into rank-R.crash.txt,
+        which the watch reads as how the rank died."""
+        crash = crash_path(self.directory, self.rank).open("w")
+        self._stacks.append(crash)
+        # enable() on an enabled faulthandler only changes its file: a handler that native
+        # code put in its place since (crash_handlers_kept) would stay.
+        if faulthandler.is_enabled():
+            faulthandler.disable()
         faulthandler.enable(file=crash, all_threads=True)
 
     def answer_flight_requests(self, records: Callable[[], bytes]) -> None:
@@ -140,6 +153,31 @@ class Heartbeat:
             f.close()
         self._map.close()
         self._file.close()
+
+
+@contextlib.contextmanager
+def crash_handlers_kept() -> Iterator[None]:
+    """The fatal signals' handlers as they were before the native code run inside: Debian's
+    libfabric (oneCCL's transport) links Omni-Path's libinfinipath and libpsm2, which take
+    SIGSEGV and the like when loaded, print a C backtrace and exit(1). A rank that crashed then
+    read as "died outright", its Python stack lost, faulthandler's handler gone. Through the C
+    library's sigaction, each handler's whole record kept as bytes: a handler set in C
+    (faulthandler's) comes back too, which ``signal.getsignal`` does not even see."""
+    try:
+        sigaction = ctypes.CDLL(None).sigaction
+    except (AttributeError, OSError):  # no C library to ask: nothing to keep
+        yield
+        return
+    kept = {}
+    for sig in FATAL_SIGNALS:
+        record = ctypes.create_string_buffer(256)  # larger than any C library's struct sigaction
+        if sigaction(int(sig), None, record) == 0:
+            kept[sig] = record
+    try:
+        yield
+    finally:
+        for sig, record in kept.items():
+            sigaction(int(sig), record, None)
 
 
 def _serve(fifo: Path, out: Path, records: Callable[[], bytes]) -> None:

@@ -253,16 +253,22 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     missing = sorted(set(range(world_size)) - {e.rank for e in endings})
     lost = f"{_ranks(missing)} reported nothing (their node lost?)"
     stopped = [e for e in hung if e.what == "stopped"]
-    # A rank that raised an error of its own before any watch could stop a rank is the cause
-    # even when its peers then hung (on ccl across nodes a peer's end is no error: they wait
+    # A rank that raised an error of its own (or crashed) before any watch could stop a rank
+    # is the cause even when its peers then hung (on ccl across nodes a peer's end is no error: they wait
     # until their watch stops them). One that raised later may be an end it saw, worded in a
     # way SECONDARY does not know (a transport's error): the hang stays the cause.
     acted = min((e.time for e in stopped), default=float("inf")) + hang_after_s
-    raised = [e for e in failed if e.what == "failed" and not is_secondary(e.detail)
-              and e.time < acted]
+    raised = [e for e in failed if e.time < acted and (
+        (e.what == "failed" and not is_secondary(e.detail)) or _crashed(e))]
     if stopped and not raised:
-        return _hang_verdict(hung, failed, now) + (f"; {lost}" if missing else "")
-    causes = raised + [e for e in failed if e.what == "died"]  # (no watch acted: every raise)
+        # The rank the others waited for may have died: killed outright (the OOM killer) while
+        # they wait in a collective that never ends (ccl), or aborted. Then its death is the cause.
+        behind = min(hung + failed, key=behind_key)
+        if behind.what != "died":
+            return _hang_verdict(behind, hung, failed, now) + (f"; {lost}" if missing else "")
+        causes = [behind]
+    else:
+        causes = raised + [e for e in failed if e.what == "died"]  # (no watch acted: every raise)
     if not causes:
         # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
         # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
@@ -284,17 +290,24 @@ def _cause_order(e: Ending) -> tuple[bool, float]:
     return e.what == "died" and not e.detail, e.time
 
 
-def _hang_verdict(hung: list[Ending], failed: list[Ending], now: float | None) -> str:
-    """A hang: the rank furthest behind of all, where the others wait, who raised after it.
-    Each node's watch stops its own ranks, and which fires first is a race. A rank whose watch
-    had not fired yet raises where it is when the hang's end reaches it: a peer's collective
-    closed on it, or its launcher's SIGTERM once another node's job ended. Such a rank, when
-    it is the furthest behind (asleep in its data, say), is the rank the others waited for."""
-    ended = [e for e in failed if e.what == "failed"]
-    behind = min(hung + ended, key=behind_key)
+def _hang_verdict(behind: Ending, hung: list[Ending], failed: list[Ending], now: float | None
+                  ) -> str:
+    """A hang: the rank furthest behind of all (``behind``), where the others wait, who ended
+    after it. Each node's watch stops its own ranks, and which fires first is a race. A rank
+    whose watch had not fired yet raises where it is when the hang's end reaches it: a peer's
+    collective closed on it, or its launcher's SIGTERM once another node's job ended (or, blocked
+    in a collective, its SIGKILL). Such a rank, when it is the furthest behind (asleep in its
+    data, say), is the rank the others waited for."""
     line = _hang_line(behind, [e for e in hung if e is not behind], now)
-    after = sorted(e.rank for e in ended if e is not behind)
+    after = sorted(e.rank for e in failed if e is not behind)
     return line + (f"; {_ranks(after)} stopped after it" if after else "")
+
+
+def _crashed(e: Ending) -> bool:
+    """A rank that crashed of itself: a fatal signal with its stack (SIGSEGV, SIGBUS...). Not a
+    death without one (SIGKILL: whoever sent it), nor an abort (a transport aborts a process
+    whose peer is gone: a consequence as often as a cause)."""
+    return e.what == "died" and bool(e.detail) and "Aborted" not in e.detail.splitlines()[0]
 
 
 def _hang_line(stopped: Ending, waiting: list[Ending], now: float | None) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ...files import write_text_atomic
+from ...forensics.heartbeat import crash_handlers_kept
 from . import mlflow_join
 from .env import REPORT_ENV, STACKS_ENV, T0_ENV
 from .imports import after_import
@@ -66,7 +67,10 @@ def _observe(dist: Any) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        out = init(*args, **kwargs)
+        # A ccl group's libfabric may take SIGSEGV (forensics/heartbeat.py): a crash must still
+        # end the script as a crash (the supervisor names the signal), not as exit(1).
+        with crash_handlers_kept():
+            out = init(*args, **kwargs)
         import torch
 
         device = kwargs.get("device_id")

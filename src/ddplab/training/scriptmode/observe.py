@@ -542,6 +542,7 @@ def _heartbeat(rank: int, world: int) -> Callable[[str, int | None], None]:
         return lambda phase, step: None
     try:
         hb = heartbeat.Heartbeat(Path(folder), rank, world)
+        hb.record_crashes()  # (its stacks on request: child.py's own handler, for any script)
     except (OSError, ValueError):
         return lambda phase, step: None
     heartbeat._current = hb  # heartbeat.failed/stop at the script's end (child.py)
