@@ -273,6 +273,37 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     assert [p.name for p in shm.iterdir()] == [f"{os.getpid()}:0:0"]
 
 
+def test_a_rank_the_watch_finds_dead_when_it_stops_a_hang_is_the_cause(tmp_path):
+    """Rank 1 is killed outright (the OOM killer) in its backward, after rank 0 entered its own
+    backward's all-reduce, where rank 0 then waits (on ccl a peer's death is no error) until the
+    watch stops it. By heartbeats alone rank 0 is behind; the watch found rank 1 dead already."""
+    from ddplab.forensics.watch import Watch
+
+    def rank(r: int, then: str) -> subprocess.Popen:
+        code = ("import os, time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+                f"heartbeat.start(Path({str(tmp_path)!r}), {r}, 2)\n"
+                "heartbeat.beat('data loading', 5)\n" + then)
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    waits = rank(0, "heartbeat.beat('backward')\nwhile True:\n    time.sleep(0.05)\n")
+    time.sleep(0.5)
+    dies = rank(1, "time.sleep(0.5)\nheartbeat.beat('backward')\nos.kill(os.getpid(), 9)\n")
+    assert dies.wait(timeout=60) == -9
+    watch = Watch(tmp_path, hang_after_s=3.0, host="h")
+    deadline = time.monotonic() + 60
+    while watch.hang is None:
+        assert time.monotonic() < deadline and waits.poll() is None, "no hang seen"
+        watch.tick()
+        time.sleep(0.2)
+    assert waits.wait(timeout=30) == -9
+    endings = {e.rank: e for e in watch.endings()}
+    assert (endings[0].what, endings[1].what, endings[1].dead_at_stop) == ("stopped", "died", 1)
+    assert endings[1].time > endings[0].time  # its last beat came after rank 0's
+    assert verdict(list(endings.values()), 2, hang_after_s=3.0) == (
+        "rank 1 (host h) died outright (killed by a signal: SIGKILL, or the OOM killer) at step 5 "
+        "in backward; rank 0 stopped after it")
+
+
 @pytest.mark.e2e
 def test_a_hung_ccl_job_stopped_by_the_watch_leaves_no_shared_memory(tmp_path, store):
     """The watch SIGKILLs hung ranks, whose libfabric clean-up then never runs: their node's
@@ -296,6 +327,69 @@ def test_a_sigterm_says_who_sends_it_where_ddplab_can_tell(env, says):
     from ddplab.training.jobend import who_stops
 
     assert who_stops(env).startswith(says)
+
+
+def test_the_job_gives_back_the_native_handlers_it_found(tmp_path):
+    """libfabric's shared-memory transport (a ccl group) unlinks its /dev/shm regions on
+    SIGTERM, in C. The job's own handlers came and went through Python's signal module, whose
+    record of a C handler is SIG_DFL: the rank SIGTERMed after its job ended died with its
+    region left. faulthandler's C handler for SIGTERM stands in for libfabric's here."""
+    import faulthandler
+    import signal
+
+    from ddplab.forensics.heartbeat import handler, sigactions
+    from ddplab.training.jobend import Signals
+
+    def sigterm() -> int:
+        return handler(sigactions([signal.SIGTERM])[signal.SIGTERM])
+
+    with open(tmp_path / "stacks", "w") as f:
+        faulthandler.register(signal.SIGTERM, file=f, chain=True)
+        try:
+            before = sigterm()
+            with Signals():
+                assert sigterm() != before
+            assert sigterm() == before
+        finally:
+            faulthandler.unregister(signal.SIGTERM)
+
+
+def _omni_path_library() -> str | None:
+    """Omni-Path's libinfinipath, which Debian's libfabric links: ddplab's ccl bundle's copy
+    (make setup-ccl), else the system's."""
+    import ctypes.util
+
+    from ddplab import ccl
+
+    bundled = ccl.home() / "fabric" / "libinfinipath.so.4"
+    return str(bundled) if bundled.exists() else ctypes.util.find_library("infinipath")
+
+
+def test_native_code_keeps_the_crash_handler_but_libfabrics_own(tmp_path):
+    """Loading libinfinipath took SIGSEGV (a C backtrace, then exit(1)): put back. A handler of
+    another library stays (faulthandler's set inside, as libfabric's clean-up would be)."""
+    code = f"""
+import ctypes, faulthandler, signal
+from ddplab.forensics.heartbeat import crash_handlers_kept, handler, sigactions
+def segv():
+    return handler(sigactions([signal.SIGSEGV])[signal.SIGSEGV])
+with crash_handlers_kept():
+    faulthandler.enable()
+    other = segv()
+assert segv() == other, "another library's handler was undone"
+faulthandler.disable()
+omni = {_omni_path_library()!r}
+if omni:
+    faulthandler.enable()
+    mine = segv()
+    with crash_handlers_kept():
+        ctypes.CDLL(omni)
+        assert segv() != mine, "the library took no handler: nothing is tested"
+    assert segv() == mine, "Omni-Path's handler stayed"
+print("ok", bool(omni))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout + out.stderr
 
 
 def test_a_sigterm_while_a_rank_reports_its_end_is_raised_after_the_report():

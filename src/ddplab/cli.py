@@ -150,8 +150,6 @@ def entry() -> None:
     2 bad input, 130 interrupted).
     """
     args = parse(sys.argv[1:])
-    if args.command in ("train", "bench"):
-        _release_shm_on_sigterm()
     if args.command == "train":
         _delivery_first(args)
     try:
@@ -166,23 +164,6 @@ def entry() -> None:
         flush_std()
         os._exit(code)
     raise SystemExit(code)
-
-
-def _release_shm_on_sigterm() -> None:
-    """A SIGTERM outside the job's own handling (jobend.Signals: before it, or after the run
-    has ended, when the launcher stops this rank because a peer exited first) still gives back
-    the ccl shared memory before the signal ends the process as it would have: measured, a
-    failed ccl job whose rank 0 ended its run quickly left its 64 MB region in /dev/shm."""
-    import signal
-
-    def release_then_die(signum: int, frame: object) -> None:
-        from . import ccl
-
-        ccl.release_shm()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, release_then_die)
 
 
 def _delivery_first(args: argparse.Namespace) -> None:

@@ -15,17 +15,20 @@ then the oldest heartbeat.
 
 A failure: the rank whose ending came first. A rank that raised recorded its error and where
 it was; a rank that vanished without an ending died outright (a signal: SIGKILL, the OOM
-killer; a crash file names SIGSEGV and the like), at its last heartbeat. The ranks stopped
-after it (the launcher's SIGTERM, a broken connection) are secondary, not causes.
+killer: at its last heartbeat), or crashed (its crash file names SIGSEGV and the like: when it
+was written). The ranks stopped after it (the launcher's SIGTERM, a broken connection) are
+secondary, not causes. A rank a hang's watch found dead already died before the hang was seen:
+the others waited for it (on ccl a peer's death is no error).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,9 @@ class Ending:
     """... and the newest it saw finished: below ``entered``, the rank waits in that one."""
     waits_in: str = ""
     """The collective it waits in (``gloo:all_reduce``), when it does."""
+    dead_at_stop: int = 0
+    """1: its node's watch, stopping a hang, found it dead already: it died before the others
+    were seen to hang (on ccl a peer's death is no error: they wait for it)."""
 
 
 def read(directory: Path) -> list[Beat]:
@@ -146,8 +152,8 @@ class Watch:
                 os.kill(b.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        done = [b for b in beats if b not in live]
-        return endings + [self._ending(b) for b in done]
+        done = [self._ending(b) for b in beats if b not in live]
+        return endings + [replace(e, dead_at_stop=1) if e.what == "died" else e for e in done]
 
     def endings(self) -> list[Ending]:
         """How each of this node's ranks ended (after the job), or the hang's picture. A rank
@@ -167,8 +173,13 @@ class Watch:
                 return Ending(b.rank, b.step, b.phase, b.time, "failed", "", self.host)
         if b.phase == "done":
             return Ending(b.rank, b.step, b.phase, b.time, "done", "", self.host)
-        crash = _read(crash_path(self.directory, b.rank))
-        return Ending(b.rank, b.step, b.phase, b.time, "died", crash, self.host)
+        path = crash_path(self.directory, b.rank)
+        crash = _read(path)
+        when = b.time  # a silent death: its last heartbeat; a dump: when it was written
+        if crash:
+            with contextlib.suppress(OSError):
+                when = path.stat().st_mtime
+        return Ending(b.rank, b.step, b.phase, when, "died", crash, self.host)
 
     def release_shm(self, shm: Path = Path("/dev/shm")) -> int:
         """The ccl shared memory of this node's ranks that died outright (the watch's own SIGKILL
@@ -263,7 +274,8 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     if stopped and not raised:
         # The rank the others waited for may have died: killed outright (the OOM killer) while
         # they wait in a collective that never ends (ccl), or aborted. Then its death is the cause.
-        behind = min(hung + failed, key=behind_key)
+        dead = [e for e in failed if e.what == "died" and e.dead_at_stop]
+        behind = min(dead, key=_cause_order) if dead else min(hung + failed, key=behind_key)
         if behind.what != "died":
             return _hang_verdict(behind, hung, failed, now) + (f"; {lost}" if missing else "")
         causes = [behind]
@@ -392,7 +404,7 @@ def to_json(endings: list[Ending], limit: int = TAG_LIMIT) -> str:
 
 
 FIELDS = {"rank": int, "step": int, "phase": str, "time": float, "what": str, "detail": str,
-          "host": str, "entered": int, "finished": int, "waits_in": str}
+          "host": str, "entered": int, "finished": int, "waits_in": str, "dead_at_stop": int}
 REQUIRED = ("rank", "step", "phase", "time", "what")
 
 

@@ -12,10 +12,14 @@ from typing import Any
 from .. import tracking
 from ..errors import DdplabError
 from ..files import write_text_atomic
+from ..forensics import heartbeat
 
 
 class Terminated(DdplabError):
     """SIGTERM: the launcher stops the survivors when a rank fails, or the job was stopped."""
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Signals:
@@ -32,13 +36,20 @@ class Signals:
         self.run: tracking.NullTracker | None = None
         self.holding = False
         self.pending: BaseException | None = None
+        self.native: dict[int, Any] = {}
 
     def attach(self, run: tracking.NullTracker) -> None:
         """The job's run: a job that fails or is stopped names it last too (``run_line``)."""
         self.run = run
 
     def __enter__(self) -> Signals:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # The handlers before, as C holds them too: libfabric's (a ccl group's) unlinks its
+        # /dev/shm regions on SIGTERM and SIGINT, then ends the process as before. Python's
+        # own record of a handler set in C is SIG_DFL: put back through it alone, a ccl rank
+        # SIGTERMed by its launcher once its job had ended (its peer exited first) left its
+        # 64 MB region behind.
+        self.native = heartbeat.sigactions(SIGNALS)
+        for sig in SIGNALS:
             self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -85,6 +96,7 @@ class Signals:
                  tb: TracebackType | None) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        heartbeat.put_back(self.native)
         if exc is not None and not hasattr(exc, "run_line"):
             run = self.run or _run_in(tb)
             if run is not None and run.run_id:
