@@ -237,6 +237,18 @@ def test_a_node_that_reports_nothing_is_named():
         line.endswith("; rank 1 stopped after it; ranks 2,3 reported nothing (their node lost?)"), line
 
 
+def _until_the_watch_stops(watch, rank: subprocess.Popen):
+    """The watch ticking until it sees the hang; then the hung rank has been SIGKILLed (a rank
+    in a collective hears nothing else)."""
+    deadline = time.monotonic() + 60
+    while watch.hang is None:
+        assert time.monotonic() < deadline and rank.poll() is None, "no hang seen"
+        watch.tick()
+        time.sleep(0.2)
+    assert rank.wait(timeout=30) == -9
+    return watch
+
+
 def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     """A real process beating as rank 1, then stuck in a loop: past hang_after_s the watch has
     its stack (SIGUSR2, answered at C level while Python spins) and its flight records (the
@@ -255,13 +267,7 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
             "heartbeat.beat('forward')\n"
             "def stuck_in_the_forward():\n    while True:\n        pass\nstuck_in_the_forward()\n")
     proc = subprocess.Popen([sys.executable, "-c", code])
-    watch = Watch(tmp_path, hang_after_s=1.0, host="h")
-    deadline = time.monotonic() + 60
-    while watch.hang is None:
-        assert time.monotonic() < deadline and proc.poll() is None, "no hang seen"
-        watch.tick()
-        time.sleep(0.2)
-    assert proc.wait(timeout=30) == -9  # SIGKILL: a rank in a collective hears nothing else
+    watch = _until_the_watch_stops(Watch(tmp_path, hang_after_s=1.0, host="h"), proc)
     (ending,) = watch.endings()
     assert (ending.rank, ending.step, ending.phase, ending.what) == (1, 3, "forward", "stopped")
     assert (ending.entered, ending.finished, ending.waits_in) == (9, 8, "gloo:broadcast")
@@ -289,13 +295,7 @@ def test_a_rank_the_watch_finds_dead_when_it_stops_a_hang_is_the_cause(tmp_path)
     time.sleep(0.5)
     dies = rank(1, "time.sleep(0.5)\nheartbeat.beat('backward')\nos.kill(os.getpid(), 9)\n")
     assert dies.wait(timeout=60) == -9
-    watch = Watch(tmp_path, hang_after_s=3.0, host="h")
-    deadline = time.monotonic() + 60
-    while watch.hang is None:
-        assert time.monotonic() < deadline and waits.poll() is None, "no hang seen"
-        watch.tick()
-        time.sleep(0.2)
-    assert waits.wait(timeout=30) == -9
+    watch = _until_the_watch_stops(Watch(tmp_path, hang_after_s=3.0, host="h"), waits)
     endings = {e.rank: e for e in watch.endings()}
     assert (endings[0].what, endings[1].what, endings[1].dead_at_stop) == ("stopped", "died", 1)
     assert endings[1].time > endings[0].time  # its last beat came after rank 0's
