@@ -337,7 +337,7 @@ def test_the_job_gives_back_the_native_handlers_it_found(tmp_path):
     import faulthandler
     import signal
 
-    from ddplab.forensics.heartbeat import handler, sigactions
+    from ddplab.ccl.handlers import handler, sigactions
     from ddplab.training.jobend import Signals
 
     def sigterm() -> int:
@@ -370,7 +370,7 @@ def test_native_code_keeps_the_crash_handler_but_libfabrics_own(tmp_path):
     another library stays (faulthandler's set inside, as libfabric's clean-up would be)."""
     code = f"""
 import ctypes, faulthandler, signal
-from ddplab.forensics.heartbeat import crash_handlers_kept, handler, sigactions
+from ddplab.ccl.handlers import crash_handlers_kept, handler, sigactions
 def segv():
     return handler(sigactions([signal.SIGSEGV])[signal.SIGSEGV])
 with crash_handlers_kept():

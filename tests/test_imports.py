@@ -135,3 +135,37 @@ def test_an_upward_import_is_found(tmp_path):
     (pkg / "training.py").write_text("")
     (pkg / "workload" / "data.py").write_text("def f():\n    from .. import training\n")
     assert upward(graph_of(pkg)) == ["ddplab.workload.data -> ddplab.training"]
+
+
+def copied_for_the_ccl_build(dockerfile: Path) -> tuple[set[str], set[str]]:
+    """What the CPU image's build stage copies to compile ddplab's ccl (its COPY lines into
+    /opt/ddplab/ccl-build): (modules copied as files, packages copied whole)."""
+    files: set[str] = set()
+    packages: set[str] = set()
+    for line in dockerfile.read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and words[-1].startswith("/opt/ddplab/ccl-build/"):
+            for src in words[1:-1]:
+                parts = Path(src).relative_to("src").with_suffix("").parts
+                if src.endswith(".py"):
+                    files.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+                else:
+                    packages.add(".".join(parts))
+    return files, packages
+
+
+def test_the_ccl_package_imports_only_what_the_image_copies_to_build_it():
+    """docker/cpu-oneccl/Dockerfile compiles ddplab's ccl from ddplab.ccl and errors.py alone
+    (a change elsewhere must not recompile it): an import of another room broke `make images`
+    at its build check (ModuleNotFoundError: No module named 'ddplab.forensics')."""
+    files, packages = copied_for_the_ccl_build(
+        PACKAGE.parents[1] / "docker" / "cpu-oneccl" / "Dockerfile")
+    assert packages == {"ddplab.ccl"} and "ddplab.errors" in files, (files, packages)
+    graph = graph_of(PACKAGE)
+    ccl = {m for m in graph if m == "ddplab.ccl" or m.startswith("ddplab.ccl.")}
+
+    def is_copied(module: str) -> bool:
+        return module in files or any(module == p or module.startswith(p + ".") for p in packages)
+
+    missing = sorted(f"{m} -> {t}" for m in ccl for t in graph[m] if not is_copied(t))
+    assert missing == []

@@ -20,6 +20,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .handlers import crash_handlers_kept
+
 ONECCL_VERSION = "2022.2.0"
 EXT_NAME = "ddplab_ccl"
 
@@ -78,8 +80,6 @@ def _load(where: Path) -> tuple[ModuleType | None, str]:
     why = missing(where)
     if why:
         return None, why
-    from ..forensics.heartbeat import crash_handlers_kept
-
     try:
         with crash_handlers_kept():  # libfabric's Omni-Path libraries take SIGSEGV when loaded
             module = _open(where)

@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from ..ccl.handlers import crash_handlers_kept
 from ..errors import DdplabError
 from ..launchers import LaunchEnv
 
@@ -50,8 +51,6 @@ def import_ccl() -> CclImpl:
     The bindings refuse a torch of another version in many ways (ImportError, OSError for
     an ABI mismatch, AttributeError), so anything that goes wrong means "not available".
     """
-    from ..forensics.heartbeat import crash_handlers_kept
-
     try:
         with crash_handlers_kept():  # their libfabric's providers may take SIGSEGV (ccl/)
             module = importlib.import_module("oneccl_bindings_for_pytorch")

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..ccl.handlers import crash_handlers_kept
 from ..errors import DdplabError
-from ..forensics.heartbeat import crash_handlers_kept
 from ..launchers import LaunchEnv
 from .choice import BackendChoice, BackendError
 

@@ -14,7 +14,6 @@ but it does not hold the GIL either.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import json
 import mmap
@@ -23,7 +22,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -32,8 +31,6 @@ PHASES = ("setup", "data loading", "forward", "backward", "optimizer", "evaluati
 INDEX = {p: i for i, p in enumerate(PHASES)}
 RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size
 STACK_SIGNAL = signal.SIGUSR2
-FATAL_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)
-"""The signals faulthandler answers with the crashing thread's stack."""
 
 
 def hb_path(directory: Path, rank: int) -> Path:
@@ -114,7 +111,7 @@ class Heartbeat:
         crash = crash_path(self.directory, self.rank).open("w")
         self._stacks.append(crash)
         # enable() on an enabled faulthandler only changes its file: a handler that native
-        # code put in its place since (crash_handlers_kept) would stay.
+        # code put in its place since (ccl/handlers.py) would stay.
         if faulthandler.is_enabled():
             faulthandler.disable()
         faulthandler.enable(file=crash, all_threads=True)
@@ -153,78 +150,6 @@ class Heartbeat:
             f.close()
         self._map.close()
         self._file.close()
-
-
-OMNI_PATH = ("libpsm", "libinfinipath")
-"""Libraries whose fatal-signal handlers print a C backtrace and exit(1): Omni-Path's, which
-Debian's libfabric links. Only their handlers are undone by ``crash_handlers_kept``."""
-
-
-@contextlib.contextmanager
-def crash_handlers_kept() -> Iterator[None]:
-    """The fatal signals' handlers as they were before the native code run inside, where
-    Omni-Path's libraries (OMNI_PATH) took them: Debian's libfabric (oneCCL's transport) links
-    libinfinipath and libpsm2, which take SIGSEGV and the like when loaded. A rank that crashed
-    then read as "died outright", its Python stack lost, faulthandler's handler gone. Other
-    libraries' handlers stay: libfabric's shared-memory transport unlinks its /dev/shm regions
-    on SIGSEGV, then passes the signal to the handler before it."""
-    kept = sigactions(FATAL_SIGNALS)
-    try:
-        yield
-    finally:
-        libc = ctypes.CDLL(None)
-        for sig, now in sigactions(kept).items():
-            if handler(now) != handler(kept[sig]) \
-                    and any(lib in _library_of_handler(libc, now) for lib in OMNI_PATH):
-                put_back({sig: kept[sig]})
-
-
-def sigactions(signals: Iterable[int]) -> dict[int, ctypes.Array[ctypes.c_char]]:
-    """Each signal's handler as the C library holds it, its whole record as bytes (none where
-    there is no C library to ask): a handler set in C (faulthandler's, libfabric's) too, which
-    ``signal.getsignal`` does not see and ``signal.signal`` cannot put back."""
-    try:
-        sigaction = ctypes.CDLL(None).sigaction
-    except (AttributeError, OSError):
-        return {}
-    records = {}
-    for sig in signals:
-        record = ctypes.create_string_buffer(256)  # larger than any C library's struct sigaction
-        if sigaction(int(sig), None, record) == 0:
-            records[int(sig)] = record
-    return records
-
-
-def handler(record: ctypes.Array[ctypes.c_char]) -> int:
-    """The address of a sigaction record's handler, its first field (0: SIG_DFL, 1: SIG_IGN)."""
-    return ctypes.c_void_p.from_buffer(record).value or 0
-
-
-def put_back(records: dict[int, ctypes.Array[ctypes.c_char]]) -> None:
-    """The handlers ``sigactions`` read, in place again."""
-    if records:
-        sigaction = ctypes.CDLL(None).sigaction
-        for sig, record in records.items():
-            sigaction(sig, record, None)
-
-
-class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
-
-
-def _library_of_handler(libc: ctypes.CDLL, record: ctypes.Array[ctypes.c_char]) -> str:
-    """The file name of the library a sigaction record's handler is in ("" for SIG_DFL and
-    SIG_IGN, or where the C library cannot say)."""
-    address = handler(record)
-    info = _DlInfo()
-    try:
-        if not address or address < 4096 or not libc.dladdr(ctypes.c_void_p(address),
-                                                             ctypes.byref(info)):
-            return ""
-    except AttributeError:  # a C library without dladdr (glibc < 2.34 keeps it in libdl)
-        return ""
-    return os.path.basename((info.dli_fname or b"").decode(errors="replace"))
 
 
 def _serve(fifo: Path, out: Path, records: Callable[[], bytes]) -> None:

@@ -10,9 +10,9 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from .. import tracking
+from ..ccl import handlers
 from ..errors import DdplabError
 from ..files import write_text_atomic
-from ..forensics import heartbeat
 
 
 class Terminated(DdplabError):
@@ -48,7 +48,7 @@ class Signals:
         # own record of a handler set in C is SIG_DFL: put back through it alone, a ccl rank
         # SIGTERMed by its launcher once its job had ended (its peer exited first) left its
         # 64 MB region behind.
-        self.native = heartbeat.sigactions(SIGNALS)
+        self.native = handlers.sigactions(SIGNALS)
         for sig in SIGNALS:
             self.previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -96,7 +96,7 @@ class Signals:
                  tb: TracebackType | None) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        heartbeat.put_back(self.native)
+        handlers.put_back(self.native)
         if exc is not None and not hasattr(exc, "run_line"):
             run = self.run or _run_in(tb)
             if run is not None and run.run_id:

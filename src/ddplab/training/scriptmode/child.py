@@ -30,8 +30,8 @@ import traceback
 from pathlib import Path
 from typing import Any, cast
 
+from ...ccl.handlers import crash_handlers_kept
 from ...files import write_text_atomic
-from ...forensics.heartbeat import crash_handlers_kept
 from . import mlflow_join
 from .env import REPORT_ENV, STACKS_ENV, T0_ENV
 from .imports import after_import
