@@ -18,7 +18,7 @@ import pytest
 
 from ddplab.forensics.watch import Ending, verdict
 from tests.conftest import job_env, runs
-from tests.helpers import faulty_experiment, left_behind, shm_regions
+from tests.helpers import faulty_experiment, left_behind, omni_path_library, shm_regions
 
 BIN = Path(sys.executable).parent
 HOST = socket.gethostname()
@@ -354,17 +354,6 @@ def test_the_job_gives_back_the_native_handlers_it_found(tmp_path):
             faulthandler.unregister(signal.SIGTERM)
 
 
-def _omni_path_library() -> str | None:
-    """Omni-Path's libinfinipath, which Debian's libfabric links: ddplab's ccl bundle's copy
-    (make setup-ccl), else the system's."""
-    import ctypes.util
-
-    from ddplab import ccl
-
-    bundled = ccl.home() / "fabric" / "libinfinipath.so.4"
-    return str(bundled) if bundled.exists() else ctypes.util.find_library("infinipath")
-
-
 def test_native_code_keeps_the_crash_handler_but_libfabrics_own(tmp_path):
     """Loading libinfinipath took SIGSEGV (a C backtrace, then exit(1)): put back. A handler of
     another library stays (faulthandler's set inside, as libfabric's clean-up would be)."""
@@ -378,7 +367,7 @@ with crash_handlers_kept():
     other = segv()
 assert segv() == other, "another library's handler was undone"
 faulthandler.disable()
-omni = {_omni_path_library()!r}
+omni = {omni_path_library()!r}
 if omni:
     faulthandler.enable()
     mine = segv()

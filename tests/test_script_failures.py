@@ -15,7 +15,7 @@ from ddplab import cli
 from ddplab.launchers import local
 
 from .conftest import REPO, ddplab, job_env, runs
-from .helpers import BIN
+from .helpers import BIN, omni_path_library
 from .test_script_mode import FAULTY
 
 # What torchrun's agent logs itself ("E1127 09:19:57.948000 10559 torch/...] ...").
@@ -80,8 +80,10 @@ def test_a_failed_script_job_says_its_run_last_torchrun_shows_the_users_error_an
 
 
 CRASHES = '''
-import ctypes
+import ctypes, sys
 import torch, torch.distributed as dist
+if len(sys.argv) > 1:  # a native library the script loads itself first (Intel's bindings would)
+    ctypes.CDLL(sys.argv[1])
 import oneccl_bindings_for_pytorch  # noqa: F401 - as the book's oneCCL script does
 dist.init_process_group("gloo")
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
@@ -95,14 +97,17 @@ for step in range(8):
 
 
 @pytest.mark.e2e
-def test_a_script_that_crashes_after_loading_oneccl_is_said_to_have_crashed(tmp_path, store):
+@pytest.mark.parametrize("loads", ["", "omni-path"], ids=["oneccl", "oneccl-and-its-own-load"])
+def test_a_script_that_crashes_after_loading_oneccl_is_said_to_have_crashed(tmp_path, store, loads):
     """oneCCL's transport, Debian's libfabric (ddplab's ccl stands in for Intel's bindings),
     links Omni-Path's libraries, which take SIGSEGV when loaded and exit(1) with a C backtrace:
     the run said "failed: python(_start+0x21)[0x5585...]" and "died outright (SIGKILL...)".
-    The crash is a crash: its signal in the error, the verdict and the rank's stack."""
+    The crash is a crash: its signal in the error, the verdict and the rank's stack; also when
+    the script loads such a library itself, outside ddplab's reach, before its process group."""
     script = tmp_path / "crashes.py"
     script.write_text(CRASHES)
-    out = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    own = [omni_path_library() or ""] if loads else []
+    out = ddplab(["train", str(script), "--", *own], tmp_path, job_env(store), nproc=2)
     assert out.returncode == 1
     (run,) = runs(store)
     tags = run.data.tags
@@ -116,7 +121,8 @@ def test_a_script_that_crashes_after_loading_oneccl_is_said_to_have_crashed(tmp_
     client = MlflowClient(store)
     crash = client.download_artifacts(run.info.run_id, "forensics/node0/rank-1.crash.txt",
                                       str(tmp_path))
-    assert 'crashes.py", line 10 in <module>' in open(crash).read()
+    line = next(i for i, x in enumerate(CRASHES.splitlines(), 1) if "string_at(0)" in x)
+    assert f'crashes.py", line {line} in <module>' in open(crash).read()
 
 
 PACKAGE = {

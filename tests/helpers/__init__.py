@@ -100,6 +100,17 @@ def left_behind(before: set[str], settle_s: float = 30.0) -> set[str]:
         time.sleep(1.0)
 
 
+def omni_path_library() -> str | None:
+    """Omni-Path's libinfinipath, which Debian's libfabric links (it takes SIGSEGV when loaded):
+    ddplab's ccl bundle's copy (make setup-ccl), else the system's; None where there is none."""
+    import ctypes.util
+
+    from ddplab import ccl
+
+    bundled = ccl.home() / "fabric" / "libinfinipath.so.4"
+    return str(bundled) if bundled.exists() else ctypes.util.find_library("infinipath")
+
+
 def shm_regions() -> set[str]:
     """libfabric shm transport's regions in /dev/shm (``<pid>:<n>:<n>``)."""
     return {p.name for p in Path("/dev/shm").iterdir() if re.fullmatch(r"\d+:\d+:\d+", p.name)}

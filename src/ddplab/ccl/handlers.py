@@ -35,11 +35,23 @@ def crash_handlers_kept() -> Iterator[None]:
     try:
         yield
     finally:
-        libc = ctypes.CDLL(None)
         for sig, now in sigactions(kept).items():
-            if handler(now) != handler(kept[sig]) \
-                    and any(lib in _library_of_handler(libc, now) for lib in OMNI_PATH):
+            if handler(now) != handler(kept[sig]) and _omni_paths(now):
                 put_back({sig: kept[sig]})
+
+
+def without_omni_path() -> None:
+    """Each fatal signal Omni-Path's libraries hold back to its default action: for code they
+    were loaded by outside ``crash_handlers_kept`` (a script's own import of Intel's bindings),
+    before a crash handler (faulthandler's) is set on top, which then passes a crash on to
+    the signal's own end, not to their exit(1)."""
+    for sig, now in sigactions(FATAL_SIGNALS).items():
+        if _omni_paths(now):
+            put_back({sig: ctypes.create_string_buffer(256)})  # zeros: SIG_DFL, no flags
+
+
+def _omni_paths(record: ctypes.Array[ctypes.c_char]) -> bool:
+    return any(lib in _library_of_handler(ctypes.CDLL(None), record) for lib in OMNI_PATH)
 
 
 def sigactions(signals: Iterable[int]) -> dict[int, ctypes.Array[ctypes.c_char]]:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from ..ccl import handlers
+
 PHASES = ("setup", "data loading", "forward", "backward", "optimizer", "evaluation",
           "checkpoint", "done", "failed")
 INDEX = {p: i for i, p in enumerate(PHASES)}
@@ -87,6 +89,7 @@ class Heartbeat:
         self._map = mmap.mmap(self._file.fileno(), RECORD.size)
         self._stacks: list[IO[str]] = []
         self._faulthandler_was_on = faulthandler.is_enabled()
+        self._crash: IO[str] | None = None
         self._fifo: Path | None = None
         error_path(directory, rank).unlink(missing_ok=True)  # an earlier attempt's
         self.beat("setup")
@@ -108,13 +111,21 @@ class Heartbeat:
     def record_crashes(self) -> None:
         """A fatal signal (SIGSEGV...) -> the crashing process's stacks into rank-R.crash.txt,
         which the watch reads as how the rank died."""
-        crash = crash_path(self.directory, self.rank).open("w")
-        self._stacks.append(crash)
-        # enable() on an enabled faulthandler only changes its file: a handler that native
-        # code put in its place since (ccl/handlers.py) would stay.
+        self._crash = crash_path(self.directory, self.rank).open("w")
+        self._stacks.append(self._crash)
+        self.crash_handler_on_top()
+
+    def crash_handler_on_top(self) -> None:
+        """faulthandler's dump the first handler of every fatal signal again, with no Omni-Path
+        exit(1) behind it (ccl/handlers.py): native code loaded since may have put its own in
+        its place. (enable() on an enabled faulthandler only changes its file: disabled first,
+        it puts back the handler it found, and saves the one it finds now.)"""
+        if self._crash is None:
+            return
         if faulthandler.is_enabled():
             faulthandler.disable()
-        faulthandler.enable(file=crash, all_threads=True)
+        handlers.without_omni_path()
+        faulthandler.enable(file=self._crash, all_threads=True)
 
     def answer_flight_requests(self, records: Callable[[], bytes]) -> None:
         """DUMP in the FIFO -> ``records()`` (the Flight Recorder's JSON) into
@@ -182,6 +193,8 @@ class _Off:
 
     def close(self, phase: str = "done") -> None: ...
 
+    def crash_handler_on_top(self) -> None: ...
+
 
 _current: Heartbeat | _Off = _Off()
 
@@ -207,6 +220,12 @@ def start(directory: Path, rank: int, world_size: int,
 
 def beat(phase: str, step: int | None = None) -> None:
     _current.beat(phase, step)
+
+
+def crash_handler_on_top() -> None:
+    """This rank's crash dump set again over whatever native code took the fatal signals
+    (Heartbeat.crash_handler_on_top); nothing without a heartbeat."""
+    _current.crash_handler_on_top()
 
 
 def current_step() -> int:

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 from ...ccl.handlers import crash_handlers_kept
 from ...files import write_text_atomic
+from ...forensics import heartbeat
 from . import mlflow_join
 from .env import REPORT_ENV, STACKS_ENV, T0_ENV
 from .imports import after_import
@@ -71,6 +72,8 @@ def _observe(dist: Any) -> None:
         # end the script as a crash (the supervisor names the signal), not as exit(1).
         with crash_handlers_kept():
             out = init(*args, **kwargs)
+        # ... and over what the script loaded itself before (Intel's bindings): its crash dump.
+        heartbeat.crash_handler_on_top()
         import torch
 
         device = kwargs.get("device_id")
@@ -170,8 +173,6 @@ def _env_int(name: str, default: int = 0) -> int:
 def _run(script: Path | str) -> int:
     """The script (a path; a str: a module's name) as ``__main__``; its exit code, its failure
     reported."""
-    from ...forensics import heartbeat
-
     try:
         if isinstance(script, str):
             runpy.run_module(script, run_name="__main__", alter_sys=True)
