@@ -51,7 +51,7 @@ def without_omni_path() -> None:
 
 
 def _omni_paths(record: ctypes.Array[ctypes.c_char]) -> bool:
-    return any(lib in _library_of_handler(ctypes.CDLL(None), record) for lib in OMNI_PATH)
+    return any(lib in _library_of_handler(record) for lib in OMNI_PATH)
 
 
 def sigactions(signals: Iterable[int]) -> dict[int, ctypes.Array[ctypes.c_char]]:
@@ -88,14 +88,14 @@ class _DlInfo(ctypes.Structure):
                 ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
 
-def _library_of_handler(libc: ctypes.CDLL, record: ctypes.Array[ctypes.c_char]) -> str:
+def _library_of_handler(record: ctypes.Array[ctypes.c_char]) -> str:
     """The file name of the library a sigaction record's handler is in ("" for SIG_DFL and
     SIG_IGN, or where the C library cannot say)."""
     address = handler(record)
     info = _DlInfo()
     try:
-        if not address or address < 4096 or not libc.dladdr(ctypes.c_void_p(address),
-                                                             ctypes.byref(info)):
+        if not address or address < 4096 or not ctypes.CDLL(None).dladdr(
+                ctypes.c_void_p(address), ctypes.byref(info)):
             return ""
     except AttributeError:  # a C library without dladdr (glibc < 2.34 keeps it in libdl)
         return ""

@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 def init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.device,
                        timeout_s: int, store: dist.Store | None = None) -> None:
-    # A ccl group's libfabric may take SIGSEGV as it starts (forensics/heartbeat.py).
+    # A ccl group's libfabric may take SIGSEGV as it starts (ccl/handlers.py).
     with crash_handlers_kept():
         _init_process_group(choice, le, device, timeout_s, store)
 

@@ -265,9 +265,10 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     lost = f"{_ranks(missing)} reported nothing (their node lost?)"
     stopped = [e for e in hung if e.what == "stopped"]
     # A rank that raised an error of its own (or crashed) before any watch could stop a rank
-    # is the cause even when its peers then hung (on ccl across nodes a peer's end is no error: they wait
-    # until their watch stops them). One that raised later may be an end it saw, worded in a
-    # way SECONDARY does not know (a transport's error): the hang stays the cause.
+    # is the cause even when its peers then hung (on ccl across nodes a peer's end is no
+    # error: they wait until their watch stops them). One that raised later may be an end it
+    # saw, worded in a way SECONDARY does not know (a transport's error): the hang stays the
+    # cause.
     acted = min((e.time for e in stopped), default=float("inf")) + hang_after_s
     raised = [e for e in failed if e.time < acted and (
         (e.what == "failed" and not is_secondary(e.detail)) or _crashed(e))]

@@ -68,7 +68,7 @@ def _observe(dist: Any) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        # A ccl group's libfabric may take SIGSEGV (forensics/heartbeat.py): a crash must still
+        # A ccl group's libfabric may take SIGSEGV (ccl/handlers.py): a crash must still
         # end the script as a crash (the supervisor names the signal), not as exit(1).
         with crash_handlers_kept():
             out = init(*args, **kwargs)
