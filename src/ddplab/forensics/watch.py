@@ -102,6 +102,10 @@ def read(directory: Path) -> list[Beat]:
     return sorted(beats, key=lambda b: b.rank)
 
 
+EXIT_WAIT_S = 10.0
+"""How long the ranks a watch stopped get to finish exiting before their shm is released."""
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped by its launcher, is not)."""
     try:
@@ -188,8 +192,13 @@ class Watch:
         (done, failed) released its own: its pid is not looked at again."""
         from ..ccl import release_shm
 
-        return sum(release_shm(shm, b.pid) for b in read(self.directory)
-                   if b.phase not in ("done", "failed") and not alive(b.pid))
+        ended = [b for b in read(self.directory) if b.phase not in ("done", "failed")]
+        # The ranks this watch SIGKILLed may still be exiting (a big process's exit takes a
+        # while on a busy machine): alive then, their regions were kept (seen in CI).
+        deadline = time.monotonic() + (EXIT_WAIT_S if self.hang is not None else 0.0)
+        while any(alive(b.pid) for b in ended) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return sum(release_shm(shm, b.pid) for b in ended if not alive(b.pid))
 
     def files(self) -> list[Path]:
         """The stacks, crash dumps and errors its ranks left (the run's forensics/)."""
