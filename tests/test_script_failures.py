@@ -8,6 +8,7 @@ import argparse
 import hashlib
 import json
 import re
+import subprocess
 
 import pytest
 
@@ -15,7 +16,7 @@ from ddplab import cli
 from ddplab.launchers import local
 
 from .conftest import REPO, ddplab, job_env, runs
-from .helpers import BIN, omni_path_library
+from .helpers import BIN, free_port, omni_path_library, wait_all
 from .test_script_mode import FAULTY
 
 # What torchrun's agent logs itself ("E1127 09:19:57.948000 10559 torch/...] ...").
@@ -136,6 +137,37 @@ a = p.parse_args()
 print(f"{__name__} {WORDS} n={a.n} argv0={sys.argv[0]} path0={sys.path[0]}")
 ''',
 }
+
+
+@pytest.mark.e2e
+def test_rank_0_failing_after_the_other_nodes_ended_well_is_the_verdict_no_node_lost(
+        tmp_path, store, monkeypatch, capsys):
+    """Two torchrun nodes of one rank each; node 1's rank ends well, then rank 0 fails on its
+    own. Node 1 is no lost node: the verdict names rank 0 alone (it said "rank 1 reported
+    nothing (their node lost?)" after waiting 15 s for node 1's endings), diagnose says rank 1
+    was done."""
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    port, procs = free_port(), []
+    for node in (0, 1):
+        procs.append(subprocess.Popen(
+            [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "ddplab", "train",
+             str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--", "--fault", "late"],
+            cwd=tmp_path, env=job_env(store), text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True))
+    outs = wait_all(procs, timeout=300)
+    assert procs[0].returncode == 1, outs[0][-3000:]
+    (run,) = runs(store)
+    verdict = run.data.tags["ddplab.verdict"]
+    assert verdict.startswith("rank 0 (host ") and "RuntimeError: evaluation failed" in verdict
+    assert "reported nothing" not in verdict and "rank 1" not in verdict, verdict
+    assert f"ddplab: {verdict} (every rank's stack" in outs[0]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    capsys.readouterr()
+    assert cli.main(["diagnose", run.info.run_id]) == 0
+    said = capsys.readouterr().out
+    assert re.search(r"rank 1 \([^,]+, node1\): done$", said, re.M), said
 
 
 @pytest.mark.e2e

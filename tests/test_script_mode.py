@@ -59,6 +59,9 @@ if rank == 0:
     mlflow.log_metric("train/samples_per_s", 123.0)  # a name ddplab's observation also writes
     print("rank 0 says goodbye")
 dist.destroy_process_group()
+if a.fault == "late" and rank == 0:
+    time.sleep(3)  # its own evaluation, once the other ranks have gone
+    raise RuntimeError("evaluation failed")
 '''
 
 

@@ -29,7 +29,14 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
     """This node's endings and files into the run; on rank 0's node, the verdict (returned).
     Nothing once ``superseded`` says a restarted attempt took the run over (its end is its own)."""
     endings = watch.endings()
-    if not endings or all(e.what == "done" for e in endings) or superseded():
+    if not endings or superseded():
+        return ""
+    if all(e.what == "done" for e in endings):
+        if not holds_rank0:
+            # Rank 0 may yet fail (its own evaluation once this node's ranks are gone): the
+            # verdict then needs these ranks' endings, or it waits for them and calls them lost.
+            with contextlib.suppress(Exception):
+                client.set_tag(run_id, schema.forensics_tag(node), to_json(endings))
         return ""
     try:
         for f in watch.files():
@@ -184,6 +191,8 @@ def _signal_name(n: int) -> str:
 def _ending(key: str, ending: Ending) -> str:
     first = ending.detail.splitlines()[0][:160] if ending.detail else ""
     node = key.removeprefix(schema.FORENSICS_PREFIX)
+    if ending.what == "done":  # (a node whose ranks all ended well, beside a failed one)
+        return f"  rank {ending.rank} ({ending.host}, {node}): done"
     return (f"  rank {ending.rank} ({ending.host}, {node}): {ending.what} "
             f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else "")
             + _collective(ending))
