@@ -40,7 +40,12 @@ CLOCK = Path(__file__).resolve().parent / "scripts" / "epoch_clock.py"
 BATCH, RANKS = 32, 2
 VARIANTS = ("plain torchrun", "script mode, observed", "script mode, observe=false",
             "script mode, untracked")
-SHORT = dict(zip(("plain", "observed", "observe-off", "untracked"), VARIANTS, strict=True))
+NAMES = ("plain", "observed", "observe-off", "untracked")
+SHORT = dict(zip(NAMES, VARIANTS, strict=True))
+AGAIN = "plain torchrun, again"
+"""Plain torchrun's very command once more in each rep (``--variants ...,plain-again``): its
+ratio to plain torchrun is what the machine's noise alone makes of two runs of one thing."""
+SHORT["plain-again"] = AGAIN
 
 
 def williams(n: int) -> list[int]:
@@ -61,7 +66,7 @@ def williams(n: int) -> list[int]:
 def command(variant: str, samples: int, work: Path) -> list[str]:
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(RANKS)]
     script = [str(BOOK), "--synthetic", str(samples)]
-    if variant == "plain torchrun":
+    if variant in (VARIANTS[0], AGAIN):
         return [*torchrun, str(CLOCK), *script]
     off = {"script mode, observe=false": ["--set", "script.observe=false"],
            "script mode, untracked": ["--set", "tracking.enabled=false"]}.get(variant, [])
@@ -221,7 +226,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=4,
                     help="a multiple of the variants' number balances the order")
-    ap.add_argument("--variants", default=",".join(SHORT),
+    ap.add_argument("--variants", default=",".join(NAMES),
                     help=f"which to run, comma-separated, of {','.join(SHORT)}, plain among "
                          "them (an even number balances the order)")
     ap.add_argument("--samples", type=int, default=1536, help="synthetic images per epoch")
@@ -255,7 +260,7 @@ def main() -> None:
               "above differ from rep to rep by more than that on a shared machine: their "
               "ratios carry the machine's noise, this figure does not.") if own else ""
     others = {v: statistics.median(j.others for j in jobs[v]) for v in jobs}
-    extra = {v: others[v] - others[VARIANTS[0]] for v in jobs if v != VARIANTS[0]}
+    extra = {v: others[v] - others[VARIANTS[0]] for v in jobs if v not in (VARIANTS[0], AGAIN)}
     structure = ("What script mode's own processes (a supervisor per rank, the node's delivery "
                  "process) take beside the script, counted from each process's CPU seconds "
                  "(psutil, every 0.25 s) over the same steady epochs, less what torchrun's own "
@@ -266,8 +271,8 @@ def main() -> None:
     print("\n" + table + "\n\n" + inside + "\n\n" + structure)
     body = (f"The book's chapter 9 gloo script, unedited, {RANKS} ranks, batch {BATCH}, "
             f"{args.samples} synthetic images per epoch, 5 epochs; {args.reps} reps, the "
-            "variants' order a Williams square (over 4 reps, each in each place once and after "
-            "each other once; each job starts once the last one's processes are gone). Steady "
+            f"variants' order a Williams square (over {len(chosen)} reps, each in each place once "
+            "and after each other once; each job starts once the last one's processes are gone). Steady "
             "step time: the median of epochs 2-4 over "
             "the steps in an epoch (epoch_clock.py: two clock calls per epoch, in every "
             "variant); the CPU figures are rank 0's own process's CPU seconds over the same "
@@ -275,7 +280,10 @@ def main() -> None:
             "and that times one plus the share the job's other processes used then: the CPU a "
             "step costs the machine; the wait is the time rank 0's threads spent runnable but "
             "without a CPU (the kernel's schedstat), what other work on the cores took from it."
-            "\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
+            + (f" \"{AGAIN}\" is plain torchrun's command run a second time in each rep: its "
+               "ratio to plain torchrun is what this machine's noise alone makes of two runs of "
+               "one thing, the yardstick for the other ratios." if AGAIN in jobs else "")
+            + "\n\n" + table + "\n\n" + inside + "\n\n" + structure + "\n")
     results_page.write(args.page, "Script mode's observation: what it costs a step", body,
                        folder=Path(args.page_dir) if args.page_dir else results_page.RESULTS)
 
