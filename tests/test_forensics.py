@@ -279,6 +279,29 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     assert [p.name for p in shm.iterdir()] == [f"{os.getpid()}:0:0"]
 
 
+def test_a_script_past_its_process_group_is_no_hang_however_long_its_own_work(tmp_path):
+    """After a script destroyed its process group (its evaluation on rank 0, a long save), no
+    collective is left to hang in: the watch lets it work on (it was SIGKILLed as hung in
+    "data loading" after hang_after_s), and its failure there is said as after its training."""
+    from ddplab.forensics.heartbeat import AFTER_TRAINING
+    from ddplab.forensics.watch import Watch
+
+    code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"heartbeat.start(Path({str(tmp_path)!r}), 0, 2)\n"
+            "heartbeat.beat('data loading', 5)\n"
+            f"heartbeat.beat({AFTER_TRAINING!r}, 4)\n"
+            "time.sleep(4)\nheartbeat.failed('RuntimeError: evaluation failed')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    watch = Watch(tmp_path, hang_after_s=1.0, host="h")
+    while proc.poll() is None:
+        watch.tick()
+        time.sleep(0.2)
+    assert proc.returncode == 0 and watch.hang is None
+    assert verdict(watch.endings(), 1) == (
+        "rank 0 (host h) failed (RuntimeError: evaluation failed) after its training (step 4, its "
+        "process group destroyed)")
+
+
 def test_a_rank_the_watch_finds_dead_when_it_stops_a_hang_is_the_cause(tmp_path):
     """Rank 1 is killed outright (the OOM killer) in its backward, after rank 0 entered its own
     backward's all-reduce, where rank 0 then waits (on ccl a peer's death is no error) until the

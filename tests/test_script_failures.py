@@ -162,6 +162,7 @@ def test_rank_0_failing_after_the_other_nodes_ended_well_is_the_verdict_no_node_
     verdict = run.data.tags["ddplab.verdict"]
     assert verdict.startswith("rank 0 (host ") and "RuntimeError: evaluation failed" in verdict
     assert "reported nothing" not in verdict and "rank 1" not in verdict, verdict
+    assert "after its training (step 8, its process group destroyed)" in verdict, verdict
     assert f"ddplab: {verdict} (every rank's stack" in outs[0]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     capsys.readouterr()

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..forensics.watch import Ending, Watch, from_json, to_json, verdict
+from ..forensics.watch import Ending, Watch, from_json, to_json, verdict, where
 from ..tracking import schema
 from ..tracking.schema import SCRIPT_RANKS
 
@@ -193,8 +193,8 @@ def _ending(key: str, ending: Ending) -> str:
     node = key.removeprefix(schema.FORENSICS_PREFIX)
     if ending.what == "done":  # (a node whose ranks all ended well, beside a failed one)
         return f"  rank {ending.rank} ({ending.host}, {node}): done"
-    return (f"  rank {ending.rank} ({ending.host}, {node}): {ending.what} "
-            f"at step {ending.step} in {ending.phase}" + (f": {first}" if first else "")
+    return (f"  rank {ending.rank} ({ending.host}, {node}): {ending.what} {where(ending)}"
+            + (f": {first}" if first else "")
             + _collective(ending))
 
 

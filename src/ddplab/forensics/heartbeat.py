@@ -28,8 +28,11 @@ from typing import IO
 
 from ..ccl import handlers
 
+AFTER_TRAINING = "after training"
+"""A script's phase once it destroyed its process group (scriptmode/observe.py): its step is
+its last."""
 PHASES = ("setup", "data loading", "forward", "backward", "optimizer", "evaluation",
-          "checkpoint", "done", "failed")
+          "checkpoint", "done", "failed", AFTER_TRAINING)
 INDEX = {p: i for i, p in enumerate(PHASES)}
 RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size
 STACK_SIGNAL = signal.SIGUSR2

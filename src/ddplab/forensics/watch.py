@@ -34,6 +34,7 @@ from typing import Any
 
 from ..tracking import schema
 from .heartbeat import (
+    AFTER_TRAINING,
     DUMP,
     PHASES,
     RECORD,
@@ -121,6 +122,8 @@ def behind_key(b: Beat | Ending) -> tuple[int, int, float]:
 
 
 def limit(phase: str, hang_after_s: float) -> float:
+    if phase == AFTER_TRAINING:  # no process group left to hang in: its own work, however long
+        return float("inf")
     return hang_after_s * (3 if phase in LONG_PHASES else 1)
 
 
@@ -298,7 +301,7 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
             if missing and failed else ""
     first = min(causes, key=_cause_order)
     after = sorted(e.rank for e in failed + hung if e is not first)
-    line = f"rank {first.rank} (host {first.host}) {_how(first)} at step {first.step} in {first.phase}"
+    line = f"rank {first.rank} (host {first.host}) {_how(first)} {where(first)}"
     if after:
         line += f"; {_ranks(after)} stopped after it"
     return line + (f"; {lost}" if missing else "")
@@ -325,6 +328,14 @@ def _hang_verdict(behind: Ending, hung: list[Ending], failed: list[Ending], now:
     return line + (f"; {_ranks(after)} stopped after it" if after else "")
 
 
+def where(e: Ending) -> str:
+    """Where a rank was: "at step 7 in forward"; past a script's training, after which its
+    phase said nothing true ("data loading" of a step that never came)."""
+    if e.phase == AFTER_TRAINING:
+        return f"after its training (step {e.step}, its process group destroyed)"
+    return f"at step {e.step} in {e.phase}"
+
+
 def _crashed(e: Ending) -> bool:
     """A rank that crashed of itself: a fatal signal with its stack (SIGSEGV, SIGBUS...). Not a
     death without one (SIGKILL: whoever sent it), nor an abort (a transport aborts a process
@@ -337,8 +348,7 @@ def _hang_line(stopped: Ending, waiting: list[Ending], now: float | None) -> str
     # hang's end reached it: only where it was (the error's time is when it was ended).
     ago = (f"{(now or time.time()) - stopped.time:.0f} s ago" if stopped.what != "failed"
            else "(ended when the job stopped)")
-    line = (f"rank {stopped.rank} (host {stopped.host}) stopped at step {stopped.step} in "
-            f"{stopped.phase} {ago}")
+    line = f"rank {stopped.rank} (host {stopped.host}) stopped {where(stopped)} {ago}"
     by_phase: dict[str, list[int]] = {}
     for e in waiting:
         by_phase.setdefault(WAITS_IN.get(e.phase, e.phase), []).append(e.rank)

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ...forensics.heartbeat import AFTER_TRAINING
 from .. import marks
 from .env import FORENSICS_ENV, OBSERVE_ENV, STEP_OFFSET_ENV
 from .imports import after_import
@@ -314,6 +315,12 @@ class Observer:
             return  # the other samplers of the same epoch (validation's)
         self.end_epoch()
         self.epoch, self.epoch_start, self.epoch_steps = epoch, time.perf_counter(), 0
+
+    def trained(self) -> None:
+        """The script destroyed its process group: what fails or hangs now (its own evaluation,
+        saving) is past its training, not in the "data loading" of a step that never comes."""
+        if self.totals.steps:
+            self._beat(AFTER_TRAINING, self.totals.steps)
 
     # ---- log points ----
 
@@ -605,6 +612,18 @@ def _hooks(obs: Observer) -> None:
         set_epoch(self, epoch)
 
     DistributedSampler.set_epoch = observed_set_epoch  # type: ignore[method-assign]
+
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    @functools.wraps(destroy)
+    def observed_destroy(group: Any = None, *args: Any, **kwargs: Any) -> None:
+        destroy(group, *args, **kwargs)
+        if group is None:
+            obs.trained()
+
+    dist.destroy_process_group = observed_destroy
 
     def outermost(cls: Any) -> None:
         init = cls.__init__
