@@ -5,6 +5,7 @@ real report code from runs made with MlflowClient in a real SQLite store: no job
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -79,11 +80,14 @@ def test_the_dry_run_says_what_is_compared_and_which_way(tmp_path, store, monkey
     assert says in capsys.readouterr().out
 
 
-def record_study(store: str, study: spec.Study, values: dict[str, list[float]]) -> tuple:
-    """A study's parent and its FINISHED children as a real study leaves them, each child
-    logging ``values[variant][repeat]`` as the study's metric (and no samples/s: a script)."""
+def record_study(store: str, study: spec.Study, values: dict[str, list[float | None]],
+                 tags: dict | None = None, status: dict | None = None) -> tuple:
+    """A study's parent and its children as a real study leaves them, each child logging
+    ``values[variant][repeat]`` as the study's metric (and no samples/s: a script), with
+    ``tags[(variant, repeat)]``, FINISHED or ``status[(variant, repeat)]``."""
     from mlflow import MlflowClient
 
+    tags, status = tags or {}, status or {}
     c = MlflowClient(store)
     exp = c.create_experiment(study.name)
     parent = c.create_run(exp, tags={"ddplab.study": study.name, "ddplab.study_role": "parent"})
@@ -94,21 +98,41 @@ def record_study(store: str, study: spec.Study, values: dict[str, list[float]]) 
                 "mlflow.parentRunId": pid, "ddplab.study_role": "job", "ddplab.variant": variant,
                 "ddplab.repeat": str(r), "ddplab.world_size": "2", "ddplab.threads_per_rank": "1",
                 "ddplab.backend": "gloo", "ddplab.launcher": "torchrun", "ddplab.mode": "script"})
-            c.log_metric(run.info.run_id, study.metric, value)
+            if value is not None:  # None: a run that logged no value of it
+                c.log_metric(run.info.run_id, study.metric, value)
             c.log_metric(run.info.run_id, "perf/wall_s", 30.0)
-            c.set_terminated(run.info.run_id, "FINISHED")
+            for k, v in tags.get((variant, r), {}).items():
+                c.set_tag(run.info.run_id, k, v)
+            c.set_terminated(run.info.run_id, status.get((variant, r), "FINISHED"))
     return c, pid
 
 
-def build(tmp_path: Path, store: str, study: spec.Study, values: dict) -> tuple:
+def build(tmp_path: Path, store: str, study: spec.Study, values: dict, **runs: dict) -> tuple:
     from rich.console import Console
 
-    c, pid = record_study(store, study, values)
+    c, pid = record_study(store, study, values, **runs)
     out = io.StringIO()
     report.build(c, pid, study, Console(file=out, width=200), "")
     files = {n: Path(c.download_artifacts(pid, n, str(tmp_path))).read_text()
              for n in ("report.md", "report.html", "results.csv")}
     return c.get_run(pid), out.getvalue(), files
+
+
+@pytest.mark.parametrize("experiment", ["train.py", "train.yaml"])
+def test_a_script_study_compares_its_wall_time_by_default_given_as_a_py_or_an_experiment_file(
+        tmp_path, store, monkeypatch, capsys, experiment):
+    """A script's study defaults to perf/wall_s whether its experiment is the script or an
+    experiment file naming it (``script:``): the file once got the loop's throughput."""
+    from ddplab import cli
+
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump({"name": "t", "script": {"path": "train.py"}}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("DDPLAB_SET", raising=False)
+    study = write_study(tmp_path, experiment=experiment)
+    assert cli.main(["study", "run", str(study), "--dry-run"]) == 0
+    assert "compares perf/wall_s, lower is better (the default figure" in capsys.readouterr().out
 
 
 def test_a_named_higher_is_better_metric_is_compared_as_itself_not_as_a_speed(tmp_path, store):
@@ -164,6 +188,48 @@ def test_a_named_loss_without_metric_mode_is_lower_is_better_and_the_best_is_the
     c = MlflowClient(store)
     report.build(c, parent.info.run_id)
     assert c.get_run(parent.info.run_id).data.tags["ddplab.study.best"] == "lr0.3"
+
+
+def test_a_diverged_variant_is_never_the_best_and_a_missing_value_is_said(tmp_path, store):
+    """A nan val/loss (lr 1e30) was crowned best ("+nan% ..., better"); a variant whose runs
+    logged no val/loss vanished from the comparison without a word."""
+    study = spec.load_study(write_study(tmp_path, metric="val/loss", repeats=2))
+    parent, console, files = build(tmp_path, store, study, {
+        "lr0.01": [0.40, 0.42], "lr0.3": [float("nan"), 0.30]})
+    verdict = parent.data.tags["ddplab.study.verdict"]
+    assert parent.data.tags["ddplab.study.best"] == "lr0.3"  # its one finite repeat
+    assert "nan" not in verdict, verdict
+    warning = ("lr0.3: 1 of 2 finished runs ended with val/loss nan or inf (diverged?): left "
+               "out of its median")
+    assert warning in console and warning in files["report.md"], console
+    # Every repeat diverged: no best; a variant that logged nothing is named.
+    study = dataclasses.replace(study, name="all-nan")
+    parent, console, files = build(tmp_path, store, study, {
+        "lr0.01": [None, None], "lr0.3": [float("nan"), float("nan")]})
+    assert parent.data.tags["ddplab.study.best"] == "none"
+    assert parent.data.tags["ddplab.study.verdict"].startswith(
+        "no finished run logged a value of val/loss to compare")
+    assert "lr0.01: 2 of 2 finished runs logged no val/loss" in console
+    assert "lr0.3: 2 of 2 finished runs ended with val/loss nan or inf" in console
+    assert files["results.csv"].splitlines()[0].startswith(
+        "variant,runs,failed,val/loss_median,val/loss_min,val/loss_max,")
+
+
+def test_the_console_has_every_warning_of_the_report_and_a_failed_runs_straggler_none(
+        tmp_path, store):
+    """report.md listed a straggler the console did not print; and one from a FAILED run of 3
+    steps, whose figures the study counts nowhere."""
+    study = spec.load_study(write_study(tmp_path, metric="val/loss", repeats=2))
+    straggler = {"ddplab.straggler": "rank 1 (host h) is a straggler: 3.0x the others' median"}
+    parent, console, files = build(
+        tmp_path, store, study, {"lr0.01": [0.4, 0.4], "lr0.3": [0.3, 0.3]},
+        tags={("lr0.3", 0): straggler, ("lr0.3", 1): straggler}, status={("lr0.3", 1): "FAILED"})
+    said = [x for x in console.splitlines() if "straggler" in x]
+    assert len(said) == 1 and "lr0.3 (repeat 0," in said[0], console
+    assert said[0].strip() in files["report.md"]
+    assert "lr0.3 (repeat 1," not in files["report.md"]
+    assert ("Compared: val/loss, lower is better (inferred from its name; metric_mode: max or "
+            "min sets it)") in files["report.md"]
 
 
 def test_throughput_keeps_its_speedup_and_its_words(tmp_path, store):

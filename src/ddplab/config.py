@@ -1086,6 +1086,17 @@ def is_script(path: str | Path | None) -> bool:
     return path is not None and str(path).endswith(".py")
 
 
+def runs_a_script(path: Path) -> bool:
+    """Whether an experiment runs a script (script mode): a ``.py`` file, or an experiment file
+    with a ``script`` section. False for a file that cannot be read: loading it says why."""
+    if is_script(path):
+        return True
+    try:
+        return "script" in (read_yaml_file(path) or {})
+    except ConfigError:
+        return False
+
+
 def _read_experiment(p: Path) -> dict[str, Any]:
     """An experiment file, or a script as the experiment of script mode (named after it)."""
     if not is_script(p):

@@ -90,11 +90,16 @@ def html(md_rows: list[Row], title: str, notes: list[str], pngs: list[Path]) -> 
 
 
 def results_csv(rows: list[Row]) -> str:
+    """One line per variant; the compared figure's columns named after it (``val/loss_median``),
+    throughput's keeping their names (``throughput_median``)."""
+    metric = rows[0].metric if rows else ""
+    named = {} if not rows or is_throughput(metric) else {
+        c: f"{metric}_{c.removeprefix('throughput_')}" for c in COLUMNS if c.startswith("throughput_")}
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS)
+    w = csv.DictWriter(buf, fieldnames=[named.get(c, c) for c in COLUMNS])
     w.writeheader()
     for r in rows:
-        w.writerow(asdict(r))
+        w.writerow({named.get(k, k): v for k, v in asdict(r).items()})
     return buf.getvalue()
 
 

@@ -60,14 +60,18 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
                  "efficiency = speedup / (resources / the baseline's resources: ranks x threads "
                  "on CPU, GPUs on CUDA)."]
     else:
-        notes = [f"Baseline: {baseline}. Compared: {metric}, {better(mode)} (metric_mode "
-                 f"{mode}): the last value each finished run logged, median and min-max over "
-                 "the repeats; vs baseline = (median - the baseline's median) / the baseline's."]
+        # Where the direction came from is known from the study file (a rebuilt report has
+        # only the parent's tags: the direction alone).
+        compared = study.direction if study else f"{metric}, {better(mode)}"
+        notes = [f"Baseline: {baseline}. Compared: {compared}: the last value each finished run "
+                 "logged, median and min-max over the repeats; vs baseline = (median - the "
+                 "baseline's median) / the baseline's."]
     if target:
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
               if k.startswith(schema.SKIPPED_PREFIX)]
-    notes += environment_warnings(children) + straggler_warnings(children)
+    others = environment_warnings(children) + straggler_warnings(children)
+    notes += others
     verdict = judge(rows, baseline, single_epoch=single)
     notes = [f"Verdict: {verdict.text}"] + [f"WARNING: {w}." for w in verdict.warnings] + notes
     record_answer(client, parent_id, rows, verdict, study)
@@ -89,6 +93,8 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
         console.print(f"Verdict: {verdict.text}")
         for w in verdict.warnings:
             console.print(f"WARNING: {w}")
+        for line in others:  # (each "WARNING: ..." already), as report.md has them
+            console.print(line, soft_wrap=True, markup=False)
         if uri:
             _print_addresses(uri, parent.info.experiment_id, parent_id, console)
     return rows

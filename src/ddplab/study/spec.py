@@ -44,9 +44,9 @@ from ..config import (
     check_range,
     fail,
     from_mapping,
-    is_script,
     load,
     read_yaml_file,
+    runs_a_script,
 )
 
 Launcher = Literal["torchrun", "mpirun", "compose", "compose-mpi", "slurm"]
@@ -277,7 +277,7 @@ def _resolve(path: Path, f: StudyFile, extra: Sequence[Override]) -> Study:
     baseline = names[0] if f.baseline is None else f.baseline
     if baseline not in names:
         fail("baseline", baseline, f"must name a variant: {', '.join(names)}")
-    metric, mode, source = _metric(f, is_script(path.parent / f.experiment))
+    metric, mode, source = _metric(f, runs_a_script(path.parent / f.experiment))
     return Study(f.name, path, (path.parent / f.experiment).resolve(), tuple(variants), baseline,
                  f.repeats, _no_login(f.set), f.target_accuracy, f.description,
                  tuple(_no_login_in(o) for o in extra), metric, mode, source, f.max_jobs)

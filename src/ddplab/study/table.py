@@ -11,6 +11,7 @@ The compared figure's columns keep their historical names (``throughput_*``) wha
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ def is_throughput(metric: str) -> bool:
 COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
            "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
            "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision", "mfu",
-           "change", "metric", "metric_mode")
+           "change", "metric", "metric_mode", "unlogged", "not_finite")
 
 
 @dataclass
@@ -62,6 +63,11 @@ class Row:
     """The compared figure (the throughput_* columns)."""
     metric_mode: str = "max"
     """max: higher of it is better; min: lower."""
+    unlogged: int = 0
+    """Finished runs that logged no value of the compared figure (left out of its median)."""
+    not_finite: int = 0
+    """Finished runs whose last value of it was nan or inf (diverged): left out of its median,
+    where one would have made the median, and so the best, a nan."""
 
     @property
     def measured(self) -> bool:
@@ -129,7 +135,8 @@ def straggler_warnings(children: list[Any]) -> list[str]:
     said = []
     for variant, runs in latest_per_job(children).items():
         for c in sorted(runs, key=lambda c: c.data.tags.get(schema.REPEAT, "0")):
-            named = c.data.tags.get(schema.STRAGGLER, "")
+            # A failed run's figures are counted nowhere (and a few steps' straggler is noise).
+            named = c.data.tags.get(schema.STRAGGLER, "") if c.info.status == "FINISHED" else ""
             if named:
                 said.append(f"WARNING: {variant} (repeat {c.data.tags.get(schema.REPEAT, '0')}, "
                             f"run {c.info.run_id}): {named}.")
@@ -166,7 +173,8 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
     for name in [n for n in order if n in by_variant] + sorted(set(by_variant) - set(order)):
         runs = by_variant[name]
         ok = [r for r in runs if r.info.status == "FINISHED"]
-        speeds = [r.data.metrics[metric] for r in ok if metric in r.data.metrics]
+        logged = [r.data.metrics[metric] for r in ok if metric in r.data.metrics]
+        speeds = [x for x in logged if math.isfinite(x)]
         targets = [t for r in ok if (t := time_to_target(client, r, target)) is not None]
         rows.append(Row(
             name, len(runs), len(runs) - len(ok), _median(speeds), min(speeds, default=None),
@@ -181,7 +189,8 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
                      if "memory/model_state_mb_max" in r.data.metrics]),
             _precision(runs[0]),
             _median([r.data.metrics["perf/mfu"] for r in ok if "perf/mfu" in r.data.metrics]),
-            metric=metric, metric_mode=mode))
+            metric=metric, metric_mode=mode, unlogged=len(ok) - len(logged),
+            not_finite=len(logged) - len(speeds)))
     return with_ratios(rows, baseline, mode, metric)
 
 

@@ -38,10 +38,13 @@ class Verdict:
     headline: str = ""
     """A compared metric other than throughput: which variant has the best of it."""
 
+    nothing: str = "no variant could be compared with the baseline"
+    """What the text says when there is no comparison (no finished run logged the figure)."""
+
     @property
     def text(self) -> str:
         said = " ".join(([self.headline] if self.headline else []) + self.lines)
-        return said or "no variant could be compared with the baseline"
+        return said or self.nothing
 
 
 def _spread(row: Row) -> float | None:
@@ -94,6 +97,9 @@ def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict
     v = Verdict()
     measured = [r for r in rows if r.measured]
     throughput = not rows or is_throughput(rows[0].metric)
+    if rows and not measured and any(r.unlogged or r.not_finite for r in rows):
+        v.nothing = (f"no finished run logged a value of {rows[0].metric} to compare (the "
+                     "warnings say which; each run's metrics are in the MLflow UI)")
     lowest = bool(rows) and rows[0].metric_mode == "min"
     if measured:
         pick = min if lowest else max
@@ -140,3 +146,10 @@ def _warn(v: Verdict, row: Any, base: Any) -> None:
         v.warnings.append(f"{row.variant}: ran on {row.backend}: the backend fell back")
     if row.failed:
         v.warnings.append(f"{row.variant}: {row.failed} of {row.runs} runs failed")
+    finished = row.runs - row.failed
+    if row.unlogged:
+        v.warnings.append(f"{row.variant}: {row.unlogged} of {finished} finished runs logged no "
+                          f"{row.metric}")
+    if row.not_finite:
+        v.warnings.append(f"{row.variant}: {row.not_finite} of {finished} finished runs ended "
+                          f"with {row.metric} nan or inf (diverged?): left out of its median")
