@@ -10,18 +10,28 @@ series step by step and the final eval metrics:
     bitwise                     every value identical
     within_tolerance            every value within a relative 1e-4 (the reduction order changed)
     differs                     anything else (a value missing on one side; the job failed)
-    nothing logged to compare   the run logged nothing to compare, timings at most (exit 0)
+    nothing logged to compare   the run logged nothing to compare, at most what varies run
+                                to run (exit 0)
+
+A value logged NaN on both sides at the same step is the same (a diverged job that diverged
+again, bitwise); NaN against a number, or a value one side never logged, differs. The line names
+the metric and step of the largest difference; every value is in the new run's
+``reproduce/differences.csv``.
 
 A script-mode run (``ddplab train my_train.py``) is reproduced the same way: its script and
 arguments run again, and every metric the script logged is compared (``train/loss`` too, which
-ddplab observes for scripts) but its timings (:func:`is_timing`: ``perf/``, ``system/``,
-``*_runtime``, ``*_per_second``...: a seeded Hugging Face Trainer's loss comes back bitwise, its
-``train_runtime`` never does); a script whose file changed since the run is named (``--strict``:
-refused).
+ddplab observes for scripts) but those that vary run to run (:func:`varies_run_to_run`:
+timings, memory, throughput, the machine's load: a seeded Hugging Face Trainer's loss comes back
+bitwise, its ``train_runtime`` never does); a script whose file changed since the run is named
+(``--strict``: refused).
+
+A run that FAILED is said to have failed before it runs again; then the verdict is whether the
+failure came back: ``failed_again`` (the rerun failed with the same first line of
+``ddplab.error``, exit 0) or ``differs``. A study's parent run ran no job: it is refused (exit 2).
 
 The new run carries ``ddplab.reproduces=<run id>``, ``ddplab.reproduce.verdict`` and the
-artifact ``reproduce/differences.csv`` (timings too, marked not compared). Exit 0 unless the
-verdict is ``differs`` (1).
+artifact ``reproduce/differences.csv`` (what varies run to run too, marked not compared). Exit 0
+unless the verdict is ``differs`` (1).
 """
 
 from __future__ import annotations
@@ -42,22 +52,31 @@ from ..tracking import life, schema
 RTOL = 1e-4
 COMPARED = ("train/loss", "eval/loss", "eval/accuracy")
 NOTHING = "nothing logged to compare"
-"""The verdict of a run that logged no value but timings: it did not differ (exit 0)."""
+"""The verdict of a run that logged no value but what varies run to run: it did not differ
+(exit 0)."""
+FAILED_AGAIN = "failed_again"
+"""The verdict on a FAILED run whose rerun failed with the same error (exit 0)."""
+CSV = "reproduce/differences.csv"
+NOT_COMPARED = "no: varies run to run (timing, memory, throughput)"
+"""differences.csv's ``compared`` cell for a value of :func:`varies_run_to_run`."""
 
-_TIMING = re.compile(r"^(perf|system|memory)/|_runtime$|_per_second$|_per_s$|_time|(^|/)time"
+_VARIES = re.compile(r"^(perf|system|memory)/|_runtime$|_per_second$|_per_s$|_time|(^|/)time"
                      r"|_busy_s$|_wait_frac$")
 
+Row = tuple[str, int, float | None, float | None]
+"""(metric, step, original, new); None: that side logged no value at that step."""
 
-def is_timing(metric: str) -> bool:
-    """Whether ``metric`` is a timing: how long or how fast, which no rerun repeats however
-    deterministic the arithmetic, so reproduce reports it and never compares it. The one rule:
-    a name under ``perf/``, ``system/`` or ``memory/`` (ddplab's throughput, wall time, MFU; the
-    machine's samples; what the allocator held), or ending in ``_runtime``, ``_per_second`` or
-    ``_per_s``, or with ``_time`` or a ``time`` segment in it (Hugging Face Trainer's
-    ``train_runtime``, ``train_samples_per_second``, ``eval_steps_per_second``; a script's
-    ``epoch_time_s``; ``epoch/time_s``), or a rank's share of its step
-    (``train/rank<r>_busy_s``, ``train/data_wait_frac``)."""
-    return bool(_TIMING.search(metric))
+
+def varies_run_to_run(metric: str) -> bool:
+    """Whether ``metric`` is one no rerun repeats however deterministic the arithmetic (how
+    long, how fast, how much memory, how loaded the machine), so reproduce reports it and never
+    compares it. The one rule: a name under ``perf/``, ``system/`` or ``memory/`` (ddplab's
+    throughput, wall time, MFU; the machine's samples; what the process held), or ending in
+    ``_runtime``, ``_per_second``, ``_per_s``, ``_busy_s`` or ``_wait_frac``, or with ``_time``
+    in it or a segment that starts with ``time`` (Hugging Face Trainer's ``train_runtime``,
+    ``train_samples_per_second``; a script's ``epoch_time_s``; ``epoch/time_s``; a rank's share
+    of its step, ``train/rank<r>_busy_s``, ``train/data_wait_frac``)."""
+    return bool(_VARIES.search(metric))
 
 
 def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
@@ -66,39 +85,56 @@ def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
 
 def compared_keys(run: Any) -> tuple[str, ...]:
     """ddplab's loop: its loss and eval metrics; a script: whatever the script logged (and
-    ddplab observed: train/loss), but timings."""
+    ddplab observed: train/loss), but what varies run to run."""
     if run.data.tags.get(schema.MODE) != "script":
         return COMPARED
-    return tuple(sorted(k for k in run.data.metrics if not is_timing(k)))
+    return tuple(sorted(k for k in run.data.metrics if not varies_run_to_run(k)))
 
 
-def timing_keys(run: Any) -> tuple[str, ...]:
-    """The run's timings (is_timing): reported beside the comparison, never in it."""
-    return tuple(sorted(k for k in run.data.metrics if is_timing(k)))
+def varying_keys(run: Any) -> tuple[str, ...]:
+    """The run's metrics that vary run to run: reported beside the comparison, never in it."""
+    return tuple(sorted(k for k in run.data.metrics if varies_run_to_run(k)))
 
 
-def _rows(client: Any, original: str, new: str, keys: tuple[str, ...]
-          ) -> list[tuple[str, int, float, float]]:
-    rows: list[tuple[str, int, float, float]] = []
+def _rows(client: Any, original: str, new: str, keys: tuple[str, ...]) -> list[Row]:
+    rows: list[Row] = []
     for key in keys:
         a, b = _series(client, original, key), _series(client, new, key)
-        rows += [(key, s, a.get(s, math.nan), b.get(s, math.nan)) for s in sorted(set(a) | set(b))]
+        rows += [(key, s, a.get(s), b.get(s)) for s in sorted(set(a) | set(b))]
     return rows
 
 
+def gap(a: float | None, b: float | None) -> float:
+    """|a - b|; 0 for two NaN (a diverged job that diverged again, bitwise the same) and for
+    two equal infinities; NaN when one side is NaN or logged nothing (no distance: a
+    difference)."""
+    if a is None or b is None:
+        return math.nan
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return 0.0
+    return abs(a - b)
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    d = gap(a, b)
+    if d == 0:
+        return True
+    # An infinity against a number is infinitely far, whatever RTOL times infinity says.
+    if not math.isfinite(d) or a is None or b is None:
+        return False
+    return d <= RTOL * max(abs(a), abs(b), 1e-12)
+
+
 def compare(client: Any, original: str, new: str, keys: tuple[str, ...] = COMPARED
-            ) -> tuple[str, list[tuple[str, int, float, float]]]:
-    """The verdict and every (metric, step, original, new) compared; a timing among ``keys``
-    is not compared (is_timing), and nothing left to compare is :data:`NOTHING`."""
-    rows = _rows(client, original, new, tuple(k for k in keys if not is_timing(k)))
+            ) -> tuple[str, list[Row]]:
+    """The verdict and every (metric, step, original, new) compared; a metric among ``keys``
+    that varies run to run is not compared, and nothing left to compare is :data:`NOTHING`."""
+    rows = _rows(client, original, new, tuple(k for k in keys if not varies_run_to_run(k)))
     if not rows:
         return NOTHING, rows
-    if any(math.isnan(x) or math.isnan(y) for _, _, x, y in rows):
-        return "differs", rows
-    if all(x == y for _, _, x, y in rows):
+    if all(gap(a, b) == 0 for _, _, a, b in rows):
         return "bitwise", rows
-    close = all(abs(x - y) <= RTOL * max(abs(x), abs(y), 1e-12) for _, _, x, y in rows)
-    return ("within_tolerance" if close else "differs"), rows
+    return ("within_tolerance" if all(_close(a, b) for _, _, a, b in rows) else "differs"), rows
 
 
 def _differences(original: dict[str, str]) -> list[str]:
@@ -190,21 +226,59 @@ def reproduce(run_id: str, strict: bool) -> int:
         return _reproduce(run_id, strict, Path(work))
 
 
-def _reproduce(run_id: str, strict: bool, work: Path) -> int:
+def error_line(tags: dict[str, str]) -> str:
+    """The first line of a run's ``ddplab.error`` (the rest is its traceback), "" for none."""
+    return next(iter((tags.get(schema.ERROR) or "").strip().splitlines()), "")
+
+
+def _study_parent(run: Any) -> str:
+    """Why a study's parent run cannot be reproduced (it ran no job), or "" for any other run."""
+    from .runner import PARENT
+
+    tags = run.data.tags
+    if tags.get(schema.STUDY_ROLE) != PARENT:
+        return ""
+    run_id, file = run.info.run_id, tags.get(schema.STUDY_FILE)
+    again = f"`ddplab study run {file}`" if file else "`ddplab study run` on its file"
+    return (f"run {run_id} is study {tags.get(schema.STUDY, '?')}'s parent run (it ran no job "
+            f"itself): reproduce one of its jobs (`ddplab report {run_id}` lists them) or rerun "
+            f"the study ({again})")
+
+
+def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path] | None:
+    """The run and its config.yaml fetched into ``work``; None (said in one line) when there is
+    no such run or it is none a job made."""
     from mlflow.exceptions import MlflowException
 
+    try:
+        run = client.get_run(run_id)
+        # Before the download: a parent has no config.yaml, and MLflow's error would not say why.
+        refused = _study_parent(run)
+        if refused:
+            logger("reproduce").error(refused)
+            return None
+        text = client.download_artifacts(run_id, "config.yaml", str(work))
+    except MlflowException as e:
+        logger("reproduce").error(f"run {run_id} in {uri}: {str(e).splitlines()[0]}")
+        return None
+    if run.info.status == life.FAILED:
+        logger("reproduce").warning(
+            f"run {run_id} FAILED ({error_line(run.data.tags) or 'no ddplab.error recorded'}): "
+            "rerunning it says whether the failure reproduces")
+    return run, Path(text)
+
+
+def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     from ..tracking import reachable_client, validated_uri
     from ..tracking.spooled import DELIVERY_S, SpooledClient, home
     from .runner import job_env
 
     uri = validated_uri()
     client = reachable_client(uri)
-    try:
-        run = client.get_run(run_id)
-        text = client.download_artifacts(run_id, "config.yaml", str(work))
-    except MlflowException as e:
-        logger("reproduce").error(f"run {run_id} in {uri}: {str(e).splitlines()[0]}")
+    found = _recorded(client, uri, run_id, work)
+    if found is None:
         return 2
+    run, config = found
     tags = run.data.tags
     changed = _differences(tags)
     for line in changed:
@@ -218,7 +292,7 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     if tags.get(schema.THREADS_PER_RANK):
         sets.append(f"dist.threads_per_rank={tags[schema.THREADS_PER_RANK]}")
     try:
-        cmd = _command(tags, Path(text), sets)
+        cmd = _command(tags, config, sets)
     except ConfigError as e:
         logger("reproduce").error(e)
         return 2
@@ -246,24 +320,77 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
 
 def _judge(client: Any, run: Any, new: str, code: int) -> int:
     """Record and print the verdict on the new run; exit 1 when it differs (or the job
-    failed). Timings are in differences.csv and counted in the line, never compared."""
+    failed). What varies run to run is in differences.csv and counted in the line, never
+    compared. A FAILED run's verdict is whether its failure came back (_judge_failure)."""
+    if run.info.status == life.FAILED:
+        return _judge_failure(client, run, new, code)
     run_id = run.info.run_id
     verdict, rows = compare(client, run_id, new, compared_keys(run)) if code == 0 \
         else ("differs", [])
-    timings = _rows(client, run_id, new, timing_keys(run)) if code == 0 else []
+    varying = _rows(client, run_id, new, varying_keys(run)) if code == 0 else []
     client.set_tag(new, schema.REPRODUCE_VERDICT, verdict)
-    lines = ["metric,step,original,new,abs_diff,compared"] + [
-        f"{k},{s},{a!r},{b!r},{abs(a - b)!r},{said}"
-        for said, found in (("yes", rows), ("no: a timing", timings)) for k, s, a, b in found]
-    client.log_text(new, "\n".join(lines) + "\n", "reproduce/differences.csv")
-    worst = max((abs(a - b) for _, _, a, b in rows if not math.isnan(a - b)), default=0.0)
-    reported = f"; {len(timings)} timing values reported, not compared" if timings else ""
-    exited = f", the job exited {code}" if code else ""
+    client.log_text(new, _csv(rows, varying), CSV)
     if verdict == NOTHING:
-        what = (f"only timings, {len(timings)} values reported in reproduce/differences.csv, "
-                "never compared" if timings else "no metric reproduce compares")
+        what = (f"only values that vary run to run, {len(varying)} reported in {CSV}, never "
+                "compared" if varying else "no metric reproduce compares")
         print(f"reproduce {run_id} -> {new}: {NOTHING} (the run logged {what})")
+    elif code:
+        print(f"reproduce {run_id} -> {new}: differs (the job exited {code}: "
+              f"{_rerun_error(client, new)}; nothing compared)")
     else:
-        print(f"reproduce {run_id} -> {new}: {verdict} ({len(rows)} values compared, largest "
-              f"difference {worst:.3g}{reported}{exited})")
+        print(f"reproduce {run_id} -> {new}: {verdict} ({_summary(rows, varying, new)})")
     return 0 if verdict != "differs" else 1
+
+
+def _csv(rows: list[Row], varying: list[Row]) -> str:
+    """differences.csv: every value compared and every one reported; "" where a side logged
+    nothing at that step."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    write = csv.writer(out, lineterminator="\n").writerow
+    write(["metric", "step", "original", "new", "abs_diff", "compared"])
+    for said, found in (("yes", rows), (NOT_COMPARED, varying)):
+        for k, s, a, b in found:
+            write([k, s, "" if a is None else repr(a), "" if b is None else repr(b),
+                   repr(gap(a, b)), said])
+    return out.getvalue()
+
+
+def _summary(rows: list[Row], varying: list[Row], new: str) -> str:
+    """The verdict's parenthesis: how many values, the largest difference and where, where
+    the full list is."""
+    apart = [(k, s) for k, s, a, b in rows if math.isnan(gap(a, b))]
+    d, k, s = max(((gap(a, b), k, s) for k, s, a, b in rows if not math.isnan(gap(a, b))),
+                  key=lambda t: t[0], default=(0.0, "", 0))
+    where = f" at {k} step {s}" if d else ""
+    said = f"{len(rows)} values compared, largest difference {d:.3g}{where}"
+    if apart:
+        other = f", largest other difference {d:.3g}{where}" if d else ""
+        said = (f"{len(rows)} values compared: {len(apart)} missing or NaN on one side (the "
+                f"first: {apart[0][0]} step {apart[0][1]}){other}")
+    reported = f"; {len(varying)} values that vary run to run reported, not compared" \
+        if varying else ""
+    return f"{said}{reported}; every value: {CSV} in run {new}'s artifacts"
+
+
+def _rerun_error(client: Any, new: str) -> str:
+    # Read once the job ended: its ddplab.error is in the store by then.
+    return error_line(client.get_run(new).data.tags) or "no ddplab.error recorded"
+
+
+def _judge_failure(client: Any, run: Any, new: str, code: int) -> int:
+    """A FAILED run reproduced is one whose rerun failed with the same error (its first line:
+    the rest is a traceback, whose line numbers a harmless edit moves)."""
+    run_id, was = run.info.run_id, error_line(run.data.tags) or "no ddplab.error recorded"
+    failed = code != 0 or client.get_run(new).info.status == life.FAILED
+    now = _rerun_error(client, new) if failed else ""
+    again = failed and now == was
+    client.set_tag(new, schema.REPRODUCE_VERDICT, FAILED_AGAIN if again else "differs")
+    if again:
+        print(f"reproduce {run_id} -> {new}: reproduced (it failed again: {was})")
+        return 0
+    rerun = f"the rerun failed: {now}" if failed else "the rerun finished"
+    print(f"reproduce {run_id} -> {new}: differs (the original failed: {was}; {rerun})")
+    return 1
