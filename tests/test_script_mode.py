@@ -403,6 +403,9 @@ def test_a_slow_ranks_data_is_named_the_straggler_and_its_hang_by_rank_phase_and
     verdict = hung.data.tags["ddplab.verdict"]
     assert verdict.startswith("rank 1 (host ") and "at step 7 in data loading" in verdict, verdict
     assert "rank 0 waits in backward" in verdict, verdict
+    # Each rank's own line says the hang watch stopped it, not a bare SIGKILL of unknown origin.
+    said = "the job hung: stopped by ddplab's hang watch: rank 1 stopped at step 7 in data loading"
+    assert said in hang.stderr and "killed by SIGKILL" not in hang.stderr, hang.stderr[-3000:]
 
 
 RESTARTED = '''
@@ -711,3 +714,51 @@ def test_what_a_script_sets_before_importing_torch_holds_as_under_plain_python(t
     res = ddplab(["train", str(script), "--set", "tracking.enabled=false"], tmp_path,
                  job_env(store, OMP_NUM_THREADS="2"))
     assert res.returncode == 0 and "threads 1" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+# One process, no DDP: a parameterless module of the data pipeline called first in each step,
+# the model called with keyword arguments only, two micro-batches per optimizer step; or the
+# model compiled with fullgraph=True.
+ALONE = '''
+import argparse, torch, torch.nn as nn
+p = argparse.ArgumentParser(); p.add_argument("--compile", action="store_true"); a = p.parse_args()
+torch.manual_seed(0)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__(); self.l1 = nn.Linear(5, 32); self.l2 = nn.Linear(32, 1)
+    def forward(self, x=None):
+        return self.l2(torch.relu(self.l1(x)))
+net = Net()
+model = torch.compile(net, fullgraph=True, backend="eager") if a.compile else net
+prep = nn.Identity()  # a transform (torchvision's are modules) with nothing to train
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+for step in range(12):
+    for micro in range(2):
+        x = torch.stack([prep(torch.rand(5)) for _ in range(8)])
+        (model(x=x).pow(2).mean() / 2).backward()
+    opt.step(); opt.zero_grad()
+print("12 steps of 16 samples")
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-fullgraph"])
+def test_a_single_process_script_is_observed_at_its_model_also_compiled(tmp_path, store, compiled):
+    """Without DDP the model is the first module a step calls that has parameters to train: not
+    the data pipeline's transform (its image's 3 channels were counted as the batch), with its
+    keyword arguments (``model(x=x)`` gave 0 samples/s), every micro-batch (only the first was
+    counted); compiled with fullgraph=True the script ran under plain python but crashed under
+    ddplab (the hooks' clocks traced by Dynamo)."""
+    from mlflow import MlflowClient
+
+    script = tmp_path / "alone.py"
+    script.write_text(ALONE)
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
+                  *(["--compile"] if compiled else [])], tmp_path, job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "global hooks" not in out.stderr and "Graph break" not in out.stderr, out.stderr[-3000:]
+    (run,) = runs(store)
+    summary = json.loads(artifact_text(MlflowClient(store), run.info.run_id, "summary.json"))
+    # (the model found at its first call: that call's keyword arguments are not seen)
+    assert summary["steps"] == 12 and summary["samples"] == (192 if compiled else 184), summary
+    assert summary["samples_per_s_steady"] > 0 and summary["mfu"] > 0, summary

@@ -10,9 +10,12 @@ script is edited and nothing waits on the device inside its step:
   the tensor it scaled, not the scaled one), kept detached and read (``.item()``) only at log
   points;
 - **samples** per step: the first dimension of the first tensor fed to the outermost
-  DDP/FSDP module (a forward pre-hook attached when the script builds it), else to the first
-  module called in the step (inside a Hugging Face dict or Lightning's ``(batch, batch_idx)``;
-  a list of images counts its images); forwards without gradients are evaluation, not training;
+  DDP/FSDP module (a forward pre-hook attached when the script builds it; its compiled wrapper's
+  under ``torch.compile(DDP(model))``) at each call in the step, else to the model: the module
+  given to torch.compile, or the first module a step calls with gradients that has parameters
+  to train (not a transform of the data pipeline) (inside a Hugging Face dict or Lightning's
+  ``(batch, batch_idx)``; a list of images counts its images); forwards without gradients are
+  evaluation, not training; nothing is seen inside code torch.compile traces;
 - **epochs** from ``DistributedSampler.set_epoch``;
 - per rank, **data wait** (the previous step's end to this step's first forward), **forward**
   and **backward + optimizer**: on a CPU by the host clock; on a GPU by marks on the device's
@@ -65,6 +68,10 @@ MAX_UNREAD = 256
 (past this many: a device hundreds of steps behind; a failed device; the script's end, after
 FINISH_PATIENCE_S) is left out of the steady figures, as the warm-up is: the host clock on a
 GPU times launches, not the step."""
+FLOP_COUNT_BY = 3
+"""The step after which the FLOPs are counted, or said uncountable, at the latest: at the first
+step whose batch was seen (step 1's may not be: the model found at its first call, made with
+keyword arguments only, which a global hook does not see)."""
 FINISH_PATIENCE_S = 10.0
 """At the script's end, how long its last steps' marks are waited for."""
 
@@ -157,10 +164,13 @@ class Observer:
         self.scaled: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
         self.sample: Any = None  # one sample of the first step, for the FLOP count
         self.outer: torch.nn.Module | None = None
+        self.found: Any = None  # the hook on a model found by its first call (no DDP/FSDP)
+        self.wrapped = False  # inside the call of the compiled wrapper of the model
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
         self.logged_step = 0
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
+        self.counted_at = 0  # the step after which the FLOPs were counted
         self.own_s = 0.0  # time in these hooks since the last step's end (_hooks' timed)
         self.step_offset = 0  # the run's step of this attempt's step 0 (STEP_OFFSET_ENV)
 
@@ -169,7 +179,7 @@ class Observer:
     def forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> None:
         """A forward pre-hook: the outermost module's, or (no DDP/FSDP) every module's."""
-        if self.outer is not None and module is not self.outer:
+        if self.outer is not None and module is not self.outer or self.wrapped:
             return
         if not torch.is_grad_enabled():
             if self.outer is not None or not self.t_forward:
@@ -185,7 +195,7 @@ class Observer:
             self.m_forward = self._mark()
             self._beat("forward", None)
         self.samples += _batch_size(args, kwargs)
-        if self.sample is None and self.totals.steps == 0:
+        if self.sample is None and not self.flops:
             self.sample = _one_sample(args, kwargs)
 
     def backward(self, loss: torch.Tensor | None) -> None:
@@ -227,7 +237,8 @@ class Observer:
         t.steps += 1
         t.samples += self.samples
         self.epoch_steps += 1
-        if t.steps > WARMUP_STEPS + 1:  # (step 2's share holds step 1's one FLOP count)
+        # (the next step's share holds the one FLOP count, made in this hook's last call)
+        if t.steps > WARMUP_STEPS and t.steps != self.counted_at + 1:
             t.observe_s += self.own_s
         step = Step(t.steps, self.samples, (first_forward - start, self.t_backward - first_forward,
                                             now - self.t_backward))
@@ -243,8 +254,9 @@ class Observer:
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
-        if t.steps == 1:
+        if not self.flops and (self.sample is not None or t.steps >= FLOP_COUNT_BY):
             self._count_flops()
+            self.counted_at = t.steps
             self.step_end = time.perf_counter()  # the count is not the next step's data wait
             self.m_end = self._mark() or self.m_end
         self._beat("data loading", t.steps + 1)
@@ -393,7 +405,10 @@ class Observer:
         from .. import mfu
 
         sample, self.sample = self.sample, None
-        model = getattr(self.outer, "module", self.outer)
+        model = self.outer
+        for _ in range(2):  # torch.compile(DDP(model)), DDP(torch.compile(model)): the model
+            model = getattr(model, "_orig_mod", model)  # (counted as itself: uncompiled)
+            model = getattr(model, "module", model)  # DDP's, FSDP's
         if self.flops_given > 0:
             flops, source = self.flops_given, "script.flops_per_sample"
         elif model is None or sample is None:
@@ -413,6 +428,11 @@ class Observer:
             peak_source, where = "CPU fp32 matmul measured on every rank", f"rank{self.rank}"
         self.flops = {"flops_per_sample": flops, "flops_source": source, "peak_flops_s": peak,
                       "peak_source": peak_source, "peak_where": where}
+
+
+def _trains(module: torch.nn.Module) -> bool:
+    """Whether the module has a parameter to train."""
+    return any(p.requires_grad for p in module.parameters())
 
 
 def _the_loss(tensors: Any) -> torch.Tensor | None:
@@ -563,8 +583,13 @@ def _hooks(obs: Observer) -> None:
     from torch.utils.data.distributed import DistributedSampler
 
     def timed(hook: Callable[..., None]) -> Callable[..., None]:
-        """``hook``, its time added to what the observation costs (Totals.observe_s)."""
+        """``hook``, its time added to what the observation costs (Totals.observe_s). Nothing
+        inside code that torch.compile traces (a compiled model's modules, their hooks): a clock
+        there is a graph break, and an error under ``fullgraph=True``; the compiled model's own
+        call is seen outside it."""
         def run(*args: Any, **kwargs: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             t0 = time.perf_counter()
             try:
                 hook(*args, **kwargs)
@@ -576,8 +601,28 @@ def _hooks(obs: Observer) -> None:
         timed(obs.backward)
     scale_hook = timed(obs.scale)
     register_optimizer_step_post_hook(lambda opt, args, kwargs: step())
-    anywhere = torch.nn.modules.module.register_module_forward_pre_hook(
-        lambda m, args: forward(m, args, {}))
+
+    def model(module: torch.nn.Module) -> Any:
+        """The script's model from now on: the samples, the forward's start and the FLOPs are
+        its calls' (with their keyword arguments: ``model(**batch)``)."""
+        anywhere.remove()
+        if obs.found is not None:  # found by its first call, then wrapped in DDP
+            obs.found.remove()
+        obs.outer = module
+        return module.register_forward_pre_hook(forward, with_kwargs=True)
+
+    @timed
+    def first_call(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        # Without DDP/FSDP, the model is the first module a step calls with gradients that
+        # has parameters to train: not a transform of the data pipeline (torchvision's are
+        # modules), nor an evaluation before training.
+        if obs.outer is None and torch.is_grad_enabled():
+            if not _trains(module):
+                return  # (its time is the step's data wait)
+            obs.found = model(module)
+        obs.forward(module, args, {})
+
+    anywhere = torch.nn.modules.module.register_module_forward_pre_hook(first_call)
 
     # Tensor.backward calls torch.autograd.backward: one hook sees both forms. A call made
     # inside a backward (a reentrant checkpoint recomputing its segment) is not a new one.
@@ -585,7 +630,7 @@ def _hooks(obs: Observer) -> None:
 
     @functools.wraps(backward)
     def observed_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1:
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
             backward_hook(_the_loss(tensors))
         return backward(tensors, *args, **kwargs)
 
@@ -631,14 +676,43 @@ def _hooks(obs: Observer) -> None:
         @functools.wraps(init)
         def observed_init(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
-            if obs.outer is None:  # the first DDP/FSDP built is the model (the loss is not)
-                obs.outer = self
-                anywhere.remove()
-                self.register_forward_pre_hook(forward, with_kwargs=True)
+            # The first DDP/FSDP built is the model (the loss is not), also over one found
+            # by its first call before.
+            if obs.outer is None or obs.found is not None:
+                model(self)
+                obs.found = None
 
         cls.__init__ = observed_init
 
     outermost(DDP)
+
+    def compiled(eval_frame: ModuleType) -> None:
+        """A model given to torch.compile before any DDP/FSDP (or without one) is the model:
+        found now, not at its first call (the global hook that would find it then makes
+        torch warn that global hooks fire twice on compiled modules)."""
+        init = eval_frame.OptimizedModule.__init__
+
+        @functools.wraps(init)
+        def observed_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if obs.outer is None and _trains(self):
+                obs.found = model(self)
+            elif obs.outer is not None and getattr(self, "_orig_mod", None) is obs.outer:
+                # torch.compile(DDP(model)): DDP's own hook runs inside the compiled code,
+                # where it does nothing (timed); the compiled wrapper's call is the model's.
+                self.register_forward_pre_hook(wrapper_call, with_kwargs=True)
+                self.register_forward_hook(wrapper_done, always_call=True)
+
+        eval_frame.OptimizedModule.__init__ = observed_init
+
+    def wrapper_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        forward(obs.outer, args, kwargs)
+        obs.wrapped = True  # (should DDP's own hook run outside the compiled code: once only)
+
+    def wrapper_done(module: Any, args: Any, output: Any) -> None:
+        obs.wrapped = False
+
+    after_import("torch._dynamo.eval_frame", compiled)
     # FSDP only once the script imports it: importing it here cost every script ~0.6 s and 600
     # modules (sympy among them) before its first line.
     after_import("torch.distributed.fsdp", lambda fsdp: outermost(fsdp.FullyShardedDataParallel))
