@@ -247,3 +247,18 @@ def test_ddplabs_loop_says_its_failed_run_last_too(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert "ddplab: error: train/loss is nan" in err[-2], err[-3:]
     assert err[-1].startswith(f"[ddplab] MLflow run {run.info.run_id} FAILED in {store}"), err[-3:]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("end, code", [("sys.exit(3)", 3), ("os.kill(os.getpid(), 9)", 128 + 9)],
+                         ids=["sys.exit(3)", "sigkill"])
+def test_a_failed_script_ends_ddplab_with_its_own_exit_code(tmp_path, store, end, code):
+    """Plain python ends `sys.exit(3)` with 3 (and a shell says 128 + N for signal N): ddplab
+    ended every failed script with 1, so a caller could not tell them apart."""
+    script = tmp_path / "ends.py"
+    script.write_text(f"import os, sys\nprint('working')\n{end}\n")
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
+                 job_env(store))
+    assert out.returncode == code, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FAILED"

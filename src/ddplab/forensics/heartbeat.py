@@ -62,6 +62,12 @@ def fifo_path(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank}.flight-recorder.fifo"
 
 
+def hang_path(directory: Path) -> Path:
+    """Written by the node's watch before it SIGKILLs the ranks of a hang: what it saw, for the
+    ranks' supervisors (script mode), whose script's end is otherwise a bare SIGKILL."""
+    return directory / "hang.txt"
+
+
 DUMP, QUIT = b"d", b"q"
 """What the watch (a dump) and the rank's own ending (quit) write into the FIFO."""
 

@@ -44,6 +44,7 @@ from .heartbeat import (
     error_path,
     fifo_path,
     flight_path,
+    hang_path,
     stack_path,
 )
 
@@ -154,6 +155,11 @@ class Watch:
                           f"last heartbeat {now - b.time:.0f} s before the watch stopped the job",
                           self.host, *collectives(flight_path(self.directory, b.rank)))
                    for b in live]
+        with contextlib.suppress(OSError):
+            hang_path(self.directory).write_text(
+                f"rank {behind.rank} stopped at step {behind.step} in {behind.phase} (no "
+                f"heartbeat for {now - behind.time:.0f} s; dist.hang_after_s "
+                f"{self.hang_after_s:g})")
         for b in live:
             try:
                 os.kill(b.pid, signal.SIGKILL)

@@ -36,7 +36,7 @@ from ...agent.protocol import forensics_dir
 from ...distributed import host
 from ...errors import DdplabError
 from ...files import write_text_atomic
-from ...forensics.heartbeat import stack_path
+from ...forensics.heartbeat import hang_path, stack_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
 from ...tracking import capsule, schema, spool
@@ -51,6 +51,8 @@ FINISHED_MARK = ".ddplab-finished"
 JOB_FILE = "job.json"
 SCRIPT_DIR = "script"
 PEER_FAILED = "another rank failed"
+HUNG = "the hang watch"
+"""How a rank was stopped when its node's hang watch SIGKILLed it (forensics/watch.py)."""
 PEER_CHECK_S = 0.5
 """How often a running script's supervisor asks the meeting store whether a peer failed. The
 script's own end wakes it at once (a thread blocked in waitpid): on a machine whose cores
@@ -71,12 +73,15 @@ class ScriptFailed(DdplabError):
     status = "FAILED"
 
     def __init__(self, line: str, detail: str = "", user_error: str = "",
-                 t: float | None = None) -> None:
+                 t: float | None = None, code: int = 1) -> None:
         super().__init__(line)
         self.detail = f"{line}\n\n{detail}".strip()
         self.user_traceback = detail
         self.user_error = user_error or line
         self.t = t
+        # The script's own exit code, as plain python would end (sys.exit(3): 3; argparse's
+        # refusal: 2), or 128 + N for signal N, as a shell says it.
+        self.exit_code = 128 - code if code < 0 else code or 1
 
 
 class ScriptStopped(ScriptFailed):
@@ -335,6 +340,7 @@ class Script:
         if self.forensics is not None:
             # The node's hang watch asks the observed script for its stacks here (SIGUSR2).
             self.forensics.mkdir(parents=True, exist_ok=True)
+            hang_path(self.forensics).unlink(missing_ok=True)  # an earlier attempt's
             self.stack_file = stack_path(self.forensics, self.le.rank)
         try:
             return self._supervise()
@@ -437,6 +443,15 @@ class Script:
         except (OSError, ValueError):
             return {}
 
+    def hang(self) -> str:
+        """What the node's hang watch saw, when it stopped this job's ranks; else ""."""
+        if self.forensics is None:
+            return ""
+        try:
+            return hang_path(self.forensics).read_text().strip()
+        except OSError:
+            return ""
+
     def outcome(self, code: int, stopped: str) -> dict[str, Any]:
         seen = self.observed()
         if stopped == PEER_FAILED and code != -signal.SIGTERM and (code < 0 or "exception" in seen):
@@ -445,7 +460,10 @@ class Script:
                                "t": seen.get("t", time.time()), "failed": code != 0,
                                "stopped": stopped,
                                "observed": {k: v for k, v in seen.items() if k != "traceback"}}
-        if code < 0:
+        hang = self.hang()
+        if code == -signal.SIGKILL and hang:
+            out.update(why=f"stopped by ddplab's hang watch: {hang}", stopped=HUNG)
+        elif code < 0:
             out["why"] = f"killed by {signal.Signals(-code).name}"
         elif code:
             out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
@@ -577,7 +595,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 # consequence a second later, so torchrun names the cause first.
                 later = 1.0 if own["stopped"] or _secondary(own) else 0.0
                 raise ScriptFailed(_line(own), own["traceback"], own.get("why", ""),
-                                   own["t"] + later)
+                                   own["t"] + later, own["code"])
         if le.is_rank0 and run.run_id:
             (script.run_dir / FINISHED_MARK).write_text(run.run_id)
     say_last(where(run), le.is_rank0)
@@ -621,6 +639,10 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
     # (a connection its dead peer closed), then the earliest.
     own = sorted((o for o in outcomes.values() if o["failed"] and not o["stopped"]),
                  key=lambda o: (_secondary(o), o["t"]))
+    hung = next((o for o in outcomes.values() if o["stopped"] == HUNG), None)
+    if hung is not None and (not own or _secondary(own[0])):
+        # (the verdict, from every node's heartbeats, follows from the delivery process)
+        return ScriptFailed(f"the job hung: {hung['why']}")
     if own and (left := _left_early(outcomes, own[0])) is not None:
         return ScriptFailed(
             f"the script failed: rank {left['rank']} (host {left['host']}) exited 0 before the "
@@ -636,7 +658,7 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
         # rank 0 is the cause.
         t = first["t"] if first["rank"] == 0 else max(time.time(), first["t"] + 1.0)
         return ScriptFailed(f"the script failed on {_line(first)}{tail}", first["traceback"],
-                            t=t)
+                            t=t, code=first["code"])
     missing = sorted(set(range(world)) - set(outcomes))
     if signal_e is None and not missing and all(not o["failed"] for o in outcomes.values()):
         return None
