@@ -262,3 +262,5 @@ def test_a_failed_script_ends_ddplab_with_its_own_exit_code(tmp_path, store, end
     assert out.returncode == code, out.stderr[-3000:]
     (run,) = runs(store)
     assert run.info.status == "FAILED"
+    # ddplab's own checkout, as its loop's runs say it (a results page's stamp, reproduce)
+    assert run.data.tags["ddplab.git_dirty"] in ("true", "false"), run.data.tags

@@ -762,3 +762,60 @@ def test_a_single_process_script_is_observed_at_its_model_also_compiled(tmp_path
     # (the model found at its first call: that call's keyword arguments are not seen)
     assert summary["steps"] == 12 and summary["samples"] == (192 if compiled else 184), summary
     assert summary["samples_per_s_steady"] > 0 and summary["mfu"] > 0, summary
+
+
+# A GAN in DCGAN's order (D on real and fake, D's step; D on fake again, G's step), two epochs
+# of ten iterations through a DistributedSampler; or an error raised inside loss.backward().
+GAN = '''
+import argparse, torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset, DistributedSampler
+p = argparse.ArgumentParser(); p.add_argument("--fail", action="store_true"); a = p.parse_args()
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x): return x.clone()
+    @staticmethod
+    def backward(ctx, g): raise ValueError("bad gradient")
+torch.manual_seed(0)
+D, G = nn.Linear(4, 1), nn.Linear(2, 4)
+optD, optG = torch.optim.SGD(D.parameters(), lr=0.01), torch.optim.SGD(G.parameters(), lr=0.01)
+data = TensorDataset(torch.randn(80, 4))
+sampler = DistributedSampler(data, num_replicas=1, rank=0)
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    for (real,) in DataLoader(data, batch_size=8, sampler=sampler):
+        fake = G(torch.randn(8, 2))
+        lossD = D(real).mean() - D(fake.detach()).mean()
+        optD.zero_grad(); lossD.backward(); optD.step()
+        lossG = -D(Boom.apply(fake) if a.fail else fake).mean()
+        optG.zero_grad(); lossG.backward(); optG.step()
+print("20 iterations")
+'''
+
+
+@pytest.mark.e2e
+def test_a_gan_in_dcgans_order_is_one_step_an_iteration_and_logs_once_a_step(tmp_path, store):
+    """The generator's step after new forwards counted as a step of its own (40, not 20); an
+    epoch ending on a log point's step logged train/loss twice at that step."""
+    from mlflow import MlflowClient
+
+    script = tmp_path / "gan.py"
+    script.write_text(GAN)
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
+                 job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    client = MlflowClient(store)
+    assert json.loads(artifact_text(client, run.info.run_id, "summary.json"))["steps"] == 20
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [10, 20], steps
+
+
+@pytest.mark.e2e
+def test_an_error_inside_backward_shows_the_users_frames_not_ddplabs_hooks(tmp_path, store):
+    script = tmp_path / "gan.py"
+    script.write_text(GAN)
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
+                  "--fail"], tmp_path, job_env(store))
+    assert out.returncode == 1
+    assert 'gan.py", line 22, in <module>' in out.stderr and "ValueError: bad gradient" in out.stderr
+    assert "scriptmode" not in out.stderr, out.stderr[-3000:]

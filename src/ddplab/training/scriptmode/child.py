@@ -197,7 +197,7 @@ def _run(script: Path | str) -> int:
         # while it imports a module's packages): not the user's.
         while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
-        text = "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
+        text = _users_traceback(e, tb or e.__traceback__)
         last = (traceback.format_exception_only(type(e), e)[-1]).strip()
         _report({"exception": last[:500], "traceback": text[-8000:], "t": time.time()})
         heartbeat.failed(last[:500])
@@ -205,6 +205,27 @@ def _run(script: Path | str) -> int:
         return 130 if isinstance(e, KeyboardInterrupt) else 1
     heartbeat.beat("done")
     return 0
+
+
+def _users_traceback(e: BaseException, tb: Any) -> str:
+    """The traceback as the user's code made it: without the frames of ddplab's hooks inside it
+    (an error raised in ``loss.backward()`` passes through the observed backward)."""
+    te = traceback.TracebackException(type(e), e, tb)
+    seen: set[int] = set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        kept = [f for f in t.stack if not f.filename.startswith(HOOKS)]
+        t.stack = traceback.StackSummary.from_list(kept)
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+    return "".join(te.format())
+
+
+HOOKS = str(Path(__file__).parent) + os.sep
+"""ddplab's code that runs inside the script's calls (its hooks, wrappers): not the user's."""
 
 
 def _ours(filename: str) -> bool:

@@ -3,8 +3,8 @@
 Installed in the script's own process (child.py) before the script runs; nothing of the
 script is edited and nothing waits on the device inside its step:
 
-- a **step** is an optimizer step (``register_optimizer_step_post_hook``) after a backward;
-  a second optimizer stepping in the same step (a GAN's) is not another step;
+- a **step** is an optimizer step (``register_optimizer_step_post_hook``) after a backward,
+  of the first optimizer that stepped (a GAN's second one is not another step: Observer.leads);
 - the **loss** is the tensor a backward starts from (``loss.backward()`` or
   ``torch.autograd.backward(loss)``; under a ``GradScaler`` or FSDP's ``ShardedGradScaler``,
   the tensor it scaled, not the scaled one), kept detached and read (``.item()``) only at log
@@ -166,6 +166,9 @@ class Observer:
         self.outer: torch.nn.Module | None = None
         self.found: Any = None  # the hook on a model found by its first call (no DDP/FSDP)
         self.wrapped = False  # inside the call of the compiled wrapper of the model
+        self.lead: weakref.ref[torch.optim.Optimizer] | None = None  # whose step ends a step
+        self.other: torch.optim.Optimizer | None = None  # another that stepped since the lead's
+        self.other_steps = 0
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
         self.logged_step = 0
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
@@ -221,6 +224,20 @@ class Observer:
         self.scaled = [(weakref.ref(s), o.detach()) for s, o in pairs
                        if isinstance(s, torch.Tensor) and isinstance(o, torch.Tensor)
                        and s is not o]
+
+    def leads(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether this optimizer's step ends a training step: the first optimizer that
+        stepped, not a second one (a GAN's generator, also after new forwards: DCGAN's order);
+        one that steps twice in a row while the first does not took its place (a script that
+        replaced its optimizer)."""
+        lead = self.lead() if self.lead is not None else None
+        if lead is None or lead is opt or self.other_steps >= 1 and self.other is opt:
+            self.lead, self.other, self.other_steps = weakref.ref(opt), None, 0
+            return True
+        if self.other is not opt:
+            self.other, self.other_steps = opt, 0
+        self.other_steps += 1
+        return False
 
     def optimizer_step(self) -> None:
         """After an optimizer's step: the step's end, if a forward or backward came since the
@@ -362,9 +379,14 @@ class Observer:
                             "train/step_time_s": w.step_s / w.steps,
                             "train/data_wait_frac": w.wait_s / w.step_s})
         self.logged_step = step
+        at = self.step_offset + step
         if self.rank == 0 and metrics and step:
-            self.flush()
-            self.pending = {"op": "log", "step": self.step_offset + step, "metrics": metrics}
+            if self.pending is not None and self.pending["step"] == at:
+                # an epoch's end at a log point's step: one record (MLflow kept both values)
+                self.pending["metrics"].update(metrics)
+            else:
+                self.flush()
+                self.pending = {"op": "log", "step": at, "metrics": metrics}
         self.save()
 
     def flush(self) -> None:
@@ -600,7 +622,7 @@ def _hooks(obs: Observer) -> None:
     step, forward, backward_hook = timed(obs.optimizer_step), timed(obs.forward), \
         timed(obs.backward)
     scale_hook = timed(obs.scale)
-    register_optimizer_step_post_hook(lambda opt, args, kwargs: step())
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: step() if obs.leads(opt) else None)
 
     def model(module: torch.nn.Module) -> Any:
         """The script's model from now on: the samples, the forward's start and the FLOPs are

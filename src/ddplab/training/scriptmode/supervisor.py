@@ -679,7 +679,12 @@ def _record_start(run: tracking.NullTracker, cfg: config.ExperimentConfig, le: L
                   resume: str, identity: dict[str, Any]) -> None:
     path = script.file  # the script, or the module's file (ddplab.script: "-m pkg.module")
     s = cfg.script
+    # ddplab's own checkout as the loop records it (a results page's stamp, reproduce's warning).
+    dirty, diff = capsule.git_dirty()
+    if diff:
+        run.log_text(diff, "git.diff")
     run.set_tags({
+        schema.GIT_DIRTY: dirty,
         schema.SCRIPT: s.path,
         schema.SCRIPT_SHA256: identity["sha256"],
         schema.SCRIPT_GIT: git_state(path), schema.SCRIPT_ARGS: json.dumps(s.argv()),
