@@ -64,3 +64,43 @@ def test_a_stopped_rank_is_placed_in_its_script_even_when_asked_while_unwinding(
     assert where(WAITING, RAISED) == "faulty.py:14 in <module>"  # where it waited: its stack
     assert where(UNWINDING, RAISED) == "faulty.py:12 in <module>"  # where it raised
     assert where(UNWINDING, "") == "<frozen importlib._bootstrap_external>:147 in _path_stat"
+
+
+def test_a_store_gone_while_the_script_runs_is_one_line_not_a_traceback():
+    """torchrun killed outright (kill -9) takes its agent's store with it: each rank's
+    supervisor printed 'unexpected DistNetworkError: Broken pipe' and its traceback. The store
+    here is a real TCPStore served by a process that is then killed."""
+    import datetime
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import pytest
+    import torch.distributed as dist
+
+    from ddplab.training.scriptmode.meeting import LauncherGone, Meeting
+
+    from .helpers import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import datetime, time, torch.distributed as d\n"
+        f"s = d.TCPStore('127.0.0.1', {port}, 2, True, datetime.timedelta(seconds=30), "
+        "wait_for_workers=False)\nprint('up', flush=True)\ntime.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "up"
+        meeting = Meeting.__new__(Meeting)
+        meeting.le = SimpleNamespace(world_size=2, rank=1, is_rank0=False)
+        meeting.hosts_store = False
+        meeting.store = dist.TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=5))
+        assert meeting.peer_failed() is False
+    finally:
+        server.kill()
+        server.wait()
+    with pytest.raises(LauncherGone) as gone:
+        meeting.peer_failed()
+    assert str(gone.value).startswith("the launcher is gone (the store the ranks meet through")
+    assert "\n" not in str(gone.value)
+    meeting.report({"rank": 1, "failed": True})  # nobody to tell: no error of its own
+    meeting.leave()

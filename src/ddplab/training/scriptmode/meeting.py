@@ -19,10 +19,23 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ...distributed.group import Rank0Error, rendezvous_store
+from ...errors import DdplabError
 from ...launchers import LaunchEnv
 
 T = TypeVar("T")
 PREFIX = "ddplab/script/"
+
+
+class LauncherGone(DdplabError):
+    """The store the ranks meet through is gone while the script runs: its host, torchrun's
+    agent (or rank 0's supervisor), was killed outright."""
+
+
+def _gone(e: Exception) -> LauncherGone:
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return LauncherGone(f"the launcher is gone (the store the ranks meet through, torchrun's "
+                        f"agent or rank 0's, no longer answers: {type(e).__name__}: {first}): "
+                        "the script was stopped")
 
 
 class Meeting:
@@ -89,23 +102,37 @@ class Meeting:
         self.store.set(key, pickle.dumps(obj))  # type: ignore[arg-type]
 
     def report(self, outcome: dict[str, Any]) -> None:
-        """This rank's script has ended (``outcome``: how); a failure stops the others."""
-        self.store.set(f"out/{self.le.rank}", json.dumps(outcome))
-        if outcome.get("failed") and not outcome.get("stopped"):
-            self.store.add("failures", 1)
+        """This rank's script has ended (``outcome``: how); a failure stops the others. Nobody
+        to tell once the store is gone (LauncherGone says why)."""
+        try:
+            self.store.set(f"out/{self.le.rank}", json.dumps(outcome))
+            if outcome.get("failed") and not outcome.get("stopped"):
+                self.store.add("failures", 1)
+        except RuntimeError:  # torch's DistNetworkError, DistStoreError
+            return
 
     def peer_failed(self) -> bool:
-        return self.le.world_size > 1 and self.store.add("failures", 0) > 0
+        try:
+            return self.le.world_size > 1 and self.store.add("failures", 0) > 0
+        except RuntimeError as e:  # torch's DistNetworkError, DistStoreError
+            raise _gone(e) from None
 
     def outcomes(self) -> dict[int, dict[str, Any]]:
         keys = {r: f"out/{r}" for r in range(self.le.world_size)}
-        return {r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
+        try:
+            return {r: json.loads(self.store.get(k)) for r, k in keys.items()
+                    if self.store.check([k])}
+        except RuntimeError as e:  # torch's DistNetworkError, DistStoreError
+            raise _gone(e) from None
 
     def leave(self, wait_s: float = 15.0) -> None:
         """Done with the store; the rank that hosts it waits for the others to be done too."""
         if self.le.world_size == 1:
             return
-        done = self.store.add("left", 1)
+        try:
+            done = self.store.add("left", 1)
+        except RuntimeError:  # the store is gone already: nobody left to wait for
+            return
         deadline = time.monotonic() + wait_s
         while self.hosts_store and self.le.is_rank0 and done < self.le.world_size \
                 and time.monotonic() < deadline:

@@ -42,7 +42,7 @@ from ...launchers import LaunchEnv
 from ...tracking import capsule, schema, spool
 from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
 from .figures import Figures, figures
-from .meeting import Meeting
+from .meeting import LauncherGone, Meeting
 
 if TYPE_CHECKING:
     from ..jobend import Signals
@@ -573,7 +573,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                     # cut the verdict short (seen in CI: "Terminated" instead of the peer).
                     signals.shield()
             except BaseException as e:  # a signal (torchrun stopping us once a peer failed)
-                if not le.is_rank0:
+                if not le.is_rank0 or isinstance(e, LauncherGone):  # (no one else's end to hear)
                     raise
                 everyone = meeting.wait_all(lambda: True)
                 _record_end(run, script, everyone)
