@@ -24,6 +24,24 @@ def test_a_rank_failing_by_itself_is_named_before_a_consequence_seen_earlier():
     assert "rank 1 (host h1): ValueError: bad batch" in str(supervisor._verdict(outcomes, 2, None))
 
 
+def test_ranks_that_each_failed_the_same_way_are_all_the_cause_in_both_verdicts():
+    """A bug that meets every rank (argparse's refusal, sys.exit(3), a NameError): each line
+    named one of them and the other "stopped after it", and the two lines named different
+    ranks (the report's time against the heartbeat's)."""
+    outcomes = {0: _o(0, 10.1, 3, "SystemExit: 3"), 1: _o(1, 10.0, 3, "SystemExit: 3")}
+    failed = supervisor._verdict(outcomes, 2, None)
+    assert str(failed) == "the script failed on ranks 0,1 (host h0,h1): SystemExit: 3", failed
+    assert failed is not None and failed.exit_code == 3
+    endings = [watch.Ending(r, 17, "data loading", 10.0 + r / 10, "failed", "SystemExit: 3", "vm")
+               for r in (0, 1)]
+    assert watch.verdict(endings, 2) == \
+        "ranks 0,1 (host vm) each failed (SystemExit: 3) at step 17 in data loading"
+    # One of them failing differently: the earliest own failure, the other after it.
+    outcomes[0] = _o(0, 10.1, 1, "ValueError: bad batch")
+    assert str(supervisor._verdict(outcomes, 2, None)).startswith(
+        "the script failed on rank 1 (host h1): SystemExit: 3; then rank(s) 0 failed")
+
+
 def test_both_kinds_of_job_take_the_same_errors_for_consequences():
     for why in ("killed by SIGTERM", "DistNetworkError: x", "Connection closed by peer",
                 "Timed out after 30 s", "terminated by SIGTERM"):

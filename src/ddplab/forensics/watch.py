@@ -299,15 +299,22 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
             return _hang_verdict(behind, hung, failed, now) + (f"; {lost}" if missing else "")
         causes = [behind]
     else:
-        causes = raised + [e for e in failed if e.what == "died"]  # (no watch acted: every raise)
+        # (no watch acted: every raise; a crash is both)
+        causes = list(dict.fromkeys(raised + [e for e in failed if e.what == "died"]))
     if not causes:
         # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
         # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
         return f"{lost}; {_ranks(sorted(e.rank for e in failed))} stopped after it" \
             if missing and failed else ""
     first = min(causes, key=_cause_order)
-    after = sorted(e.rank for e in failed + hung if e is not first)
-    line = f"rank {first.rank} (host {first.host}) {_how(first)} {where(first)}"
+    # Every rank that failed the same way by itself (a bug that meets all of them: a NameError,
+    # argparse's refusal) is a cause: none of them "stopped after" another.
+    alike = [e for e in causes if _how(e) == _how(first)]
+    after = sorted(e.rank for e in failed + hung if e not in alike)
+    who = (f"rank {first.rank} (host {first.host})" if len(alike) == 1 else
+           f"{_ranks(sorted(e.rank for e in alike))} (host "
+           f"{','.join(sorted({e.host for e in alike}))}) each")
+    line = f"{who} {_how(first)} {where(first)}"
     if after:
         line += f"; {_ranks(after)} stopped after it"
     return line + (f"; {lost}" if missing else "")

@@ -614,7 +614,8 @@ def _summary(path: str, run: tracking.NullTracker, script: Script, outcomes: dic
 
 
 def _line(o: dict[str, Any]) -> str:
-    return f"rank {o['rank']} (host {o['host']}): {o.get('why') or 'exit code ' + str(o['code'])}"
+    ranks = "ranks" if "," in str(o["rank"]) else "rank"
+    return f"{ranks} {o['rank']} (host {o['host']}): {o.get('why') or 'exit code ' + str(o['code'])}"
 
 
 def _secondary(o: dict[str, Any]) -> bool:
@@ -649,14 +650,20 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
             f"job ended, while the others still ran; then {_line(own[0])}", own[0]["traceback"])
     if own:
         first = own[0]
-        others = [r for r in sorted(outcomes) if r != first["rank"] and outcomes[r]["failed"]]
+        # Ranks that failed the same way by themselves (a bug that meets every rank) are all
+        # the cause, as the forensics verdict says them (watch.verdict).
+        alike = sorted(o["rank"] for o in own if o.get("why") == first.get("why"))
+        if len(alike) > 1:
+            hosts = sorted({o["host"] for o in own if o["rank"] in alike})
+            first = {**first, "rank": ",".join(map(str, alike)), "host": ",".join(hosts)}
+        others = [r for r in sorted(outcomes) if r not in alike and outcomes[r]["failed"]]
         waited = "; ".join(f"rank {r} at {outcomes[r]['where']}" for r in others
                            if outcomes[r].get("where"))
         tail = (f"; then rank(s) {','.join(map(str, others))} failed or were stopped"
                 f"{f' ({waited}; stacks in forensics/)' if waited else ''}" if others else "")
         # torchrun names the rank whose error file is oldest: this (rank 0's) one only when
         # rank 0 is the cause.
-        t = first["t"] if first["rank"] == 0 else max(time.time(), first["t"] + 1.0)
+        t = first["t"] if 0 in alike else max(time.time(), first["t"] + 1.0)
         return ScriptFailed(f"the script failed on {_line(first)}{tail}", first["traceback"],
                             t=t, code=first["code"])
     missing = sorted(set(range(world)) - set(outcomes))
