@@ -187,6 +187,9 @@ CASES = [
     ("checkpoint dir under a file", None, ["checkpoint.dir=afile/ck"], {}, [],
      "checkpoint.dir: got 'afile/ck'; afile is a file"),
     ("missing experiment", ("missing", None), [], {}, [], "nope.yaml: experiment file not found"),
+    ("experiment is a directory", ("directory", None), [], {}, [],
+     "a directory; an experiment is a YAML file"),
+    ("empty experiment", _file(""), [], {}, [], "exp.yaml: empty; an experiment is a YAML mapping"),
     # ---- your own parts (userbad.py sits beside exp.yaml; see the clean_env fixture) ----
     ("import path syntax", _file("model:\n  name: 'my-mod:build'\n"), [], {}, [],
      "model.name: got 'my-mod:build'; an import path is"),
@@ -389,6 +392,8 @@ def _experiment(tmp_path: Path, spec) -> str:
     kind, text = spec
     if kind == "missing":
         return "nope.yaml"
+    if kind == "directory":
+        return str(tmp_path)
     p = tmp_path / "exp.yaml"
     p.write_bytes(text if isinstance(text, bytes) else text.encode())
     return str(p)

@@ -311,3 +311,23 @@ def test_a_good_store_still_opens(store, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     assert cli.main(["diagnose", "0" * 32]) == 2  # no such run: its own line
     one_line(capsys.readouterr().err, "ddplab: error: run 00000000000000000000000000000000 in")
+
+
+def test_diagnose_of_a_studys_parent_lists_its_jobs_that_did_not_finish(store, monkeypatch,
+                                                                        capsys):
+    """It said "verdict: no rank failed or hung" of a parent whose job had failed."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    c = MlflowClient(store)
+    exp = c.create_experiment("s")
+    parent = c.create_run(exp, tags={"ddplab.study": "s", "ddplab.study_role": "parent"}).info.run_id
+    for variant, status in (("a", "FINISHED"), ("b", "FAILED")):
+        job = c.create_run(exp, tags={"mlflow.parentRunId": parent, "ddplab.study_role": "job",
+                                      "ddplab.variant": variant, "ddplab.repeat": "0"})
+        c.set_terminated(job.info.run_id, status)
+        failed = job.info.run_id
+    assert cli.main(["diagnose", parent]) == 0
+    said = capsys.readouterr().out
+    assert "is study s's parent run: it ran no job itself; of its 2 jobs, 1 did not finish:" in said
+    assert f"  b repeat 0: FAILED: ddplab diagnose {failed}" in said and "verdict" not in said

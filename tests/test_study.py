@@ -65,6 +65,7 @@ def study_runs(store: str) -> tuple[object, list]:
     ({"variants": [{"name": "z", "set": {"train.global_batch_size": 99}}]},
      "variant z: train.global_batch_size: got 99"),
     ({"grid": {"nproc": []}}, "grid.nproc: got []"),
+    ({"grid": {}}, "grid: got {}; a grid needs at least one key with a list of values"),
     # the experiments' schema engine: bool is no number, unknown keys name the allowed ones
     ({"target_accuracy": True}, "target_accuracy: got True; expected float, not bool"),
     ({"variants": [{"name": "z", "colour": 1}]},
@@ -88,6 +89,23 @@ def test_a_bad_study_file_is_one_clear_line_and_no_run(tmp_path, store, change, 
     (line,) = err.strip().splitlines()
     assert "study.yaml" in line and says in line and "Traceback" not in err
     assert runs(store) == [] and not list(tmp_path.glob("checkpoints"))
+
+
+def test_an_experiment_file_or_a_folder_given_as_a_study_is_said_so(tmp_path, store,
+                                                                      monkeypatch, capsys):
+    """They read "script: unknown key" and "study file not found"."""
+    from ddplab import cli as ddplab_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text("name: mine\nscript: {path: train.py}\n")
+    for path, says in ((experiment, "an experiment file, not a study"),
+                       (tmp_path, "a directory; a study is a YAML file")):
+        assert ddplab_cli.main(["study", "run", str(path)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert says in line, line
+    assert runs(store) == []
 
 
 def test_the_real_study_command_exits_2_with_one_line(tmp_path, store):

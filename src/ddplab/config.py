@@ -999,21 +999,26 @@ def env_overrides(env: Mapping[str, str] | None = None) -> list[Override]:
 
 def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
     """A YAML mapping from a file (an experiment, a study), or one ConfigError line."""
+    a = "an" if kind[:1] in "aeiou" else "a"
+    if p.is_dir():
+        raise ConfigError(f"{p}: a directory; {a} {kind} is a YAML file")
     if not p.is_file():
         raise ConfigError(f"{p}: {kind} file not found")
     try:
         loaded = _read_yaml_once(p.read_text(encoding="utf-8"), max_yaml_nodes())
     except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a text file (a {kind} is UTF-8 YAML)") from None
+        raise ConfigError(f"{p}: not a text file ({a} {kind} is UTF-8 YAML)") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot be read ({e.strerror})") from None
     except YAMLTooBig as e:
         raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)})") from None
-    if loaded is not None and not isinstance(loaded, dict):
+    if loaded is None:
+        raise ConfigError(f"{p}: empty; {a} {kind} is a YAML mapping of keys")
+    if not isinstance(loaded, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of keys")
-    return loaded or {}
+    return loaded
 
 
 def _read_yaml_once(text: str, limit: int) -> Any:

@@ -104,6 +104,8 @@ def diagnose(run_id: str) -> int:
     client, run, _ = recorded_run(run_id)
     tags = run.data.tags
     print(f"run {run_id}: {run.info.status}")
+    if tags.get(schema.STUDY_ROLE) == "parent":
+        return _study_parent(client, run)
     line = tags.get(schema.VERDICT) or tags.get(schema.ERROR, "").split("\n", 1)[0]
     print(f"verdict: {line}" if line else "verdict: no rank failed or hung")
     error = tags.get(schema.ERROR, "").split("\n", 1)[0]
@@ -186,6 +188,22 @@ def _signal_name(n: int) -> str:
         return signal.Signals(n).name
     except ValueError:
         return f"signal {n}"
+
+
+def _study_parent(client: Any, run: Any) -> int:
+    """A study's parent ran no job: its jobs that did not finish, each with its own diagnose."""
+    run_id = run.info.run_id
+    jobs = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'",
+                              max_results=5000)
+    ended = [j for j in jobs if j.info.status not in ("FINISHED", "RUNNING")]
+    print(f"run {run_id} is study {run.data.tags.get(schema.STUDY, '?')}'s parent run: it ran no "
+          f"job itself; of its {len(jobs)} jobs, " + ("none failed" if not ended else
+                                                      f"{len(ended)} did not finish:"))
+    for j in sorted(ended, key=lambda j: j.info.start_time):
+        t = j.data.tags
+        print(f"  {t.get(schema.VARIANT, '?')} repeat {t.get(schema.REPEAT, '0')}: "
+              f"{j.info.status}: ddplab diagnose {j.info.run_id}")
+    return 0
 
 
 def _ending(key: str, ending: Ending) -> str:

@@ -245,6 +245,12 @@ def parse(path: Path, raw: Any, extra: Sequence[Override] = ()) -> Study:
     where = str(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping (name, experiment, variants)")
+    if not {"variants", "grid", "experiment"} & set(raw) and {"script", "model", "train"} & set(raw):
+        raise ConfigError(f"{where}: an experiment file, not a study (a study names one: "
+                          f"experiment: FILE, and its variants); run it with: ddplab train {where}")
+    if raw.get("grid") == {}:
+        raise ConfigError(f"{where}: grid: got {{}}; a grid needs at least one key with a list "
+                          "of values (grid: {dist.backend: [gloo, ccl]})")
     try:
         written = from_mapping(StudyFile, {k: v for k, v in raw.items()
                                            if v is not None or k not in EMPTY_OK})
