@@ -264,3 +264,15 @@ def test_a_failed_script_ends_ddplab_with_its_own_exit_code(tmp_path, store, end
     assert run.info.status == "FAILED"
     # ddplab's own checkout, as its loop's runs say it (a results page's stamp, reproduce)
     assert run.data.tags["ddplab.git_dirty"] in ("true", "false"), run.data.tags
+
+
+@pytest.mark.e2e
+def test_a_script_whose_process_trains_nothing_says_so_at_its_end(tmp_path, store):
+    """An mp.spawn script's ranks are not observed: its run had no figure and no word why."""
+    script = tmp_path / "spawns.py"
+    script.write_text("print('my ranks would train in processes of their own')\n")
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
+                 job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no training seen in the script's process" in out.stdout + out.stderr
+    assert "(torch.multiprocessing.spawn) are not observed" in out.stdout + out.stderr

@@ -590,6 +590,11 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                     raise failed  # its line, not "done in" (the figures are in the run)
                 if seen.line:
                     console.say(seen.line)
+                elif cfg.script.observe:
+                    console.say("no training seen in the script's process (no optimizer step "
+                                "after a forward or backward): ranks it starts itself "
+                                "(torch.multiprocessing.spawn) are not observed; torchrun "
+                                "starting them is")
             elif own["failed"]:
                 # Its own failure, the user's traceback in torchrun's error file; a peer's
                 # consequence a second later, so torchrun names the cause first.
