@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -300,6 +301,29 @@ def test_a_script_past_its_process_group_is_no_hang_however_long_its_own_work(tm
     assert verdict(watch.endings(), 1) == (
         "rank 0 (host h) failed (RuntimeError: evaluation failed) after its training (step 4, its "
         "process group destroyed)")
+
+
+def test_ranks_their_supervisors_stopped_are_no_cause_of_their_own(tmp_path):
+    """torchrun killed outright: each rank's supervisor stops its script (SIGTERM) and says why
+    first; the verdict read "rank 1 died outright (killed by a signal: SIGKILL ...)"."""
+    from ddplab.forensics.heartbeat import stopped_path
+    from ddplab.forensics.watch import Watch
+
+    procs = []
+    for r in (0, 1):
+        code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+                f"heartbeat.start(Path({str(tmp_path)!r}), {r}, 2)\n"
+                "heartbeat.beat('backward', 9)\nprint('up', flush=True)\ntime.sleep(60)\n")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      text=True))
+    for r, proc in enumerate(procs):
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        stopped_path(tmp_path, r).write_text("the launcher is gone (...): the script was stopped")
+        proc.terminate()
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    endings = Watch(tmp_path, hang_after_s=300.0, host="h").endings()
+    assert {e.what for e in endings} == {"failed"}, endings
+    assert verdict(endings, 2) == ""
 
 
 def test_a_rank_the_watch_finds_dead_when_it_stops_a_hang_is_the_cause(tmp_path):

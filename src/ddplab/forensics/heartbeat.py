@@ -62,6 +62,12 @@ def fifo_path(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank}.flight-recorder.fifo"
 
 
+def stopped_path(directory: Path, rank: int) -> Path:
+    """Written by a rank's supervisor (script mode) before it stops the script for a reason of
+    its own (the launcher gone): the watch then knows that death for a consequence."""
+    return directory / f"rank-{rank}.stopped.txt"
+
+
 def hang_path(directory: Path) -> Path:
     """Written by the node's watch before it SIGKILLs the ranks of a hang: what it saw, for the
     ranks' supervisors (script mode), whose script's end is otherwise a bare SIGKILL."""

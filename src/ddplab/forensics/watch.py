@@ -46,6 +46,7 @@ from .heartbeat import (
     flight_path,
     hang_path,
     stack_path,
+    stopped_path,
 )
 
 LONG_PHASES = ("setup", "evaluation", "checkpoint")
@@ -186,6 +187,10 @@ class Watch:
                 return Ending(b.rank, b.step, b.phase, b.time, "failed", "", self.host)
         if b.phase == "done":
             return Ending(b.rank, b.step, b.phase, b.time, "done", "", self.host)
+        why = _read(stopped_path(self.directory, b.rank))
+        if why:  # its supervisor stopped it (SIGTERM): a consequence, never the cause
+            return Ending(b.rank, b.step, b.phase, b.time, "failed",
+                          f"terminated by SIGTERM: {why}", self.host)
         path = crash_path(self.directory, b.rank)
         crash = _read(path)
         when = b.time  # a silent death: its last heartbeat; a dump: when it was written

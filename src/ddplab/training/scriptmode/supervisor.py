@@ -36,7 +36,7 @@ from ...agent.protocol import forensics_dir
 from ...distributed import host
 from ...errors import DdplabError
 from ...files import write_text_atomic
-from ...forensics.heartbeat import hang_path, stack_path
+from ...forensics.heartbeat import hang_path, stack_path, stopped_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
 from ...tracking import capsule, schema, spool
@@ -341,6 +341,7 @@ class Script:
             # The node's hang watch asks the observed script for its stacks here (SIGUSR2).
             self.forensics.mkdir(parents=True, exist_ok=True)
             hang_path(self.forensics).unlink(missing_ok=True)  # an earlier attempt's
+            stopped_path(self.forensics, self.le.rank).unlink(missing_ok=True)
             self.stack_file = stack_path(self.forensics, self.le.rank)
         try:
             return self._supervise()
@@ -378,6 +379,9 @@ class Script:
                     proc.terminate()
         except BaseException as e:
             stopped = type(e).__name__
+            if isinstance(e, LauncherGone) and self.forensics is not None:
+                with contextlib.suppress(OSError):  # (the verdict: no rank's death its cause)
+                    stopped_path(self.forensics, self.le.rank).write_text(str(e))
             # Ctrl-C reached the script too (the terminal signals the whole process group):
             # it gets time to stop by itself before SIGTERM. Anything else is passed on.
             interrupted = isinstance(e, KeyboardInterrupt)
