@@ -229,3 +229,33 @@ def test_a_mark_of_a_deleted_spools_file_does_not_skip_the_new_files_records(tmp
     again = spool.Stream(d, "track")
     again.mark(list(again.pending())[-1][0])
     assert spool.Stream(d, "track").left() == 0  # a mark of this file holds
+
+
+def test_system_samples_each_get_a_step_of_their_own_however_late_they_are_collected(
+        tmp_path, monkeypatch):
+    """The sampler runs at nice 19: on a busy machine a sample's collection came a second late,
+    the next one on time, and both landed at one step (seen in CI: 19 samples, 18 steps)."""
+    from ddplab.agent.node import SystemSampler
+
+    clock = {"ms": 0}
+    monkeypatch.setattr(spool, "now_ms", lambda: clock["ms"])
+    stream = spool.Stream(tmp_path, "records")
+    sampler = SystemSampler(stream, "node0", 0.0, t0_ms=0)
+    late = iter([900, 0, 900, 0])
+
+    class Late:  # what MLflow's monitors do, taking the time the machine gives them
+        def collect_metrics(self) -> None:
+            clock["ms"] += next(late)
+
+        def aggregate_metrics(self) -> dict[str, float]:
+            return {"cpu_utilization_percentage": 50.0}
+
+        def clear_metrics(self) -> None:
+            pass
+
+    sampler.monitors = [Late()]
+    for i in range(4):
+        clock["ms"] = 9_150 + 1000 * i  # a tick each second: collected 0.9 s late, then on time
+        sampler.tick()
+    steps = [r["step"] for _, r in stream.pending(True)]
+    assert len(set(steps)) == 4 and steps == sorted(steps), steps

@@ -121,19 +121,24 @@ class SystemSampler:
         self.stream, self.prefix = stream, f"system/{node}/"
         self.interval_s, self.t0_ms = interval_s, t0_ms
         self.due = time.monotonic()
+        self.step = -1
 
     def tick(self) -> None:
         if time.monotonic() < self.due:
             return
         self.due = time.monotonic() + self.interval_s
+        # Each sample its own step, however long collecting took this time and the last (this
+        # process runs at nice 19: a busy machine delays it by a second): two samples at one
+        # step were seen in CI.
+        ts = spool.now_ms()
+        self.step = max(self.step + 1, (ts - self.t0_ms) // 1000)
         values: dict[str, float] = {}
         for m in self.monitors:
             with contextlib.suppress(Exception):  # one sensor failing must not stop the rest
                 m.collect_metrics()
                 values.update(m.aggregate_metrics())
                 m.clear_metrics()
-        ts = spool.now_ms()
-        self.stream.append({"op": "log", "ts": ts, "step": max(0, (ts - self.t0_ms) // 1000),
+        self.stream.append({"op": "log", "ts": ts, "step": self.step,
                             "metrics": {self.prefix + k: float(v) for k, v in values.items()}})
 
 
