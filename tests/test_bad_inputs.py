@@ -189,7 +189,6 @@ CASES = [
     ("missing experiment", ("missing", None), [], {}, [], "nope.yaml: experiment file not found"),
     ("experiment is a directory", ("directory", None), [], {}, [],
      "a directory; an experiment is a YAML file"),
-    ("empty experiment", _file(""), [], {}, [], "exp.yaml: empty; an experiment is a YAML mapping"),
     # ---- your own parts (userbad.py sits beside exp.yaml; see the clean_env fixture) ----
     ("import path syntax", _file("model:\n  name: 'my-mod:build'\n"), [], {}, [],
      "model.name: got 'my-mod:build'; an import path is"),

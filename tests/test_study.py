@@ -100,8 +100,10 @@ def test_an_experiment_file_or_a_folder_given_as_a_study_is_said_so(tmp_path, st
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     experiment = tmp_path / "exp.yaml"
     experiment.write_text("name: mine\nscript: {path: train.py}\n")
+    (tmp_path / "empty.yaml").write_text("")
     for path, says in ((experiment, "an experiment file, not a study"),
-                       (tmp_path, "a directory; a study is a YAML file")):
+                       (tmp_path, "a directory; a study is a YAML file"),
+                       (tmp_path / "empty.yaml", "empty; a study is a YAML mapping")):
         assert ddplab_cli.main(["study", "run", str(path)]) == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert says in line, line

@@ -1014,11 +1014,9 @@ def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
         raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)})") from None
-    if loaded is None:
-        raise ConfigError(f"{p}: empty; {a} {kind} is a YAML mapping of keys")
-    if not isinstance(loaded, dict):
+    if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of keys")
-    return loaded
+    return loaded or {}  # (an empty experiment: everything from --set, DDPLAB_SET)
 
 
 def _read_yaml_once(text: str, limit: int) -> Any:

@@ -245,6 +245,8 @@ def parse(path: Path, raw: Any, extra: Sequence[Override] = ()) -> Study:
     where = str(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping (name, experiment, variants)")
+    if not raw:
+        raise ConfigError(f"{where}: empty; a study is a YAML mapping (name, experiment, variants)")
     if not {"variants", "grid", "experiment"} & set(raw) and {"script", "model", "train"} & set(raw):
         raise ConfigError(f"{where}: an experiment file, not a study (a study names one: "
                           f"experiment: FILE, and its variants); run it with: ddplab train {where}")
