@@ -31,12 +31,11 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
     endings = watch.endings()
     if not endings or superseded():
         return ""
-    if all(e.what == "done" for e in endings):
-        if not holds_rank0:
-            # Rank 0 may yet fail (its own evaluation once this node's ranks are gone): the
-            # verdict then needs these ranks' endings, or it waits for them and calls them lost.
-            with contextlib.suppress(Exception):
-                client.set_tag(run_id, schema.forensics_tag(node), to_json(endings))
+    # A node whose ranks all ended well records them too, unless it holds rank 0: rank 0 may
+    # yet fail (its own evaluation once this node's ranks are gone), and its verdict would wait
+    # for these ranks' endings, then call them lost.
+    done = all(e.what == "done" for e in endings)
+    if done and holds_rank0:
         return ""
     try:
         for f in watch.files():
@@ -44,7 +43,7 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
         client.set_tag(run_id, schema.forensics_tag(node), to_json(endings))  # whole, in the limit
     except Exception as e:  # noqa: BLE001 - the run's ending still comes; say what is missing
         print(f"ddplab delivery: the ranks' stacks could not be recorded ({e})", file=sys.stderr)
-    if not holds_rank0:
+    if done or not holds_rank0:
         return ""
     line = verdict(_everyone(client, run_id, node, endings, world_size), world_size,
                    hang_after_s=watch.hang_after_s)

@@ -207,6 +207,10 @@ def _run(script: Path | str) -> int:
     return 0
 
 
+HOOKS = str(Path(__file__).parent) + os.sep
+"""ddplab's code that runs inside the script's calls (its hooks, wrappers): not the user's."""
+
+
 def _users_traceback(e: BaseException, tb: Any) -> str:
     """The traceback as the user's code made it: without the frames of ddplab's hooks inside it
     (an error raised in ``loss.backward()`` passes through the observed backward)."""
@@ -222,10 +226,6 @@ def _users_traceback(e: BaseException, tb: Any) -> str:
         t.stack = traceback.StackSummary.from_list(kept)
         todo += [c for c in (t.__cause__, t.__context__) if c is not None]
     return "".join(te.format())
-
-
-HOOKS = str(Path(__file__).parent) + os.sep
-"""ddplab's code that runs inside the script's calls (its hooks, wrappers): not the user's."""
 
 
 def _ours(filename: str) -> bool:
