@@ -57,3 +57,14 @@ def test_slower_and_an_accuracy_change_are_said():
     rows = with_ratios([row("a", 1000, 990, 1010), row("b", 700, 690, 710, accuracy=0.90)], "a")
     assert judge(rows, "a").lines == ["b is 0.70x a, slower (range 0.68-0.72) over 3 repeat(s); "
                                       "accuracy -0.050."]
+
+
+def test_the_repeats_counted_are_those_behind_the_median():
+    """A repeat that diverged (nan) or logged nothing is left out of the median: the line does
+    not claim it among the repeats compared."""
+    import dataclasses
+
+    b = dataclasses.replace(row("b", 1200, 1180, 1230, runs=4), not_finite=1)
+    c = dataclasses.replace(row("c", 1210, 1190, 1240, runs=4, failed=1), unlogged=1)
+    v = judge(with_ratios([row("a", 1000, 980, 1020), b, c], "a"), "a")
+    assert "over 3 repeat(s)" in v.lines[0] and "over 2 repeat(s)" in v.lines[1]

@@ -114,7 +114,9 @@ def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict
         _warn(v, row, base)
         if base is None or row is base or not row.measured:
             continue
-        repeats = f"over {row.runs - row.failed} repeat(s){_accuracy(row, base)}."
+        # the repeats behind the median: not those that failed, logged nothing, or diverged
+        compared = row.runs - row.failed - row.unlogged - row.not_finite
+        repeats = f"over {compared} repeat(s){_accuracy(row, base)}."
         if throughput and row.speedup is not None:
             v.lines.append(f"{row.variant} is {row.speedup:.2f}x {baseline}, "
                            f"{_compare(row, base)} {repeats}")
