@@ -318,7 +318,8 @@ def test_ranks_their_supervisors_stopped_are_no_cause_of_their_own(tmp_path):
                                       text=True))
     for r, proc in enumerate(procs):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
-        stopped_path(tmp_path, r).write_text("the launcher is gone (...): the script was stopped")
+        stopped_path(tmp_path, r).write_text(
+            "terminated by SIGTERM: the launcher is gone (...): the script was stopped")
         proc.terminate()
         assert proc.wait(timeout=30) == -signal.SIGTERM
     endings = Watch(tmp_path, hang_after_s=300.0, host="h").endings()

@@ -1105,7 +1105,9 @@ def _read_experiment(p: Path) -> dict[str, Any]:
     if not is_script(p):
         return read_yaml_file(p)
     name = re.sub(r"[^A-Za-z0-9._-]", "-", p.stem).lstrip("._-")[:100] or "script"
-    return {"name": name, "script": {"path": str(p.resolve())}}
+    # absolute, its symbolic links kept: the script's __file__ is the path it was given, as
+    # under python (files it reads beside itself are beside the link)
+    return {"name": name, "script": {"path": str(p.absolute())}}
 
 
 def check_compiles(file: Path, what: str) -> None:
@@ -1114,7 +1116,8 @@ def check_compiles(file: Path, what: str) -> None:
     try:
         compile(file.read_bytes(), str(file), "exec")
     except SyntaxError as e:
-        raise ConfigError(f"{what} does not compile: {e.msg} at line {e.lineno}") from None
+        at = f" at line {e.lineno}" if e.lineno else ""
+        raise ConfigError(f"{what} does not compile: {e.msg}{at}") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{what} cannot be read ({e})") from None
 
@@ -1135,8 +1138,10 @@ def _with_script(cfg: ExperimentConfig, path: str | Path | None,
     if not script.name.endswith(".py"):
         raise ConfigError(f"{source}: script.path: got {s.path!r}; a Python file (.py)")
     if not script.is_file():
+        if is_script(path):  # the script itself given, no experiment file
+            raise ConfigError(f"{path}: script not found")
         raise ConfigError(f"{source}: script.path: {str(script)!r} not found (relative paths "
                           "are relative to the experiment file)")
     check_compiles(script, f"{source}: script {script}")
     return dataclasses.replace(cfg, script=dataclasses.replace(
-        s, path=str(script.resolve()), args=[*s.args, *(script_args or [])]))
+        s, path=str(script.absolute()), args=[*s.args, *(script_args or [])]))

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from ..poll import poll
+from ..subprocs import python_m
 from ..tracking import life
 
 GRACE_S = 20.0
@@ -33,7 +34,7 @@ Python's "ResourceWarning: subprocess N is still running" on the failed rank's c
 def start(uri: str, run_id: str, why: str, grace_s: float) -> None:
     """Leave the watcher running and return at once."""
     WATCHERS.append(subprocess.Popen(
-        [sys.executable, "-m", "ddplab.agent.orphan", uri, run_id, why[:500], "--grace",
+        [*python_m("ddplab.agent.orphan"), uri, run_id, why[:500], "--grace",
          str(grace_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
         start_new_session=True))
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from ..subprocs import python_m
 
 #: ``python -m ddplab.agent``: the module a node's agent runs as.
 MODULE = "ddplab.agent"
@@ -61,7 +62,7 @@ class Args:
     """dist.hang_after_s: a rank's heartbeat older than this is a hang (0: off)."""
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", MODULE, "--timeout", str(self.timeout_s),
+        return [*python_m(MODULE), "--timeout", str(self.timeout_s),
                 "--system-interval", str(self.system_interval_s), "--node", self.node,
                 "--uri", self.uri, "--world-size", str(self.world_size),
                 "--hang-after-s", str(self.hang_after_s)]

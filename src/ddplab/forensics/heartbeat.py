@@ -63,8 +63,9 @@ def fifo_path(directory: Path, rank: int) -> Path:
 
 
 def stopped_path(directory: Path, rank: int) -> Path:
-    """Written by a rank's supervisor (script mode) before it stops the script for a reason of
-    its own (the launcher gone): the watch then knows that death for a consequence."""
+    """How a rank's script ended, in the words its supervisor (script mode) writes here when the
+    heartbeat cannot say: stopped by it ("terminated by SIGTERM: ..."; the watch then knows that
+    death for a consequence), or gone by itself before its script's end (``os._exit``)."""
     return directory / f"rank-{rank}.stopped.txt"
 
 

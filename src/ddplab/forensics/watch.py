@@ -188,9 +188,9 @@ class Watch:
         if b.phase == "done":
             return Ending(b.rank, b.step, b.phase, b.time, "done", "", self.host)
         why = _read(stopped_path(self.directory, b.rank))
-        if why:  # its supervisor stopped it (SIGTERM): a consequence, never the cause
-            return Ending(b.rank, b.step, b.phase, b.time, "failed",
-                          f"terminated by SIGTERM: {why}", self.host)
+        if why:  # how its supervisor saw it end: stopped by it (SIGTERM: a consequence, never
+            # the cause), or gone before its script's end by itself (os._exit: a cause)
+            return Ending(b.rank, b.step, b.phase, b.time, "failed", why, self.host)
         path = crash_path(self.directory, b.rank)
         crash = _read(path)
         when = b.time  # a silent death: its last heartbeat; a dump: when it was written

@@ -135,10 +135,16 @@ def main(argv: list[str]) -> int:
     script: Path | str
     if argv[0] == "-m":  # python -m: sys.path[0] the current directory, argv[0] the module's file
         script, argv = argv[1], argv[1:]
-        sys.path[0] = os.getcwd()
-    else:
+        first = os.getcwd()
+    else:  # python SCRIPT: sys.path[0] the directory of the file a symbolic link points to
         script = Path(argv[0])
-        sys.path[0] = str(script.parent)
+        first = os.path.dirname(os.path.realpath(script))
+    # Started with -P (subprocs.python_m): the current directory is not on sys.path, whose first
+    # entry is the standard library's, kept.
+    if sys.flags.safe_path:
+        sys.path.insert(0, first)
+    else:
+        sys.path[0] = first
     sys.argv = [str(script), *argv[1:]]
     _ccl_stand_in()
     _stacks_on_request()
@@ -147,7 +153,10 @@ def main(argv: list[str]) -> int:
     after_import("torch", lambda _: watching.append(_watch_torch()))
     mlflow_join.install()
     try:
-        return _run(script)
+        code = _run(script)
+        # The script returned (its supervisor tells this from os._exit: no such line).
+        _report({"returned": code, **({} if code else {"t": time.time()})})
+        return code
     finally:
         for watcher in watching:
             if watcher is not None:
@@ -180,8 +189,9 @@ def _run(script: Path | str) -> int:
             runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code &= 0xFF  # the exit status the process ends with: sys.exit(256) succeeds, -1 is 255
         if code:
-            _report({"exception": f"SystemExit: {e.code}"})
+            _report({"exception": f"SystemExit: {e.code}", "t": time.time()})
             if not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
             heartbeat.failed(f"SystemExit: {e.code}")
@@ -198,13 +208,28 @@ def _run(script: Path | str) -> int:
         while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
         text = _users_traceback(e, tb or e.__traceback__)
-        last = (traceback.format_exception_only(type(e), e)[-1]).strip()
-        _report({"exception": last[:500], "traceback": text[-8000:], "t": time.time()})
-        heartbeat.failed(last[:500])
+        last = one_line(e)[:500]
+        _report({"exception": last, "traceback": text[-8000:], "t": time.time()})
+        heartbeat.failed(last)
         sys.stderr.write(text)
         return 130 if isinstance(e, KeyboardInterrupt) else 1
     heartbeat.beat("done")
     return 0
+
+
+def one_line(e: BaseException) -> str:
+    """The failure in one line, for the run's error and the console's verdict (the whole of it
+    is in the traceback): a message of several lines read as one; one that holds a traceback of
+    its own (torch's DataLoader worker: "Caught ValueError in DataLoader worker process 0.",
+    the worker's traceback, "ValueError: bad sample 5") its first line and the error it ends
+    with, the cause."""
+    parts = traceback.format_exception_only(type(e), e)
+    notes = len(getattr(e, "__notes__", None) or ())  # (each one a part after the error's)
+    lines = [ln.strip() for ln in parts[-1 - notes].splitlines() if ln.strip()]
+    if len(lines) > 1 and any(ln.startswith("Traceback (most recent call last)") or
+                              ln.startswith("Original Traceback") for ln in lines):
+        return f"{lines[0]} ... {lines[-1]}"
+    return " ".join(lines)
 
 
 HOOKS = str(Path(__file__).parent) + os.sep

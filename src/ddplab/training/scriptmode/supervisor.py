@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -20,9 +21,11 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +42,7 @@ from ...files import write_text_atomic
 from ...forensics.heartbeat import hang_path, stack_path, stopped_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
+from ...subprocs import python_m
 from ...tracking import capsule, schema, spool
 from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
 from .figures import Figures, figures
@@ -98,9 +102,11 @@ class Tail:
     limit: int
     kept: bytearray = field(default_factory=bytearray)
     total: int = 0
+    last_read: float = 0.0  # time.monotonic() of the last bytes
 
     def pump(self, pipe: Any) -> None:
         for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
+            self.last_read = time.monotonic()
             self.total += len(chunk)
             with contextlib.suppress(OSError, ValueError):
                 self.out.write(chunk)
@@ -297,6 +303,8 @@ class Script:
         # A resumed attempt's records continue the run's step axis after the earlier attempt's
         # (its observation counts from 1 again; a metric's value is the one at its highest step).
         self.step_offset = max(run.logged_through, run.last_step) + 1
+        self.exited_at = 0.0  # when the script's process ended (time.time())
+        self.stopped_why = f"{PEER_FAILED}: its supervisor stopped the script"
 
     def env(self) -> dict[str, str]:
         le, s = self.le, self.cfg.script
@@ -353,7 +361,7 @@ class Script:
         s = self.cfg.script
         target = ["-m", s.module] if s.module else [str(self.file)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddplab.training.scriptmode.child", *target, *s.argv()],
+            [*python_m("ddplab.training.scriptmode.child"), *target, *s.argv()],
             env=self.env(), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
         pumps = [threading.Thread(target=t.pump, args=(p,), daemon=True)
@@ -365,6 +373,7 @@ class Script:
 
         def reap() -> None:
             proc.wait()
+            self.exited_at = time.time()
             ended.set()
 
         threading.Thread(target=reap, daemon=True).start()
@@ -378,10 +387,14 @@ class Script:
                     self._stacks(proc)
                     proc.terminate()
         except BaseException as e:
-            stopped = type(e).__name__
-            if isinstance(e, LauncherGone) and self.forensics is not None:
-                with contextlib.suppress(OSError):  # (the verdict: no rank's death its cause)
-                    stopped_path(self.forensics, self.le.rank).write_text(str(e))
+            # A script that had ended by itself when the launcher's signal came (argparse's
+            # refusal on every rank: torchrun stops the rest once the first one exits) ended its
+            # own way; Ctrl-C is the user's stop, whoever ended first.
+            stopped = "" if ended.is_set() and not isinstance(e, KeyboardInterrupt) and \
+                not stopped else stopped or type(e).__name__
+            self.stopped_why = str(e) if isinstance(e, LauncherGone) else \
+                "interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
+                "its launcher stopped the job"
             # Ctrl-C reached the script too (the terminal signals the whole process group):
             # it gets time to stop by itself before SIGTERM. Anything else is passed on.
             interrupted = isinstance(e, KeyboardInterrupt)
@@ -429,16 +442,43 @@ class Script:
         # cut this rank's report short: its ending would read "ended without reporting" (seen in
         # CI). Held until the report is made, then raised as ever.
         with self.signals.held():
-            for p in pumps:
-                p.join(timeout=10)
+            self._drain(pumps, [p for p in (proc.stdout, proc.stderr) if p is not None])
             for pipe in (proc.stdout, proc.stderr):
                 if pipe is not None:
                     pipe.close()
             self.wall_s = time.time() - self.t0
             outcome = self.outcome(proc.returncode, stopped)
+            self._say_ending(outcome)
             self._keep_logs()
             self.meeting.report(outcome)
         return outcome
+
+    def _drain(self, pumps: list[threading.Thread], pipes: list[Any], limit_s: float = 10.0,
+               quiet_s: float = 0.5) -> None:
+        """The script's last output through, up to EOF; but a process the script started and
+        left running (``Popen(["sleep", "60"])``) holds the pipes open: once nothing is left
+        to read and nothing came for ``quiet_s`` the rest is not waited for (plain torchrun
+        does not wait for it either), nor beyond ``limit_s``."""
+        start = time.monotonic()
+        while any(p.is_alive() for p in pumps) and time.monotonic() < start + limit_s:
+            last = max(start, *(t.last_read for t in self.tails))
+            if time.monotonic() - last > quiet_s and not any(_unread(p) for p in pipes):
+                return
+            for p in pumps:
+                p.join(timeout=0.05)
+
+    def _say_ending(self, out: dict[str, Any]) -> None:
+        """How the script ended, for the node's hang watch (forensics/watch.py), which sees only
+        heartbeats: a script this supervisor stopped, or one that left without ending its
+        script (``os._exit``), did not die outright of a signal nobody sent."""
+        why = ""
+        if out["stopped"] and out["stopped"] != HUNG and out["code"] < 0:
+            why = f"terminated by {signal.Signals(-out['code']).name}: {self.stopped_why}"
+        elif out.get("left"):
+            why = out["why"]
+        if why and self.forensics is not None:
+            with contextlib.suppress(OSError):
+                stopped_path(self.forensics, self.le.rank).write_text(why)
 
     def observed(self) -> dict[str, Any]:
         try:
@@ -461,14 +501,19 @@ class Script:
         if stopped == PEER_FAILED and code != -signal.SIGTERM and (code < 0 or "exception" in seen):
             stopped = ""  # it failed by itself just before our SIGTERM reached it
         out: dict[str, Any] = {"rank": self.le.rank, "host": socket.gethostname(), "code": code,
-                               "t": seen.get("t", time.time()), "failed": code != 0,
-                               "stopped": stopped,
+                               "t": seen.get("t") or self.exited_at or time.time(),
+                               "failed": code != 0, "stopped": stopped,
                                "observed": {k: v for k, v in seen.items() if k != "traceback"}}
         hang = self.hang()
         if code == -signal.SIGKILL and hang:
             out.update(why=f"stopped by ddplab's hang watch: {hang}", stopped=HUNG)
         elif code < 0:
             out["why"] = f"killed by {signal.Signals(-code).name}"
+        elif "returned" not in seen and not stopped:
+            # The process ended without the script returning (os._exit, a library's exit()):
+            # not at the script's end, whatever its code.
+            out.update(left=True, why=f"exited {code} before the script's end (os._exit, or a "
+                                      "library's exit())")
         elif code:
             out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
         out["traceback"] = seen.get("traceback", "")[-6000:]
@@ -516,6 +561,14 @@ def _innermost(stack: str, script: Path, last_first: bool, own: bool = False) ->
         return ""
     file, line, func = mine[0]
     return f"{Path(file).name}:{line} in {func}"
+
+
+def _unread(pipe: Any) -> int:
+    """Bytes waiting in a pipe (0 once it is closed)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+    except (OSError, ValueError):
+        return 0
 
 
 def _free_port() -> int:
@@ -635,10 +688,13 @@ def _secondary(o: dict[str, Any]) -> bool:
 def _left_early(outcomes: dict[int, dict[str, Any]], first: dict[str, Any]
                 ) -> dict[str, Any] | None:
     """A rank whose script exited 0 before ``first`` failed only of a consequence (a peer's
-    closed connection): the rank that left is the cause, not the one left waiting."""
+    closed connection), or left without its script's end (``os._exit(0)``, whose exit closes
+    its connections before its supervisor can tell the time): the rank that left is the
+    cause, not the one left waiting."""
     if not _secondary(first):
         return None
-    early = [o for o in outcomes.values() if not o["failed"] and o["t"] <= first["t"]]
+    early = [o for o in outcomes.values()
+             if not o["failed"] and (o.get("left") or o["t"] <= first["t"])]
     return min(early, key=lambda o: o["t"]) if early else None
 
 
@@ -679,7 +735,7 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
     if signal_e is None and not missing and all(not o["failed"] for o in outcomes.values()):
         return None
     if isinstance(signal_e, KeyboardInterrupt):
-        return ScriptStopped("interrupted (SIGINT / Ctrl-C)")
+        return ScriptStopped("interrupted (SIGINT / Ctrl-C)", code=-signal.SIGINT)  # exit 130
     if missing:
         return ScriptFailed(f"the job failed: rank(s) {','.join(map(str, missing))} ended without "
                             "reporting (the rank's process killed outright: SIGKILL, the OOM "

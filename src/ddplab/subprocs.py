@@ -1,0 +1,15 @@
+"""How ddplab starts a Python module of its own in a new process (a rank's script under its
+supervisor, a node's delivery process, an orphaned run's watcher)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def python_m(module: str) -> list[str]:
+    """``python -P -m MODULE``: without ``-P`` (Python 3.11+), ``-m`` puts the current directory
+    first on ``sys.path``, and a user's ``random.py`` or ``json.py`` there (a stray file beside
+    their data) is imported instead of the standard library's, breaking ddplab's own process
+    where ``python train.py`` would never see it."""
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe, "-m", module]
