@@ -268,11 +268,104 @@ def test_a_failed_script_ends_ddplab_with_its_own_exit_code(tmp_path, store, end
 
 @pytest.mark.e2e
 def test_a_script_whose_process_trains_nothing_says_so_at_its_end(tmp_path, store):
-    """An mp.spawn script's ranks are not observed: its run had no figure and no word why."""
+    """An mp.spawn script's ranks are not observed: its run had no figure and no word why. (A
+    script that only prints, ``--help``, gets no such note.)"""
     script = tmp_path / "spawns.py"
-    script.write_text("print('my ranks would train in processes of their own')\n")
+    script.write_text("import torch.multiprocessing as mp\n\n\ndef rank(i):\n"
+                      "    print('rank', i, 'would train here')\n\n\n"
+                      "if __name__ == '__main__':\n    mp.spawn(rank, nprocs=1)\n")
     out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
                  job_env(store))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "no training seen in the script's process" in out.stdout + out.stderr
     assert "(torch.multiprocessing.spawn) are not observed" in out.stdout + out.stderr
+
+
+LEAVES = '''
+import os, sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(20):
+    if sys.argv[1] == "os-exit" and rank == 0 and step == 2:
+        os._exit(0)  # leaves mid-training; its peer waits in the next all-reduce
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    time.sleep(0.2)
+'''
+
+
+@pytest.mark.e2e
+def test_a_rank_that_leaves_by_os_exit_is_the_cause_not_the_peer_it_left(tmp_path, store):
+    """Rank 0 ``os._exit(0)`` mid-training: the run blamed rank 1's "Connection reset by peer"
+    (a consequence), and the forensics line said rank 0 "died outright (SIGKILL, or the OOM
+    killer)" though nothing killed it."""
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES)
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
+                  "os-exit"], tmp_path, job_env(store), nproc=2)
+    assert out.returncode != 0
+    said = out.stdout + out.stderr
+    assert "rank 0 (host" in said and "exited 0 before the job ended" in said, said[-3000:]
+    assert "exited 0 before the script's end (os._exit" in said, said[-3000:]
+    assert "died outright" not in said, said[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FAILED" and "rank 0" in run.data.tags["ddplab.error"]
+
+
+@pytest.mark.e2e
+def test_a_refusal_on_every_rank_names_every_rank(tmp_path, store):
+    """argparse refuses an argument on both ranks; torchrun stops rank 0's supervisor once
+    rank 1 exited, after rank 0's script had exited 2 by itself: it read "stopped", and the
+    verdict named rank 1 alone."""
+    script = tmp_path / "args.py"
+    script.write_text("import argparse\np = argparse.ArgumentParser()\n"
+                      "p.add_argument('--epochs', type=int)\np.parse_args()\n")
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
+                  "--epochs", "x"], tmp_path, job_env(store), nproc=2)
+    assert out.returncode != 0
+    assert "the script failed on ranks 0,1 (host" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_process_the_script_leaves_running_does_not_hold_the_job(tmp_path, store):
+    """A helper the script started and left running holds the script's stdout: the job waited
+    10 s a pipe for it (plain python does not wait at all)."""
+    script = tmp_path / "leaves_a_helper.py"
+    script.write_text("import subprocess\np = subprocess.Popen(['sleep', '60'])\n"
+                      "print('helper', p.pid, flush=True)\n")
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
+                 job_env(store))
+    pid = int(re.search(r"helper (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
+    try:
+        assert out.returncode == 0, out.stderr[-3000:]
+        with open(f"/proc/{pid}/stat") as stat:  # the job ended while its helper ran on
+            assert stat.read().split()[2] != "Z"
+        (run,) = runs(store)
+        assert run.data.metrics["perf/wall_s"] < 8  # (it was 10 s more than the script's)
+    finally:
+        subprocess.run(["kill", str(pid)], check=False)
+
+
+@pytest.mark.e2e
+def test_a_stray_module_in_the_current_directory_and_a_symlinked_script(tmp_path, store):
+    """``random.py`` in the current directory was imported by ddplab's own processes (``-m``
+    puts the current directory first), ending the job; plain python never sees it. And the
+    script's ``__file__`` was the symlink's target: files beside the link were not found."""
+    work, real = tmp_path / "work", tmp_path / "real"
+    work.mkdir()
+    real.mkdir()
+    (work / "random.py").write_text("raise SystemExit('the stray random.py was imported')\n")
+    (work / "data.txt").write_text("beside the link\n")
+    (real / "train.py").write_text(
+        "import os, random\nhere = os.path.dirname(__file__)\n"
+        "print('FILE', __file__, open(os.path.join(here, 'data.txt')).read().strip())\n")
+    (work / "train.py").symlink_to(real / "train.py")
+    out = ddplab(["train", "train.py", "--set", f"checkpoint.dir={tmp_path / 'ck'}"], work,
+                 job_env(store), nproc=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"FILE {work / 'train.py'} beside the link" in out.stdout, out.stdout[-2000:]

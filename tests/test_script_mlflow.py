@@ -40,6 +40,12 @@ with start_run(run_name="my run") as run:
         assert child.info.run_id == job, "a nested run"
         mlflow.log_metric("quick/nested_acc", 0.9)
     mlflow.log_metric("quick/loss", 0.25, step=1)
+    # Each rank's own value of one key (plain torchrun: a run per rank), a key of ddplab's own
+    # config, a rename through a tag: the script goes on, every value kept, ddplab's name too.
+    mlflow.log_param("local_rank", rank)
+    mlflow.log_params({"name": "my-name"})
+    if rank == 0:
+        mlflow.set_tag("mlflow.runName", "renamed by a tag")
 assert mlflow.active_run() is None and os.environ.get("MLFLOW_RUN_ID") == job, "run id forgotten"
 mlflow.end_run()  # nothing active: nothing happens
 assert exp.experiment_id == mlflow.get_run(job).info.experiment_id, "set_experiment moved away"
@@ -56,6 +62,13 @@ acc.init_trackers("acc-project", config={"acc_batch": 8})
 acc.log({"acc/loss": 0.75}, step=1)
 acc.end_training()  # ends its tracker, and destroys the process group
 assert mlflow.MlflowClient().get_run(job).info.status == "RUNNING", "a library ended the job's run"
+
+if rank == 0:  # a store of the script's own: a new run there, as under plain torchrun
+    mlflow.set_tracking_uri("sqlite:///" + os.path.join(tempfile.mkdtemp(), "other.db"))
+    mlflow.set_experiment("elsewhere")
+    with mlflow.start_run(run_name="elsewhere-run"):
+        mlflow.log_metric("x", 1.0)
+    print("OTHER_STORE", mlflow.get_tracking_uri(), flush=True)
 '''
 
 # A Lightning script as its docs write one: Trainer + MLFlowLogger, one logger into the job's
@@ -167,6 +180,29 @@ def test_mlflow_quickstart_with_set_experiment_and_nested_runs_joins_the_jobs_ru
     # rank 0 says it once; set_experiment made no experiment of that name
     assert res.stderr.count("mlflow.set_experiment('my-experiment') keeps the job's run") == 1
     assert client.get_experiment_by_name("my-experiment") is None
+
+
+@pytest.mark.e2e
+def test_clashing_params_are_kept_apart_and_a_store_of_the_scripts_own_gets_its_run(patterns_job):
+    """MLflow refuses a param's second value: each rank's own ``local_rank`` (or a nested
+    run's ``lr``) in the one run ended the script with MlflowException, and so did a key of
+    ddplab's own config (``name``); a store the script chose itself crashed on the job's run
+    id; a ``mlflow.runName`` tag renamed the job's run."""
+    from mlflow import MlflowClient
+
+    res, found, store = patterns_job
+    run = _one_finished_run(res, found)
+    params, tags = run.data.params, run.data.tags
+    assert {params["local_rank"], params["local_rank.2"]} == {"0", "1"}, params
+    assert params["name"] == "my-name" and params["ddplab.name"] == "patterns"
+    assert "param 'local_rank' was logged to the job's run already" in res.stderr
+    assert run.info.run_name == "patterns script 1n x 2r torchrun"
+    assert "renamed by a tag" in json.loads(tags["ddplab.script_run_names"])
+    uri = next(ln.split()[1] for ln in res.stdout.splitlines() if "OTHER_STORE" in ln)
+    other = MlflowClient(uri)
+    (elsewhere,) = other.search_runs([other.get_experiment_by_name("elsewhere").experiment_id])
+    assert elsewhere.info.run_name == "elsewhere-run" and elsewhere.data.metrics == {"x": 1.0}
+    assert elsewhere.data.tags["ddplab.job_run_id"] == run.info.run_id
 
 
 @pytest.mark.e2e

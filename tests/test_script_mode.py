@@ -92,7 +92,7 @@ def test_a_script_section_is_relative_to_the_experiment_file(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "{d}/missing.py"], "missing.py' not found"),
+    (["train", "{d}/missing.py"], "missing.py: script not found"),
     (["train", "{d}/broken.py"], "does not compile: '(' was never closed at line 1"),
     (["train", "{d}/exp.yaml", "--", "--epochs", "3"], "arguments after `--` are for a script"),
     (["train", "{d}/ok.py", "--set", "script.flags.--lr=1"], "script.flags.--lr"),

@@ -95,6 +95,7 @@ def _observe(dist: Any) -> None:
         return call
 
     dist.init_process_group = init_process_group
+    _spawns_seen()
     # DDP's constructor broadcasts rank 0's parameters (in C++, past the wrappers below): for
     # most scripts that IS the first collective.
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -103,6 +104,26 @@ def _observe(dist: Any) -> None:
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, timed(getattr(dist, name)))
+
+
+def _spawns_seen() -> None:
+    """``torch.multiprocessing.spawn`` (and Lightning's ddp_spawn, through it): the ranks it
+    starts train in processes of their own, which the observation does not see; the run says
+    so when it saw no training."""
+    import functools
+
+    import torch.multiprocessing as mp
+
+    module = sys.modules["torch.multiprocessing.spawn"]
+    start = module.start_processes
+
+    @functools.wraps(start)
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        _report({"spawned": True})
+        return start(*args, **kwargs)
+
+    module.start_processes = start_processes
+    cast(Any, mp).start_processes = start_processes
 
 
 def _stacks_on_request() -> None:

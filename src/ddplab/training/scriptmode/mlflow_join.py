@@ -113,8 +113,10 @@ def _caller_library() -> str:
     return "the script"
 
 
-def _say(line: str) -> None:
-    if _job is None or not _job.rank0 or line in _job.said:
+def _say(line: str, any_rank: bool = False) -> None:
+    """One line on stderr, once: rank 0's (the others' would repeat it), or whichever rank it
+    concerns (``any_rank``)."""
+    if _job is None or not (_job.rank0 or any_rank) or line in _job.said:
         return
     _job.said.add(line)
     with contextlib.suppress(OSError, ValueError):
@@ -207,6 +209,7 @@ def _patch_client(module: ModuleType) -> None:
     _patched.add(CLIENT)
     cls = module.MlflowClient
     create_run, set_terminated, update_run = cls.create_run, cls.set_terminated, cls.update_run
+    log_param, log_batch, set_tag = cls.log_param, cls.log_batch, cls.set_tag
 
     def joined(self: Any) -> bool:
         return _job is not None and _same_store(self.tracking_uri)
@@ -248,9 +251,83 @@ def _patch_client(module: ModuleType) -> None:
             _record(self, {}, run_name=name)
         return None
 
+    def ours(self: Any, run_id: str) -> bool:
+        return _job is not None and run_id == _job.run_id and _same_store(self.tracking_uri)
+
+    def log_param_joined(self: Any, run_id: str, key: str, value: Any,
+                         synchronous: bool | None = None) -> Any:
+        if not ours(self, run_id):
+            return log_param(self, run_id, key, value, synchronous=synchronous)
+        from mlflow.entities import Param
+
+        sent = _unclashed(self, [Param(str(key), str(value))],
+                          lambda ps: log_batch(self, run_id, params=ps, synchronous=synchronous))
+        return sent if synchronous is False else str(value)  # as MLflow's: its operations
+
+    def log_batch_joined(self: Any, run_id: str, metrics: Any = (), params: Any = (),
+                         tags: Any = (), synchronous: bool | None = None) -> Any:
+        if not ours(self, run_id):
+            return log_batch(self, run_id, metrics, params, tags, synchronous=synchronous)
+        tags = list(tags or ())
+        names = [t.value for t in tags if t.key == "mlflow.runName"]
+        if names:  # the job's run keeps ddplab's name: the script's becomes a tag
+            _record(self, {}, run_name=str(names[-1]))
+            tags = [t for t in tags if t.key != "mlflow.runName"]
+        sent = None
+        if params:
+            sent = _unclashed(self, list(params), lambda ps: log_batch(
+                self, run_id, params=ps, synchronous=synchronous))
+        if metrics or tags or not params:
+            sent = log_batch(self, run_id, metrics, (), tags, synchronous=synchronous)
+        return sent
+
+    def set_tag_joined(self: Any, run_id: str, key: str, value: Any, *args: Any,
+                       **kwargs: Any) -> Any:
+        if key == "mlflow.runName" and ours(self, run_id):
+            _record(self, {}, run_name=str(value))
+            return None
+        return set_tag(self, run_id, key, value, *args, **kwargs)
+
     _swap(cls, create_run, create_run_joined)
     _swap(cls, set_terminated, set_terminated_joined)
     _swap(cls, update_run, update_run_joined)
+    _swap(cls, log_param, log_param_joined)
+    _swap(cls, log_batch, log_batch_joined)
+    _swap(cls, set_tag, set_tag_joined)
+
+
+CLASH = ("ddplab: param {key!r} was logged to the job's run already with another value (the job's "
+         "one run holds every rank's and every nested run's records; MLflow keeps a param's "
+         "first value): {value!r} kept as {kept!r}")
+
+
+def _unclashed(client: Any, params: list[Any], send: Callable[[list[Any]], Any]) -> Any:
+    """The script's params sent to the job's run, each one whose key holds another value there
+    already (another rank's ``local_rank``, a nested run's ``lr``, a key of ddplab's) under
+    ``KEY.2``, ``KEY.3``... instead, said once per key: where plain torchrun made a run per rank
+    or per nested run, MLflow would refuse the change and end the script. A rank racing
+    another's same key is retried once with what the run holds then."""
+    from mlflow.entities import Param
+
+    assert _job is not None
+    for attempt in range(2):
+        held = dict(client.get_run(_job.run_id).data.params)
+        kept: list[Any] = []
+        for p in params:
+            key, value, n = str(p.key), str(p.value), 1
+            while key in held and held[key] != value:
+                n += 1
+                key = f"{p.key}.{n}"
+            if key != p.key:
+                _say(CLASH.format(key=p.key, value=value[:100], kept=key), any_rank=True)
+            held[key] = value
+            kept.append(Param(key, value))
+        try:
+            return send(kept)
+        except Exception:  # MLflow's refusal, or a store's unique key another rank took first
+            if attempt:
+                raise
+    return None
 
 
 # ---- the fluent API (mlflow.start_run, ...) ----
@@ -300,7 +377,10 @@ def _patch_fluent(fluent: ModuleType) -> None:
                 a.get("parent_run_id") not in (None, "", _job.run_id) or \
                 (active and active[-1].info.run_id != _job.run_id) or \
                 not _same_store(store_uri()):
-            return start_run(*args, **kwargs)  # another run: MLflow's own behaviour
+            if a.get("run_id") or _same_store(store_uri()):
+                return start_run(*args, **kwargs)  # another run: MLflow's own behaviour
+            with _job_run_unset():  # (MLflow would resume the job's run id in that store)
+                return start_run(*args, **kwargs)
         client = fluent.MlflowClient()
         own, name, note = _script_tags(a.get("tags"))
         if a.get("description") or note:
@@ -327,6 +407,18 @@ def _patch_fluent(fluent: ModuleType) -> None:
         _swap(fluent, old, new)
         if package is not None and getattr(package, name, None) is old:
             setattr(package, name, new)
+
+
+@contextlib.contextmanager
+def _job_run_unset() -> Any:
+    """MLFLOW_RUN_ID out of the environment meanwhile: a run the script starts in another
+    store is a new run there, as under plain torchrun."""
+    value = os.environ.pop("MLFLOW_RUN_ID", None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ["MLFLOW_RUN_ID"] = value
 
 
 def _swap(owner: Any, old: Any, new: Any) -> None:

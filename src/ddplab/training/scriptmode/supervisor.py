@@ -647,7 +647,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                     raise failed  # its line, not "done in" (the figures are in the run)
                 if seen.line:
                     console.say(seen.line)
-                elif cfg.script.observe:
+                elif cfg.script.observe and _trains_likely(everyone, script.wall_s):
                     console.say("no training seen in the script's process (no optimizer step "
                                 "after a forward or backward): ranks it starts itself "
                                 "(torch.multiprocessing.spawn) are not observed; torchrun "
@@ -662,6 +662,14 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
             (script.run_dir / FINISHED_MARK).write_text(run.run_id)
     say_last(where(run), le.is_rank0)
     return run.run_id
+
+
+def _trains_likely(outcomes: dict[int, dict[str, Any]], wall_s: float) -> bool:
+    """Whether a script with no training seen looks like one that trained (it made a process
+    group, started processes with torch.multiprocessing.spawn, or ran a minute): the note on
+    what is not observed is for it, not for ``--help``."""
+    seen = outcomes.get(0, {}).get("observed", {})
+    return "backend" in seen or bool(seen.get("spawned")) or wall_s >= 60
 
 
 def _summary(path: str, run: tracking.NullTracker, script: Script, outcomes: dict[int, dict[str, Any]],
@@ -772,7 +780,9 @@ def _record_start(run: tracking.NullTracker, cfg: config.ExperimentConfig, le: L
             "dist": {"threads_per_rank": cfg.dist.threads_per_rank,
                      "timeout_s": cfg.dist.timeout_s},
             "tracking": cfg.to_dict()["tracking"], "checkpoint": cfg.to_dict()["checkpoint"]}
-    run.log_params(config.flatten(kept))
+    # Under ddplab.: a script's own params (argparse's --name, Lightning's hyperparameters) are
+    # the plain names, which MLflow lets one value each.
+    run.log_params({f"ddplab.{k}": v for k, v in config.flatten(kept).items()})
     run.log_text(yaml.safe_dump(kept, sort_keys=False), "config.yaml")
     run.log_text(json.dumps(capsule.build({"launch": le.__dict__}), indent=2, default=str),
                  "environment.json")
