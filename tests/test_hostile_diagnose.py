@@ -310,7 +310,20 @@ def test_a_good_store_still_opens(store, monkeypatch, capsys):
     assert store_problem(store) is None
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     assert cli.main(["diagnose", "0" * 32]) == 2  # no such run: its own line
-    one_line(capsys.readouterr().err, "ddplab: error: run 00000000000000000000000000000000 in")
+    one_line(capsys.readouterr().err, "ddplab: error: run '00000000000000000000000000000000' in")
+    for bad in ("", "my run"):  # not a run id: the input (exit 2), not the store (exit 1)
+        assert cli.main(["diagnose", bad]) == 2
+        one_line(capsys.readouterr().err, f"ddplab: error: run {bad!r} in")
+
+
+def test_a_command_that_reads_a_store_that_is_not_there_makes_none(tmp_path, monkeypatch,
+                                                                    capsys):
+    """A typo in a sqlite path made `ddplab diagnose` create the folder and an empty store."""
+    typo = tmp_path / "typo" / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{typo}")
+    assert cli.main(["diagnose", "0" * 32]) == 2
+    one_line(capsys.readouterr().err, "no tracking store at")
+    assert not typo.parent.exists()
 
 
 def test_diagnose_of_a_studys_parent_lists_its_jobs_that_did_not_finish(store, monkeypatch,

@@ -100,6 +100,7 @@ def test_a_cycle_is_found_even_through_an_import_inside_a_function(tmp_path, laz
 # prefix names a module's room.
 LAYERS = [
     ("ddplab.errors", "ddplab.config", "ddplab.log", "ddplab.poll", "ddplab.files", "ddplab.pages",
+     "ddplab.subprocs",
      "ddplab.logins", "ddplab.credentials", "ddplab.track",
      "ddplab.tracking.schema"),  # the run's vocabulary, stdlib only: every room names tags
     ("ddplab.workload", "ddplab.launchers", "ddplab.launchers.detect", "ddplab.ccl", "ddplab.forensics"),

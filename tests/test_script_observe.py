@@ -176,3 +176,16 @@ def test_on_a_cpu_the_observer_keeps_the_host_clock_until_the_model_is_on_a_fake
     assert obs.marker is not None and len(obs.totals.busy) == 5
     assert obs.totals.busy[-1] == pytest.approx(1.0)  # the device's wait + forward
     assert observer_report(obs)["clock"] == "cuda events"
+
+
+def test_a_straggler_is_named_only_over_enough_steps():
+    """A 3-step run named rank 1 a straggler from the median of two steps' data wait."""
+    from ddplab.training.scriptmode.figures import STRAGGLER_MIN_STEPS, figures
+
+    def outcomes(steps: int) -> dict:
+        return {r: {"host": "h", "observed": {"observe": {
+            "steps": steps, "samples": 8 * steps, "samples_per_s": 100.0, "busy_s": busy}}}
+            for r, busy in ((0, 0.01), (1, 0.08))}
+
+    assert figures(outcomes(3), 1.0).straggler == ""
+    assert figures(outcomes(STRAGGLER_MIN_STEPS), 1.0).straggler.startswith("rank 1 (host h)")

@@ -139,13 +139,18 @@ def recorded_run(run_id: str) -> tuple[Any, Any, str]:
     from ..config import ConfigError
 
     uri = validated_uri()
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # (a command that reads makes no store)
+        raise ConfigError(f"run {run_id}: no tracking store at {uri} ({db} does not exist); set "
+                          "MLFLOW_TRACKING_URI to the store the run is in")
     client = reachable_client(uri)
     try:
         return client, client.get_run(run_id), uri
     except MlflowException as e:
-        missing = getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
-        raise (ConfigError if missing else TrackingError)(
-            f"run {run_id} in {uri}: {str(e).splitlines()[0]}") from None
+        # no such run, or no run id at all ('', 'my run'): the input, not the store
+        bad = getattr(e, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+        raise (ConfigError if bad else TrackingError)(
+            f"run {run_id!r} in {uri}: {str(e).splitlines()[0]}") from None
 
 
 def sqlite_path(uri: str) -> Path | None:

@@ -114,7 +114,7 @@ def _spawns_seen() -> None:
 
     import torch.multiprocessing as mp
 
-    module = sys.modules["torch.multiprocessing.spawn"]
+    module: Any = sys.modules["torch.multiprocessing.spawn"]
     start = module.start_processes
 
     @functools.wraps(start)
@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
         first = os.path.dirname(os.path.realpath(script))
     # Started with -P (subprocs.python_m): the current directory is not on sys.path, whose first
     # entry is the standard library's, kept.
-    if sys.flags.safe_path:
+    if getattr(sys.flags, "safe_path", False):
         sys.path.insert(0, first)
     else:
         sys.path[0] = first

@@ -11,6 +11,10 @@ from typing import Any
 from ...tracking import schema
 from .. import stragglers
 
+STRAGGLER_MIN_STEPS = 10
+"""Steps every rank must have made for a straggler to be named: the median of a few steps'
+data wait and forward (a 3-step smoke test's) is their noise, not a rank's pace."""
+
 
 @dataclass
 class Figures:
@@ -86,7 +90,8 @@ def _mfu(ranks: dict[int, dict[str, Any]], samples_per_s: float
 
 
 def _straggler(ranks: dict[int, dict[str, Any]], outcomes: dict[int, dict[str, Any]]) -> str:
-    if len(ranks) < 2 or sorted(ranks) != list(range(len(ranks))):
+    if len(ranks) < 2 or sorted(ranks) != list(range(len(ranks))) or \
+            min(int(o.get("steps") or 0) for o in ranks.values()) < STRAGGLER_MIN_STEPS:
         return ""
     busy = [float(ranks[r].get("busy_s") or 0.0) for r in range(len(ranks))]
     slow = stragglers.slow(busy)
