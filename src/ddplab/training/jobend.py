@@ -153,7 +153,7 @@ def say_last(line: str, active: bool = True) -> None:
 def where(tracker: tracking.NullTracker, status: str = "FINISHED") -> str:
     """A job's last line: its run, how it ended and where a browser shows it."""
     if not tracker.run_id:
-        return "tracking was off: nothing recorded in MLflow"
+        return "tracking was off: ddplab recorded no run (what your own code logs goes where it sends it)"
     if tracker.left:
         return (f"MLflow run {tracker.run_id} {status}: not all delivered yet (see the warning "
                 "above)")

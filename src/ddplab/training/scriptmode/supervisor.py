@@ -390,11 +390,12 @@ class Script:
             # A script that had ended by itself when the launcher's signal came (argparse's
             # refusal on every rank: torchrun stops the rest once the first one exits) ended its
             # own way; Ctrl-C is the user's stop, whoever ended first.
+            if not stopped:  # (stopped already: a peer had failed, the better reason)
+                self.stopped_why = str(e) if isinstance(e, LauncherGone) else \
+                    "interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
+                    "its launcher stopped the job"
             stopped = "" if ended.is_set() and not isinstance(e, KeyboardInterrupt) and \
                 not stopped else stopped or type(e).__name__
-            self.stopped_why = str(e) if isinstance(e, LauncherGone) else \
-                "interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
-                "its launcher stopped the job"
             # Ctrl-C reached the script too (the terminal signals the whole process group):
             # it gets time to stop by itself before SIGTERM. Anything else is passed on.
             interrupted = isinstance(e, KeyboardInterrupt)
@@ -472,8 +473,9 @@ class Script:
         heartbeats: a script this supervisor stopped, or one that left without ending its
         script (``os._exit``), did not die outright of a signal nobody sent."""
         why = ""
-        if out["stopped"] and out["stopped"] != HUNG and out["code"] < 0:
-            why = f"terminated by {signal.Signals(-out['code']).name}: {self.stopped_why}"
+        if out["stopped"] and out["stopped"] != HUNG:
+            sig = signal.Signals(-out["code"]).name if out["code"] < 0 else "SIGTERM"
+            why = f"terminated by {sig}: {self.stopped_why}"
         elif out.get("left"):
             why = out["why"]
         if why and self.forensics is not None:
