@@ -262,3 +262,19 @@ def test_hf_trainer_report_to_mlflow_logs_its_loss_into_the_jobs_run(patterns_jo
 
     steps = [m.step for m in MlflowClient(store).get_metric_history(run.info.run_id, "loss")]
     assert sorted(steps) == [1, 2, 3, 4]  # rank 0's Trainer logs, once a step
+
+
+@pytest.mark.e2e
+def test_a_script_that_ends_its_run_failed_gets_a_failed_run(tmp_path, store):
+    """``mlflow.end_run(status="FAILED")`` (a script that saw its loss diverge and says so)
+    was dropped: the run read FINISHED. The script's exit code stays its own, 0."""
+    script = tmp_path / "gives_up.py"
+    script.write_text("import mlflow\nmlflow.start_run()\nmlflow.log_metric('loss', float('nan'))\n"
+                      "mlflow.end_run(status='FAILED')\nprint('gave up', flush=True)\n")
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
+                 job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FAILED"
+    assert "mlflow.end_run(status='FAILED')" in run.data.tags["ddplab.error"]
+    assert f"MLflow run {run.info.run_id} FAILED" in out.stdout + out.stderr

@@ -87,7 +87,7 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
     status, error = "FAILED", ""
     try:
         yield run
-        status = "FINISHED"
+        status, error = run.asked or ("FINISHED", "")
     except BaseException as e:
         # The ending begins here. A signal now (torchrun's SIGTERM once a peer died, just as
         # this rank's own collective failed) would cut this block and leave the run FAILED

@@ -57,6 +57,9 @@ class NullTracker:
     import and the first calls to the store)."""
     logged_through: int = -1
     """Steps up to here are already in the run (an earlier attempt's): not logged again."""
+    asked: tuple[str, str] | None = None
+    """The status a job that did not fail ends its run with, and why, where its own code asked
+    for another than FINISHED (a script's ``mlflow.end_run(status="FAILED")``)."""
     last_step: int = -1
     """The highest step of any metric already in the run (opening.Opened.last_step)."""
 

@@ -21,7 +21,6 @@ the book's chapter 9 scripts do) holds as under plain torchrun.
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
@@ -31,10 +30,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from ...ccl.handlers import crash_handlers_kept
-from ...files import write_text_atomic
 from ...forensics import heartbeat
 from . import mlflow_join
-from .env import REPORT_ENV, STACKS_ENV, T0_ENV
+from .env import STACKS_ENV, T0_ENV, report
 from .imports import after_import
 
 STAND_IN = Path(__file__).parent / "stand_in"
@@ -43,16 +41,7 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
                "broadcast_object_list", "all_gather_object", "gather", "scatter")
 
 
-def _report(update: dict[str, Any]) -> None:
-    path = os.environ.get(REPORT_ENV)
-    if not path:
-        return
-    try:
-        known = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        known = {}
-    known.update(update)
-    write_text_atomic(path, json.dumps(known))
+_report = report
 
 
 def _since_start() -> float:

@@ -1,4 +1,14 @@
-"""What a rank's supervisor tells the script's process (child.py) through its environment."""
+"""What a rank's supervisor tells the script's process (child.py) through its environment,
+and the one way that process reports back (``report``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ...files import write_text_atomic
 
 REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
 """The JSON file the script's process reports into: its process group, its failure, its
@@ -15,3 +25,17 @@ FORENSICS_ENV = "DDPLAB_FORENSICS"
 STEP_OFFSET_ENV = "DDPLAB_STEP_OFFSET"
 """Rank 0's first step number for what it logs: 0, or one past the steps an earlier attempt of
 the same run logged (a resumed attempt's observation counts its steps from 1 again)."""
+
+
+def report(update: dict[str, Any]) -> None:
+    """Keys into the script's report file (REPORT_ENV), which its supervisor reads once the
+    script has ended; nothing outside a job."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    try:
+        known = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        known = {}
+    known.update(update)
+    write_text_atomic(path, json.dumps(known))

@@ -47,6 +47,7 @@ from urllib.parse import urlparse
 
 from ... import logins
 from ...tracking import schema
+from .env import report
 from .imports import after_import
 
 EXPERIMENT_TAG = schema.SCRIPT_EXPERIMENT
@@ -236,6 +237,9 @@ def _patch_client(module: ModuleType) -> None:
         if _job is None or run_id != _job.run_id:
             set_terminated(self, run_id, status=status, end_time=end_time)  # MLflow's: None
             return None
+        if status in ("FAILED", "KILLED"):  # the script's verdict on its run: the run's end
+            report({"asked_status": status})
+            _say(ASKED.format(library=_caller_library(), status=status), any_rank=True)
         # ddplab ends the job's run once every rank has reported; what was logged
         # asynchronously is sent now, as MLflow's own end of a run would.
         with contextlib.suppress(Exception):
@@ -296,6 +300,8 @@ def _patch_client(module: ModuleType) -> None:
     _swap(cls, set_tag, set_tag_joined)
 
 
+ASKED = ("ddplab: {library} ended the job's run {status} (mlflow.end_run(status='{status}')): "
+         "it ends {status} with the job")
 CLASH = ("ddplab: param {key!r} was logged to the job's run already with another value (the job's "
          "one run holds every rank's and every nested run's records; MLflow keeps a param's "
          "first value): {value!r} kept as {kept!r}")

@@ -647,6 +647,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 failed = _verdict(everyone, le.world_size, None)
                 if failed is not None:
                     raise failed  # its line, not "done in" (the figures are in the run)
+                run.asked = _asked(everyone)
                 if seen.line:
                     console.say(seen.line)
                 elif cfg.script.observe and _trains_likely(everyone, script.wall_s):
@@ -662,8 +663,21 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                                    own["t"] + later, own["code"])
         if le.is_rank0 and run.run_id:
             (script.run_dir / FINISHED_MARK).write_text(run.run_id)
-    say_last(where(run), le.is_rank0)
+    say_last(where(run, run.asked[0] if run.asked else "FINISHED"), le.is_rank0)
     return run.run_id
+
+
+def _asked(outcomes: dict[int, dict[str, Any]]) -> tuple[str, str] | None:
+    """The status a script that ran to its end asked for the job's run (``mlflow.end_run(
+    status="FAILED")``: mlflow_join.py), and why, else None. The job's exit code stays the
+    script's, as under plain torchrun."""
+    asked = {r: o.get("observed", {}).get("asked_status") for r, o in outcomes.items()}
+    ranks = sorted(r for r, s in asked.items() if s)
+    if not ranks:
+        return None
+    status = "FAILED" if any(asked[r] == "FAILED" for r in ranks) else "KILLED"
+    return status, (f"the script ended the job's run {status}: mlflow.end_run(status='{status}') "
+                    f"on rank(s) {','.join(map(str, ranks))}")
 
 
 def _trains_likely(outcomes: dict[int, dict[str, Any]], wall_s: float) -> bool:
