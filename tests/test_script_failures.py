@@ -369,3 +369,41 @@ def test_a_stray_module_in_the_current_directory_and_a_symlinked_script(tmp_path
                  job_env(store), nproc=1)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"FILE {work / 'train.py'} beside the link" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.e2e
+def test_a_script_run_in_a_terminal_writes_to_a_terminal(tmp_path, store):
+    """Its stdout and stderr were pipes: tqdm, rich and coloured logging saw no terminal where
+    plain python gives them one. Its output comes through byte for byte (a newline is not made
+    CR-LF twice) at the terminal's size."""
+    import os
+    import pty
+    import threading
+
+    script = tmp_path / "in_a_terminal.py"
+    script.write_text("import shutil, sys\nprint('TTY', sys.stdout.isatty(), sys.stderr.isatty(), "
+                      "shutil.get_terminal_size().columns)\nprint('a\\nb', flush=True)\n")
+    read, write = pty.openpty()
+    subprocess.run(["stty", "cols", "123"], stdin=write, check=True)
+    seen = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(read, 65536)
+            except OSError:  # every writer gone
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    cmd = [str(BIN / "ddplab"), "train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    code = subprocess.run(cmd, cwd=tmp_path, env=job_env(store), stdin=subprocess.DEVNULL,
+                          stdout=write, stderr=write, timeout=300).returncode
+    os.close(write)
+    reader.join(timeout=30)
+    text = bytes(seen).decode(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "TTY True True 123" in text and "a\r\nb\r\n" in text, text[-3000:]

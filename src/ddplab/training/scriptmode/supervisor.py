@@ -105,7 +105,7 @@ class Tail:
     last_read: float = 0.0  # time.monotonic() of the last bytes
 
     def pump(self, pipe: Any) -> None:
-        for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
+        for chunk in iter(lambda: _read(pipe), b""):
             self.last_read = time.monotonic()
             self.total += len(chunk)
             with contextlib.suppress(OSError, ValueError):
@@ -305,6 +305,7 @@ class Script:
         self.step_offset = max(run.logged_through, run.last_step) + 1
         self.exited_at = 0.0  # when the script's process ended (time.time())
         self.stopped_why = f"{PEER_FAILED}: its supervisor stopped the script"
+        self.readers: list[Any] = []  # the script's stdout and stderr, as read here
 
     def env(self) -> dict[str, str]:
         le, s = self.le, self.cfg.script
@@ -360,12 +361,20 @@ class Script:
     def _supervise(self) -> dict[str, Any]:
         s = self.cfg.script
         target = ["-m", s.module] if s.module else [str(self.file)]
-        proc = subprocess.Popen(
-            [*python_m("ddplab.training.scriptmode.child"), *target, *s.argv()],
-            env=self.env(), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
+        ends = [_output_for(stream) for stream in (sys.stdout, sys.stderr)]
+        try:
+            proc = subprocess.Popen(
+                [*python_m("ddplab.training.scriptmode.child"), *target, *s.argv()],
+                env=self.env(), stdout=ends[0][0], stderr=ends[1][0],
+                preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
+        finally:
+            for given, _ in ends:
+                if given != subprocess.PIPE:
+                    os.close(given)  # the script's end of its terminal: the script holds it now
+        self.readers = [read if read is not None else pipe
+                        for (_, read), pipe in zip(ends, (proc.stdout, proc.stderr), strict=True)]
         pumps = [threading.Thread(target=t.pump, args=(p,), daemon=True)
-                 for t, p in zip(self.tails, (proc.stdout, proc.stderr), strict=True)]
+                 for t, p in zip(self.tails, self.readers, strict=True)]
         for p in pumps:
             p.start()
         stopped = ""
@@ -443,8 +452,8 @@ class Script:
         # cut this rank's report short: its ending would read "ended without reporting" (seen in
         # CI). Held until the report is made, then raised as ever.
         with self.signals.held():
-            self._drain(pumps, [p for p in (proc.stdout, proc.stderr) if p is not None])
-            for pipe in (proc.stdout, proc.stderr):
+            self._drain(pumps, self.readers)
+            for pipe in self.readers:
                 if pipe is not None:
                     pipe.close()
             self.wall_s = time.time() - self.t0
@@ -563,6 +572,37 @@ def _innermost(stack: str, script: Path, last_first: bool, own: bool = False) ->
         return ""
     file, line, func = mine[0]
     return f"{Path(file).name}:{line} in {func}"
+
+
+def _output_for(stream: Any) -> tuple[Any, Any]:
+    """Where the script writes what this rank writes to ``stream``, and what is read of it
+    here: where ``stream`` is a terminal, a pseudo-terminal of its size (tqdm, rich and coloured
+    logs see a terminal, as under plain torchrun), its output passed through byte for byte (no
+    newline made CR-LF twice); else a pipe (subprocess.PIPE, read from the Popen's end)."""
+    import pty
+
+    try:
+        if not stream.isatty():
+            return subprocess.PIPE, None
+        read, write = pty.openpty()
+    except (OSError, ValueError, AttributeError):
+        return subprocess.PIPE, None
+    with contextlib.suppress(OSError, termios.error):
+        attrs = termios.tcgetattr(write)
+        attrs[1] &= ~termios.OPOST  # output as written: the outer terminal makes its CR-LF
+        termios.tcsetattr(write, termios.TCSANOW, attrs)
+        size = fcntl.ioctl(stream.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(write, termios.TIOCSWINSZ, size)
+    return write, os.fdopen(read, "rb", buffering=0)
+
+
+def _read(pipe: Any) -> bytes:
+    """The next bytes of the script's output; b"" at its end (a pseudo-terminal whose every
+    writer closed it says EIO)."""
+    try:
+        return os.read(pipe.fileno(), 65536)
+    except OSError:
+        return b""
 
 
 def _unread(pipe: Any) -> int:
