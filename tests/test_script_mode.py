@@ -819,3 +819,15 @@ def test_an_error_inside_backward_shows_the_users_frames_not_ddplabs_hooks(tmp_p
     assert out.returncode == 1
     assert 'gan.py", line 22, in <module>' in out.stderr and "ValueError: bad gradient" in out.stderr
     assert "scriptmode" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_folder_or_an_extensionless_script_says_how_to_run_it(tmp_path, capsys):
+    """`python DIR` and `python train` run; `ddplab train` takes a .py file: the refusal said
+    only that an experiment is YAML, or that its top level must be a mapping."""
+    (tmp_path / "pkgdir").mkdir()
+    (tmp_path / "pkgdir" / "__main__.py").write_text("print('hi')\n")
+    (tmp_path / "train").write_text("#!/usr/bin/env python3\nimport sys\nprint(sys.argv)\n")
+    assert cli.main(["train", str(tmp_path / "pkgdir")]) == 2
+    assert f"give {tmp_path / 'pkgdir' / '__main__.py'}" in capsys.readouterr().err
+    assert cli.main(["train", str(tmp_path / "train")]) == 2
+    assert "a Python script? script mode runs a .py file" in capsys.readouterr().err

@@ -997,11 +997,25 @@ def env_overrides(env: Mapping[str, str] | None = None) -> list[Override]:
     return [("DDPLAB_SET", item) for item in items]
 
 
+def _looks_like_python(p: Path) -> bool:
+    """A file that is Python, whatever its name: its #! line names python, or it compiles."""
+    try:
+        text = p.read_text(encoding="utf-8")
+        if text.startswith("#!") and "python" in text.splitlines()[0]:
+            return True
+        compile(text, str(p), "exec")
+        return bool(re.search(r"^\s*(import|from|def|class)\s", text, re.M))
+    except (OSError, ValueError, SyntaxError):
+        return False
+
+
 def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
     """A YAML mapping from a file (an experiment, a study), or one ConfigError line."""
     a = "an" if kind[:1] in "aeiou" else "a"
     if p.is_dir():
-        raise ConfigError(f"{p}: a directory; {a} {kind} is a YAML file")
+        main = p / "__main__.py"
+        also = f" (its __main__.py runs as a script: give {main})" if main.is_file() else ""
+        raise ConfigError(f"{p}: a directory; {a} {kind} is a YAML file{also}")
     if not p.is_file():
         raise ConfigError(f"{p}: {kind} file not found")
     try:
@@ -1015,7 +1029,9 @@ def read_yaml_file(p: Path, kind: str = "experiment") -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)})") from None
     if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of keys")
+        also = " (a Python script? script mode runs a .py file: name it so, or link it as one)" \
+            if _looks_like_python(p) else ""
+        raise ConfigError(f"{p}: the top level must be a mapping of keys{also}")
     return loaded or {}  # (an empty experiment: everything from --set, DDPLAB_SET)
 
 
@@ -1104,7 +1120,8 @@ def _read_experiment(p: Path) -> dict[str, Any]:
     """An experiment file, or a script as the experiment of script mode (named after it)."""
     if not is_script(p):
         return read_yaml_file(p)
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", p.stem).lstrip("._-")[:100] or "script"
+    stem = p.absolute().parent.name if p.name == "__main__.py" else p.stem  # (a folder's own)
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:100] or "script"
     # absolute, its symbolic links kept: the script's __file__ is the path it was given, as
     # under python (files it reads beside itself are beside the link)
     return {"name": name, "script": {"path": str(p.absolute())}}
