@@ -278,3 +278,48 @@ def test_a_script_that_ends_its_run_failed_gets_a_failed_run(tmp_path, store):
     assert run.info.status == "FAILED"
     assert "mlflow.end_run(status='FAILED')" in run.data.tags["ddplab.error"]
     assert f"MLflow run {run.info.run_id} FAILED" in out.stdout + out.stderr
+
+
+IN_PROCESS = '''
+import json, os, sys
+from ddplab.training.scriptmode import mlflow_join
+mlflow_join.install()
+import mlflow
+with mlflow.start_run(run_name="search"):
+    assert mlflow.log_param("learning_rate", 0.01) == 0.01  # MLflow's own documented answer
+    ops = mlflow.set_tags({"mlflow.runName": "renamed"}, synchronous=False)
+    ops.wait()  # an asynchronous call answers with operations to wait for, as MLflow's
+    for trial, lr in enumerate([0.1, 10.0]):
+        try:
+            with mlflow.start_run(run_name=f"trial-{trial}", nested=True):
+                mlflow.log_param("lr", lr)
+                if lr > 1:
+                    raise FloatingPointError("diverged")  # caught: the search goes on
+        except FloatingPointError:
+            pass
+print("REPORT", open(os.environ["DDPLAB_SCRIPT_REPORT"]).read())
+'''
+
+
+def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the_jobs(
+        tmp_path, store):
+    """mlflow.log_param answered str(value), an asynchronous set_tags None (no .wait()), and a
+    nested trial that raised (and was caught) ended the whole job's run FAILED."""
+    import os
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("joined")).info.run_id
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "MLFLOW_RUN_ID": run_id,
+           "DDPLAB_SCRIPT_REPORT": str(report)}
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "asked_status" not in json.loads(report.read_text())
+    params = client.get_run(run_id).data.params
+    assert (params["lr"], params["lr.2"]) == ("0.1", "10.0") and params["learning_rate"] == "0.01"

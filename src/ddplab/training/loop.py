@@ -227,7 +227,8 @@ def _naming_the_sample(loader: DataLoader[Any]) -> Iterator[None]:
         if index is not None:
             samples = getattr(loader.dataset, "samples", None)
             path = samples[index][0] if isinstance(samples, list) and index < len(samples) else None
-            e.add_note(f"{SAMPLE_NOTE}{index} of the training set" + (f" ({path})" if path else ""))
+            if hasattr(e, "add_note"):  # (Python 3.11+)
+                e.add_note(f"{SAMPLE_NOTE}{index} of the training set" + (f" ({path})" if path else ""))
         raise
 
 

@@ -233,9 +233,13 @@ def one_line(e: BaseException) -> str:
     its own (torch's DataLoader worker: "Caught ValueError in DataLoader worker process 0.",
     the worker's traceback, "ValueError: bad sample 5") its first line and the error it ends
     with, the cause."""
-    parts = traceback.format_exception_only(type(e), e)
-    notes = len(getattr(e, "__notes__", None) or ())  # (each one a part after the error's)
-    lines = [ln.strip() for ln in parts[-1 - notes].splitlines() if ln.strip()]
+    try:
+        te = traceback.TracebackException(type(e), e, None)
+        te.__notes__ = None  # (add_note's lines are not the error's)
+        parts = list(te.format_exception_only())
+    except Exception:  # noqa: BLE001 - an exception whose str() fails: its repr
+        return repr(e)
+    lines = [ln.strip() for ln in parts[-1].splitlines() if ln.strip()]
     if len(lines) > 1 and any(ln.startswith("Traceback (most recent call last)") or
                               ln.startswith("Original Traceback") for ln in lines):
         return f"{lines[0]} ... {lines[-1]}"

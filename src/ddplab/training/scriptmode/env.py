@@ -3,6 +3,7 @@ and the one way that process reports back (``report``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -38,4 +39,5 @@ def report(update: dict[str, Any]) -> None:
     except (OSError, ValueError):
         known = {}
     known.update(update)
-    write_text_atomic(path, json.dumps(known))
+    with contextlib.suppress(OSError):  # a full disk: the script goes on, its report short
+        write_text_atomic(path, json.dumps(known, default=str))

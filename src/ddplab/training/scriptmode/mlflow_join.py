@@ -69,6 +69,7 @@ class _Job:
         self.asked: dict[str, list[str]] = {EXPERIMENT_TAG: [], RUN_NAME_TAG: []}
         self.elsewhere: list[dict[str, str]] = []  # runs the script made in other stores
         self.said: set[str] = set()
+        self.nested_end = False  # end_run is ending a nested run (joined into the job's)
         self.lock = threading.Lock()
 
 
@@ -237,7 +238,9 @@ def _patch_client(module: ModuleType) -> None:
         if _job is None or run_id != _job.run_id:
             set_terminated(self, run_id, status=status, end_time=end_time)  # MLflow's: None
             return None
-        if status in ("FAILED", "KILLED"):  # the script's verdict on its run: the run's end
+        if status in ("FAILED", "KILLED") and not _job.nested_end:
+            # the script's verdict on its run, as it leaves its outermost one: the run's end
+            # (a failed trial's nested `with start_run(nested=True)` is not the job's)
             report({"asked_status": status})
             _say(ASKED.format(library=_caller_library(), status=status), any_rank=True)
         # ddplab ends the job's run once every rank has reported; what was logged
@@ -264,9 +267,10 @@ def _patch_client(module: ModuleType) -> None:
             return log_param(self, run_id, key, value, synchronous=synchronous)
         from mlflow.entities import Param
 
+        sync = _synchronous(synchronous)
         sent = _unclashed(self, [Param(str(key), str(value))],
-                          lambda ps: log_batch(self, run_id, params=ps, synchronous=synchronous))
-        return sent if synchronous is False else str(value)  # as MLflow's: its operations
+                          lambda ps: log_batch(self, run_id, params=ps, synchronous=sync))
+        return value if sync else sent  # as MLflow's: the value, or its operations
 
     def log_batch_joined(self: Any, run_id: str, metrics: Any = (), params: Any = (),
                          tags: Any = (), synchronous: bool | None = None) -> Any:
@@ -277,19 +281,21 @@ def _patch_client(module: ModuleType) -> None:
         if names:  # the job's run keeps ddplab's name: the script's becomes a tag
             _record(self, {}, run_name=str(names[-1]))
             tags = [t for t in tags if t.key != "mlflow.runName"]
-        sent = None
+        sync = _synchronous(synchronous)
+        sent = []
         if params:
-            sent = _unclashed(self, list(params), lambda ps: log_batch(
-                self, run_id, params=ps, synchronous=synchronous))
-        if metrics or tags or not params:
-            sent = log_batch(self, run_id, metrics, (), tags, synchronous=synchronous)
-        return sent
+            sent.append(_unclashed(self, list(params), lambda ps: log_batch(
+                self, run_id, params=ps, synchronous=sync)))
+        if metrics or tags:
+            sent.append(log_batch(self, run_id, metrics, (), tags, synchronous=sync))
+        return None if sync else _operations(sent)
 
     def set_tag_joined(self: Any, run_id: str, key: str, value: Any, *args: Any,
                        **kwargs: Any) -> Any:
         if key == "mlflow.runName" and ours(self, run_id):
             _record(self, {}, run_name=str(value))
-            return None
+            return None if _synchronous(kwargs.get("synchronous", args[0] if args else None)) \
+                else _operations([])
         return set_tag(self, run_id, key, value, *args, **kwargs)
 
     _swap(cls, create_run, create_run_joined)
@@ -307,16 +313,36 @@ CLASH = ("ddplab: param {key!r} was logged to the job's run already with another
          "first value): {value!r} kept as {kept!r}")
 
 
+def _synchronous(asked: bool | None) -> bool:
+    """A log call's ``synchronous`` as MLflow resolves it (None: MLFLOW_ENABLE_ASYNC_LOGGING)."""
+    if asked is not None:
+        return bool(asked)
+    from mlflow.environment_variables import MLFLOW_ENABLE_ASYNC_LOGGING
+
+    return not MLFLOW_ENABLE_ASYNC_LOGGING.get()
+
+
+def _operations(sent: list[Any]) -> Any:
+    """An asynchronous call's answer: every part's operations as one (MLflow's RunOperations)."""
+    from mlflow.utils.async_logging.run_operations import RunOperations, get_combined_run_operations
+
+    parts = [s for s in sent if isinstance(s, RunOperations)]
+    return get_combined_run_operations(parts) if parts else RunOperations([])
+
+
 def _unclashed(client: Any, params: list[Any], send: Callable[[list[Any]], Any]) -> Any:
     """The script's params sent to the job's run, each one whose key holds another value there
     already (another rank's ``local_rank``, a nested run's ``lr``, a key of ddplab's) under
     ``KEY.2``, ``KEY.3``... instead, said once per key: where plain torchrun made a run per rank
-    or per nested run, MLflow would refuse the change and end the script. A rank racing
-    another's same key is retried once with what the run holds then."""
+    or per nested run, MLflow would refuse the change and end the script. A rank racing others
+    for the same key tries again with what the run holds then (each race has one winner: as
+    many tries as ranks)."""
     from mlflow.entities import Param
 
     assert _job is not None
-    for attempt in range(2):
+    world = os.environ.get("WORLD_SIZE", "")
+    tries = int(world) + 2 if world.isdigit() else 3
+    for attempt in range(tries):
         held = dict(client.get_run(_job.run_id).data.params)
         kept: list[Any] = []
         for p in params:
@@ -331,7 +357,7 @@ def _unclashed(client: Any, params: list[Any], send: Callable[[list[Any]], Any])
         try:
             return send(kept)
         except Exception:  # MLflow's refusal, or a store's unique key another rank took first
-            if attempt:
+            if attempt == tries - 1:
                 raise
     return None
 
@@ -400,7 +426,13 @@ def _patch_fluent(fluent: ModuleType) -> None:
     def end_run_joined(*args: Any, **kwargs: Any) -> None:
         active = stack()
         ours = _job is not None and bool(active) and active[-1].info.run_id == _job.run_id
-        end_run(*args, **kwargs)  # pops it; set_terminated of the job's run is patched away
+        if ours and _job is not None:
+            _job.nested_end = sum(r.info.run_id == _job.run_id for r in active) > 1
+        try:
+            end_run(*args, **kwargs)  # pops it; set_terminated of the job's run is patched away
+        finally:
+            if _job is not None:
+                _job.nested_end = False
         if ours and _job is not None:
             # MLflow forgets MLFLOW_RUN_ID when a run ends; the job goes on (subprocesses of
             # the script still attach to its run).

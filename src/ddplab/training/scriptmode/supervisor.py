@@ -367,6 +367,11 @@ class Script:
                 [*python_m("ddplab.training.scriptmode.child"), *target, *s.argv()],
                 env=self.env(), stdout=ends[0][0], stderr=ends[1][0],
                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
+        except BaseException:
+            for _, read in ends:
+                if read is not None:
+                    read.close()
+            raise
         finally:
             for given, _ in ends:
                 if given != subprocess.PIPE:
@@ -483,7 +488,7 @@ class Script:
         script (``os._exit``), did not die outright of a signal nobody sent."""
         why = ""
         if out["stopped"] and out["stopped"] != HUNG:
-            sig = signal.Signals(-out["code"]).name if out["code"] < 0 else "SIGTERM"
+            sig = _signal_name(-out["code"]) if out["code"] < 0 else "SIGTERM"
             why = f"terminated by {sig}: {self.stopped_why}"
         elif out.get("left"):
             why = out["why"]
@@ -519,8 +524,8 @@ class Script:
         if code == -signal.SIGKILL and hang:
             out.update(why=f"stopped by ddplab's hang watch: {hang}", stopped=HUNG)
         elif code < 0:
-            out["why"] = f"killed by {signal.Signals(-code).name}"
-        elif "returned" not in seen and not stopped:
+            out["why"] = f"killed by {_signal_name(-code)}"
+        elif "returned" not in seen and not stopped and code == 0:
             # The process ended without the script returning (os._exit, a library's exit()):
             # not at the script's end, whatever its code.
             out.update(left=True, why=f"exited {code} before the script's end (os._exit, or a "
@@ -596,12 +601,20 @@ def _output_for(stream: Any) -> tuple[Any, Any]:
     return write, os.fdopen(read, "rb", buffering=0)
 
 
+def _signal_name(number: int) -> str:
+    """SIGTERM, ...; a real-time signal (SIGRTMIN+n) has no name of its own."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _read(pipe: Any) -> bytes:
     """The next bytes of the script's output; b"" at its end (a pseudo-terminal whose every
     writer closed it says EIO)."""
     try:
         return os.read(pipe.fileno(), 65536)
-    except OSError:
+    except (OSError, ValueError):  # (ValueError: closed here once the script had ended)
         return b""
 
 
