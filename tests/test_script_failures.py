@@ -381,8 +381,8 @@ def test_a_script_run_in_a_terminal_writes_to_a_terminal(tmp_path, store):
     import threading
 
     script = tmp_path / "in_a_terminal.py"
-    script.write_text("import shutil, sys\nprint('TTY', sys.stdout.isatty(), sys.stderr.isatty(), "
-                      "shutil.get_terminal_size().columns)\nprint('a\\nb', flush=True)\n")
+    script.write_text("import os, sys\nprint('TTY', sys.stdout.isatty(), sys.stderr.isatty(), "
+                      "os.get_terminal_size(1).columns)\nprint('a\\nb', flush=True)\n")
     read, write = pty.openpty()
     subprocess.run(["stty", "cols", "123"], stdin=write, check=True)
     seen = bytearray()

@@ -39,6 +39,7 @@ TORCH_BUILD = "ddplab.torch_build"
 IMAGE = "ddplab.image"
 RESUMED_FROM = "ddplab.resumed_from"
 VERSION_PREFIX = "ddplab.version."  # version_tag: each package's version
+SCRIPT_PARAMS_PREFIX = "ddplab."  # a script run's own config params: a script's are plain names
 SLURM_PREFIX = "ddplab.slurm_"  # slurm_tag: the batch scheduler's names (tracking/capsule.py)
 
 # --- How it ran: ddplab's own loop (training/job.py), some also script mode's ending ---------

@@ -140,7 +140,7 @@ def recorded_run(run_id: str) -> tuple[Any, Any, str]:
 
     uri = validated_uri()
     db = sqlite_path(uri)
-    if db is not None and not db.is_file():  # (a command that reads makes no store)
+    if db is not None and not db.exists():  # (a command that reads makes no store)
         raise ConfigError(f"run {run_id}: no tracking store at {uri} ({db} does not exist); set "
                           "MLFLOW_TRACKING_URI to the store the run is in")
     client = reachable_client(uri)

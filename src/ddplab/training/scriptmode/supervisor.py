@@ -851,7 +851,7 @@ def _record_start(run: tracking.NullTracker, cfg: config.ExperimentConfig, le: L
             "tracking": cfg.to_dict()["tracking"], "checkpoint": cfg.to_dict()["checkpoint"]}
     # Under ddplab.: a script's own params (argparse's --name, Lightning's hyperparameters) are
     # the plain names, which MLflow lets one value each.
-    run.log_params({f"ddplab.{k}": v for k, v in config.flatten(kept).items()})
+    run.log_params({schema.SCRIPT_PARAMS_PREFIX + k: v for k, v in config.flatten(kept).items()})
     run.log_text(yaml.safe_dump(kept, sort_keys=False), "config.yaml")
     run.log_text(json.dumps(capsule.build({"launch": le.__dict__}), indent=2, default=str),
                  "environment.json")
