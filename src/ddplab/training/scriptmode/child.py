@@ -41,9 +41,6 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
                "broadcast_object_list", "all_gather_object", "gather", "scatter")
 
 
-_report = report
-
-
 def _since_start() -> float:
     return round(time.time() - float(os.environ.get(T0_ENV) or time.time()), 3)
 
@@ -67,7 +64,7 @@ def _observe(dist: Any) -> None:
 
         device = kwargs.get("device_id")
         backend = str(dist.get_backend())
-        _report({"backend": backend, "world_size": dist.get_world_size(), "rank": dist.get_rank(),
+        report({"backend": backend, "world_size": dist.get_world_size(), "rank": dist.get_rank(),
                  "device": str(getattr(device, "type", device) or
                                ("cuda" if "nccl" in backend else "cpu")),
                  "threads": torch.get_num_threads(), "process_group_s": _since_start()})
@@ -79,7 +76,7 @@ def _observe(dist: Any) -> None:
             out = fn(*args, **kwargs)
             if not first["seen"] and dist.is_initialized():
                 first["seen"] = True
-                _report({"first_collective_s": _since_start(), "first_collective": fn.__name__})
+                report({"first_collective_s": _since_start(), "first_collective": fn.__name__})
             return out
         return call
 
@@ -108,7 +105,7 @@ def _spawns_seen() -> None:
 
     @functools.wraps(start)
     def start_processes(*args: Any, **kwargs: Any) -> Any:
-        _report({"spawned": True})
+        report({"spawned": True})
         return start(*args, **kwargs)
 
     module.start_processes = start_processes
@@ -165,7 +162,7 @@ def main(argv: list[str]) -> int:
     try:
         code = _run(script)
         # The script returned (its supervisor tells this from os._exit: no such line).
-        _report({"returned": code, **({} if code else {"t": time.time()})})
+        report({"returned": code, **({} if code else {"t": time.time()})})
         return code
     finally:
         for watcher in watching:
@@ -181,7 +178,7 @@ def _watch_torch() -> Any:
     from . import observe
 
     _observe(dist)
-    return observe.install(_env_int("RANK"), _env_int("WORLD_SIZE", 1), _report)
+    return observe.install(_env_int("RANK"), _env_int("WORLD_SIZE", 1), report)
 
 
 def _env_int(name: str, default: int = 0) -> int:
@@ -201,7 +198,7 @@ def _run(script: Path | str) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         code &= 0xFF  # the exit status the process ends with: sys.exit(256) succeeds, -1 is 255
         if code:
-            _report({"exception": f"SystemExit: {e.code}", "t": time.time()})
+            report({"exception": f"SystemExit: {e.code}", "t": time.time()})
             if not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
             heartbeat.failed(f"SystemExit: {e.code}")
@@ -219,7 +216,7 @@ def _run(script: Path | str) -> int:
             tb = tb.tb_next
         text = _users_traceback(e, tb or e.__traceback__)
         last = one_line(e)[:500]
-        _report({"exception": last, "traceback": text[-8000:], "t": time.time()})
+        report({"exception": last, "traceback": text[-8000:], "t": time.time()})
         heartbeat.failed(last)
         sys.stderr.write(text)
         return 130 if isinstance(e, KeyboardInterrupt) else 1

@@ -259,7 +259,7 @@ def _patch_client(module: ModuleType) -> None:
         return None
 
     def ours(self: Any, run_id: str) -> bool:
-        return _job is not None and run_id == _job.run_id and _same_store(self.tracking_uri)
+        return joined(self) and _job is not None and run_id == _job.run_id
 
     def log_param_joined(self: Any, run_id: str, key: str, value: Any,
                          synchronous: bool | None = None) -> Any:
