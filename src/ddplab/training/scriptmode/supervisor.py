@@ -304,6 +304,7 @@ class Script:
         # (its observation counts from 1 again; a metric's value is the one at its highest step).
         self.step_offset = max(run.logged_through, run.last_step) + 1
         self.exited_at = 0.0  # when the script's process ended (time.time())
+        self.stop_at = float("inf")  # when this supervisor began stopping the script
         self.stopped_why = f"{PEER_FAILED}: its supervisor stopped the script"
         self.readers: list[Any] = []  # the script's stdout and stderr, as read here
 
@@ -397,10 +398,11 @@ class Script:
                 # own failure, which its peer's error may have been reported before) is not.
                 # (ended, not poll(): the reaping thread holds Popen's lock, poll() says None.)
                 if not stopped and self.meeting.peer_failed() and not ended.is_set():
-                    stopped = PEER_FAILED
+                    stopped, self.stop_at = PEER_FAILED, time.time()
                     self._stacks(proc)
                     proc.terminate()
         except BaseException as e:
+            self.stop_at = time.time()
             # A script that had ended by itself when the launcher's signal came (argparse's
             # refusal on every rank: torchrun stops the rest once the first one exits) ended its
             # own way; Ctrl-C is the user's stop, whoever ended first.
@@ -516,6 +518,8 @@ class Script:
         seen = self.observed()
         if stopped == PEER_FAILED and code != -signal.SIGTERM and (code < 0 or "exception" in seen):
             stopped = ""  # it failed by itself just before our SIGTERM reached it
+        elif stopped not in ("", "KeyboardInterrupt") and seen.get("t", self.stop_at) < self.stop_at:
+            stopped = ""  # it had failed by itself (argparse's refusal) when the stop began
         out: dict[str, Any] = {"rank": self.le.rank, "host": socket.gethostname(), "code": code,
                                "t": seen.get("t") or self.exited_at or time.time(),
                                "failed": code != 0, "stopped": stopped,
