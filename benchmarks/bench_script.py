@@ -38,6 +38,7 @@ BIN = Path(sys.executable).parent
 BOOK = REPO / "experiments" / "scripts" / "gloo_distributed-cnn_cifar10.py"
 CLOCK = Path(__file__).resolve().parent / "scripts" / "epoch_clock.py"
 BATCH, RANKS = 32, 2
+BOOK_THREADS = 8  # the script's own OMP_NUM_THREADS a rank (its first lines)
 VARIANTS = ("plain torchrun", "script mode, observed", "script mode, observe=false",
             "script mode, untracked")
 NAMES = ("plain", "observed", "observe-off", "untracked")
@@ -72,6 +73,18 @@ def command(variant: str, samples: int, work: Path) -> list[str]:
            "script mode, untracked": ["--set", "tracking.enabled=false"]}.get(variant, [])
     return [*torchrun, "-m", "ddplab", "train", str(CLOCK), "--set", "checkpoint.resume=never",
             "--set", f"checkpoint.dir={work / 'ck'}", *off, "--", *script]
+
+
+def wait_policy() -> dict[str, str]:
+    """``OMP_WAIT_POLICY=PASSIVE`` for every variant alike where the book's threads outnumber
+    the cores (2 ranks x 8 on a 2-core machine), unless it is set already: OpenMP threads that
+    spin at their barriers there take turns on cores that are never theirs, and each job's step
+    time measured the scheduler's luck as much as the script (on this repository's 2-core
+    machine, plain torchrun's 8 reps spread over 51.3-58.3 ms spinning, 55.2-57.1 ms passive).
+    Where each thread has a core, as on the machine the book wrote it for, nothing is set."""
+    if "OMP_WAIT_POLICY" in os.environ or RANKS * BOOK_THREADS <= (os.cpu_count() or 1):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def observe_frac(work: Path) -> float:
@@ -157,7 +170,7 @@ class Job(NamedTuple):
 def one_job(variant: str, samples: int, work: Path) -> Job:
     """Runs one job and measures its steady epochs (2-4) from rank 0's epoch clock."""
     clocks = Path(tempfile.mkdtemp(dir=work))
-    env = {**os.environ, "BENCH_CLOCK_DIR": str(clocks),
+    env = {**os.environ, **wait_policy(), "BENCH_CLOCK_DIR": str(clocks),
            "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
     proc = subprocess.Popen(command(variant, samples, work), cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -237,6 +250,9 @@ def main() -> None:
     if "plain" not in names or not set(names) <= set(SHORT):
         ap.error(f"--variants: {args.variants!r}; each one of {','.join(SHORT)}, plain among them")
     chosen = [SHORT[n] for n in names]
+    if wait_policy():
+        print(f"OMP_WAIT_POLICY=PASSIVE for every variant: the script's {RANKS} x "
+              f"{BOOK_THREADS} threads outnumber this machine's {os.cpu_count()} cores", flush=True)
     jobs: dict[str, list[Job]] = {v: [] for v in chosen}
     own: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,6 +269,7 @@ def main() -> None:
                       f"{job.wait_s * 1000:.2f} ms, other processes "
                       f"{job.others * 100:.2f}% of the script's CPU", flush=True)
     table = _table(jobs)
+    policy = {**os.environ, **wait_policy()}.get("OMP_WAIT_POLICY", "")
     inside = (f"The observation's own cost, measured inside the script's process (its hooks' "
               f"time over rank 0's steady steps, summary.json `observe_frac`): median "
               f"{statistics.median(own) * 100:.3f}% of a step (each rep: "
@@ -280,6 +297,11 @@ def main() -> None:
             "and that times one plus the share the job's other processes used then: the CPU a "
             "step costs the machine; the wait is the time rank 0's threads spent runnable but "
             "without a CPU (the kernel's schedstat), what other work on the cores took from it."
+            + (f" Every variant ran with `OMP_WAIT_POLICY={policy}`"
+               + (" (set by the benchmark: the script's "
+                  f"{RANKS} x {BOOK_THREADS} threads outnumber this machine's "
+                  f"{os.cpu_count()} cores; spinning threads made the step time the "
+                  "scheduler's luck)." if wait_policy() else ".") if policy else "")
             + (f" \"{AGAIN}\" is plain torchrun's command run a second time in each rep: its "
                "ratio to plain torchrun is what this machine's noise alone makes of two runs of "
                "one thing, the yardstick for the other ratios." if AGAIN in jobs else "")
