@@ -407,3 +407,51 @@ def test_a_script_run_in_a_terminal_writes_to_a_terminal(tmp_path, store):
     text = bytes(seen).decode(errors="replace")
     assert code == 0, text[-3000:]
     assert "TTY True True 123" in text and "a\r\nb\r\n" in text, text[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_terminal_resized_while_the_script_runs_resizes_the_scripts_terminal(tmp_path, store):
+    """The script's pseudo-terminal kept the size it had at the start: a progress bar drawn for
+    the old width wrapped on every refresh once the user resized the window."""
+    import os
+    import pty
+    import threading
+
+    script = tmp_path / "resized.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print('COLS', os.get_terminal_size(1).columns, flush=True)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while os.get_terminal_size(1).columns == 123 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('NOW', os.get_terminal_size(1).columns, flush=True)\n")
+    read, write = pty.openpty()
+    subprocess.run(["stty", "cols", "123"], stdin=write, check=True)
+    seen = bytearray()
+    started = threading.Event()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(read, 65536)
+            except OSError:  # every writer gone
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+            if b"COLS" in seen:
+                started.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    cmd = [str(BIN / "ddplab"), "train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(store), stdin=subprocess.DEVNULL,
+                            stdout=write, stderr=write)
+    assert started.wait(120), bytes(seen).decode(errors="replace")[-3000:]
+    subprocess.run(["stty", "cols", "77"], stdin=write, check=True)  # the user's resize
+    code = proc.wait(timeout=120)
+    os.close(write)
+    reader.join(timeout=30)
+    text = bytes(seen).decode(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "COLS 123" in text and "NOW 77" in text, text[-3000:]

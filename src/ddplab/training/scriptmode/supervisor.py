@@ -379,6 +379,8 @@ class Script:
                     os.close(given)  # the script's end of its terminal: the script holds it now
         self.readers = [read if read is not None else pipe
                         for (_, read), pipe in zip(ends, (proc.stdout, proc.stderr), strict=True)]
+        terminals = [(stream.fileno(), read.fileno()) for stream, (_, read)
+                     in zip((sys.stdout, sys.stderr), ends, strict=True) if read is not None]
         pumps = [threading.Thread(target=t.pump, args=(p,), daemon=True)
                  for t, p in zip(self.tails, self.readers, strict=True)]
         for p in pumps:
@@ -394,6 +396,7 @@ class Script:
         threading.Thread(target=reap, daemon=True).start()
         try:
             while not ended.wait(PEER_CHECK_S):
+                _follow_size(terminals)
                 # Only a script still running was stopped by us: one that died meanwhile (its
                 # own failure, which its peer's error may have been reported before) is not.
                 # (ended, not poll(): the reaping thread holds Popen's lock, poll() says None.)
@@ -603,6 +606,17 @@ def _output_for(stream: Any) -> tuple[Any, Any]:
         size = fcntl.ioctl(stream.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
         fcntl.ioctl(write, termios.TIOCSWINSZ, size)
     return write, os.fdopen(read, "rb", buffering=0)
+
+
+def _follow_size(terminals: list[tuple[int, int]]) -> None:
+    """The rank's terminal resized: the script's pseudo-terminal takes its new size, which tqdm
+    and rich read at each refresh, as under plain torchrun. (Polled: torchrun starts each rank
+    in a session of its own, which the terminal's SIGWINCH never reaches.)"""
+    for outer, inner in terminals:
+        with contextlib.suppress(OSError):
+            size = fcntl.ioctl(outer, termios.TIOCGWINSZ, b"\0" * 8)
+            if fcntl.ioctl(inner, termios.TIOCGWINSZ, b"\0" * 8) != size:
+                fcntl.ioctl(inner, termios.TIOCSWINSZ, size)
 
 
 def _signal_name(number: int) -> str:
