@@ -189,3 +189,70 @@ def test_a_straggler_is_named_only_over_enough_steps():
 
     assert figures(outcomes(3), 1.0).straggler == ""
     assert figures(outcomes(STRAGGLER_MIN_STEPS), 1.0).straggler.startswith("rank 1 (host h)")
+
+
+def _observer() -> observe.Observer:
+    return observe.Observer(0, 1, 1.0e6, lambda r: None, lambda r: None, lambda p, s: None)
+
+
+def _train_step(obs: observe.Observer, model: nn.Module, opt: torch.optim.Optimizer, n: int
+                ) -> torch.Tensor:
+    x = torch.randn(n, 4)
+    obs.forward(model, (x,), {})
+    loss = model(x).pow(2).mean()
+    obs.backward(loss)
+    loss.backward()
+    opt.step()
+    obs.optimizer_step()
+    return loss
+
+
+def test_an_evaluation_in_eval_mode_with_gradients_on_is_not_training_but_training_in_it_is():
+    """model.eval() without torch.no_grad(): the evaluation's batches counted as the next
+    step's samples (an MFU above 1 for a script evaluating each epoch)."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    for _ in range(3):
+        _train_step(obs, model, opt, 8)
+    model.eval()
+    for _ in range(5):  # the evaluation: gradients on, no backward
+        obs.forward(model, (torch.randn(100, 4),), {})
+    model.train()
+    _train_step(obs, model, opt, 8)
+    assert obs.totals.samples == 4 * 8 and obs.totals.steps == 4
+    # A script that trains with its model in eval mode (dropout off) is still seen training.
+    model.eval()
+    _train_step(obs, model, opt, 6)
+    assert obs.totals.samples == 4 * 8 + 6 and obs.totals.steps == 5
+
+
+def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators_at_epoch_end():
+    """DCGAN's order: D on real, D on fake, D's step (the step's end), then G's backward and
+    step. The epoch's end logged G's loss, the log points every 10 steps D's: one zigzag curve."""
+    disc, gen = nn.Linear(4, 1), nn.Linear(4, 4)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    obs = _observer()
+    obs.set_epoch(0)
+    for _ in range(3):
+        real = torch.randn(8, 4)
+        obs.forward(disc, (real,), {})
+        err_real = disc(real).pow(2).mean()
+        obs.backward(err_real)
+        err_real.backward()
+        fake = gen(torch.randn(8, 4))
+        err_fake = (disc(fake.detach()) + 5).pow(2).mean()
+        obs.backward(err_fake)
+        err_fake.backward()
+        opt_d.step()
+        if obs.leads(opt_d):
+            obs.optimizer_step()
+        err_g = (disc(fake) - 100).pow(2).mean()
+        obs.backward(err_g)
+        err_g.backward()
+        opt_g.step()
+        assert not obs.leads(opt_g)
+    obs.set_epoch(1)  # the epoch's end: a log point
+    assert obs.totals.loss == pytest.approx(float(err_fake))
+    assert obs.totals.loss != pytest.approx(float(err_g))

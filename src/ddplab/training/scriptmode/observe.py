@@ -7,15 +7,18 @@ script is edited and nothing waits on the device inside its step:
   of the first optimizer that stepped (a GAN's second one is not another step: Observer.leads);
 - the **loss** is the tensor a backward starts from (``loss.backward()`` or
   ``torch.autograd.backward(loss)``; under a ``GradScaler`` or FSDP's ``ShardedGradScaler``,
-  the tensor it scaled, not the scaled one), kept detached and read (``.item()``) only at log
-  points;
+  the tensor it scaled, not the scaled one), the last before the step's optimizer step (a
+  GAN's: its discriminator's last, also at an epoch's end), kept detached and read
+  (``.item()``) only at log points;
 - **samples** per step: the first dimension of the first tensor fed to the outermost
   DDP/FSDP module (a forward pre-hook attached when the script builds it; its compiled wrapper's
   under ``torch.compile(DDP(model))``) at each call in the step, else to the model: the module
   given to torch.compile, or the first module a step calls with gradients that has parameters
   to train (not a transform of the data pipeline) (inside a Hugging Face dict or Lightning's
   ``(batch, batch_idx)``; a list of images counts its images); forwards without gradients are
-  evaluation, not training; nothing is seen inside code torch.compile traces;
+  evaluation, not training, and so are forwards of a model in eval mode (``model.eval()``
+  without ``torch.no_grad()``) that no backward follows; nothing is seen inside code
+  torch.compile traces;
 - **epochs** from ``DistributedSampler.set_epoch``;
 - per rank, **data wait** (the previous step's end to this step's first forward), **forward**
   and **backward + optimizer**: on a CPU by the host clock; on a GPU by marks on the device's
@@ -158,7 +161,12 @@ class Observer:
         self.step_end = 0.0  # the previous step's end (0: none yet)
         self.t_forward = self.t_backward = 0.0
         self.samples = 0
-        self.loss: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None  # the last backward's
+        self.step_loss: torch.Tensor | None = None  # the last backward's before the last step
+        # a forward of the model in eval mode with gradients on (model.eval() without
+        # torch.no_grad()): its time, device mark and samples, a training step's start only if
+        # a backward follows it (a script that trains in eval mode), else an evaluation's
+        self.held: tuple[float, Any, int] | None = None
         # (a scaled tensor, what a GradScaler scaled) of the last scale(): the loss a backward
         # from it stands for (a list of losses scaled at once gives one pair each)
         self.scaled: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
@@ -191,18 +199,28 @@ class Observer:
         if self.t_forward and self.outer is None:
             return  # a module inside the step's first one
         now = time.perf_counter()
+        if self.marker is None and not self.marks_failed and not self.t_forward:
+            self.marker = self.marker_for(_step_device(module, args, kwargs))
+        if self.sample is None and not self.flops:
+            self.sample = _one_sample(args, kwargs)
+        if _in_eval_mode(module):
+            if not self.t_forward:
+                at, mark, samples = self.held or (now, self._mark(), 0)
+                self.held = (at, mark, samples + _batch_size(args, kwargs))
+                self._beat("evaluation", None)
+            return
+        self.held = None  # (an evaluation's forwards: no backward came)
         if not self.t_forward:
             self.t_forward = now
-            if self.marker is None and not self.marks_failed:
-                self.marker = self.marker_for(_step_device(module, args, kwargs))
             self.m_forward = self._mark()
             self._beat("forward", None)
         self.samples += _batch_size(args, kwargs)
-        if self.sample is None and not self.flops:
-            self.sample = _one_sample(args, kwargs)
 
     def backward(self, loss: torch.Tensor | None) -> None:
         """A backward from ``loss`` (None: from several tensors at once)."""
+        if self.held is not None and not self.t_forward:  # it trained, in eval mode
+            self.t_forward, self.m_forward, self.samples = self.held
+            self.held = None
         if not self.t_backward:
             self.t_backward = time.perf_counter()
             self.m_backward = self._mark()
@@ -269,6 +287,9 @@ class Observer:
             self._count(step, *step.host)
         self._read()
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
+        # The loss of the step's leading optimizer, at every log point: a GAN's generator
+        # backward after it (DCGAN's order) is not the step's loss at the epoch's end only.
+        self.step_loss, self.held = self.loss, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
         if not self.flops and (self.sample is not None or t.steps >= FLOP_COUNT_BY):
@@ -365,9 +386,10 @@ class Observer:
         """Read the loss, write rank 0's live figures and this rank's totals."""
         step = self.totals.steps
         # Not while the script captures a CUDA graph (a read breaks the capture).
-        if self.loss is not None and not marks.capturing():
+        loss = self.step_loss if self.step_loss is not None else self.loss
+        if loss is not None and not marks.capturing():
             with contextlib.suppress(RuntimeError):  # a failed device: the last loss read stays
-                self.totals.loss = float(self.loss.item())
+                self.totals.loss = float(loss.item())
         self._read()  # after the loss's read, which the device's work up to it had to pass
         w, self.window = self.window, Window()
         metrics: dict[str, float] = dict(extra or {})
@@ -409,7 +431,7 @@ class Observer:
         """The script has ended (any way): the last steps' marks, epoch and log point."""
         self._read(FINISH_PATIENCE_S)
         if self.unread:  # the device never passed the last steps: their loss is not read (it
-            self.loss = None  # may never be); the last one read stays
+            self.loss = self.step_loss = None  # may never be); the last one read stays
         self._drop_unread()
         if self.epoch >= 0 and self.epoch_steps:
             self.end_epoch()
@@ -450,6 +472,12 @@ class Observer:
             peak_source, where = "CPU fp32 matmul measured on every rank", f"rank{self.rank}"
         self.flops = {"flops_per_sample": flops, "flops_source": source, "peak_flops_s": peak,
                       "peak_source": peak_source, "peak_where": where}
+
+
+def _in_eval_mode(module: torch.nn.Module) -> bool:
+    """``model.eval()`` was called on the model, or on the module DDP/FSDP wraps."""
+    inner = getattr(module, "module", None)
+    return not module.training or isinstance(inner, torch.nn.Module) and not inner.training
 
 
 def _trains(module: torch.nn.Module) -> bool:
