@@ -256,3 +256,37 @@ def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators
     obs.set_epoch(1)  # the epoch's end: a log point
     assert obs.totals.loss == pytest.approx(float(err_fake))
     assert obs.totals.loss != pytest.approx(float(err_g))
+
+
+def test_the_closing_line_and_summary_keep_the_observed_figures_beside_the_scripts_own_names():
+    """A script logging train/loss and perf/samples_per_s itself: the console printed ddplab's
+    values under those names (the run holds the script's), summary.json a null throughput."""
+    from ddplab.training.scriptmode.figures import figures
+
+    def outcomes(own: list[str]) -> dict:
+        return {r: {"host": "h", "observed": {"observe": {
+            "steps": 32, "samples": 256, "samples_per_s": 1000.0, "busy_s": 0.01, "loss": 0.5,
+            "steady_steps": 31, "data_wait_s": 0.1, "forward_s": 0.2, "own_names": own}}}
+            for r in (0, 1)}
+
+    fig = figures(outcomes([]), 3.0)
+    assert "train/loss 0.5000, 2000 samples/s" in fig.line, fig.line
+    fig = figures(outcomes(["train/loss", "perf/samples_per_s"]), 3.0)
+    assert "train/loss" not in fig.line and "observed loss 0.5000" in fig.line, fig.line
+    assert "2000 observed samples/s" in fig.line, fig.line
+    assert "perf/samples_per_s" not in fig.metrics and fig.summary["samples_per_s_steady"] == 2000
+
+
+def test_a_model_the_flop_counter_cannot_count_says_why_in_whole_words_and_which_key_to_give():
+    """The reason was cut mid-word at 120 characters ("... storage size of 1048576 ar)")."""
+    from ddplab.training import mfu
+
+    class Refuses(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("setStorage: sizes [256, 1024], strides [1, 256], storage offset "
+                               "0, and itemsize 4 requiring a storage size of 1048576 are out "
+                               "of bounds for storage of size 0\nsecond line")
+
+    flops, why = mfu.flops_per_sample(Refuses(4, 4), 0.0, torch.randn(1, 4), "script.flops_per_sample")
+    assert flops == 0.0 and why.endswith("1048576 ...; give script.flops_per_sample)"), why
+    assert "second line" not in why

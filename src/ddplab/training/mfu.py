@@ -94,19 +94,27 @@ def counted_flops_per_sample(model: nn.Module, inputs: Any) -> float:
     return 3.0 * total
 
 
-def flops_per_sample(model: nn.Module, given: float, sample: Any) -> tuple[float, str]:
-    """(FLOPs per training sample, where the figure comes from); (0, why) when unknown.
-    ``sample``: one sample's inputs as a batch of 1."""
+def flops_per_sample(model: nn.Module, given: float, sample: Any,
+                     key: str = "model.flops_per_sample") -> tuple[float, str]:
+    """(FLOPs per training sample, where the figure comes from); (0, why) when unknown, naming
+    ``key``, where the user gives it. ``sample``: one sample's inputs as a batch of 1."""
     if given > 0:
         return given, "model.flops_per_sample"
     if isinstance(model, GPT):
         return float(gpt_flops_per_sequence(model)), "the GPT formula (nanoGPT's: 6N + attention)"
     if not isinstance(sample, (torch.Tensor, dict)):
-        return 0.0, "no count: inputs that are neither a tensor nor a dict (give model.flops_per_sample)"
+        return 0.0, f"no count: inputs that are neither a tensor nor a dict (give {key})"
     try:
         return counted_flops_per_sample(model, sample), "torch.utils.flop_counter (forward x 3)"
     except Exception as e:  # noqa: BLE001 - a model the counter cannot trace only loses perf/mfu
-        return 0.0, f"no count: flop_counter failed ({type(e).__name__}: {str(e)[:120]})"
+        return 0.0, f"no count: flop_counter failed ({type(e).__name__}: {_short(str(e))}; " \
+            f"give {key})"
+
+
+def _short(text: str, most: int = 120) -> str:
+    """An error's first line, cut at a word with "..." past ``most`` characters."""
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= most else line[:most].rsplit(" ", 1)[0] + " ..."
 
 
 def table_peak(name: str, low_precision: bool) -> float:

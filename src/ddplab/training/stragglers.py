@@ -29,9 +29,10 @@ def slow(busy: list[float]) -> list[tuple[int, float, float]]:
     return out
 
 
-def describe(rank: int, host: str, mine: float, others: float, over: str) -> str:
-    """The line the run (``ddplab.straggler``) and the console carry."""
+def describe(rank: int, host: str, mine: float, others: float, over: str,
+             phases: str = "data loading and forward") -> str:
+    """The line the run (``ddplab.straggler``) and the console carry; ``phases``: where the
+    rank's extra work was, where that is known."""
     return (f"rank {rank} (host {host}) is a straggler: {mine / others:.2f}x the others' median "
             f"work per step before the gradient all-reduce ({mine * 1000:.1f} ms vs "
-            f"{others * 1000:.1f} ms: data loading and forward) {over}; the others wait for it "
-            f"every step")
+            f"{others * 1000:.1f} ms: {phases}) {over}; the others wait for it every step")

@@ -15,6 +15,11 @@ STRAGGLER_MIN_STEPS = 10
 """Steps every rank must have made for a straggler to be named: the median of a few steps'
 data wait and forward (a 3-step smoke test's) is their noise, not a rank's pace."""
 
+MOSTLY = 0.8
+"""A straggler's extra work named by its phase (data loading, forward) when that phase holds at
+least this share of it."""
+TRAIN_LOSS, SAMPLES_PER_S, MFU = "train/loss", "perf/samples_per_s", "perf/mfu"
+
 
 @dataclass
 class Figures:
@@ -44,7 +49,7 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
         return Figures()
     zero = ranks[0]
     total = sum(float(o.get("samples_per_s") or 0.0) for o in ranks.values())
-    metrics: dict[str, float] = {"perf/samples_per_s": round(total, 3)}
+    metrics: dict[str, float] = {SAMPLES_PER_S: round(total, 3)}
     for r, o in sorted(ranks.items()):
         metrics[f"train/rank{r}_samples_per_s"] = float(o.get("samples_per_s") or 0.0)
         metrics[f"train/rank{r}_busy_s"] = float(o.get("busy_s") or 0.0)
@@ -55,7 +60,7 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     metrics.update(memory)
     mfu, tags = _mfu(ranks, total)
     if mfu is not None:
-        metrics["perf/mfu"] = round(mfu, 6)
+        metrics[MFU] = round(mfu, 6)
     own = set(zero.get("own_names") or [])
     metrics = {k: v for k, v in metrics.items() if k not in own}
     if zero.get("clock"):
@@ -64,12 +69,28 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     fig.straggler = _straggler(ranks, outcomes)
     if fig.straggler:
         fig.tags[schema.STRAGGLER] = fig.straggler
-    fig.summary = _summary(ranks, metrics, wall_s, fig.straggler)
-    loss = zero.get("loss")
-    fig.line = (f"done in {wall_s:.1f}s: {zero['steps']} steps"
-                f"{f', train/loss {loss:.4f}' if isinstance(loss, (int, float)) else ''}, "
-                f"{total:.0f} samples/s{f', perf/mfu {mfu:.4f}' if mfu is not None else ''}")
+    fig.summary = _summary(ranks, {**metrics, SAMPLES_PER_S: round(total, 3),
+                                   **({MFU: round(mfu, 6)} if mfu is not None else {})},
+                           wall_s, fig.straggler)
+    fig.line = _line(zero, wall_s, total, mfu, own)
     return fig
+
+
+def _line(zero: dict[str, Any], wall_s: float, total: float, mfu: float | None,
+          own: set[str]) -> str:
+    """The closing console line, the observed figures; under a name the script logs itself
+    (whose value in the run is the script's), a plain word, not the name."""
+    def name(metric: str, word: str) -> str:
+        return f"observed {word}" if metric in own else metric
+
+    parts = [f"done in {wall_s:.1f}s: {zero['steps']} steps"]
+    loss = zero.get("loss")
+    if isinstance(loss, (int, float)):
+        parts.append(f"{name(TRAIN_LOSS, 'loss')} {loss:.4f}")
+    parts.append(f"{total:.0f} {'observed ' if SAMPLES_PER_S in own else ''}samples/s")
+    if mfu is not None:
+        parts.append(f"{name(MFU, 'MFU')} {mfu:.4f}")
+    return ", ".join(parts)
 
 
 def _mfu(ranks: dict[int, dict[str, Any]], samples_per_s: float
@@ -98,8 +119,12 @@ def _straggler(ranks: dict[int, dict[str, Any]], outcomes: dict[int, dict[str, A
     if not slow:
         return ""
     r, mine, others = max(slow, key=lambda s: s[1] / s[2])
+    wait, forward = (float(ranks[r].get(k) or 0.0) for k in ("data_wait_s", "forward_s"))
+    phases = "data loading" if wait >= MOSTLY * (wait + forward) > 0 else \
+        "forward" if forward >= MOSTLY * (wait + forward) > 0 else "data loading and forward"
+    steps = int(ranks[r].get("steady_steps") or ranks[r]["steps"])
     return stragglers.describe(r, str(outcomes.get(r, {}).get("host", "?")), mine, others,
-                               f"(the median over {ranks[r]['steps']} steps)")
+                               f"(the median of its {steps} steady steps)", phases)
 
 
 def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float], wall_s: float,
@@ -113,8 +138,8 @@ def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float], wall_s
         "steps": zero["steps"],
         "samples": sum(int(o.get("samples") or 0) for o in ranks.values()),
         "wall_time_s": round(wall_s, 3),
-        "samples_per_s_steady": metrics.get("perf/samples_per_s"),
-        "mfu": metrics.get("perf/mfu"),
+        "samples_per_s_steady": metrics.get(SAMPLES_PER_S),
+        "mfu": metrics.get(MFU),
         "final_loss": zero.get("loss"),
         "clock": zero.get("clock"),
         # What the observation itself took of rank 0's steady steps (its hooks' own time).

@@ -134,6 +134,7 @@ class Totals:
                 "data_wait_s": round(self.wait_s, 4), "forward_s": round(self.forward_s, 4),
                 "backward_s": round(self.backward_s, 4), "epochs": self.epochs,
                 "observe_s": round(self.observe_s, 6), "steady_s": round(self.steady_s, 4),
+                "steady_steps": len(self.busy),
                 "loss": self.loss}
 
 
@@ -457,8 +458,13 @@ class Observer:
             flops, source = self.flops_given, "script.flops_per_sample"
         elif model is None or sample is None:
             flops, source = 0.0, "no count: no batch seen at the model's outermost module"
+        elif type(self.outer).__name__ == "FullyShardedDataParallel":
+            # Its module's parameters are views of shards outside its forward; its own forward
+            # would gather them: a collective the script's other ranks are not making.
+            flops, source = 0.0, ("no count: FSDP's parameters are sharded outside its forward "
+                                  "(give script.flops_per_sample)")
         else:
-            flops, source = mfu.flops_per_sample(model, 0.0, sample)
+            flops, source = mfu.flops_per_sample(model, 0.0, sample, "script.flops_per_sample")
         device = _device(model)
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
