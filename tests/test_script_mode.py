@@ -98,6 +98,8 @@ def test_a_script_section_is_relative_to_the_experiment_file(tmp_path):
     (["train", "{d}/ok.py", "--set", "script.flags.--lr=1"], "script.flags.--lr"),
     (["train", "{d}/ok.py", "--set", "script.env.1A=x"], "script.env.1A"),
     (["train", "{d}/ok.py", "--set", "script.path=ok.txt"], "a Python file (.py)"),
+    # the script.path that is missing named, not the script given (which is there)
+    (["train", "{d}/ok.py", "--set", "script.path=gone.py"], "script.path: '{d}/gone.py' not found"),
 ])
 def test_bad_script_input_is_one_line_exit_2_before_any_run(tmp_path, capsys, argv, message):
     (tmp_path / "broken.py").write_text("x = (\n")
@@ -106,7 +108,8 @@ def test_bad_script_input_is_one_line_exit_2_before_any_run(tmp_path, capsys, ar
     (tmp_path / "exp.yaml").write_text("name: e\n")
     assert cli.main([a.format(d=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    message = message.format(d=tmp_path)
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_script_flags_without_dashes_dash_get_a_hint(tmp_path, capsys):

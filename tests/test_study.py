@@ -523,3 +523,17 @@ def test_a_slurm_study_on_a_login_node_finds_its_batch_script_or_says_where_it_l
                DDPLAB_SBATCH_SCRIPT=str(tmp_path / "none.sbatch"), **env)
     assert gone.returncode == 2 and "Traceback" not in gone.stderr, gone.stderr
     assert f"no batch script at {tmp_path / 'none.sbatch'}" in gone.stderr
+
+
+def test_a_checkpoint_dir_the_user_sets_holds_the_studys_jobs(tmp_path, store):
+    """`ddplab study run FILE --set checkpoint.dir=X` was overridden by the study's own
+    checkpoints/studies/... (relative to wherever the user stood), with no word said."""
+    path = write_study(tmp_path, set={**TINY, "checkpoint.dir": str(tmp_path / "mine")})
+    plan = cli(["study", "run", str(path), "--dry-run"], tmp_path, store)
+    assert plan.returncode == 0, plan.stderr
+    dirs = set(re.findall(r"checkpoint\.dir=(\S+)", plan.stdout))
+    assert dirs and all(d.startswith(str(tmp_path / "mine" / "studies" / "tiny")) for d in dirs), dirs
+    plan = cli(["study", "run", str(path), "--dry-run", "--set",
+                f"checkpoint.dir={tmp_path / 'cli'}"], tmp_path, store)
+    dirs = set(re.findall(r"checkpoint\.dir=(\S+)", plan.stdout))
+    assert dirs and all(d.startswith(str(tmp_path / "cli" / "studies")) for d in dirs), dirs

@@ -45,10 +45,25 @@ def checkout(study: Study) -> Path:
     return Path.cwd()
 
 
+CHECKPOINT_DIR = "checkpoint.dir"
+
+
+def studies_dir(sets: list[str]) -> Path:
+    """Where a study keeps its jobs' checkpoints and logs: ``studies/`` in the
+    ``checkpoint.dir`` the user gave (the study's ``set``, a variant's, ``$DDPLAB_SET``, the
+    command line's ``--set``: the last), else in ``checkpoints/``."""
+    import yaml
+
+    given = [text.split("=", 1)[1] for text in sets
+             if text.split("=", 1)[0].strip() == CHECKPOINT_DIR]
+    return Path(str(yaml.safe_load(given[-1])) if given else "checkpoints") / "studies"
+
+
 def _sets(study: Study, v: Variant, repeat: int) -> list[str]:
-    ck = Path("checkpoints") / "studies" / study.name / f"{v.name}-r{repeat}"
-    return [as_text(o) for o in v.overrides(study.set, list(study.extra))] + [
-        f"checkpoint.dir={ck}", "checkpoint.resume=never"]  # a job never resumes another's
+    sets = [as_text(o) for o in v.overrides(study.set, list(study.extra))]
+    ck = studies_dir(sets) / study.name / f"{v.name}-r{repeat}"
+    return [t for t in sets if t.split("=", 1)[0].strip() != CHECKPOINT_DIR] + [
+        f"{CHECKPOINT_DIR}={ck}", "checkpoint.resume=never"]  # a job never resumes another's
 
 
 def sbatch_script(study: Study) -> Path:
@@ -425,7 +440,9 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     parent_id = tracker.parent(fresh, resolved)
     done = {(c.data.tags.get(schema.VARIANT), c.data.tags.get(schema.REPEAT))
             for c in tracker.children(parent_id) if c.info.status == "FINISHED"}
-    logs = Path("checkpoints") / "studies" / study.name / "logs"
+    study_sets = [as_text(o) for o in Variant(name="", set={}).overrides(study.set,
+                                                                         list(study.extra))]
+    logs = studies_dir(study_sets) / study.name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     from ..tracking import ui_address
     from ..tracking.ui_views import STUDY_VIEW, save_study_view
