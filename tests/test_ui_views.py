@@ -157,3 +157,15 @@ def test_two_jobs_saving_the_view_at_once_both_go_on(tmp_path):
     state = _envelope(real.get_experiment(exp).tags[ui_views.TAG_PREFIX + ui_views.RUNS_VIEW])
     assert "metrics.`perf/samples_per_s`" in state["selectedColumns"]
     assert OtherJobFirst.calls == 2
+
+
+def test_no_chart_of_empty_axes_when_no_run_logged_the_compared_metric(tmp_path):
+    """report.html showed compared.png with empty axes, titled "median of  repeat(s)"."""
+    import dataclasses
+
+    unlogged = [dataclasses.replace(row(n, 1.0, 1.0, 1.0), metric="val/f1", metric_mode="max",
+                                    throughput_median=None) for n in ("a", "b")]
+    assert _plots(tmp_path, unlogged) == set()
+    logged = [dataclasses.replace(r, throughput_median=0.5, throughput_min=0.4,
+                                  throughput_max=0.6) for r in unlogged]
+    assert _plots(tmp_path, logged) == {"compared.png"}

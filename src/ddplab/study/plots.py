@@ -43,11 +43,13 @@ def plots(client: Any, rows: list[Row], by_variant: dict[str, list[Any]], out: P
 
     measured = [r for r in rows if r.throughput_median is not None]
     if rows and not is_throughput(rows[0].metric):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        _compared(ax, measured, rows[0].metric, rows[0].metric_mode, by_name(measured, baseline))
-        save(fig, "compared.png")
+        if measured:  # (no run logged the metric: no chart of empty axes)
+            fig, ax = plt.subplots(figsize=(7, 4))
+            _compared(ax, measured, rows[0].metric, rows[0].metric_mode,
+                      by_name(measured, baseline))
+            save(fig, "compared.png")
         measured = []  # none of throughput's own charts
-    else:
+    elif measured:
         fig, ax = plt.subplots(figsize=(7, 4))
         _throughput(ax, measured)
         save(fig, "throughput.png")
