@@ -318,12 +318,14 @@ def test_a_good_store_still_opens(store, monkeypatch, capsys):
 
 def test_a_command_that_reads_a_store_that_is_not_there_makes_none(tmp_path, monkeypatch,
                                                                     capsys):
-    """A typo in a sqlite path made `ddplab diagnose` create the folder and an empty store."""
+    """A typo in a sqlite path made `ddplab diagnose` create the folder and an empty store;
+    `ddplab reproduce` (the embedded store, in a folder without one) an empty mlflow.db there."""
     typo = tmp_path / "typo" / "mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{typo}")
-    assert cli.main(["diagnose", "0" * 32]) == 2
-    one_line(capsys.readouterr().err, "no tracking store at")
-    assert not typo.parent.exists()
+    for command in ("diagnose", "report", "reproduce"):
+        assert cli.main([command, "0" * 32]) == 2
+        one_line(capsys.readouterr().err, "no tracking store at")
+        assert not typo.parent.exists()
 
 
 def test_diagnose_of_a_studys_parent_lists_its_jobs_that_did_not_finish(store, monkeypatch,

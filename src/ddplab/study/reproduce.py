@@ -269,12 +269,13 @@ def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path
 
 
 def _reproduce(run_id: str, strict: bool, work: Path) -> int:
-    from ..tracking import reachable_client, validated_uri
+    from ..tracking import validated_uri
     from ..tracking.spooled import DELIVERY_S, SpooledClient, home
+    from ..tracking.store import reading_client
     from .runner import job_env
 
     uri = validated_uri()
-    client = reachable_client(uri)
+    client = reading_client(uri, run_id)
     found = _recorded(client, uri, run_id, work)
     if found is None:
         return 2

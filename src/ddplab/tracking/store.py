@@ -130,6 +130,18 @@ def reachable_client(uri: str) -> Any:
     return open_client(uri)
 
 
+def reading_client(uri: str, run_id: str) -> Any:
+    """A client for a command that reads a recorded run: a SQLite store that is not there is
+    bad input (a ConfigError), not made empty on the way to "not found"."""
+    from ..config import ConfigError
+
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():
+        raise ConfigError(f"run {run_id}: no tracking store at {uri} ({db} does not exist); set "
+                          "MLFLOW_TRACKING_URI to the store the run is in")
+    return reachable_client(uri)
+
+
 def recorded_run(run_id: str) -> tuple[Any, Any, str]:
     """(client, run, uri) for a run of the store the environment names: no such run is bad
     input (a ConfigError, exit 2: `ddplab report`, `reproduce`, `diagnose` say it alike);
@@ -139,11 +151,7 @@ def recorded_run(run_id: str) -> tuple[Any, Any, str]:
     from ..config import ConfigError
 
     uri = validated_uri()
-    db = sqlite_path(uri)
-    if db is not None and not db.exists():  # (a command that reads makes no store)
-        raise ConfigError(f"run {run_id}: no tracking store at {uri} ({db} does not exist); set "
-                          "MLFLOW_TRACKING_URI to the store the run is in")
-    client = reachable_client(uri)
+    client = reading_client(uri, run_id)
     try:
         return client, client.get_run(run_id), uri
     except MlflowException as e:
