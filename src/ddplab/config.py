@@ -1155,7 +1155,7 @@ def _with_script(cfg: ExperimentConfig, path: str | Path | None,
     if not script.name.endswith(".py"):
         raise ConfigError(f"{source}: script.path: got {s.path!r}; a Python file (.py)")
     if not script.is_file():
-        if is_script(path) and script.absolute() == Path(path).absolute():
+        if path is not None and is_script(path) and script.absolute() == Path(path).absolute():
             raise ConfigError(f"{path}: script not found")  # the script itself given
         raise ConfigError(f"{source}: script.path: {str(script)!r} not found (relative paths "
                           "are relative to the experiment file)")
