@@ -205,11 +205,14 @@ def test_a_studys_parent_run_is_refused_in_one_line(store, monkeypatch, capsys):
     exp = c.create_experiment("s")
     parent = script_run(c, exp, {}, **{"ddplab.study": "hb-s9", "ddplab.study_role": "parent",
                                        "ddplab.study_file": "studies/hb.yaml"})
+    # Its jobs are named by their run ids (it said "`ddplab report PARENT` lists them": no id).
+    job = script_run(c, exp, {}, **{"mlflow.parentRunId": parent, "ddplab.variant": "a",
+                                    "ddplab.repeat": "0"})
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     assert reproduce.reproduce(parent, strict=False) == 2
     (said,) = capsys.readouterr().err.strip().splitlines()
     assert said == (f"ddplab reproduce: error: run {parent} is study hb-s9's parent run (it ran "
-                    f"no job itself): reproduce one of its jobs (`ddplab report {parent}` lists "
-                    "them) or rerun the study (`ddplab study run studies/hb.yaml`)")
-    assert [r.info.run_id for r in c.search_runs([exp])] == [parent]  # no rerun started
+                    f"no job itself): reproduce one of its jobs (a r0 {job}) or rerun the study "
+                    "(`ddplab study run studies/hb.yaml`)")
+    assert {r.info.run_id for r in c.search_runs([exp])} == {parent, job}  # no rerun started

@@ -231,8 +231,13 @@ def error_line(tags: dict[str, str]) -> str:
     return next(iter((tags.get(schema.ERROR) or "").strip().splitlines()), "")
 
 
-def _study_parent(run: Any) -> str:
-    """Why a study's parent run cannot be reproduced (it ran no job), or "" for any other run."""
+JOBS_NAMED = 4
+"""A study's parent given to reproduce: this many of its jobs' run ids named instead."""
+
+
+def _study_parent(client: Any, run: Any) -> str:
+    """Why a study's parent run cannot be reproduced (it ran no job), with some of its jobs'
+    run ids, or "" for any other run."""
     from .runner import PARENT
 
     tags = run.data.tags
@@ -240,9 +245,15 @@ def _study_parent(run: Any) -> str:
         return ""
     run_id, file = run.info.run_id, tags.get(schema.STUDY_FILE)
     again = f"`ddplab study run {file}`" if file else "`ddplab study run` on its file"
+    jobs = client.search_runs([run.info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{run_id}'",
+                              max_results=JOBS_NAMED + 1, order_by=["attributes.start_time ASC"])
+    named = ", ".join(f"{j.data.tags.get(schema.VARIANT, '?')} r{j.data.tags.get(schema.REPEAT, '?')} "
+                      f"{j.info.run_id}" for j in jobs[:JOBS_NAMED])
+    more = " ..." if len(jobs) > JOBS_NAMED else ""
+    which = f" ({named}{more})" if named else ""
     return (f"run {run_id} is study {tags.get(schema.STUDY, '?')}'s parent run (it ran no job "
-            f"itself): reproduce one of its jobs (`ddplab report {run_id}` lists them) or rerun "
-            f"the study ({again})")
+            f"itself): reproduce one of its jobs{which} or rerun the study ({again})")
 
 
 def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path] | None:
@@ -253,7 +264,7 @@ def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path
     try:
         run = client.get_run(run_id)
         # Before the download: a parent has no config.yaml, and MLflow's error would not say why.
-        refused = _study_parent(run)
+        refused = _study_parent(client, run)
         if refused:
             logger("reproduce").error(refused)
             return None
