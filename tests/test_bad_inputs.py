@@ -35,6 +35,9 @@ CASES = [
     ("top level list", _file("- a\n"), [], {}, [], "exp.yaml: the top level must be a mapping"),
     ("section as list", _file("train: [1]\n"), [], {}, [], "exp.yaml: train: got [1]"),
     ("invalid yaml", _file("train: {epochs: 1\n"), [], {}, [], "exp.yaml: not valid YAML"),
+    # PyYAML kept the last of a key given twice, silently (a study's metric_mode flipped)
+    ("duplicate key", _file("train:\n  epochs: 1\n  epochs: 9\n"), [], {}, [],
+     "exp.yaml: not valid YAML (the key 'epochs' is given twice at line 3, column 3)"),
     ("binary file", _file(b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), [], {}, [], "exp.yaml: not a text file"),
     ("bool as int", _file("data:\n  batch_size: true\n"), [], {}, [], "data.batch_size: got True"),
     ("int as bool", _file("train:\n  deterministic: 1\n"), [], {}, [], "train.deterministic: got 1"),

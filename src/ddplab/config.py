@@ -873,6 +873,20 @@ class _Loader(yaml.SafeLoader):
 
     limit = MAX_YAML_NODES
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A key given twice in one mapping is refused (YAML says keys are unique; PyYAML keeps
+        the last silently: a second ``metric_mode`` flipped a study's direction)."""
+        seen: set[tuple[str, str]] = set()
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            if (key.tag, key.value) in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"the key {key.value!r} is given twice", key.start_mark)
+            seen.add((key.tag, key.value))
+        return super().construct_mapping(node, deep)
+
     def compose_document(self) -> Any:
         self.nodes, self.depth = 0, 0
         return super().compose_document()
