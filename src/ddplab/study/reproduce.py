@@ -152,11 +152,12 @@ def _differences(original: dict[str, str]) -> list[str]:
         if recorded and recorded != here_now:
             said.append(f"{tag.removeprefix(schema.PREFIX)}: the run {recorded}, here {here_now}")
     if original.get(schema.GIT_DIRTY) == "true":
-        said.append("the run was made from a checkout with uncommitted changes (its git.diff "
-                    "artifact holds them): the sha alone cannot rebuild what ran")
+        said.append("ddplab's checkout had uncommitted changes when the run was made (its "
+                    "git.diff artifact holds them): the sha alone cannot rebuild the ddplab "
+                    "that ran (the script is checked by its own sha256)")
     elif capsule.git_dirty()[0] == "true":
-        said.append("this checkout has uncommitted changes (git status): it is not the code "
-                    f"the run's sha {run_sha[:12]} names")
+        said.append("ddplab's checkout here has uncommitted changes (git status): it is not "
+                    f"the ddplab the run's sha {run_sha[:12]} names")
     for name, version in capsule.versions().items():
         recorded = original.get(schema.version_tag(name))
         if recorded and recorded != str(version):
@@ -377,10 +378,11 @@ def _summary(rows: list[Row], varying: list[Row], new: str) -> str:
     d, k, s = max(((gap(a, b), k, s) for k, s, a, b in rows if not math.isnan(gap(a, b))),
                   key=lambda t: t[0], default=(0.0, "", 0))
     where = f" at {k} step {s}" if d else ""
-    said = f"{len(rows)} values compared, largest difference {d:.3g}{where}"
+    values = f"{len(rows)} value{'' if len(rows) == 1 else 's'} compared"
+    said = f"{values}, largest difference {d:.3g}{where}"
     if apart:
         other = f", largest other difference {d:.3g}{where}" if d else ""
-        said = (f"{len(rows)} values compared: {len(apart)} missing or NaN on one side (the "
+        said = (f"{values}: {len(apart)} missing or NaN on one side (the "
                 f"first: {apart[0][0]} step {apart[0][1]}){other}")
     reported = f"; {len(varying)} values that vary run to run reported, not compared" \
         if varying else ""
