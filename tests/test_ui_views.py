@@ -169,3 +169,24 @@ def test_no_chart_of_empty_axes_when_no_run_logged_the_compared_metric(tmp_path)
     logged = [dataclasses.replace(r, throughput_median=0.5, throughput_min=0.4,
                                   throughput_max=0.6) for r in unlogged]
     assert _plots(tmp_path, logged) == {"compared.png"}
+
+
+def test_a_script_studys_table_has_no_empty_eval_column_and_a_small_mfu_is_not_zero():
+    """Beside a script's own val/acc the console showed an "eval acc" column of dashes; the
+    report an MFU of "0.0%" for a tiny model's 0.03%."""
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    rows = [dataclasses.replace(row(n, 0.8, 0.7, 0.9, accuracy=None), metric="val/acc",
+                                metric_mode="max", mfu=0.0003) for n in ("a", "b")]
+    out = io.StringIO()
+    render.print_table(rows, "t", Console(file=out, width=200))
+    assert "eval acc" not in out.getvalue() and "val/acc" in out.getvalue(), out.getvalue()
+    names, cells = render.grid(rows)
+    assert cells[0][names.index("MFU")] == "0.03%", (names, cells)
+    rows = [dataclasses.replace(r, eval_accuracy=0.5) for r in rows]
+    out = io.StringIO()
+    render.print_table(rows, "t", Console(file=out, width=200))
+    assert "eval acc" in out.getvalue()

@@ -39,7 +39,8 @@ def _cells(r: Row) -> list[str]:
     spread = (f"{fmt(r.throughput_median)} [{fmt(r.throughput_min)}-{fmt(r.throughput_max)}]"
               if r.throughput_median is not None else "-")
     wall = f"{r.wall_time_s:.0f}" if r.wall_time_s is not None else "-"
-    mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
+    # (a tiny model's 0.03% is not "0.0%")
+    mfu = "-" if r.mfu is None else f"{r.mfu:.1%}" if r.mfu >= 0.01 else f"{r.mfu * 100:.2g}%"
     if is_throughput(r.metric):
         ratio, efficiency = fmt(r.speedup), fmt(r.efficiency)
     else:
@@ -110,16 +111,17 @@ def print_table(rows: list[Row], title: str, console: Any) -> None:
     throughput = is_throughput(metric)
     t = Table(title=title)
     memory = any(r.model_state_mb is not None for r in rows)
+    accuracy = any(r.eval_accuracy is not None for r in rows)  # (a script's jobs: none)
     figure = ("samples/s", "speedup", "efficiency") if throughput else (
         f"{metric} ({better(mode)})", "vs baseline")
-    for c in ("variant", "ok/all", *figure, "eval acc", "wall s",
+    for c in ("variant", "ok/all", *figure, *(["eval acc"] if accuracy else []), "wall s",
               *(["state MB"] if memory else []), "backend", "launcher"):
         t.add_column(c)
     for r in rows:
         ratios = (fmt(r.speedup), fmt(r.efficiency)) if throughput else (
             f"{r.change:+.1%}" if r.change is not None else "-",)
         t.add_row(r.variant, f"{r.runs - r.failed}/{r.runs}", fmt(r.throughput_median),
-                  *ratios, fmt(r.eval_accuracy),
+                  *ratios, *([fmt(r.eval_accuracy)] if accuracy else []),
                   fmt(r.wall_time_s), *([fmt(r.model_state_mb)] if memory else []),
                   r.backend, r.launcher)
     console.print(t)
