@@ -441,6 +441,9 @@ def test_ctrl_c_or_termination_ends_the_parent_killed_and_leaves_no_child_runnin
     (parent,), children = study_runs(store)
     assert parent.info.status == "KILLED"
     assert [c.info.status for c in children] == ["KILLED"]
+    # The report says so (it said only "one: 1 of 1 runs failed", and nothing of "two").
+    assert "WARNING: the study was interrupted before its end" in out, out[-3000:]
+    assert "never run: two" in out, out[-3000:]
 
 
 def test_a_closed_terminal_and_kill_stop_a_study_as_ctrl_c_does():

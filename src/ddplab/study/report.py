@@ -27,10 +27,11 @@ from .verdict import Verdict, judge
 
 
 def build(client: Any, parent_id: str, study: Study | None = None, console: Any = None,
-          uri: str = "", page: Path | None = None) -> list[Row]:
+          uri: str = "", page: Path | None = None, interrupted: bool = False) -> list[Row]:
     """The report of one study's parent run, logged to that run and printed (with the
     addresses of the answer in the MLflow UI when ``uri`` is given), and written as the
-    results page ``page`` when given."""
+    results page ``page`` when given; ``interrupted``: the study was stopped before its end
+    (said first, with the variants it never ran)."""
     parent = client.get_run(parent_id)
     tags = parent.data.tags
     children = client.search_runs([parent.info.experiment_id],
@@ -73,6 +74,12 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
     others = environment_warnings(children) + straggler_warnings(children)
     notes += others
     verdict = judge(rows, baseline, single_epoch=single)
+    if interrupted:
+        ran = {r.variant for r in rows}
+        missing = [name for name in order if name not in ran]
+        verdict.warnings.insert(0, "the study was interrupted before its end: a job it stopped "
+                                   "(KILLED) counts as failed below"
+                                + (f"; never run: {', '.join(missing)}" if missing else ""))
     notes = [f"Verdict: {verdict.text}"] + [f"WARNING: {w}." for w in verdict.warnings] + notes
     record_answer(client, parent_id, rows, verdict, study)
     md = markdown(rows, title, notes)

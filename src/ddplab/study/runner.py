@@ -464,7 +464,8 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
 
         try:
             tracker.client.deliver(5.0)  # what the report reads back (skipped variants)
-            report.build(tracker.client, parent_id, study, console, uri)
+            report.build(tracker.client, parent_id, study, console, uri,
+                         interrupted=status == "KILLED")
         finally:
             life.end(tracker.client, parent_id, status)
             kept = tracker.client.close(tracker.delivery_s)
