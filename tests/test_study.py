@@ -212,9 +212,16 @@ def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path
     assert "metrics.`study/two/samples_per_s_median`" in study_view["selectedColumns"]
     assert "viewStateShareKey=ddplab-study" in out.stdout
 
-    again = cli(["study", "run", str(path)], tmp_path, store)  # continues: nothing re-run
+    # Continues (nothing re-run), from the study file as it is now: its parent's study.yaml
+    # and ddplab.study_file said what the first run's file said.
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(path.read_text() + "description: the second time\n")
+    again = cli(["study", "run", str(moved)], tmp_path, store)
     assert again.stdout.count("already FINISHED in this study, skipped") == 4
     assert len(study_runs(store)[1]) == len(children) + 2  # only the broken variant again
+    assert study_runs(store)[0][0].data.tags["ddplab.study_file"] == str(moved)
+    resolved = client(store).download_artifacts(parent.info.run_id, "study.yaml", str(tmp_path / "a"))
+    assert "the second time" in Path(resolved).read_text()
 
     # `ddplab report <parent>` rebuilds the report from the store: the page call below does
     # (the same rebuild, then the page), and its output carries the table.
@@ -242,7 +249,7 @@ def assert_results_page(tmp_path: Path, store: str, parent, ok: list, rows: dict
     assert re.match(r"\d+ cores \(", stamp["machine"])
     first = min(c.info.start_time for c in ok) // 1000
     assert stamp["measured"].startswith(time.strftime("%Y-%m-%d %H:%M", time.gmtime(first)))
-    assert stamp["command"].startswith("`ddplab study run ") and "study.yaml" in stamp["command"]
+    assert stamp["command"].startswith("`ddplab study run ") and "moved.yaml" in stamp["command"]
     assert stamp["command"].endswith(f"ddplab report {parent.info.run_id} --page tiny-study`")
     row = next(line for line in text.splitlines() if line.startswith("| two |"))
     assert f"| {float(rows['two']['speedup']):.3f} |" in row

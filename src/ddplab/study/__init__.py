@@ -37,7 +37,8 @@ def run_study(path: str, overrides: list[str], fresh: bool, dry_run: bool, repea
     if variants:
         study = spec.only(study, variants)
     resolved = yaml.safe_dump({
-        "name": study.name, "experiment": str(study.experiment), "set": study.set,
+        "name": study.name, "description": study.description,
+        "experiment": str(study.experiment), "set": study.set,
         "repeats": study.repeats, "baseline": study.baseline,
         "extra_set": [mask(spec.as_text(o)) for o in study.extra],
         "target_accuracy": study.target_accuracy,

@@ -295,8 +295,14 @@ class Tracker:
             self._same_settings(found[0], digest)
             self._deliver_left(run_id)
             self.client.update_run(run_id, status="RUNNING")
-            for k, v in {**digest, schema.STUDY_COMMAND: typed_command()}.items():
+            # The study as it is now (its metric, its file may have changed since), not as
+            # the run that made the parent had it.
+            for k, v in {**digest, schema.STUDY_COMMAND: typed_command(),
+                         schema.STUDY_FILE: str(self.study.path)}.items():
                 self.client.set_tag(run_id, k, v)
+            from ..logins import mask
+
+            self.client.log_text(run_id, mask(resolved), "study.yaml")
             self._end_stale_children(run_id)
             return run_id
         from ..logins import mask
