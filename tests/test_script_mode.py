@@ -471,6 +471,26 @@ def test_reproduce_reruns_a_script_and_strict_refuses_a_changed_one(tmp_path, st
     assert len(runs(store)) == 2  # refused before any run
 
 
+@pytest.mark.e2e
+def test_reproducing_a_failed_script_run_says_it_failed_again_without_torchruns_traceback(
+        tmp_path, store):
+    """Before its verdict, reproduce showed torchrun's own ~50 lines (its traceback of
+    ChildFailedError, its "Root Cause" banner): ddplab run's one line now."""
+    script = tmp_path / "fails.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "raise RuntimeError('boom')\n")
+    first = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    assert first.returncode != 0
+    (run,) = runs(store)
+    again = subprocess.run([str(Path(sys.executable).parent / "ddplab"), "reproduce",
+                            run.info.run_id], cwd=tmp_path, env=job_env(store),
+                           capture_output=True, text=True, timeout=300)
+    said = again.stdout + again.stderr
+    assert again.returncode == 0 and "reproduced (it failed again" in said, said[-3000:]
+    assert "ChildFailedError" not in said and "Root Cause" not in said, said[-3000:]
+    assert "ddplab: error: rank " in said, said[-3000:]
+
+
 OUTAGE = '''
 import os, time, torch.distributed as dist
 from ddplab import track

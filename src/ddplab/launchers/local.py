@@ -146,13 +146,20 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _torchrun(a: argparse.Namespace) -> int:
+    return torchrun_here(torchrun_args(a))
+
+
+def torchrun_here(args: list[str]) -> int:
+    """torchrun with ``args``, in this process; a rank's failure as ddplab's one line, not
+    torchrun's traceback and failure banner (``python -m ddplab.launchers.local ARGS``: how
+    ``ddplab reproduce`` starts its torchrun job)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
     try:
-        torchrun(parse_args(torchrun_args(a)))
+        torchrun(parse_args(args))
     except ChildFailedError as e:
         return failed(e)
     except SignalException as e:  # Ctrl-C or SIGTERM: torchrun stopped the ranks
@@ -186,3 +193,7 @@ def failed(e: ChildFailedError) -> int:
     logger().error(f"rank {rank} {'refused the job' if code == 2 else 'failed'} (exit code "
                    f"{code}){f': {why}' if why else ''}")
     return code
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_here(sys.argv[1:]))

@@ -213,9 +213,16 @@ def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[s
     train = train_job(config_path, sets)
     if world == 1 and tags.get(schema.LAUNCHER) == "none":
         return [sys.executable, *train]
+    from ..launchers.targets import Torchrun, local
     from .runner import local_launch
 
-    return local_launch(tags.get(schema.LAUNCHER) or "torchrun", world, train)
+    launcher = tags.get(schema.LAUNCHER) or "torchrun"
+    target = local(launcher, world)
+    if isinstance(target, Torchrun):
+        # torchrun in a process of ddplab's: a failed rank is one line (the verdict follows),
+        # not torchrun's traceback and failure banner
+        return [sys.executable, "-m", "ddplab.launchers.local", *target.args(train)]
+    return local_launch(launcher, world, train)
 
 
 def reproduce(run_id: str, strict: bool) -> int:
