@@ -66,7 +66,8 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
         compared = study.direction if study else f"{metric}, {better(mode)}"
         notes = [f"Baseline: {baseline}. Compared: {compared}: the last value each finished run "
                  "logged, median and min-max over the repeats; vs baseline = (median - the "
-                 "baseline's median) / the baseline's."]
+                 "baseline's median) / the baseline's (where the baseline's is 0: the verdict "
+                 "gives the difference itself)."]
     if target:
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
