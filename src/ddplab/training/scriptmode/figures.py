@@ -16,8 +16,8 @@ STRAGGLER_MIN_STEPS = 10
 data wait and forward (a 3-step smoke test's) is their noise, not a rank's pace."""
 
 MOSTLY = 0.8
-"""A straggler's extra work named by its phase (data loading, forward) when that phase holds at
-least this share of it."""
+"""A straggler's work named by its phase (data loading, forward) when that phase holds at least
+this share of its data wait + forward."""
 TRAIN_LOSS, SAMPLES_PER_S, MFU = "train/loss", "perf/samples_per_s", "perf/mfu"
 
 
