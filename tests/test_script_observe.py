@@ -213,6 +213,7 @@ def test_an_evaluation_in_eval_mode_with_gradients_on_is_not_training_but_traini
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     obs = _observer()
+    obs.outer = model  # (as the hooks find it: the module its forward pre-hook is on)
     for _ in range(3):
         _train_step(obs, model, opt, 8)
     model.eval()
@@ -221,10 +222,20 @@ def test_an_evaluation_in_eval_mode_with_gradients_on_is_not_training_but_traini
     model.train()
     _train_step(obs, model, opt, 8)
     assert obs.totals.samples == 4 * 8 and obs.totals.steps == 4
-    # A script that trains with its model in eval mode (dropout off) is still seen training.
+    # A script that trains with its model in eval mode (dropout off) is still seen training,
+    # each of its micro-batches (gradient accumulation) counted.
     model.eval()
     _train_step(obs, model, opt, 6)
     assert obs.totals.samples == 4 * 8 + 6 and obs.totals.steps == 5
+    for n in (3, 5):
+        x = torch.randn(n, 4)
+        obs.forward(model, (x,), {})
+        loss = model(x).pow(2).mean()
+        obs.backward(loss)
+        loss.backward()
+    opt.step()
+    obs.optimizer_step()
+    assert obs.totals.samples == 4 * 8 + 6 + 8 and obs.totals.steps == 6
 
 
 def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators_at_epoch_end():

@@ -204,10 +204,10 @@ class Observer:
             self.marker = self.marker_for(_step_device(module, args, kwargs))
         if self.sample is None and not self.flops:
             self.sample = _one_sample(args, kwargs)
-        if _in_eval_mode(module):
+        if _in_eval_mode(module):  # (a step's later micro-batches too, training in eval mode)
+            at, mark, samples = self.held or (now, None if self.t_forward else self._mark(), 0)
+            self.held = (at, mark, samples + _batch_size(args, kwargs))
             if not self.t_forward:
-                at, mark, samples = self.held or (now, self._mark(), 0)
-                self.held = (at, mark, samples + _batch_size(args, kwargs))
                 self._beat("evaluation", None)
             return
         self.held = None  # (an evaluation's forwards: no backward came)
@@ -219,8 +219,11 @@ class Observer:
 
     def backward(self, loss: torch.Tensor | None) -> None:
         """A backward from ``loss`` (None: from several tensors at once)."""
-        if self.held is not None and not self.t_forward:  # it trained, in eval mode
-            self.t_forward, self.m_forward, self.samples = self.held
+        if self.held is not None:  # it trained, in eval mode
+            at, mark, samples = self.held
+            if not self.t_forward:
+                self.t_forward, self.m_forward = at, mark
+            self.samples += samples
             self.held = None
         if not self.t_backward:
             self.t_backward = time.perf_counter()
