@@ -92,6 +92,28 @@ def test_a_delivery_started_before_its_run_delivers_once_attached(store):
     assert [m.value for m in client.get_metric_history(run_id, "loss")] == [0.5]
 
 
+def test_a_delivery_killed_and_still_exiting_as_the_job_ends_is_delivered_from_here(store,
+                                                                                     capsys):
+    """Seen in CI under load: the delivery process, SIGKILLed mid-job, was still exiting when
+    the job ended (poll() said None), so nothing delivered its records: "not all delivered
+    yet". The poll is made to say so here (a fake of that moment, named so); the kill is real."""
+    from ddplab.tracking import RunRef
+
+    client, run_id, d = store
+    delivery = _early_delivery()
+    delivery.attach(d, RunRef(run_id, client.tracking_uri, "0", spool.now_ms()))
+    delivery.proc.kill()
+    delivery.proc.poll = lambda: None  # type: ignore[method-assign]  # the fake: still exiting
+    s = spool.Stream(d, "records")
+    s.append({"op": "log", "ts": 1, "step": 0, "metrics": {"loss": 0.5}})
+    s.append({"op": "end", "ts": 2, "status": "FINISHED"})
+    assert delivery.close() == 0
+    assert "ended during the job (signal 9); delivering its spool from here" in \
+        capsys.readouterr().err
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run_id, "loss")] == [0.5]
+
+
 def test_a_delivery_attached_to_its_run_takes_the_lowest_priority_its_session_included(store):
     """Once it delivers, the process runs at nice 19, and so does its session's scheduling
     group where the kernel groups by session (autogroup): in a session of its own, nice alone

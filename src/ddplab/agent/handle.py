@@ -132,8 +132,12 @@ class Delivery:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        if died is not None and not (self.directory / DELIVERY_JSON).exists():
-            self._deliver_here(died)
+            return spool.left_in(self.directory) + spool.rejected_in(self.directory)
+        # Killed during the job, it may still have been exiting a moment ago (a big process's
+        # exit takes a while on a busy machine: poll() said None then); told to end, it exits 0.
+        code = died if died is not None else self.proc.returncode
+        if (died is not None or code) and not (self.directory / DELIVERY_JSON).exists():
+            self._deliver_here(code)
         return spool.left_in(self.directory) + spool.rejected_in(self.directory)
 
     def _deliver_here(self, code: int) -> None:
