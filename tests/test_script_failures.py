@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import subprocess
+from typing import Any
 
 import pytest
 
@@ -371,21 +372,16 @@ def test_a_stray_module_in_the_current_directory_and_a_symlinked_script(tmp_path
     assert f"FILE {work / 'train.py'} beside the link" in out.stdout, out.stdout[-2000:]
 
 
-@pytest.mark.e2e
-def test_a_script_run_in_a_terminal_writes_to_a_terminal(tmp_path, store):
-    """Its stdout and stderr were pipes: tqdm, rich and coloured logging saw no terminal where
-    plain python gives them one. Its output comes through byte for byte (a newline is not made
-    CR-LF twice) at the terminal's size."""
+def _terminal(cols: int, mark: bytes = b"") -> tuple[int, bytearray, Any, Any]:
+    """A pseudo-terminal ``cols`` wide for a job's output: (its end to give the job, what it
+    has shown, the thread reading it, an event set once ``mark`` has been shown)."""
     import os
     import pty
     import threading
 
-    script = tmp_path / "in_a_terminal.py"
-    script.write_text("import os, sys\nprint('TTY', sys.stdout.isatty(), sys.stderr.isatty(), "
-                      "os.get_terminal_size(1).columns)\nprint('a\\nb', flush=True)\n")
     read, write = pty.openpty()
-    subprocess.run(["stty", "cols", "123"], stdin=write, check=True)
-    seen = bytearray()
+    subprocess.run(["stty", "cols", str(cols)], stdin=write, check=True)
+    seen, shown = bytearray(), threading.Event()
 
     def drain() -> None:
         while True:
@@ -396,9 +392,25 @@ def test_a_script_run_in_a_terminal_writes_to_a_terminal(tmp_path, store):
             if not chunk:
                 return
             seen.extend(chunk)
+            if mark and mark in seen:
+                shown.set()
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
+    return write, seen, reader, shown
+
+
+@pytest.mark.e2e
+def test_a_script_run_in_a_terminal_writes_to_a_terminal(tmp_path, store):
+    """Its stdout and stderr were pipes: tqdm, rich and coloured logging saw no terminal where
+    plain python gives them one. Its output comes through byte for byte (a newline is not made
+    CR-LF twice) at the terminal's size."""
+    import os
+
+    script = tmp_path / "in_a_terminal.py"
+    script.write_text("import os, sys\nprint('TTY', sys.stdout.isatty(), sys.stderr.isatty(), "
+                      "os.get_terminal_size(1).columns)\nprint('a\\nb', flush=True)\n")
+    write, seen, reader, _ = _terminal(123)
     cmd = [str(BIN / "ddplab"), "train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
     code = subprocess.run(cmd, cwd=tmp_path, env=job_env(store), stdin=subprocess.DEVNULL,
                           stdout=write, stderr=write, timeout=300).returncode
@@ -414,8 +426,6 @@ def test_a_terminal_resized_while_the_script_runs_resizes_the_scripts_terminal(t
     """The script's pseudo-terminal kept the size it had at the start: a progress bar drawn for
     the old width wrapped on every refresh once the user resized the window."""
     import os
-    import pty
-    import threading
 
     script = tmp_path / "resized.py"
     script.write_text(
@@ -425,25 +435,7 @@ def test_a_terminal_resized_while_the_script_runs_resizes_the_scripts_terminal(t
         "while os.get_terminal_size(1).columns == 123 and time.monotonic() < deadline:\n"
         "    time.sleep(0.05)\n"
         "print('NOW', os.get_terminal_size(1).columns, flush=True)\n")
-    read, write = pty.openpty()
-    subprocess.run(["stty", "cols", "123"], stdin=write, check=True)
-    seen = bytearray()
-    started = threading.Event()
-
-    def drain() -> None:
-        while True:
-            try:
-                chunk = os.read(read, 65536)
-            except OSError:  # every writer gone
-                return
-            if not chunk:
-                return
-            seen.extend(chunk)
-            if b"COLS" in seen:
-                started.set()
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
+    write, seen, reader, started = _terminal(123, b"COLS")
     cmd = [str(BIN / "ddplab"), "train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(store), stdin=subprocess.DEVNULL,
                             stdout=write, stderr=write)
