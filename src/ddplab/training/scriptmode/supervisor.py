@@ -304,7 +304,7 @@ class Script:
         # (its observation counts from 1 again; a metric's value is the one at its highest step).
         self.step_offset = max(run.logged_through, run.last_step) + 1
         self.exited_at = 0.0  # when the script's process ended (time.time())
-        self.stop_at = float("inf")  # when this supervisor began stopping the script
+        self.stop_at = float("inf")  # when this supervisor signalled the script to stop
         self.stopped_why = f"{PEER_FAILED}: its supervisor stopped the script"
         self.readers: list[Any] = []  # the script's stdout and stderr, as read here
 
@@ -401,11 +401,11 @@ class Script:
                 # own failure, which its peer's error may have been reported before) is not.
                 # (ended, not poll(): the reaping thread holds Popen's lock, poll() says None.)
                 if not stopped and self.meeting.peer_failed() and not ended.is_set():
-                    stopped, self.stop_at = PEER_FAILED, time.time()
+                    stopped = PEER_FAILED
                     self._stacks(proc)
+                    self.stop_at = time.time()
                     proc.terminate()
         except BaseException as e:
-            self.stop_at = time.time()
             # A script that had ended by itself when the launcher's signal came (argparse's
             # refusal on every rank: torchrun stops the rest once the first one exits) ended its
             # own way; Ctrl-C is the user's stop, whoever ended first.
@@ -419,6 +419,10 @@ class Script:
             # it gets time to stop by itself before SIGTERM. Anything else is passed on.
             interrupted = isinstance(e, KeyboardInterrupt)
             self._stacks(proc)
+            # The stop begins at our signal, not at the launcher's: a script that ended by
+            # itself while its stacks were asked for (rank 0's argparse refusal, a moment after
+            # rank 1's: seen in CI) was not stopped.
+            self.stop_at = time.time()
             _stop(proc, None if interrupted else signal.SIGTERM)
             self._end(proc, pumps, stopped)
             raise
