@@ -238,6 +238,33 @@ def test_an_evaluation_in_eval_mode_with_gradients_on_is_not_training_but_traini
     assert obs.totals.samples == 4 * 8 + 6 + 8 and obs.totals.steps == 6
 
 
+def test_on_a_fake_gpu_an_evaluation_between_steps_is_not_the_next_steps_data_wait():
+    """An epoch's evaluation (under no_grad, or model.eval() without it) counted as the data
+    wait of the step after it: a data wait fraction of 0.5 and a halved samples/s for a
+    script whose input never waited."""
+    gpu, model = FakeGpu(), nn.Linear(4, 2)
+    obs, _ = observer(gpu)
+    obs.outer = model  # (as the hooks find it: the module its forward pre-hook is on)
+    gpu.done = 1e9
+    step(obs, gpu, model, 0.0, 0.0, 0.5, 0.5)  # the warm-up, ending at device time 1.0
+    step(obs, gpu, model, 1.0, 0.5, 0.5, 1.0)  # ends at 3.0
+    for k, (grad, start) in enumerate(((False, 3.0), (True, 15.0))):
+        # 10 evaluation batches, 1 s each on the device; the next step 0.5 s idle after
+        # the last one's forward began
+        model.eval()
+        for b in range(10):
+            gpu.queued = start + b + 1
+            with torch.set_grad_enabled(grad):
+                obs.forward(model, (torch.randn(8, 4),), {})
+        model.train()
+        step(obs, gpu, model, start + 10, 0.5, 0.5, 1.0)
+        assert obs.totals.steps == 3 + k
+    obs.finish()
+    t = obs.totals
+    assert t.wait_s == pytest.approx(1.5) and t.steady_s == pytest.approx(6.0)
+    assert t.steady_samples == 3 * 8  # the evaluations' batches are not training samples
+
+
 def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators_at_epoch_end():
     """DCGAN's order: D on real, D on fake, D's step (the step's end), then G's backward and
     step. The epoch's end logged G's loss, the log points every 10 steps D's: one zigzag curve."""

@@ -147,6 +147,7 @@ def test_a_named_higher_is_better_metric_is_compared_as_itself_not_as_a_speed(tm
     assert verdict.startswith("lr0.3 has the highest val/acc (0.855; higher is better).")
     assert "lr0.3: +51.3% val/acc vs lr0.01 (0.855 vs 0.565), better" in verdict
     assert parent.data.tags["ddplab.study.warnings"] == "0"
+    assert "ddplab.study_target" not in parent.data.tags  # no target: not a target of 0.0
     md, html = files["report.md"], files["report.html"]
     assert "| val/acc median [min-max], higher is better | vs baseline |" in md
     assert "| lr0.3 | 2/2 | 0.855 [0.850-0.860] | +51.3% |" in md

@@ -45,7 +45,8 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
                                             or inferred_mode(metric) or "max")
     if study:
         client.set_tag(parent_id, schema.STUDY_BASELINE, baseline)
-        client.set_tag(parent_id, schema.STUDY_TARGET, str(target))
+        if target:  # (no target: no tag, not a target of 0.0)
+            client.set_tag(parent_id, schema.STUDY_TARGET, str(target))
         client.set_tag(parent_id, schema.STUDY_METRIC, metric)
         client.set_tag(parent_id, schema.STUDY_METRIC_MODE, mode)
     # Without the study file, the variants in the order they first ran (the study's order).

@@ -20,7 +20,8 @@ script is edited and nothing waits on the device inside its step:
   without ``torch.no_grad()``) that no backward follows; nothing is seen inside code
   torch.compile traces;
 - **epochs** from ``DistributedSampler.set_epoch``;
-- per rank, **data wait** (the previous step's end to this step's first forward), **forward**
+- per rank, **data wait** (the previous step's end, or the last evaluation forward since,
+  to this step's first forward), **forward**
   and **backward + optimizer**: on a CPU by the host clock; on a GPU by marks on the device's
   stream (CUDA events, marks.py) at those points, read once the device has passed them (a step
   or more later, never waited for), so they are the device's times, not the host's launches
@@ -167,7 +168,12 @@ class Observer:
         # a forward of the model in eval mode with gradients on (model.eval() without
         # torch.no_grad()): its time, device mark and samples, a training step's start only if
         # a backward follows it (a script that trains in eval mode), else an evaluation's
-        self.held: tuple[float, Any, int] | None = None
+        # (the first's time and mark, the samples, the last's time and mark)
+        self.held: tuple[float, Any, int, float, Any] | None = None
+        # the time and device mark of the last evaluation forward since the last step: the
+        # next step's data wait starts there, not at the step's end (an epoch's evaluation is
+        # not the next step's data wait)
+        self.evaluated: tuple[float, Any] | None = None
         # (a scaled tensor, what a GradScaler scaled) of the last scale(): the loss a backward
         # from it stands for (a list of losses scaled at once gives one pair each)
         self.scaled: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
@@ -196,6 +202,8 @@ class Observer:
         if not torch.is_grad_enabled():
             if self.outer is not None or not self.t_forward:
                 self._beat("evaluation", None)
+            if self.outer is not None and not self.t_forward and self.step_end:
+                self.evaluated = (time.perf_counter(), self._mark())
             return
         if self.t_forward and self.outer is None:
             return  # a module inside the step's first one
@@ -205,24 +213,27 @@ class Observer:
         if self.sample is None and not self.flops:
             self.sample = _one_sample(args, kwargs)
         if _in_eval_mode(module):  # (a step's later micro-batches too, training in eval mode)
-            at, mark, samples = self.held or (now, None if self.t_forward else self._mark(), 0)
-            self.held = (at, mark, samples + _batch_size(args, kwargs))
+            mark = None if self.t_forward else self._mark()
+            at, first, samples, _, _ = self.held or (now, mark, 0, now, mark)
+            self.held = (at, first, samples + _batch_size(args, kwargs), now, mark)
             if not self.t_forward:
                 self._beat("evaluation", None)
             return
-        self.held = None  # (an evaluation's forwards: no backward came)
+        if self.held is not None:  # an evaluation's forwards: no backward came
+            if not self.t_forward and self.step_end:
+                self.evaluated = self.held[3:]
+            self.held = None
         if not self.t_forward:
-            self.t_forward = now
-            self.m_forward = self._mark()
+            self._begin(now, self._mark())
             self._beat("forward", None)
         self.samples += _batch_size(args, kwargs)
 
     def backward(self, loss: torch.Tensor | None) -> None:
         """A backward from ``loss`` (None: from several tensors at once)."""
         if self.held is not None:  # it trained, in eval mode
-            at, mark, samples = self.held
+            at, mark, samples, _, _ = self.held
             if not self.t_forward:
-                self.t_forward, self.m_forward = at, mark
+                self._begin(at, mark)
             self.samples += samples
             self.held = None
         if not self.t_backward:
@@ -236,6 +247,16 @@ class Observer:
                 loss = unscaled
                 break
         self.loss = loss.detach()
+
+    def _begin(self, at: float, mark: Any) -> None:
+        """A training step's first forward, at ``at``: its data wait starts at the last
+        evaluation forward since the last step, if any (the evaluation's batches and forwards
+        are not this step's input; what follows that forward still is)."""
+        if self.evaluated is not None and self.evaluated[0] <= at:
+            self.step_end = self.evaluated[0]
+            self.m_end = self.evaluated[1] if self.evaluated[1] is not None else self.m_end
+        self.evaluated = None
+        self.t_forward, self.m_forward = at, mark
 
     def scale(self, scaled: Any, outputs: Any) -> None:
         """After ``GradScaler.scale(outputs)`` (a tensor, or a list or tuple of them): remember
@@ -293,7 +314,7 @@ class Observer:
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
         # The loss of the step's leading optimizer, at every log point: a GAN's generator
         # backward after it (DCGAN's order) is not the step's loss at the epoch's end only.
-        self.step_loss, self.held = self.loss, None
+        self.step_loss, self.held, self.evaluated = self.loss, None, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
         if not self.flops and (self.sample is not None or t.steps >= FLOP_COUNT_BY):
