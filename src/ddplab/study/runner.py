@@ -335,9 +335,12 @@ class Tracker:
         changed = [k.rsplit(".", 1)[1] for k, v in digest.items()
                    if parent.data.tags.get(k, v) != v]
         if changed:
+            # (--variants makes a study of some variants, a quick look's --set other settings)
+            how = " (--variants or --set choose them too)" if "variants" in changed or \
+                "set" in changed else ""
             raise ConfigError(
                 f"{self.study.path}: the study's {', '.join(changed)} changed since its parent run "
-                f"{parent.info.run_id}: its FINISHED jobs would be mixed with jobs of other "
+                f"{parent.info.run_id}{how}: its FINISHED jobs would be mixed with jobs of other "
                 "settings. Run with --fresh to start a new parent run (the old one stays)")
 
     def _end_stale_children(self, parent_id: str) -> None:

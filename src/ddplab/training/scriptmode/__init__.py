@@ -3,7 +3,7 @@
     ddplab train my_train.py -- --epochs 3                        # one process
     torchrun --nproc-per-node 2 -m ddplab train my_train.py -- --epochs 3
     mpirun -np 2 ddplab train my_train.py                         # OMPI_* mapped to RANK, ...
-    ddplab train experiments/scripts/book-ch09-gloo.yaml           # a script: section
+    ddplab train my-script.yaml                                     # an experiment with a script: section
 
     supervisor  each rank's ddplab process: the run, the script's process, how it ended
     meeting     the ranks' store (torchrun's agent store, or rank 0's) without a process group
