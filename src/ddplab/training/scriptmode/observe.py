@@ -19,7 +19,8 @@ script is edited and nothing waits on the device inside its step:
   evaluation, not training, and so are forwards of a model in eval mode (``model.eval()``
   without ``torch.no_grad()``) that no backward follows; nothing is seen inside code
   torch.compile traces;
-- **epochs** from ``DistributedSampler.set_epoch``;
+- **epochs** from ``DistributedSampler.set_epoch``, each to its last step's end or, later, its
+  data loader's running out (``StopIteration``, once its workers have shut down);
 - per rank, **data wait** (the previous step's end, or the last evaluation forward since,
   to this step's first forward), **forward**
   and **backward + optimizer**: on a CPU by the host clock; on a GPU by marks on the device's
@@ -185,6 +186,7 @@ class Observer:
         self.other: torch.optim.Optimizer | None = None  # another that stepped since the lead's
         self.other_steps = 0
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
+        self.epoch_end = 0.0  # when the epoch's data loader ran out after its last step (0: not)
         self.logged_step = 0
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
@@ -390,6 +392,15 @@ class Observer:
             return  # the other samplers of the same epoch (validation's)
         self.end_epoch()
         self.epoch, self.epoch_start, self.epoch_steps = epoch, time.perf_counter(), 0
+        self.epoch_end = 0.0
+
+    def loader_done(self) -> None:
+        """A data loader's iterator ran out (its workers shut down first). After a step and
+        no evaluation since: the epoch's training ends here, as a script's own epoch timer has
+        it (a loader with workers takes ~5% of a short epoch to shut them down)."""
+        if self.epoch_steps and not self.t_forward and self.evaluated is None \
+                and self.held is None:
+            self.epoch_end = time.perf_counter()
 
     def trained(self) -> None:
         """The script destroyed its process group: what fails or hangs now (its own evaluation,
@@ -402,7 +413,8 @@ class Observer:
     def end_epoch(self) -> None:
         if self.epoch < 0 or not self.epoch_steps:
             return
-        took = (self.step_end or time.perf_counter()) - self.epoch_start
+        end = self.epoch_end if self.epoch_end > self.step_end else self.step_end
+        took = (end or time.perf_counter()) - self.epoch_start
         self.totals.epochs.append({"epoch": self.epoch + 1, "time_s": round(took, 4),
                                    "steps": self.epoch_steps})
         self.log_point({"epoch/time_s": took, "epoch/epoch": float(self.epoch + 1)})
@@ -737,6 +749,20 @@ def _hooks(obs: Observer) -> None:
         set_epoch(self, epoch)
 
     DistributedSampler.set_epoch = observed_set_epoch  # type: ignore[method-assign]
+
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    loader_next = _BaseDataLoaderIter.__next__
+
+    @functools.wraps(loader_next)
+    def observed_next(self: Any) -> Any:
+        try:
+            return loader_next(self)
+        except StopIteration:
+            obs.loader_done()
+            raise
+
+    _BaseDataLoaderIter.__next__ = observed_next  # type: ignore[method-assign]
 
     import torch.distributed as dist
 
