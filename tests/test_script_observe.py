@@ -324,6 +324,55 @@ def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators
     assert obs.totals.loss != pytest.approx(float(err_g))
 
 
+def test_a_gans_samples_are_its_loaders_not_every_forward_of_its_discriminator():
+    """DCGAN: the discriminator (the model found) sees each real batch, then two fake ones: 3x
+    the samples. A SAM-like script forwards one batch twice. A loader's batch split into
+    micro-batches still counts once; without a loader, the forwards count."""
+    disc, gen = nn.Linear(4, 1), nn.Linear(4, 4)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = disc
+    for _ in range(3):
+        real = torch.randn(8, 4)
+        obs.batch([real, torch.zeros(8)])  # the loader's (images, labels)
+        obs.forward(disc, (real,), {})
+        disc(real).pow(2).mean().backward()
+        fake = gen(torch.randn(8, 4))
+        obs.forward(disc, (fake.detach(),), {})
+        err_fake = disc(fake.detach()).pow(2).mean()
+        obs.backward(err_fake)
+        err_fake.backward()
+        opt_d.step()
+        if obs.leads(opt_d):
+            obs.optimizer_step()
+        obs.forward(disc, (fake,), {})  # the generator's step: in the next step's window
+        disc(fake).mean().backward()
+        opt_g.step()
+        obs.leads(opt_g)
+    assert obs.totals.steps == 3 and obs.totals.samples == 3 * 8
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    obs.batch({"input_ids": torch.zeros(8, 4)})  # a Hugging Face batch, forwarded twice (SAM)
+    for _ in range(2):
+        x = torch.randn(8, 4)
+        obs.forward(model, (x,), {})
+        model(x).sum().backward()
+    opt.step()
+    obs.optimizer_step()
+    obs.batch((torch.zeros(8, 4), torch.zeros(8)))  # one batch, two micro-batches of 4
+    for _ in range(2):
+        micro = torch.randn(4, 4)
+        obs.forward(model, (micro,), {})
+        model(micro).sum().backward()
+    opt.step()
+    obs.optimizer_step()
+    _train_step(obs, model, opt, 8)  # no loader: the forwards count
+    assert obs.totals.samples == 8 + 8 + 8 and obs.totals.steps == 3
+
+
 def test_the_closing_line_and_summary_keep_the_observed_figures_beside_the_scripts_own_names():
     """A script logging train/loss and perf/samples_per_s itself: the console printed ddplab's
     values under those names (the run holds the script's), summary.json a null throughput."""

@@ -15,9 +15,10 @@ script is edited and nothing waits on the device inside its step:
   under ``torch.compile(DDP(model))``) at each call in the step, else to the model: the module
   given to torch.compile, or the first module a step calls with gradients that has parameters
   to train (not a transform of the data pipeline) (inside a Hugging Face dict or Lightning's
-  ``(batch, batch_idx)``; a list of images counts its images); forwards without gradients are
-  evaluation, not training, and so are forwards of a model in eval mode (``model.eval()``
-  without ``torch.no_grad()``) that no backward follows; nothing is seen inside code
+  ``(batch, batch_idx)``; a list of images counts its images), never more than the script's
+  data loaders gave since the last step (a GAN's discriminator forwards fakes too); forwards
+  without gradients are evaluation, not training, and so are forwards of a model in eval mode
+  (``model.eval()`` without ``torch.no_grad()``) that no backward follows; nothing is seen inside code
   torch.compile traces;
 - **epochs** from ``DistributedSampler.set_epoch``, each to its last step's end or, later, its
   data loader's running out (``StopIteration``, once its workers have shut down);
@@ -164,6 +165,9 @@ class Observer:
         self.step_end = 0.0  # the previous step's end (0: none yet)
         self.t_forward = self.t_backward = 0.0
         self.samples = 0
+        # samples the script's data loaders gave since the last step: a bound on the step's
+        # forwards' count (a GAN's discriminator sees each real batch and two fake ones)
+        self.loaded = 0
         self.loss: torch.Tensor | None = None  # the last backward's
         self.step_loss: torch.Tensor | None = None  # the last backward's before the last step
         # a forward of the model in eval mode with gradients on (model.eval() without
@@ -206,6 +210,7 @@ class Observer:
                 self._beat("evaluation", None)
             if self.outer is not None and not self.t_forward and self.step_end:
                 self.evaluated = (time.perf_counter(), self._mark())
+                self.loaded = 0  # (the evaluation's batches)
             return
         if self.t_forward and self.outer is None:
             return  # a module inside the step's first one
@@ -297,6 +302,11 @@ class Observer:
         first_forward = self.t_forward or self.t_backward
         start = self.step_end or first_forward
         t.steps += 1
+        # The forwards' samples, but no more than the data loaders gave: forwards of what a
+        # model made (a GAN's fakes) or of one batch twice (SAM) are not new samples; a
+        # batch split into micro-batches, or a loader that prefetches, still counts once.
+        if self.loaded:
+            self.samples = min(self.samples, self.loaded) if self.samples else self.loaded
         t.samples += self.samples
         self.epoch_steps += 1
         # (the next step's share holds the one FLOP count, made in this hook's last call)
@@ -314,6 +324,7 @@ class Observer:
             self._count(step, *step.host)
         self._read()
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
+        self.loaded = 0
         # The loss of the step's leading optimizer, at every log point: a GAN's generator
         # backward after it (DCGAN's order) is not the step's loss at the epoch's end only.
         self.step_loss, self.held, self.evaluated = self.loss, None, None
@@ -393,6 +404,14 @@ class Observer:
         self.end_epoch()
         self.epoch, self.epoch_start, self.epoch_steps = epoch, time.perf_counter(), 0
         self.epoch_end = 0.0
+
+    def batch(self, batch: Any) -> None:
+        """A data loader gave ``batch``: its samples (the first dimension of its first tensor;
+        torchvision's detection images: their number; 0 where none is found)."""
+        if isinstance(batch, (list, tuple)) and not _images(batch):
+            self.loaded += _batch_size(tuple(batch), {})
+        else:
+            self.loaded += _batch_size((batch,), {})
 
     def loader_done(self) -> None:
         """A data loader's iterator ran out (its workers shut down first). After a step and
@@ -551,10 +570,14 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
             found = _batch_size((), value)
             if found:
                 return found
-        if isinstance(value, list) and value \
-                and all(isinstance(v, torch.Tensor) and v.dim() == 3 for v in value):
+        if isinstance(value, list) and _images(value):
             return len(value)
     return 0
+
+
+def _images(value: list[Any] | tuple[Any, ...]) -> bool:
+    """A list of 3-d tensors: torchvision's detection input, one image each."""
+    return bool(value) and all(isinstance(v, torch.Tensor) and v.dim() == 3 for v in value)
 
 
 def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -691,7 +714,7 @@ def _hooks(obs: Observer) -> None:
 
     step, forward, backward_hook = timed(obs.optimizer_step), timed(obs.forward), \
         timed(obs.backward)
-    scale_hook = timed(obs.scale)
+    scale_hook, loaded = timed(obs.scale), timed(obs.batch)
     register_optimizer_step_post_hook(lambda opt, args, kwargs: step() if obs.leads(opt) else None)
 
     def model(module: torch.nn.Module) -> Any:
@@ -757,10 +780,12 @@ def _hooks(obs: Observer) -> None:
     @functools.wraps(loader_next)
     def observed_next(self: Any) -> Any:
         try:
-            return loader_next(self)
+            batch = loader_next(self)
         except StopIteration:
             obs.loader_done()
             raise
+        loaded(batch)
+        return batch
 
     _BaseDataLoaderIter.__next__ = observed_next  # type: ignore[method-assign]
 
