@@ -355,20 +355,15 @@ def test_a_gans_samples_are_its_loaders_not_every_forward_of_its_discriminator()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     obs = _observer()
     obs.outer = model
-    obs.batch({"input_ids": torch.zeros(8, 4)})  # a Hugging Face batch, forwarded twice (SAM)
-    for _ in range(2):
-        x = torch.randn(8, 4)
-        obs.forward(model, (x,), {})
-        model(x).sum().backward()
-    opt.step()
-    obs.optimizer_step()
-    obs.batch((torch.zeros(8, 4), torch.zeros(8)))  # one batch, two micro-batches of 4
-    for _ in range(2):
-        micro = torch.randn(4, 4)
-        obs.forward(model, (micro,), {})
-        model(micro).sum().backward()
-    opt.step()
-    obs.optimizer_step()
+    # a Hugging Face batch forwarded twice (SAM); one batch in two micro-batches of 4
+    for batch, size in (({"input_ids": torch.zeros(8, 4)}, 8), ((torch.zeros(8, 4), torch.zeros(8)), 4)):
+        obs.batch(batch)
+        for _ in range(2):
+            x = torch.randn(size, 4)
+            obs.forward(model, (x,), {})
+            model(x).sum().backward()
+        opt.step()
+        obs.optimizer_step()
     _train_step(obs, model, opt, 8)  # no loader: the forwards count
     assert obs.totals.samples == 8 + 8 + 8 and obs.totals.steps == 3
 
