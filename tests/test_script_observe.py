@@ -194,6 +194,21 @@ def test_a_straggler_is_named_only_over_enough_steps():
     assert figures(outcomes(STRAGGLER_MIN_STEPS), 1.0).straggler.startswith("rank 1 (host h)")
 
 
+@pytest.mark.parametrize("source, mfu", [("torch.utils.flop_counter", 0.3),
+                                          ("script.flops_per_sample", 0.1)])
+def test_mfu_counts_the_rows_the_model_took_unless_the_script_gave_its_flops_per_sample(
+        source, mfu):
+    """A GAN's discriminator takes 3 rows a sample: its counted FLOPs are per row."""
+    from ddplab.training.scriptmode.figures import MFU, figures
+
+    seen = {"steps": 20, "samples": 160, "samples_per_s": 100.0, "rows_per_s": 300.0,
+            "busy_s": 0.01, "flops_per_sample": 1e6, "flops_source": source,
+            "peak_flops_s": 1e9, "peak_where": "rank0"}
+    fig = figures({0: {"host": "h", "observed": {"observe": seen}}}, 1.0)
+    assert fig.metrics[MFU] == pytest.approx(mfu)
+    assert fig.metrics["perf/samples_per_s"] == pytest.approx(100.0)
+
+
 def _observer() -> observe.Observer:
     return observe.Observer(0, 1, 1.0e6, lambda r: None, lambda r: None, lambda p, s: None)
 
@@ -268,29 +283,108 @@ def test_on_a_fake_gpu_an_evaluation_between_steps_is_not_the_next_steps_data_wa
     assert t.steady_samples == 3 * 8  # the evaluations' batches are not training samples
 
 
-def test_an_epoch_runs_to_its_loader_running_out_not_to_an_evaluation_after_it(monkeypatch):
-    """A loader with workers shuts them down as it runs out, after the last step: epoch/time_s
-    was 4-6% under the script's own epoch timer."""
+class LoaderIter:
+    """A data loader's iterator, as the hooks see one: an object its batches come from."""
+
+
+def _host_clock(monkeypatch) -> list[float]:
     clock = [0.0]
     monkeypatch.setattr(observe, "time", types.SimpleNamespace(
         perf_counter=lambda: clock[0], time=time.time, sleep=time.sleep))
+    return clock
+
+
+def test_an_epoch_runs_to_its_training_loader_running_out_not_to_another_loaders(monkeypatch):
+    """A loader with workers shuts them down as it runs out, after the last step: epoch/time_s
+    was 4-6% under the script's own epoch timer. Another loader's pass after it (an
+    evaluation the hooks do not see, update_bn) is not the epoch's."""
+    clock = _host_clock(monkeypatch)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     obs = _observer()
     obs.outer = model
-    for epoch, (shutdown, evaluate) in enumerate(((0.5, False), (0.5, True), (0.0, False))):
+    for epoch, (shutdown, other_pass) in enumerate(((0.5, 0.0), (0.0, 3.0), (0.0, 0.0))):
         obs.set_epoch(epoch)
+        it = LoaderIter()
         for _ in range(4):
             clock[0] += 1.0
+            obs.batch(it, torch.zeros(8, 4))
             _train_step(obs, model, opt, 8)
         clock[0] += shutdown
-        if evaluate:  # an evaluation's loader runs out after its forwards: not the epoch's
-            with torch.no_grad():
-                obs.forward(model, (torch.randn(8, 4),), {})
-            clock[0] += 3.0
-        obs.loader_done()
+        obs.loader_done(it)
+        if other_pass:
+            other = LoaderIter()
+            obs.batch(other, torch.zeros(64, 4))
+            clock[0] += other_pass
+            obs.loader_done(other)
     obs.finish()
     assert [e["time_s"] for e in obs.totals.epochs] == [4.5, 4.0, 4.0]
+
+
+def test_a_no_grad_forward_in_train_mode_before_the_step_is_the_steps_not_an_evaluation(
+        monkeypatch):
+    """A script that scores its batch under no_grad first (OHEM, a label guess): its data
+    wait was taken for an evaluation's, and the job's loading time vanished."""
+    clock = _host_clock(monkeypatch)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    for _ in range(4):
+        clock[0] += 0.5  # the loader
+        with torch.no_grad():
+            obs.forward(model, (torch.randn(8, 4),), {})
+        clock[0] += 0.1
+        _train_step(obs, model, opt, 8)
+    assert obs.totals.wait_s == pytest.approx(3 * 0.6)
+
+
+def test_samples_bounded_by_the_loaders_keep_a_prefetched_batch_and_their_own_units():
+    """A loader one batch ahead (Accelerate's, Lightning's fetcher) with batches of 32 and 16,
+    each step in two micro-batches: counted 16 for each 32. A loader of ready-made batches ([1, B, T], one a
+    step) or of a list of dicts counts in other units than the model's rows."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    it, sizes = LoaderIter(), [32, 16, 32, 16, 32, 16]
+    obs.batch(it, torch.zeros(sizes[0], 4))
+    for k, n in enumerate(sizes):
+        if k + 1 < len(sizes):
+            obs.batch(it, (torch.zeros(sizes[k + 1], 4), torch.zeros(sizes[k + 1])))
+        for _ in range(2):  # in two micro-batches
+            x = torch.randn(n // 2, 4)
+            obs.forward(model, (x,), {})
+            model(x).sum().backward()
+        opt.step()
+        obs.optimizer_step()
+    assert obs.totals.samples == sum(sizes)
+    obs = _observer()
+    obs.outer = model
+    for batch in ([torch.zeros(1, 8, 4)], [{"input_ids": torch.zeros(1, 4)}] * 8):
+        obs.batch(it, batch[0] if isinstance(batch[0], torch.Tensor) else batch)
+        _train_step(obs, model, opt, 8)
+    assert obs.totals.samples == 16
+
+
+def test_a_batch_no_rule_can_read_never_fails_the_script(tmp_path):
+    """A collate_fn returning a nested tensor: its size raised inside the loader's hook, and
+    the script died of ``next(loader)``."""
+    code = """
+import torch
+from torch.utils.data import DataLoader
+from ddplab.training.scriptmode import observe
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+data = [torch.zeros(n) for n in (2, 3, 4)]
+loader = DataLoader(data, batch_size=3, collate_fn=lambda b: torch.nested.nested_tensor(b))
+print([b.size(0) for b in loader])
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[3]", out.stderr[-2000:]
 
 
 def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators_at_epoch_end():
@@ -332,10 +426,10 @@ def test_a_gans_samples_are_its_loaders_not_every_forward_of_its_discriminator()
     opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
     opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
     obs = _observer()
-    obs.outer = disc
+    obs.outer, it = disc, LoaderIter()
     for _ in range(3):
         real = torch.randn(8, 4)
-        obs.batch([real, torch.zeros(8)])  # the loader's (images, labels)
+        obs.batch(it, [real, torch.zeros(8)])  # the loader's (images, labels)
         obs.forward(disc, (real,), {})
         disc(real).pow(2).mean().backward()
         fake = gen(torch.randn(8, 4))
@@ -357,7 +451,7 @@ def test_a_gans_samples_are_its_loaders_not_every_forward_of_its_discriminator()
     obs.outer = model
     # a Hugging Face batch forwarded twice (SAM); one batch in two micro-batches of 4
     for batch, size in (({"input_ids": torch.zeros(8, 4)}, 8), ((torch.zeros(8, 4), torch.zeros(8)), 4)):
-        obs.batch(batch)
+        obs.batch(it, batch)
         for _ in range(2):
             x = torch.randn(size, 4)
             obs.forward(model, (x,), {})

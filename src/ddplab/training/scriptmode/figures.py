@@ -96,9 +96,15 @@ def _line(zero: dict[str, Any], wall_s: float, total: float, mfu: float | None,
 def _mfu(ranks: dict[int, dict[str, Any]], samples_per_s: float
          ) -> tuple[float | None, dict[str, str]]:
     """perf/mfu as ddplab's loop counts it: rank 0's FLOPs per sample x the job's samples/s
-    over the job's peak (every distinct device once, every CPU rank's own measurement)."""
+    (its forwards' rows/s for a counted figure) over the job's peak (every distinct device
+    once, every CPU rank's own measurement)."""
     zero = ranks[0]
     flops = float(zero.get("flops_per_sample") or 0.0)
+    if zero.get("flops_source") != "script.flops_per_sample":
+        # A count is per row the model took: its rate, which a GAN's fakes and SAM's second
+        # pass are in (samples/s is bounded by what the loaders gave: observe.Observer._bounded)
+        samples_per_s = sum(float(o.get("rows_per_s") or o.get("samples_per_s") or 0.0)
+                            for o in ranks.values())
     peaks = {o.get("peak_where", r): float(o.get("peak_flops_s") or 0.0) for r, o in ranks.items()}
     peak = sum(peaks.values())
     tags = {schema.MFU_FLOPS_SOURCE: str(zero.get("flops_source", "not counted"))}

@@ -50,7 +50,7 @@ import resource
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -92,6 +92,8 @@ class Step:
     host: tuple[float, float, float]
     """data wait, forward, backward + optimizer (seconds)"""
     marks: tuple[Any, Any, Any, Any] | None = None
+    rows: int = 0
+    """the rows the model's forwards took (a GAN's fakes, SAM's second pass too): MFU's"""
 
 
 @dataclass
@@ -119,6 +121,7 @@ class Totals:
     steps: int = 0
     samples: int = 0
     steady_samples: int = 0
+    steady_rows: int = 0
     steady_s: float = 0.0
     wait_s: float = 0.0
     forward_s: float = 0.0
@@ -131,9 +134,11 @@ class Totals:
 
     def report(self) -> dict[str, Any]:
         steady = self.steady_samples / self.steady_s if self.steady_s > 0 else 0.0
+        rows = self.steady_rows / self.steady_s if self.steady_s > 0 else 0.0
         busy = statistics.median(self.busy) if self.busy else 0.0
         return {"steps": self.steps, "samples": self.samples,
-                "samples_per_s": round(steady, 3), "busy_s": round(busy, 6),
+                "samples_per_s": round(steady, 3), "rows_per_s": round(rows, 3),
+                "busy_s": round(busy, 6),
                 "data_wait_s": round(self.wait_s, 4), "forward_s": round(self.forward_s, 4),
                 "backward_s": round(self.backward_s, 4), "epochs": self.epochs,
                 "observe_s": round(self.observe_s, 6), "steady_s": round(self.steady_s, 4),
@@ -168,6 +173,10 @@ class Observer:
         # samples the script's data loaders gave since the last step: a bound on the step's
         # forwards' count (a GAN's discriminator sees each real batch and two fake ones)
         self.loaded = 0
+        self.credit = 0  # what the loaders gave one step ahead (a prefetching loader's next batch)
+        self.fewest = 0  # the smallest batch a forward of this step took (0: none yet)
+        self.feeding: weakref.ref[Any] | None = None  # the loader iterator that fed training
+        self.last_iter: weakref.ref[Any] | None = None  # the one that gave the last batch
         self.loss: torch.Tensor | None = None  # the last backward's
         self.step_loss: torch.Tensor | None = None  # the last backward's before the last step
         # a forward of the model in eval mode with gradients on (model.eval() without
@@ -208,9 +217,12 @@ class Observer:
         if not torch.is_grad_enabled():
             if self.outer is not None or not self.t_forward:
                 self._beat("evaluation", None)
-            if self.outer is not None and not self.t_forward and self.step_end:
+            # An evaluation, in eval mode: a no_grad forward in train mode between steps is a
+            # step's own (scoring its batch first: OHEM, a label guess), not an evaluation.
+            if self.outer is not None and not self.t_forward and self.step_end \
+                    and _in_eval_mode(module):
                 self.evaluated = (time.perf_counter(), self._mark())
-                self.loaded = 0  # (the evaluation's batches)
+                self.loaded = self.credit = 0  # (the evaluation's batches)
             return
         if self.t_forward and self.outer is None:
             return  # a module inside the step's first one
@@ -233,7 +245,7 @@ class Observer:
         if not self.t_forward:
             self._begin(now, self._mark())
             self._beat("forward", None)
-        self.samples += _batch_size(args, kwargs)
+        self._rows(_batch_size(args, kwargs))
 
     def backward(self, loss: torch.Tensor | None) -> None:
         """A backward from ``loss`` (None: from several tensors at once)."""
@@ -241,7 +253,7 @@ class Observer:
             at, mark, samples, _, _ = self.held
             if not self.t_forward:
                 self._begin(at, mark)
-            self.samples += samples
+            self._rows(samples)
             self.held = None
         if not self.t_backward:
             self.t_backward = time.perf_counter()
@@ -264,6 +276,13 @@ class Observer:
             self.m_end = self.evaluated[1] if self.evaluated[1] is not None else self.m_end
         self.evaluated = None
         self.t_forward, self.m_forward = at, mark
+        if self.loaded or self.credit:
+            self.feeding = self.last_iter  # (its end is the epoch's: loader_done)
+
+    def _rows(self, n: int) -> None:
+        self.samples += n
+        if n:
+            self.fewest = min(self.fewest, n) if self.fewest else n
 
     def scale(self, scaled: Any, outputs: Any) -> None:
         """After ``GradScaler.scale(outputs)`` (a tensor, or a list or tuple of them): remember
@@ -302,18 +321,14 @@ class Observer:
         first_forward = self.t_forward or self.t_backward
         start = self.step_end or first_forward
         t.steps += 1
-        # The forwards' samples, but no more than the data loaders gave: forwards of what a
-        # model made (a GAN's fakes) or of one batch twice (SAM) are not new samples; a
-        # batch split into micro-batches, or a loader that prefetches, still counts once.
-        if self.loaded:
-            self.samples = min(self.samples, self.loaded) if self.samples else self.loaded
-        t.samples += self.samples
+        rows, samples = self.samples, self._bounded()
+        t.samples += samples
         self.epoch_steps += 1
         # (the next step's share holds the one FLOP count, made in this hook's last call)
         if t.steps > WARMUP_STEPS and t.steps != self.counted_at + 1:
             t.observe_s += self.own_s
-        step = Step(t.steps, self.samples, (first_forward - start, self.t_backward - first_forward,
-                                            now - self.t_backward))
+        step = Step(t.steps, samples, (first_forward - start, self.t_backward - first_forward,
+                                       now - self.t_backward), rows=rows)
         m_forward = self.m_forward or self.m_backward or end
         m_backward = self.m_backward or end
         m_start = self.m_end or m_forward
@@ -324,7 +339,7 @@ class Observer:
             self._count(step, *step.host)
         self._read()
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
-        self.loaded = 0
+        self.loaded = self.fewest = 0
         # The loss of the step's leading optimizer, at every log point: a GAN's generator
         # backward after it (DCGAN's order) is not the step's loss at the epoch's end only.
         self.step_loss, self.held, self.evaluated = self.loss, None, None
@@ -355,6 +370,7 @@ class Observer:
             return
         t, took = self.totals, wait + forward + rest
         t.steady_samples += step.samples
+        t.steady_rows += step.rows or step.samples
         t.steady_s += took
         t.wait_s, t.forward_s, t.backward_s = t.wait_s + wait, t.forward_s + forward, \
             t.backward_s + rest
@@ -405,20 +421,43 @@ class Observer:
         self.epoch, self.epoch_start, self.epoch_steps = epoch, time.perf_counter(), 0
         self.epoch_end = 0.0
 
-    def batch(self, batch: Any) -> None:
-        """A data loader gave ``batch``: its samples (the first dimension of its first tensor;
-        torchvision's detection images: their number; 0 where none is found)."""
-        if isinstance(batch, (list, tuple)) and not _images(batch):
-            self.loaded += _batch_size(tuple(batch), {})
+    def _bounded(self) -> int:
+        """The step's samples: its forwards' rows, but no more than the data loaders gave
+        (with what they gave a step ahead): a model's forwards of what a model made (a GAN's
+        fakes) or of one batch twice (SAM) are not new samples; a batch split into
+        micro-batches, or a loader one batch ahead, still counts once. A loader's count under
+        the step's smallest forward is in other units (a loader of ready-made batches, a
+        token stream reshaped): the forwards count."""
+        rows, have = self.samples, self.credit + self.loaded
+        samples = rows
+        if have and (not rows or have >= self.fewest):
+            samples = min(rows, have) if rows else have
+        # what this step's loaders gave beyond its samples: the next step's, at most
+        self.credit = min(max(0, have - samples), self.loaded)
+        return samples
+
+    def batch(self, it: Any, batch: Any) -> None:
+        """The data loader iterator ``it`` gave ``batch``: its samples (the first dimension of
+        its first tensor; a list of dicts, or of detection images: their number; 0 where none
+        is found)."""
+        self.last_iter = weakref.ref(it)
+        if isinstance(batch, (list, tuple)) and batch and \
+                (_images(batch) or isinstance(batch[0], Mapping)):
+            self.loaded += len(batch)
+        elif isinstance(batch, (list, tuple)):
+            self.loaded += _batch_size(tuple(batch[:8]), {})
         else:
             self.loaded += _batch_size((batch,), {})
 
-    def loader_done(self) -> None:
-        """A data loader's iterator ran out (its workers shut down first). After a step and
-        no evaluation since: the epoch's training ends here, as a script's own epoch timer has
-        it (a loader with workers takes ~5% of a short epoch to shut them down)."""
-        if self.epoch_steps and not self.t_forward and self.evaluated is None \
-                and self.held is None:
+    def loader_done(self, it: Any) -> None:
+        """The data loader iterator ``it`` ran out (its workers shut down first). The one
+        that fed the training steps, after a step and no evaluation since: the epoch's
+        training ends here, as a script's own epoch timer has it (a loader with workers takes
+        ~5% of a short epoch to shut them down); not another loader's pass (an evaluation
+        the hooks do not see, ``update_bn``)."""
+        feeding = self.feeding() if self.feeding is not None else None
+        if feeding is it and self.epoch_steps and not self.t_forward \
+                and self.evaluated is None and self.held is None:
             self.epoch_end = time.perf_counter()
 
     def trained(self) -> None:
@@ -566,8 +605,8 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             return int(value.shape[0]) if value.dim() > 0 else 0
-        if isinstance(value, dict):  # a Hugging Face batch passed whole
-            found = _batch_size((), value)
+        if isinstance(value, Mapping):  # a Hugging Face batch passed whole
+            found = _batch_size((), dict(value))
             if found:
                 return found
         if isinstance(value, list) and _images(value):
@@ -708,13 +747,15 @@ def _hooks(obs: Observer) -> None:
             t0 = time.perf_counter()
             try:
                 hook(*args, **kwargs)
+            except Exception:  # noqa: BLE001, S110 - the script never fails of ours
+                pass  # (a batch of a kind no rule reads, a nested tensor's size): unseen
             finally:
                 obs.own_s += time.perf_counter() - t0
         return run
 
     step, forward, backward_hook = timed(obs.optimizer_step), timed(obs.forward), \
         timed(obs.backward)
-    scale_hook, loaded = timed(obs.scale), timed(obs.batch)
+    scale_hook, loaded, loader_done = timed(obs.scale), timed(obs.batch), timed(obs.loader_done)
     register_optimizer_step_post_hook(lambda opt, args, kwargs: step() if obs.leads(opt) else None)
 
     def model(module: torch.nn.Module) -> Any:
@@ -782,9 +823,9 @@ def _hooks(obs: Observer) -> None:
         try:
             batch = loader_next(self)
         except StopIteration:
-            obs.loader_done()
+            loader_done(self)
             raise
-        loaded(batch)
+        loaded(self, batch)
         return batch
 
     _BaseDataLoaderIter.__next__ = observed_next  # type: ignore[method-assign]
