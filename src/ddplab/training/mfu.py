@@ -74,8 +74,8 @@ def gpt_flops_per_sequence(model: GPT) -> float:
 
 
 def counted_flops_per_sample(model: nn.Module, inputs: Any) -> float:
-    """torch.utils.flop_counter on one sample's forward (a batch of 1: a tensor, or a dict of
-    keyword arguments), x 3 for the backward."""
+    """torch.utils.flop_counter on one sample's forward (a batch of 1: a tensor, a tuple of
+    positional tensors, or a dict of keyword arguments), x 3 for the backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
     device = next(model.parameters()).device
@@ -86,6 +86,8 @@ def counted_flops_per_sample(model: nn.Module, inputs: Any) -> float:
             if isinstance(inputs, dict):
                 model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
                          for k, v in inputs.items()})
+            elif isinstance(inputs, tuple):  # several positional tensors: model(ids, mask)
+                model(*(v.to(device) for v in inputs))
             else:
                 model(inputs.to(device))
     finally:
@@ -102,7 +104,7 @@ def flops_per_sample(model: nn.Module, given: float, sample: Any,
         return given, "model.flops_per_sample"
     if isinstance(model, GPT):
         return float(gpt_flops_per_sequence(model)), "the GPT formula (nanoGPT's: 6N + attention)"
-    if not isinstance(sample, (torch.Tensor, dict)):
+    if not isinstance(sample, (torch.Tensor, dict, tuple)):
         return 0.0, f"no count: inputs that are neither a tensor nor a dict (give {key})"
     try:
         return counted_flops_per_sample(model, sample), "torch.utils.flop_counter (forward x 3)"

@@ -29,7 +29,8 @@ script is edited and nothing waits on the device inside its step:
   or more later, never waited for), so they are the device's times, not the host's launches
   (its data wait is the time the device sat idle for input);
 - **FLOPs** per sample by ``torch.utils.flop_counter`` on one sample of the first step's batch,
-  x 3 (or ``script.flops_per_sample``), and the device's peak (mfu.py), once after step 1;
+  x 3 (or ``script.flops_per_sample``), and the device's peak (mfu.py), once the script has
+  ended (not inside its timings: a CPU's peak measure takes ~0.3 s);
 - a **heartbeat** per phase (forensics/heartbeat.py), so the node's hang watch names the rank,
   the phase and the step for a script as for ddplab's loop.
 
@@ -74,10 +75,6 @@ MAX_UNREAD = 256
 (past this many: a device hundreds of steps behind; a failed device; the script's end, after
 FINISH_PATIENCE_S) is left out of the steady figures, as the warm-up is: the host clock on a
 GPU times launches, not the step."""
-FLOP_COUNT_BY = 3
-"""The step after which the FLOPs are counted, or said uncountable, at the latest: at the first
-step whose batch was seen (step 1's may not be: the model found at its first call, made with
-keyword arguments only, which a global hook does not see)."""
 FINISH_PATIENCE_S = 10.0
 """At the script's end, how long its last steps' marks are waited for."""
 
@@ -203,7 +200,7 @@ class Observer:
         self.logged_step = 0
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
-        self.counted_at = 0  # the step after which the FLOPs were counted
+        self.unreplayable = False  # a forward's arguments the FLOP count cannot replay
         self.own_s = 0.0  # time in these hooks since the last step's end (_hooks' timed)
         self.step_offset = 0  # the run's step of this attempt's step 0 (STEP_OFFSET_ENV)
 
@@ -231,6 +228,7 @@ class Observer:
             self.marker = self.marker_for(_step_device(module, args, kwargs))
         if self.sample is None and not self.flops:
             self.sample = _one_sample(args, kwargs)
+            self.unreplayable = self.sample is None and bool(args or kwargs)
         if _in_eval_mode(module):  # (a step's later micro-batches too, training in eval mode)
             mark = None if self.t_forward else self._mark()
             at, first, samples, _, _ = self.held or (now, mark, 0, now, mark)
@@ -325,7 +323,7 @@ class Observer:
         t.samples += samples
         self.epoch_steps += 1
         # (the next step's share holds the one FLOP count, made in this hook's last call)
-        if t.steps > WARMUP_STEPS and t.steps != self.counted_at + 1:
+        if t.steps > WARMUP_STEPS:
             t.observe_s += self.own_s
         step = Step(t.steps, samples, (first_forward - start, self.t_backward - first_forward,
                                        now - self.t_backward), rows=rows)
@@ -345,11 +343,6 @@ class Observer:
         self.step_loss, self.held, self.evaluated = self.loss, None, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
-        if not self.flops and (self.sample is not None or t.steps >= FLOP_COUNT_BY):
-            self._count_flops()
-            self.counted_at = t.steps
-            self.step_end = time.perf_counter()  # the count is not the next step's data wait
-            self.m_end = self._mark() or self.m_end
         self._beat("data loading", t.steps + 1)
         if t.steps - self.logged_step >= LOG_EVERY_STEPS:
             self.log_point()
@@ -528,6 +521,9 @@ class Observer:
         if self.unread:  # the device never passed the last steps: their loss is not read (it
             self.loss = self.step_loss = None  # may never be); the last one read stays
         self._drop_unread()
+        if not self.flops and self.totals.steps:
+            with contextlib.suppress(Exception):  # (a failed device: no MFU, nothing else lost)
+                self._count_flops()
         if self.epoch >= 0 and self.epoch_steps:
             self.end_epoch()
             self.epoch_steps = 0
@@ -537,7 +533,7 @@ class Observer:
             self.save()
         self.flush()
 
-    # ---- once, after step 1 ----
+    # ---- once, at the script's end ----
 
     def _count_flops(self) -> None:
         """FLOPs per sample and this rank's peak (the device's datasheet, or a CPU matmul)."""
@@ -550,8 +546,12 @@ class Observer:
             model = getattr(model, "module", model)  # DDP's, FSDP's
         if self.flops_given > 0:
             flops, source = self.flops_given, "script.flops_per_sample"
-        elif model is None or sample is None:
+        elif model is None or sample is None and not self.unreplayable:
             flops, source = 0.0, "no count: no batch seen at the model's outermost module"
+        elif sample is None:
+            flops, source = 0.0, ("no count: the model's calls take arguments the count cannot "
+                                  "replay (Lightning's (batch, batch_idx), or not tensors); give "
+                                  "script.flops_per_sample")
         elif type(self.outer).__name__ == "FullyShardedDataParallel":
             # Its module's parameters are views of shards outside its forward; its own forward
             # would gather them: a collective the script's other ranks are not making.
@@ -621,10 +621,14 @@ def _images(value: list[Any] | tuple[Any, ...]) -> bool:
 
 def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The first sample as a batch of 1, as mfu.counted_flops_per_sample takes it: the one
-    tensor argument, or the keyword tensors; None for other call shapes (no count)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if len(args) == 1 and len(tensors) == 1 and tensors[0].dim() > 0:
+    tensor argument, several positional tensors of one batch (a tuple), or the keyword
+    tensors; None for other call shapes (no count)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    if len(args) == 1 and len(tensors) == 1:
         return tensors[0][:1].detach().clone()
+    if len(args) > 1 and len(tensors) == len(args) and not kwargs \
+            and len({t.shape[0] for t in tensors}) == 1:  # model(ids, mask)
+        return tuple(t[:1].detach().clone() for t in tensors)
     if not args and kwargs:
         return {k: v[:1].detach().clone() if isinstance(v, torch.Tensor) and v.dim() else v
                 for k, v in kwargs.items()}
