@@ -209,6 +209,22 @@ def test_mfu_counts_the_rows_the_model_took_unless_the_script_gave_its_flops_per
     assert fig.metrics["perf/samples_per_s"] == pytest.approx(100.0)
 
 
+@pytest.mark.parametrize("loader_s, phase", [(0.9, "data loading"),
+                                               (0.1, "between steps, outside its data loader")])
+def test_a_stragglers_wait_is_data_loading_only_when_its_loader_took_it(loader_s, phase):
+    """Rank 0's own 4 ms of bookkeeping after each step was named "data loading", though its
+    loader's next() took 0.15 ms."""
+    from ddplab.training.scriptmode.figures import figures
+
+    def seen(busy: float, wait: float, loader: float) -> dict:
+        return {"steps": 20, "samples": 160, "samples_per_s": 100.0, "busy_s": busy,
+                "data_wait_s": wait, "forward_s": 0.01, "loader_s": loader, "loaders": True}
+
+    ranks = {0: seen(0.05, 1.0, loader_s), 1: seen(0.005, 0.05, 0.04)}
+    fig = figures({r: {"host": "h", "observed": {"observe": o}} for r, o in ranks.items()}, 1.0)
+    assert fig.straggler.startswith("rank 0 (host h)") and f"ms: {phase}) " in fig.straggler
+
+
 class TwoInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -128,6 +128,11 @@ def _straggler(ranks: dict[int, dict[str, Any]], outcomes: dict[int, dict[str, A
     wait, forward = (float(ranks[r].get(k) or 0.0) for k in ("data_wait_s", "forward_s"))
     phases = "data loading" if wait >= MOSTLY * (wait + forward) > 0 else \
         "forward" if forward >= MOSTLY * (wait + forward) > 0 else "data loading and forward"
+    if phases == "data loading" and ranks[r].get("loaders") and \
+            float(ranks[r].get("loader_s") or 0.0) < wait / 2:
+        # Its data loaders' next() took under half of it: other work between its steps (a
+        # rank's own logging or bookkeeping), not loading.
+        phases = "between steps, outside its data loader"
     steps = int(ranks[r].get("steady_steps") or ranks[r]["steps"])
     return stragglers.describe(r, str(outcomes.get(r, {}).get("host", "?")), mine, others,
                                f"(the median of its {steps} steady steps)", phases)

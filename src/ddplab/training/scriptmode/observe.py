@@ -91,6 +91,8 @@ class Step:
     marks: tuple[Any, Any, Any, Any] | None = None
     rows: int = 0
     """the rows the model's forwards took (a GAN's fakes, SAM's second pass too): MFU's"""
+    loader_s: float = 0.0
+    """host time inside the data loaders' ``next()`` since the last step"""
 
 
 @dataclass
@@ -123,6 +125,10 @@ class Totals:
     wait_s: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
+    loader_s: float = 0.0
+    """Of the steady steps, host time inside the data loaders' ``next()``: how much of the
+    data wait was loading, not other work between steps (a rank's own logging)."""
+    loaders: bool = False
     busy: list[float] = field(default_factory=list)
     epochs: list[dict[str, float]] = field(default_factory=list)
     loss: float | None = None
@@ -139,7 +145,8 @@ class Totals:
                 "data_wait_s": round(self.wait_s, 4), "forward_s": round(self.forward_s, 4),
                 "backward_s": round(self.backward_s, 4), "epochs": self.epochs,
                 "observe_s": round(self.observe_s, 6), "steady_s": round(self.steady_s, 4),
-                "steady_steps": len(self.busy),
+                "steady_steps": len(self.busy), "loader_s": round(self.loader_s, 4),
+                "loaders": self.loaders,
                 "loss": self.loss}
 
 
@@ -170,6 +177,7 @@ class Observer:
         # samples the script's data loaders gave since the last step: a bound on the step's
         # forwards' count (a GAN's discriminator sees each real batch and two fake ones)
         self.loaded = 0
+        self.in_loader = 0.0  # host time inside the loaders' next() since the last step
         self.credit = 0  # what the loaders gave one step ahead (a prefetching loader's next batch)
         self.fewest = 0  # the smallest batch a forward of this step took (0: none yet)
         self.feeding: weakref.ref[Any] | None = None  # the loader iterator that fed training
@@ -220,6 +228,7 @@ class Observer:
                     and _in_eval_mode(module):
                 self.evaluated = (time.perf_counter(), self._mark())
                 self.loaded = self.credit = 0  # (the evaluation's batches)
+                self.in_loader = 0.0
             return
         if self.t_forward and self.outer is None:
             return  # a module inside the step's first one
@@ -276,6 +285,7 @@ class Observer:
         self.t_forward, self.m_forward = at, mark
         if self.loaded or self.credit:
             self.feeding = self.last_iter  # (its end is the epoch's: loader_done)
+            self.totals.loaders = True
 
     def _rows(self, n: int) -> None:
         self.samples += n
@@ -326,7 +336,8 @@ class Observer:
         if t.steps > WARMUP_STEPS:
             t.observe_s += self.own_s
         step = Step(t.steps, samples, (first_forward - start, self.t_backward - first_forward,
-                                       now - self.t_backward), rows=rows)
+                                       now - self.t_backward), rows=rows,
+                    loader_s=self.in_loader)
         m_forward = self.m_forward or self.m_backward or end
         m_backward = self.m_backward or end
         m_start = self.m_end or m_forward
@@ -338,6 +349,7 @@ class Observer:
         self._read()
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
         self.loaded = self.fewest = 0
+        self.in_loader = 0.0
         # The loss of the step's leading optimizer, at every log point: a GAN's generator
         # backward after it (DCGAN's order) is not the step's loss at the epoch's end only.
         self.step_loss, self.held, self.evaluated = self.loss, None, None
@@ -364,6 +376,7 @@ class Observer:
         t, took = self.totals, wait + forward + rest
         t.steady_samples += step.samples
         t.steady_rows += step.rows or step.samples
+        t.loader_s += step.loader_s
         t.steady_s += took
         t.wait_s, t.forward_s, t.backward_s = t.wait_s + wait, t.forward_s + forward, \
             t.backward_s + rest
@@ -429,11 +442,12 @@ class Observer:
         self.credit = min(max(0, have - samples), self.loaded)
         return samples
 
-    def batch(self, it: Any, batch: Any) -> None:
-        """The data loader iterator ``it`` gave ``batch``: its samples (the first dimension of
-        its first tensor; a list of dicts, or of detection images: their number; 0 where none
-        is found)."""
+    def batch(self, it: Any, batch: Any, took_s: float = 0.0) -> None:
+        """The data loader iterator ``it`` gave ``batch`` in ``took_s``: its samples (the first
+        dimension of its first tensor; a list of dicts, or of detection images: their number; 0
+        where none is found)."""
         self.last_iter = weakref.ref(it)
+        self.in_loader += took_s
         if isinstance(batch, (list, tuple)) and batch and \
                 (_images(batch) or isinstance(batch[0], Mapping)):
             self.loaded += len(batch)
@@ -824,12 +838,13 @@ def _hooks(obs: Observer) -> None:
 
     @functools.wraps(loader_next)
     def observed_next(self: Any) -> Any:
+        t0 = time.perf_counter()
         try:
             batch = loader_next(self)
         except StopIteration:
             loader_done(self)
             raise
-        loaded(self, batch)
+        loaded(self, batch, time.perf_counter() - t0)
         return batch
 
     _BaseDataLoaderIter.__next__ = observed_next  # type: ignore[method-assign]
