@@ -324,7 +324,15 @@ def test_a_refusal_on_every_rank_names_every_rank(tmp_path, store):
     rank 1 exited, after rank 0's script had exited 2 by itself: it read "stopped", and the
     verdict named rank 1 alone."""
     script = tmp_path / "args.py"
-    script.write_text("import argparse\np = argparse.ArgumentParser()\n"
+    # Both ranks refuse at once (each waits for the other to be ready, as a slow start-up on
+    # a busy machine would otherwise have torchrun stop rank 0 before it parsed anything).
+    script.write_text("import argparse, os, pathlib, time\n"
+                      "here = pathlib.Path(__file__).parent\n"
+                      "(here / f\"ready{os.environ['RANK']}\").touch()\n"
+                      "deadline = time.time() + 60\n"
+                      "while len(list(here.glob('ready*'))) < 2 and time.time() < deadline:\n"
+                      "    time.sleep(0.01)\n"
+                      "p = argparse.ArgumentParser()\n"
                       "p.add_argument('--epochs', type=int)\np.parse_args()\n")
     out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
                   "--epochs", "x"], tmp_path, job_env(store), nproc=2)

@@ -368,6 +368,29 @@ def test_an_epoch_runs_to_its_training_loader_running_out_not_to_another_loaders
     assert [e["time_s"] for e in obs.totals.epochs] == [4.5, 4.0, 4.0]
 
 
+def test_without_set_epoch_an_epoch_is_a_pass_of_the_loader_that_feeds_the_steps(monkeypatch):
+    """Hugging Face's Trainer, Accelerate and an IterableDataset call no set_epoch: such a run
+    had no epoch/time_s and no log point at an epoch's end. Two loaders zipped (labelled and
+    unlabelled) alternate in every step: not an epoch each."""
+    clock = _host_clock(monkeypatch)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    for steps in (3, 2):
+        it, other = LoaderIter(), LoaderIter()
+        for _ in range(steps):
+            clock[0] += 1.0
+            obs.batch(other, torch.zeros(8, 4), 0.1)
+            obs.batch(it, torch.zeros(8, 4), 0.1)
+            _train_step(obs, model, opt, 8)
+        obs.loader_done(it)
+        clock[0] += 5.0  # (its own evaluation, a save...)
+    obs.finish()
+    assert [(e["epoch"], e["steps"], e["time_s"]) for e in obs.totals.epochs] == \
+        [(1, 3, pytest.approx(2.1)), (2, 2, pytest.approx(1.1))]
+
+
 def test_a_no_grad_forward_in_train_mode_before_the_step_is_the_steps_not_an_evaluation(
         monkeypatch):
     """A script that scores its batch under no_grad first (OHEM, a label guess): its data

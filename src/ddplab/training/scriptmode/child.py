@@ -159,6 +159,7 @@ def main(argv: list[str]) -> int:
     # Once the SCRIPT imports torch (after whatever it sets first: OMP_NUM_THREADS), not before.
     after_import("torch", lambda _: watching.append(_watch_torch()))
     mlflow_join.install()
+    code = 1
     try:
         code = _run(script)
         # The script returned (its supervisor tells this from os._exit: no such line).
@@ -167,7 +168,9 @@ def main(argv: list[str]) -> int:
     finally:
         for watcher in watching:
             if watcher is not None:
-                watcher.finish()
+                # (a failed script ends at once: its peers' launcher stops what lingers, and
+                # its FLOPs, ~0.3 s on a CPU, would only be cut short)
+                watcher.finish(count_flops=code == 0)
 
 
 def _watch_torch() -> Any:

@@ -20,8 +20,9 @@ script is edited and nothing waits on the device inside its step:
   without gradients are evaluation, not training, and so are forwards of a model in eval mode
   (``model.eval()`` without ``torch.no_grad()``) that no backward follows; nothing is seen inside code
   torch.compile traces;
-- **epochs** from ``DistributedSampler.set_epoch``, each to its last step's end or, later, its
-  data loader's running out (``StopIteration``, once its workers have shut down);
+- **epochs** from ``DistributedSampler.set_epoch`` (without it: a pass of the data loader that
+  feeds the steps, from ``iter(loader)``), each to its last step's end or, later, that data
+  loader's running out (``StopIteration``, once its workers have shut down);
 - per rank, **data wait** (the previous step's end, or the last evaluation forward since,
   to this step's first forward), **forward**
   and **backward + optimizer**: on a CPU by the host clock; on a GPU by marks on the device's
@@ -75,6 +76,9 @@ MAX_UNREAD = 256
 (past this many: a device hundreds of steps behind; a failed device; the script's end, after
 FINISH_PATIENCE_S) is left out of the steady figures, as the warm-up is: the host clock on a
 GPU times launches, not the step."""
+CREATED = "_ddplab_created"
+"""A data loader iterator's attribute: when ``iter(loader)`` made it (an epoch without
+set_epoch starts there, its workers' start included)."""
 FINISH_PATIENCE_S = 10.0
 """At the script's end, how long its last steps' marks are waited for."""
 
@@ -205,6 +209,12 @@ class Observer:
         self.other_steps = 0
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
         self.epoch_end = 0.0  # when the epoch's data loader ran out after its last step (0: not)
+        # Without DistributedSampler.set_epoch (Hugging Face's Trainer, Accelerate, an
+        # IterableDataset), an epoch is a pass of the loader that feeds the steps: a new
+        # iterator of it after the last one ran out.
+        self.sampler_epochs = False  # set_epoch was called: its epochs, not the loader's
+        self.ran_out = False  # the iterator feeding the steps has run out
+        self.iter_start = 0.0  # when the last batch's iterator gave its first
         self.logged_step = 0
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
@@ -284,6 +294,7 @@ class Observer:
         self.evaluated = None
         self.t_forward, self.m_forward = at, mark
         if self.loaded or self.credit:
+            self._loader_epoch(self.last_iter)
             self.feeding = self.last_iter  # (its end is the epoch's: loader_done)
             self.totals.loaders = True
 
@@ -421,11 +432,28 @@ class Observer:
                 marks.seconds(backward, end))
 
     def set_epoch(self, epoch: int) -> None:
+        self.sampler_epochs = True
         if epoch == self.epoch:
             return  # the other samplers of the same epoch (validation's)
         self.end_epoch()
-        self.epoch, self.epoch_start, self.epoch_steps = epoch, time.perf_counter(), 0
-        self.epoch_end = 0.0
+        self._start_epoch(epoch, time.perf_counter())
+
+    def _start_epoch(self, epoch: int, at: float) -> None:
+        self.epoch, self.epoch_start, self.epoch_steps, self.epoch_end = epoch, at, 0, 0.0
+
+    def _loader_epoch(self, feeding: weakref.ref[Any] | None) -> None:
+        """The steps' first batch from ``feeding``: a new pass of the loader (the first, or
+        the one after the last ran out) starts an epoch, when no sampler's set_epoch does."""
+        new = feeding() if feeding is not None else None
+        old = self.feeding() if self.feeding is not None else None
+        if self.sampler_epochs or new is None or new is old:
+            return
+        if self.feeding is None:
+            self._start_epoch(0, self.iter_start)
+        elif self.ran_out:
+            self.end_epoch()
+            self._start_epoch(self.epoch + 1, self.iter_start)
+        self.ran_out = False
 
     def _bounded(self) -> int:
         """The step's samples: its forwards' rows, but no more than the data loaders gave
@@ -446,6 +474,8 @@ class Observer:
         """The data loader iterator ``it`` gave ``batch`` in ``took_s``: its samples (the first
         dimension of its first tensor; a list of dicts, or of detection images: their number; 0
         where none is found)."""
+        if self.last_iter is None or self.last_iter() is not it:
+            self.iter_start = getattr(it, CREATED, time.perf_counter() - took_s)
         self.last_iter = weakref.ref(it)
         self.in_loader += took_s
         if isinstance(batch, (list, tuple)) and batch and \
@@ -463,6 +493,7 @@ class Observer:
         ~5% of a short epoch to shut them down); not another loader's pass (an evaluation
         the hooks do not see, ``update_bn``)."""
         feeding = self.feeding() if self.feeding is not None else None
+        self.ran_out = self.ran_out or feeding is it
         if feeding is it and self.epoch_steps and not self.t_forward \
                 and self.evaluated is None and self.held is None:
             self.epoch_end = time.perf_counter()
@@ -529,13 +560,14 @@ class Observer:
         self._write({"observe": {**self.totals.report(), **self.flops, **_memory(),
                                  "clock": clock, "own_names": sorted(_script_names())}})
 
-    def finish(self) -> None:
-        """The script has ended (any way): the last steps' marks, epoch and log point."""
+    def finish(self, count_flops: bool = True) -> None:
+        """The script has ended (any way): the last steps' marks, epoch and log point; and,
+        ``count_flops``, its FLOPs per sample (not for a failed script: no MFU is said)."""
         self._read(FINISH_PATIENCE_S)
         if self.unread:  # the device never passed the last steps: their loss is not read (it
             self.loss = self.step_loss = None  # may never be); the last one read stays
         self._drop_unread()
-        if not self.flops and self.totals.steps:
+        if count_flops and not self.flops and self.totals.steps:
             with contextlib.suppress(Exception):  # (a failed device: no MFU, nothing else lost)
                 self._count_flops()
         if self.epoch >= 0 and self.epoch_steps:
@@ -848,6 +880,14 @@ def _hooks(obs: Observer) -> None:
         return batch
 
     _BaseDataLoaderIter.__next__ = observed_next  # type: ignore[method-assign]
+    loader_iter = _BaseDataLoaderIter.__init__
+
+    @functools.wraps(loader_iter)
+    def observed_iter(self: Any, *args: Any, **kwargs: Any) -> None:
+        setattr(self, CREATED, time.perf_counter())  # (before its workers start: its epoch's)
+        loader_iter(self, *args, **kwargs)
+
+    _BaseDataLoaderIter.__init__ = observed_iter  # type: ignore[method-assign]
 
     import torch.distributed as dist
 

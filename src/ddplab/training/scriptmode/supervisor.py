@@ -61,6 +61,9 @@ PEER_CHECK_S = 0.5
 """How often a running script's supervisor asks the meeting store whether a peer failed. The
 script's own end wakes it at once (a thread blocked in waitpid): on a machine whose cores
 the ranks fill, every wake-up here takes a slice of a rank's core."""
+EXIT_GRACE_S = 5.0
+"""How long a script that has reported its own failure is given to exit by itself before a
+stop's signal (it writes its traceback, its libraries shut down)."""
 OWN_ENTRIES = {"spool", FINISHED_MARK, JOB_FILE, SCRIPT_DIR}
 """A run's folder, ``<checkpoint.dir>/<name>/<run id>/``: the script's own folder
 (``script/``, its ``DDPLAB_CHECKPOINT_DIR``), the node's spool beside it, the job that made
@@ -402,9 +405,10 @@ class Script:
                 # (ended, not poll(): the reaping thread holds Popen's lock, poll() says None.)
                 if not stopped and self.meeting.peer_failed() and not ended.is_set():
                     stopped = PEER_FAILED
-                    self._stacks(proc)
-                    self.stop_at = time.time()
-                    proc.terminate()
+                    self._before_stop(proc, ended)
+                    if not ended.is_set():
+                        self.stop_at = time.time()
+                        proc.terminate()
         except BaseException as e:
             # A script that had ended by itself when the launcher's signal came (argparse's
             # refusal on every rank: torchrun stops the rest once the first one exits) ended its
@@ -418,7 +422,7 @@ class Script:
             # Ctrl-C reached the script too (the terminal signals the whole process group):
             # it gets time to stop by itself before SIGTERM. Anything else is passed on.
             interrupted = isinstance(e, KeyboardInterrupt)
-            self._stacks(proc)
+            self._before_stop(proc, ended)
             # The stop begins at our signal, not at the launcher's: a script that ended by
             # itself while its stacks were asked for (rank 0's argparse refusal, a moment after
             # rank 1's: seen in CI) was not stopped.
@@ -427,6 +431,16 @@ class Script:
             self._end(proc, pumps, stopped)
             raise
         return self._end(proc, pumps, stopped)
+
+    def _before_stop(self, proc: subprocess.Popen[bytes], ended: threading.Event) -> None:
+        """The script's stacks, asked for before it is stopped; but a script that has reported
+        its own failure is ending by itself: its exit is waited for (up to EXIT_GRACE_S), not
+        cut short by our signal in its teardown (rank 0 failing of its peer's closed connection
+        read "killed by SIGTERM", not its own error: seen in a test run)."""
+        if "exception" not in self.observed():
+            self._stacks(proc)
+        if "exception" in self.observed():
+            ended.wait(EXIT_GRACE_S)
 
     def _stacks(self, proc: subprocess.Popen[bytes], wait_s: float = 2.0) -> None:
         """Ask the running script for its stacks (child.py: SIGUSR2, faulthandler) before it
