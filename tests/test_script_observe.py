@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import types
+import weakref
 
 import pytest
 import torch
@@ -486,6 +487,25 @@ def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators
     obs.set_epoch(1)  # the epoch's end: a log point
     assert obs.totals.loss == pytest.approx(float(err_fake))
     assert obs.totals.loss != pytest.approx(float(err_g))
+
+
+def test_the_model_is_the_ddp_the_leading_optimizer_steps_not_the_first_one_built():
+    """A GAN that wraps its generator in DDP first: only the generator's forward was seen, so
+    the discriminator's forward and backward and the generator's step read as data wait (0.66
+    of each step, against the script's 0.02)."""
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer, obs.wrappers = gen, [weakref.ref(gen), weakref.ref(disc)]
+    obs.choose = lambda module: setattr(obs, "outer", module)
+    obs.forward(gen, (torch.randn(8, 4),), {})
+    loss = disc(gen(torch.randn(8, 4))).mean()
+    obs.backward(loss)
+    loss.backward()
+    opt_d.step()
+    assert obs.leads(opt_d)
+    obs.optimizer_step()
+    assert obs.outer is disc and obs.sample is None  # (its own input, for the FLOP count)
 
 
 def test_a_gans_samples_are_its_loaders_not_every_forward_of_its_discriminator():

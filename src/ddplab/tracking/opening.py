@@ -23,8 +23,9 @@ from .store import TrackingError, _experiment_refused, _permission_denied, check
 THROUGHPUT_NOTE = (
     "Throughput: quote `perf/samples_per_s`, the steady rate of the whole job (samples over "
     "time in the epochs after the first, so start-up is not counted; with one epoch, its log "
-    "intervals after the first). `train/samples_per_s` is each log interval's rate, for the "
-    "curve over steps; `train/rank<r>_samples_per_s` is one rank's share.")
+    "intervals after the first; a script job's: its steps after the first). "
+    "`train/samples_per_s` is each log interval's rate, for the curve over steps; "
+    "`train/rank<r>_samples_per_s` is one rank's share.")
 
 # The MLflow UI opens such an experiment in its model-training view (not the GenAI one).
 TRAINING_KIND = {"mlflow.experimentKind": "custom_model_development"}

@@ -11,8 +11,9 @@ script is edited and nothing waits on the device inside its step:
   GAN's: its discriminator's last, also at an epoch's end), kept detached and read
   (``.item()``) only at log points;
 - **samples** per step: the first dimension of the first tensor fed to the outermost
-  DDP/FSDP module (a forward pre-hook attached when the script builds it; its compiled wrapper's
-  under ``torch.compile(DDP(model))``) at each call in the step, else to the model: the module
+  DDP/FSDP module (of several, the one the leading optimizer steps; a forward pre-hook
+  attached when the script builds it; its compiled wrapper's under
+  ``torch.compile(DDP(model))``) at each call in the step, else to the model: the module
   given to torch.compile, or the first module a step calls with gradients that has parameters
   to train (not a transform of the data pipeline) (inside a Hugging Face dict or Lightning's
   ``(batch, batch_idx)``; a list of images counts its images), never more than the script's
@@ -203,6 +204,9 @@ class Observer:
         self.sample: Any = None  # one sample of the first step, for the FLOP count
         self.outer: torch.nn.Module | None = None
         self.found: Any = None  # the hook on a model found by its first call (no DDP/FSDP)
+        self.hooked: Any = None  # the forward pre-hook on the model (self.outer)
+        self.wrappers: list[weakref.ref[torch.nn.Module]] = []  # every DDP/FSDP the script built
+        self.choose: Callable[[torch.nn.Module], Any] | None = None  # hooks another model
         self.wrapped = False  # inside the call of the compiled wrapper of the model
         self.lead: weakref.ref[torch.optim.Optimizer] | None = None  # whose step ends a step
         self.other: torch.optim.Optimizer | None = None  # another that stepped since the lead's
@@ -337,6 +341,8 @@ class Observer:
         end = self._mark()
         self.t_backward = self.t_backward or now
         t = self.totals
+        if not t.steps:
+            self._lead_model()
         first_forward = self.t_forward or self.t_backward
         start = self.step_end or first_forward
         t.steps += 1
@@ -369,6 +375,23 @@ class Observer:
         self._beat("data loading", t.steps + 1)
         if t.steps - self.logged_step >= LOG_EVERY_STEPS:
             self.log_point()
+
+    def _lead_model(self) -> None:
+        """At the first step: the model is the DDP/FSDP whose parameters the leading optimizer
+        steps, not the first one built (a GAN that wraps its generator first: its
+        discriminator's forward, backward and the generator's step read as data wait)."""
+        opt = self.lead() if self.lead is not None else None
+        if opt is None or self.outer is None or self.choose is None:
+            return
+        stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+        if any(id(p) in stepped for p in self.outer.parameters()):
+            return
+        for ref in self.wrappers:
+            module = ref()
+            if module is not None and any(id(p) in stepped for p in module.parameters()):
+                self.choose(module)
+                self.sample, self.unreplayable = None, False  # (the other model's input)
+                return
 
     def _mark(self) -> Any:
         if self.marker is None:
@@ -812,10 +835,14 @@ def _hooks(obs: Observer) -> None:
         """The script's model from now on: the samples, the forward's start and the FLOPs are
         its calls' (with their keyword arguments: ``model(**batch)``)."""
         anywhere.remove()
-        if obs.found is not None:  # found by its first call, then wrapped in DDP
-            obs.found.remove()
+        for hook in (obs.found, obs.hooked):  # found by its first call, then wrapped in DDP;
+            if hook is not None:  # or the first DDP built, not the one the lead optimizer steps
+                hook.remove()
         obs.outer = module
-        return module.register_forward_pre_hook(forward, with_kwargs=True)
+        obs.hooked = module.register_forward_pre_hook(forward, with_kwargs=True)
+        return obs.hooked
+
+    obs.choose = model
 
     @timed
     def first_call(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -907,8 +934,10 @@ def _hooks(obs: Observer) -> None:
         @functools.wraps(init)
         def observed_init(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
+            obs.wrappers.append(weakref.ref(self))
             # The first DDP/FSDP built is the model (the loss is not), also over one found
-            # by its first call before.
+            # by its first call before; until the first step's optimizer says another
+            # (Observer._lead_model).
             if obs.outer is None or obs.found is not None:
                 model(self)
                 obs.found = None
