@@ -386,7 +386,12 @@ def test_without_set_epoch_an_epoch_is_a_pass_of_the_loader_that_feeds_the_steps
             obs.batch(it, torch.zeros(8, 4), 0.1)
             _train_step(obs, model, opt, 8)
         obs.loader_done(it)
-        clock[0] += 5.0  # (its own evaluation, a save...)
+        model.eval()  # its own evaluation: not the epoch's
+        clock[0] += 1.0
+        with torch.no_grad():
+            obs.forward(model, (torch.randn(8, 4),), {})
+        model.train()
+        clock[0] += 4.0
     obs.finish()
     assert [(e["epoch"], e["steps"], e["time_s"]) for e in obs.totals.epochs] == \
         [(1, 3, pytest.approx(2.1)), (2, 2, pytest.approx(1.1))]

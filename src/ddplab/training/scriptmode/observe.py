@@ -292,15 +292,15 @@ class Observer:
         """A training step's first forward, at ``at``: its data wait starts at the last
         evaluation forward since the last step, if any (the evaluation's batches and forwards
         are not this step's input; what follows that forward still is)."""
+        if self.loaded or self.credit:
+            self._loader_epoch(self.last_iter)  # (first: an epoch ends at its last step)
+            self.feeding = self.last_iter  # (its end is the epoch's: loader_done)
+            self.totals.loaders = True
         if self.evaluated is not None and self.evaluated[0] <= at:
             self.step_end = self.evaluated[0]
             self.m_end = self.evaluated[1] if self.evaluated[1] is not None else self.m_end
         self.evaluated = None
         self.t_forward, self.m_forward = at, mark
-        if self.loaded or self.credit:
-            self._loader_epoch(self.last_iter)
-            self.feeding = self.last_iter  # (its end is the epoch's: loader_done)
-            self.totals.loaders = True
 
     def _rows(self, n: int) -> None:
         self.samples += n
@@ -349,7 +349,6 @@ class Observer:
         rows, samples = self.samples, self._bounded()
         t.samples += samples
         self.epoch_steps += 1
-        # (the next step's share holds the one FLOP count, made in this hook's last call)
         if t.steps > WARMUP_STEPS:
             t.observe_s += self.own_s
         step = Step(t.steps, samples, (first_forward - start, self.t_backward - first_forward,
