@@ -910,7 +910,8 @@ def _hooks(obs: Observer) -> None:
 
     @functools.wraps(loader_iter)
     def observed_iter(self: Any, *args: Any, **kwargs: Any) -> None:
-        setattr(self, CREATED, time.perf_counter())  # (before its workers start: its epoch's)
+        with contextlib.suppress(Exception):  # (an iterator with __slots__: no start, no failure)
+            setattr(self, CREATED, time.perf_counter())  # (before its workers start)
         loader_iter(self, *args, **kwargs)
 
     _BaseDataLoaderIter.__init__ = observed_iter  # type: ignore[method-assign]
