@@ -19,6 +19,7 @@ import pytest
 
 from ddplab import cli, config
 from ddplab.study.spec import load_study
+from ddplab.tracking import schema
 
 from .conftest import REPO, ddplab, job_env, runs
 from .helpers import BIN, Server, artifact_text, free_port, left_behind, shm_regions
@@ -787,6 +788,9 @@ def test_a_single_process_script_is_observed_at_its_model_also_compiled(tmp_path
     # (the model found at its first call: that call's keyword arguments are not seen)
     assert summary["steps"] == 12 and summary["samples"] == (192 if compiled else 184), summary
     assert summary["samples_per_s_steady"] > 0 and summary["mfu"] > 0, summary
+    # The FLOP count's own forward, after the script's end, is no evaluation after "done": the
+    # eager model's run was said to have died outright (SIGKILL or the OOM killer) at step 13.
+    assert schema.VERDICT not in run.data.tags and "died" not in out.stderr, out.stderr[-3000:]
 
 
 # A GAN in DCGAN's order (D on real and fake, D's step; D on fake again, G's step), two epochs

@@ -225,6 +225,9 @@ class Observer:
         self.unreplayable = False  # a forward's arguments the FLOP count cannot replay
         self.own_s = 0.0  # time in these hooks since the last step's end (_hooks' timed)
         self.step_offset = 0  # the run's step of this attempt's step 0 (STEP_OFFSET_ENV)
+        # the script has ended: the hooks see nothing more (the FLOP count's own forward and
+        # backward of the model are not a step, nor an evaluation after the heartbeat's "done")
+        self.ended = False
 
     # ---- the hooks ----
 
@@ -585,6 +588,7 @@ class Observer:
     def finish(self, count_flops: bool = True) -> None:
         """The script has ended (any way): the last steps' marks, epoch and log point; and,
         ``count_flops``, its FLOPs per sample (not for a failed script: no MFU is said)."""
+        self.ended = True
         self._read(FINISH_PATIENCE_S)
         if self.unread:  # the device never passed the last steps: their loss is not read (it
             self.loss = self.step_loss = None  # may never be); the last one read stays
@@ -814,7 +818,7 @@ def _hooks(obs: Observer) -> None:
         there is a graph break, and an error under ``fullgraph=True``; the compiled model's own
         call is seen outside it."""
         def run(*args: Any, **kwargs: Any) -> None:
-            if torch.compiler.is_compiling():
+            if obs.ended or torch.compiler.is_compiling():
                 return
             t0 = time.perf_counter()
             try:
