@@ -463,6 +463,48 @@ print([b.size(0) for b in loader])
     assert out.returncode == 0 and out.stdout.strip() == "[3]", out.stderr[-2000:]
 
 
+def test_an_optimizer_stepped_inside_anothers_step_is_not_the_step(tmp_path):
+    """ZeroRedundancyOptimizer steps its local Adam, then broadcasts the parameters: the inner
+    Adam's step ended the training step, and the broadcast read as the next step's data wait
+    (0.58-0.71 of each step against the script's 3% in its loader). A Lookahead-style wrapper
+    (its own slow part, 30 ms, after the inner step) and a real ZeRO on a 1-rank group."""
+    code = f"""
+import time, torch, torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from ddplab.training.scriptmode import observe
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+class Lookahead(torch.optim.Optimizer):
+    def __init__(self, inner):
+        self.inner = inner
+        super().__init__(inner.param_groups, {{}})
+    def step(self, closure=None):
+        self.inner.step()
+        time.sleep(0.03)
+model = torch.nn.Linear(4, 1)
+opt = Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(5):
+    model(torch.randn(8, 4)).sum().backward(); opt.step()
+print(obs.totals.steps, round(obs.totals.wait_s, 3), obs.lead() is opt)
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+for _ in range(3):
+    model(torch.randn(8, 4)).sum().backward(); zero.step()
+print(obs.totals.steps, obs.lead() is zero)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wrapped, zero = out.stdout.split("\n")[:2]
+    steps, wait, lead = wrapped.split()
+    # (the first step has no wait: it starts the clock; 4 waits of 30 ms when it was wrong)
+    assert steps == "5" and float(wait) < 0.02 and lead == "True", out.stdout
+    # (a new optimizer leads from its second step on, as a script that replaced its own)
+    assert zero == "7 True", out.stdout
+
+
 def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators_at_epoch_end():
     """DCGAN's order: D on real, D on fake, D's step (the step's end), then G's backward and
     step. The epoch's end logged G's loss, the log points every 10 steps D's: one zigzag curve."""
