@@ -273,6 +273,30 @@ def _train_step(obs: observe.Observer, model: nn.Module, opt: torch.optim.Optimi
     return loss
 
 
+@pytest.mark.parametrize("autocast, cast, precision", [
+    (None, None, "CPU fp32"), (torch.bfloat16, None, "CPU bf16"), (None, torch.bfloat16, "CPU bf16")],
+    ids=["fp32", "autocast-bf16", "model-cast-bf16"])
+def test_the_mfu_peak_is_in_what_the_script_computes_in(autocast, cast, precision):
+    """A bf16 autocast script's MFU was taken against the fp32 peak: 271% on this CPU (bf16
+    matmuls 4.4x fp32's), and ~15x too high on an H100 (989.5 against 66.9 TFLOP/s)."""
+    obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+    model = nn.Linear(4, 1).to(cast or torch.float32)
+    obs.outer = model  # (as its DDP's hook finds it)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            x = torch.randn(8, 4, dtype=cast or torch.float32)
+            obs.forward(model, (x,), {})
+            loss = model(x).float().pow(2).mean()
+        obs.backward(loss)
+        loss.backward()
+        opt.step()
+        obs.optimizer_step()
+    obs._count_flops()
+    assert obs.flops["peak_source"].startswith(f"{precision} matmul"), obs.flops
+    assert obs.flops["flops_per_sample"] > 0 and obs.flops["peak_flops_s"] > 0, obs.flops
+
+
 def test_an_evaluation_in_eval_mode_with_gradients_on_is_not_training_but_training_in_it_is():
     """model.eval() without torch.no_grad(): the evaluation's batches counted as the next
     step's samples (an MFU above 1 for a script evaluating each epoch)."""

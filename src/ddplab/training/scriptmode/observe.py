@@ -203,6 +203,8 @@ class Observer:
         # from it stands for (a list of losses scaled at once gives one pair each)
         self.scaled: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
         self.sample: Any = None  # one sample of the first step, for the FLOP count
+        # what the first step's matmuls computed in (autocast's, the model's): the MFU's peak
+        self.dtype = torch.float32
         self.outer: torch.nn.Module | None = None
         self.found: Any = None  # the hook on a model found by its first call (no DDP/FSDP)
         self.hooked: Any = None  # the forward pre-hook on the model (self.outer)
@@ -256,6 +258,7 @@ class Observer:
         if self.sample is None and not self.flops:
             self.sample = _one_sample(args, kwargs)
             self.unreplayable = self.sample is None and bool(args or kwargs)
+            self.dtype = _compute_dtype(module, _step_device(module, args, kwargs))
         if _in_eval_mode(module):  # (a step's later micro-batches too, training in eval mode)
             mark = None if self.t_forward else self._mark()
             at, first, samples, _, _ = self.held or (now, mark, 0, now, mark)
@@ -633,16 +636,24 @@ class Observer:
         else:
             flops, source = mfu.flops_per_sample(model, 0.0, sample, "script.flops_per_sample")
         device = _device(model)
+        low = self.dtype in (torch.bfloat16, torch.float16)
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
-            peak = mfu.table_peak(name, low_precision=False)
-            peak_source = f"{name} fp32 dense, from the datasheet table"
+            tf32 = not low and torch.get_float32_matmul_precision() != "highest"
+            precision = "tf32" if tf32 else precision
+            # (TF32's dense peak is half of bf16's on every chip of the table)
+            peak = mfu.table_peak(name, low_precision=low or tf32) / (2 if tf32 else 1)
+            peak_source = f"{name} {precision} dense, from the datasheet table"
             where = f"{os.uname().nodename}:{device.index}"
             if not peak:
-                peak, peak_source = mfu.measure_matmul(device, torch.float32), f"{name} measured"
+                peak = mfu.measure_matmul(device, self.dtype if low else torch.float32)
+                peak_source = f"{name} {precision} matmul, measured"
         else:
-            peak = mfu.measure_matmul(device, torch.float32) if flops else 0.0
-            peak_source, where = "CPU fp32 matmul measured on every rank", f"rank{self.rank}"
+            peak = mfu.measure_matmul(device, self.dtype if low else torch.float32) \
+                if flops else 0.0
+            peak_source = f"CPU {precision} matmul measured on every rank"
+            where = f"rank{self.rank}"
         self.flops = {"flops_per_sample": flops, "flops_source": source, "peak_flops_s": peak,
                       "peak_source": peak_source, "peak_where": where}
 
@@ -751,6 +762,17 @@ def _step_device(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
+
+
+def _compute_dtype(module: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """What the model's matmuls compute in: autocast's type where it is on for the device (a
+    mixed-precision script), else the model's parameters' (a model cast to bf16)."""
+    with contextlib.suppress(Exception):  # (a torch without the device_type arguments)
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+    with contextlib.suppress(StopIteration):
+        return next(module.parameters()).dtype
+    return torch.float32
 
 
 def _device(model: torch.nn.Module | None) -> torch.device:
