@@ -116,8 +116,10 @@ def test_a_script_that_crashes_after_loading_oneccl_is_said_to_have_crashed(tmp_
     assert run.info.status == "FAILED"
     assert tags["ddplab.error"].startswith("the script failed on rank 1 (host ") and \
         ": killed by SIGSEGV; then rank(s) 0 failed or were stopped" in tags["ddplab.error"], tags
-    assert re.match(r"rank 1 \(host [^)]+\) died \(Segmentation fault\) at step 6 in data loading; "
-                    r"rank 0 stopped after it$", tags["ddplab.verdict"]), tags["ddplab.verdict"]
+    # (no DataLoader fed its steps: ddplab cannot tell its data loading from its other code)
+    assert re.match(r"rank 1 \(host [^)]+\) died \(Segmentation fault\) at step 6 in data loading "
+                    r"or other code between steps; rank 0 stopped after it$",
+                    tags["ddplab.verdict"]), tags["ddplab.verdict"]
     from mlflow import MlflowClient
 
     client = MlflowClient(store)

@@ -31,8 +31,11 @@ from ..ccl import handlers
 AFTER_TRAINING = "after training"
 """A script's phase once it destroyed its process group (scriptmode/observe.py): its step is
 its last."""
-PHASES = ("setup", "data loading", "forward", "backward", "optimizer", "evaluation",
-          "checkpoint", "done", "failed", AFTER_TRAINING)
+BETWEEN_STEPS = "data loading or other code between steps"
+"""A script's phase between steps when no torch DataLoader fed them (scriptmode/observe.py):
+its own iterator, or whatever else it does there; ddplab cannot tell which."""
+PHASES = ("setup", "data loading", BETWEEN_STEPS, "forward", "backward", "optimizer",
+          "evaluation", "checkpoint", "done", "failed", AFTER_TRAINING)
 INDEX = {p: i for i, p in enumerate(PHASES)}
 RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size
 STACK_SIGNAL = signal.SIGUSR2

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from ...forensics.heartbeat import AFTER_TRAINING
+from ...forensics.heartbeat import AFTER_TRAINING, BETWEEN_STEPS
 from .. import marks
 from .env import FORENSICS_ENV, OBSERVE_ENV, STEP_OFFSET_ENV
 from .imports import after_import
@@ -378,7 +378,7 @@ class Observer:
         self.step_loss, self.held, self.evaluated = self.loss, None, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
-        self._beat("data loading", t.steps + 1)
+        self._beat("data loading" if t.loaders else BETWEEN_STEPS, t.steps + 1)
         if t.steps - self.logged_step >= LOG_EVERY_STEPS:
             self.log_point()
 
