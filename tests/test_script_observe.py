@@ -356,7 +356,11 @@ def test_on_a_fake_gpu_an_evaluation_between_steps_is_not_the_next_steps_data_wa
 
 
 class LoaderIter:
-    """A data loader's iterator, as the hooks see one: an object its batches come from."""
+    """A data loader's iterator, as the hooks see one: an object its batches come from, over
+    its loader's dataset (``_dataset``, as torch's iterators keep it)."""
+
+    def __init__(self, dataset: object = None) -> None:
+        self._dataset = dataset
 
 
 def _host_clock(monkeypatch) -> list[float]:
@@ -419,6 +423,38 @@ def test_without_set_epoch_an_epoch_is_a_pass_of_the_loader_that_feeds_the_steps
     obs.finish()
     assert [(e["epoch"], e["steps"], e["time_s"]) for e in obs.totals.epochs] == \
         [(1, 3, pytest.approx(2.1)), (2, 2, pytest.approx(1.1))]
+
+
+def test_micro_batches_left_over_at_an_epochs_end_make_the_next_epochs_first_step(monkeypatch):
+    """A step every 3 of 5 batches: the 2 left over at the loader's end are the next epoch's
+    first step's, as the script counts (1 step each epoch). That step counted in the epoch its
+    micro-batches began: 2 steps and 0, the epoch's end a step late, its loss the next epoch's."""
+    clock = _host_clock(monkeypatch)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    data, losses = object(), []
+    for _ in range(2):
+        it = LoaderIter(data)
+        for i in range(5):
+            clock[0] += 1.0
+            obs.batch(it, torch.zeros(8, 4), 0.1)
+            x = torch.randn(8, 4)
+            obs.forward(model, (x,), {})
+            loss = model(x).pow(2).mean()
+            obs.backward(loss)
+            loss.backward()
+            if (i + 1) % 3 == 0:
+                opt.step()
+                obs.optimizer_step()
+                losses.append(loss.item())
+        obs.loader_done(it)
+        clock[0] += 0.5
+    obs.finish()
+    assert [(e["epoch"], e["steps"], e["time_s"]) for e in obs.totals.epochs] == \
+        [(1, 1, pytest.approx(4.1)), (2, 1, pytest.approx(4.1))]
+    assert obs.totals.loss == pytest.approx(losses[-1])
 
 
 def test_a_no_grad_forward_in_train_mode_before_the_step_is_the_steps_not_an_evaluation(

@@ -188,6 +188,7 @@ class Observer:
         self.fewest = 0  # the smallest batch a forward of this step took (0: none yet)
         self.feeding: weakref.ref[Any] | None = None  # the loader iterator that fed training
         self.last_iter: weakref.ref[Any] | None = None  # the one that gave the last batch
+        self.fed_from = 0  # the feeding iterator's data (_data_of), which outlives it
         self.loss: torch.Tensor | None = None  # the last backward's
         self.step_loss: torch.Tensor | None = None  # the last backward's before the last step
         # a forward of the model in eval mode with gradients on (model.eval() without
@@ -302,6 +303,7 @@ class Observer:
         if self.loaded or self.credit:
             self._loader_epoch(self.last_iter)  # (first: an epoch ends at its last step)
             self.feeding = self.last_iter  # (its end is the epoch's: loader_done)
+            self.fed_from = _data_of(self.last_iter() if self.last_iter is not None else None)
             self.totals.loaders = True
         if self.evaluated is not None and self.evaluated[0] <= at:
             self.step_end = self.evaluated[0]
@@ -505,6 +507,10 @@ class Observer:
         where none is found)."""
         if self.last_iter is None or self.last_iter() is not it:
             self.iter_start = getattr(it, CREATED, time.perf_counter() - took_s)
+            if self.t_forward and self.ran_out and _data_of(it) == self.fed_from:
+                # Micro-batches left over at the loader's end (a step every N batches) make
+                # the next epoch's first step: this epoch ended with its last whole step.
+                self._loader_epoch(weakref.ref(it))
         self.last_iter = weakref.ref(it)
         self.in_loader += took_s
         if isinstance(batch, (list, tuple)) and batch and \
@@ -523,8 +529,7 @@ class Observer:
         the hooks do not see, ``update_bn``)."""
         feeding = self.feeding() if self.feeding is not None else None
         self.ran_out = self.ran_out or feeding is it
-        if feeding is it and self.epoch_steps and not self.t_forward \
-                and self.evaluated is None and self.held is None:
+        if feeding is it and self.epoch_steps and self.evaluated is None and self.held is None:
             self.epoch_end = time.perf_counter()
 
     def trained(self) -> None:
@@ -762,6 +767,13 @@ def _step_device(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
+
+
+def _data_of(it: Any) -> int:
+    """What a loader iterator iterates, as a number: its dataset's identity (an iterator does
+    not keep its DataLoader; 0: not a DataLoader's)."""
+    data = getattr(it, "_dataset", None)
+    return id(data) if data is not None else 0
 
 
 def _compute_dtype(module: torch.nn.Module, device: torch.device) -> torch.dtype:
