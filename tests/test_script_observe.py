@@ -565,6 +565,55 @@ print(obs.totals.steps, obs.lead() is zero)
     assert zero == "7 True", out.stdout
 
 
+SEQUENCE_FIRST = """
+import sys, torch, torch.nn as nn
+from ddplab.training import mfu
+from ddplab.training.scriptmode import observe
+class Words(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 1)
+    def forward(self, src):  # src: (35 steps, 20 sequences)
+        return self.enc(self.emb(src)).sum(-1)
+class Steps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(4, 8), nn.Linear(8, 1)
+    def forward(self, x):  # x: (batch 32, 10 steps, 4), transposed here
+        return self.head(self.lstm(x.transpose(0, 1))[0][-1])
+words = sys.argv[1] == "words"
+model, x = (Words(), torch.randint(0, 50, (35, 20))) if words else (Steps(), torch.randn(32, 10, 4))
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(3):
+    model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+obs.finish()
+one = mfu.counted_flops_per_sample(model, x[:, :1]) if words else 0
+print(obs.totals.samples, obs.flops["flops_per_sample"] == one, obs.flops["flops_source"])
+"""
+
+
+@pytest.mark.parametrize("model, said", [
+    ("words", "60 True torch.utils.flop_counter (forward x 3)"),
+    ("steps", "96 True no count: torch's FLOP counter does not count nn.LSTM (give "
+              "script.flops_per_sample)")])
+def test_a_sequence_first_models_batch_is_its_inputs_second_dimension(model, said):
+    """nn.LSTM and nn.Transformer take (sequence, batch, features) unless batch_first: the
+    time steps were counted as samples (pytorch/examples' word language model: 35 for 20
+    sequences, 1.75x too high; an LSTM over 10 steps of 32: 3.1x too low), one time step of
+    every sequence was the FLOP count's sample, and an LSTM, which the counter does not count,
+    had an MFU near 0."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SEQUENCE_FIRST, model], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == said, out.stdout
+
+
 def test_a_gans_loss_is_its_discriminators_at_every_log_point_not_its_generators_at_epoch_end():
     """DCGAN's order: D on real, D on fake, D's step (the step's end), then G's backward and
     step. The epoch's end logged G's loss, the log points every 10 steps D's: one zigzag curve."""

@@ -209,6 +209,12 @@ class Observer:
         self.outer: torch.nn.Module | None = None
         self.found: Any = None  # the hook on a model found by its first call (no DDP/FSDP)
         self.hooked: Any = None  # the forward pre-hook on the model (self.outer)
+        # the pre-hook on the model's first sequence-first module (an LSTM, a Transformer
+        # layer without batch_first): its input's second dimension is the batch
+        self.seq_hook: Any = None
+        # this forward's rows by its first dimension (and its arguments, at the first forward,
+        # for the FLOP count's sample), until the sequence-first module says the batch
+        self.seq_pending: tuple[int, Any] | None = None
         self.wrappers: list[weakref.ref[torch.nn.Module]] = []  # every DDP/FSDP the script built
         self.choose: Callable[[torch.nn.Module], Any] | None = None  # hooks another model
         self.wrapped = False  # inside the call of the compiled wrapper of the model
@@ -256,10 +262,12 @@ class Observer:
         now = time.perf_counter()
         if self.marker is None and not self.marks_failed and not self.t_forward:
             self.marker = self.marker_for(_step_device(module, args, kwargs))
+        call = None
         if self.sample is None and not self.flops:
             self.sample = _one_sample(args, kwargs)
             self.unreplayable = self.sample is None and bool(args or kwargs)
             self.dtype = _compute_dtype(module, _step_device(module, args, kwargs))
+            call = (args, kwargs)
         if _in_eval_mode(module):  # (a step's later micro-batches too, training in eval mode)
             mark = None if self.t_forward else self._mark()
             at, first, samples, _, _ = self.held or (now, mark, 0, now, mark)
@@ -274,7 +282,27 @@ class Observer:
         if not self.t_forward:
             self._begin(now, self._mark())
             self._beat("forward", None)
-        self._rows(_batch_size(args, kwargs))
+        rows = _batch_size(args, kwargs)
+        self._rows(rows)
+        if self.seq_hook is not None:
+            self.seq_pending = (rows, call)
+
+    def sequence_batch(self, args: tuple[Any, ...]) -> None:
+        """The pre-hook of the model's sequence-first module (its input: sequence, batch,
+        features): the model's forward took that many samples, not its input's first
+        dimension (35 time steps of pytorch/examples' word language model, not 20 sequences)."""
+        if self.seq_pending is None:
+            return
+        (rows, call), self.seq_pending = self.seq_pending, None
+        batch = _sequence_rows(args[0]) if args else 0
+        if not batch:
+            return
+        if batch != rows:
+            self.samples += batch - rows
+            self.fewest = batch if self.fewest in (0, rows) else min(self.fewest, batch)
+        if call is not None:  # one sample is a slice of the second dimension
+            first_args, first_kwargs = call
+            self.sample = _one_sample(first_args, first_kwargs, along=1, size=batch)
 
     def backward(self, loss: torch.Tensor | None) -> None:
         """A backward from ``loss`` (None: from several tensors at once)."""
@@ -373,6 +401,7 @@ class Observer:
             self._count(step, *step.host)
         self._read()
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
+        self.seq_pending = None
         self.loaded = self.fewest = 0
         self.in_loader = 0.0
         # The loss of the step's leading optimizer, at every log point: a GAN's generator
@@ -638,6 +667,11 @@ class Observer:
             # would gather them: a collective the script's other ranks are not making.
             flops, source = 0.0, ("no count: FSDP's parameters are sharded outside its forward "
                                   "(give script.flops_per_sample)")
+        elif any(isinstance(m, torch.nn.LSTM) and not m.proj_size for m in model.modules()):
+            # (oneDNN and cuDNN run it as one native op, which torch's counter does not know:
+            # a count without it would make an LSTM model's MFU near 0)
+            flops, source = 0.0, ("no count: torch's FLOP counter does not count nn.LSTM "
+                                  "(give script.flops_per_sample)")
         else:
             flops, source = mfu.flops_per_sample(model, 0.0, sample, "script.flops_per_sample")
         device = _device(model)
@@ -734,20 +768,49 @@ def _images(value: list[Any] | tuple[Any, ...]) -> bool:
     return bool(value) and all(isinstance(v, torch.Tensor) and v.dim() == 3 for v in value)
 
 
-def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any], along: int = 0, size: int = 0
+                ) -> Any:
     """The first sample as a batch of 1, as mfu.counted_flops_per_sample takes it: the one
     tensor argument, several positional tensors of one batch (a tuple), or the keyword
-    tensors; None for other call shapes (no count)."""
+    tensors; None for other call shapes (no count). ``along=1``: a sequence-first model's
+    batch of ``size`` is the tensors' second dimension (those of another size are kept whole:
+    an attention mask)."""
+    def first(t: torch.Tensor) -> torch.Tensor:
+        if along and (t.dim() <= along or t.shape[along] != size):
+            return t.detach().clone()
+        return t.narrow(along, 0, 1).detach().clone()
+
     tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
     if len(args) == 1 and len(tensors) == 1:
-        return tensors[0][:1].detach().clone()
+        return first(tensors[0])
     if len(args) > 1 and len(tensors) == len(args) and not kwargs \
-            and len({t.shape[0] for t in tensors}) == 1:  # model(ids, mask)
-        return tuple(t[:1].detach().clone() for t in tensors)
+            and (along or len({t.shape[0] for t in tensors}) == 1):  # model(ids, mask)
+        return tuple(first(t) for t in tensors)
     if not args and kwargs:
-        return {k: v[:1].detach().clone() if isinstance(v, torch.Tensor) and v.dim() else v
+        return {k: first(v) if isinstance(v, torch.Tensor) and v.dim() else v
                 for k, v in kwargs.items()}
     return None
+
+
+def _sequence_first(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's first module that takes (sequence, batch, features): a recurrent layer or a
+    multi-head attention (in a Transformer layer too) without ``batch_first``, torch's
+    default for them."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RNNBase, torch.nn.MultiheadAttention)) \
+                and not module.batch_first:
+            return module
+    return None
+
+
+def _sequence_rows(value: Any) -> int:
+    """The batch of a sequence-first module's input: its second dimension (a packed
+    sequence's: its first step's size); 0 for an unbatched input."""
+    if isinstance(value, torch.nn.utils.rnn.PackedSequence):
+        return int(value.batch_sizes[0])
+    if isinstance(value, torch.Tensor) and value.dim() >= 3:
+        return int(value.shape[1])
+    return 0
 
 
 def _marker_for(device: torch.device) -> Callable[[], Any] | None:
@@ -891,6 +954,7 @@ def _hooks(obs: Observer) -> None:
         return run
 
     forward, backward_hook = timed(obs.forward), timed(obs.backward)
+    sequence_batch = timed(lambda module, args: obs.sequence_batch(args))
     scale_hook, loaded, loader_done = timed(obs.scale), timed(obs.batch), timed(obs.loader_done)
     stepping = _step_code()
 
@@ -913,6 +977,10 @@ def _hooks(obs: Observer) -> None:
                 hook.remove()
         obs.outer = module
         obs.hooked = module.register_forward_pre_hook(forward, with_kwargs=True)
+        if obs.seq_hook is not None:
+            obs.seq_hook.remove()
+        seq = _sequence_first(module)
+        obs.seq_hook = seq.register_forward_pre_hook(sequence_batch) if seq is not None else None
         return obs.hooked
 
     obs.choose = model
