@@ -46,12 +46,16 @@ def start_job(tmp_path: Path, server: Server, epochs: int = 3,
 def kill_after_first_loss(tmp_path: Path, server: Server) -> None:
     """Kill the server once the job has logged its first loss (to its spool: a local file,
     so this does not depend on how fast delivery is)."""
+    wait_for_first_loss(tmp_path)
+    server.kill()
+
+
+def wait_for_first_loss(tmp_path: Path) -> None:
     deadline = time.monotonic() + 180
     while not any(b'"train/loss"' in f.read_bytes()
                   for f in (tmp_path / "ck").rglob("spool/node0/records.jsonl")):
         assert time.monotonic() < deadline, "no loss logged"
         time.sleep(0.2)
-    server.kill()
 
 
 def delivered_losses(server: Server, run_id: str) -> list[tuple[int, float]]:
@@ -133,3 +137,46 @@ def test_server_down_a_while_and_back_loses_nothing_and_repeats_nothing(tmp_path
     steps = [m.step for m in system]
     assert steps and len(steps) == len(set(steps))  # sampled through the outage, each once
 
+
+
+def test_a_job_killed_outright_agent_and_all_is_ended_failed_by_sync(tmp_path, server):
+    """Every process of the job SIGKILLed at once (a node's OOM, a lost machine): nothing was
+    left to write ``closed`` or ``delivery.json``, and ``ddplab sync`` delivered the records but
+    left the run RUNNING for good. The agent's lock, free once it is gone, and a spool that no
+    longer changes, say the job is over."""
+    import os
+    import signal
+
+    import psutil
+
+    job = start_job(tmp_path, server, epochs=16)
+    wait_for_first_loss(tmp_path)
+    run_id = the_run_id_from_spool(tmp_path)
+    every = [job.pid] + [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
+    assert any("ddplab.agent" in " ".join(psutil.Process(p).cmdline()) for p in every)
+    for pid in every:
+        os.kill(pid, signal.SIGKILL)
+    job.communicate(timeout=60)
+    psutil.wait_procs([p for p in map(_process, every) if p is not None], timeout=30)
+    (spooled,) = (tmp_path / "ck").rglob("spool/node0")
+
+    soon = sync(tmp_path, str(tmp_path / "ck"))  # the spool changed a moment ago: maybe alive
+    assert soon.returncode == 0, soon.stdout + soon.stderr
+    assert server.client().get_run(run_id).info.status == "RUNNING"
+    for f in spooled.iterdir():  # a minute later
+        os.utime(f, (time.time() - 60, time.time() - 60))
+    later = sync(tmp_path, str(tmp_path / "ck"))
+    assert later.returncode == 0 and "ended it FAILED" in later.stdout, later.stdout + later.stderr
+    run = server.client().get_run(run_id)
+    assert run.info.status == "FAILED" and "killed outright" in run.data.tags["ddplab.error"], \
+        run.data.tags
+    assert "train/loss" in run.data.metrics  # what the job logged before, delivered
+
+
+def _process(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None

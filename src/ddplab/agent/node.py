@@ -20,6 +20,7 @@ protocol.py.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from ..forensics.watch import Watch
 from ..tracking import opening, spool
 from . import postmortem
 from .protocol import (
+    DELIVERING,
     DELIVERY_JSON,
     META_JSON,
     STARTUP_JSON,
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     # nice 19 (seen in CI: a delivery that read meta.json late died, and the run's records
     # stayed in the spool put back).
     meta = spool.Meta.read(args.spool)
+    lock = _hold(args.spool / DELIVERING)  # noqa: F841 - held until this process ends
     sampler = (SystemSampler(spool.Stream(args.spool, "system"), args.node,
                              args.system_interval, args.t0_ms or spool.now_ms())
                if args.system_interval > 0 else None)
@@ -263,6 +266,28 @@ def main(argv: list[str] | None = None) -> int:
              "set_aside": out.set_aside, "error": out.error, "pid": os.getpid()}))
     return 0 if out.left == 0 else 1
 
+
+
+def _hold(path: Path) -> Any:
+    """``path`` opened and locked for this process's life: ``ddplab sync`` tells from it that
+    the job's agent is gone (a lock dies with its process, SIGKILL too). A restarted attempt's
+    agent waits for the last one's to let go (its last deliveries), up to 5 s; None if the
+    spool is gone or locks fail (sync then waits for closed or delivery.json, or for the
+    spool's changes to stop)."""
+    try:
+        held = path.open("a")
+    except OSError:
+        return None
+    for _ in range(50):
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return held
+        except BlockingIOError:
+            time.sleep(0.1)
+        except OSError:
+            break
+    held.close()
+    return None
 
 
 def _taken_over(directory: Path, since: float) -> bool:

@@ -4,14 +4,16 @@ RUNNING. Idempotent: delivered records are not sent again."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from ..log import logger
 from ..tracking import opening, spool
-from .protocol import DELIVERY_JSON
+from .protocol import DELIVERING, DELIVERY_JSON, QUIET_S
 
 # The client fails fast and this process retries on its own schedule: MLflow's defaults
 # retry one call for minutes, which is how a dead server used to hang a finished job.
@@ -59,8 +61,27 @@ def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
 
 def job_over(directory: Path) -> bool:
     """The job that wrote this spool has ended: it closed the spool, or its delivery process
-    finished (it outlives the job, and attach() clears both for a new attempt)."""
-    return (directory / spool.CLOSED).exists() or (directory / DELIVERY_JSON).exists()
+    finished (it outlives the job, and attach() clears both for a new attempt), or that process
+    is gone without a word (killed outright with the whole job: an OOM, a lost node)."""
+    return (directory / spool.CLOSED).exists() or (directory / DELIVERY_JSON).exists() \
+        or _delivery_gone(directory)
+
+
+def _delivery_gone(directory: Path) -> bool:
+    """The agent's lock is free (no process holds it) and nothing in the spool has changed
+    for QUIET_S; False where the spool has no lock (an older ddplab's) or locks fail."""
+    lock = directory / DELIVERING
+    try:
+        if not lock.is_file():
+            return False
+        changed = max(p.stat().st_mtime for p in directory.iterdir() if p.is_file())
+        if time.time() - changed < QUIET_S:
+            return False
+        with lock.open("a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released as it closes)
+    except OSError:
+        return False
+    return True
 
 
 def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
