@@ -252,7 +252,7 @@ def _until_the_watch_stops(watch, rank: subprocess.Popen):
 
 def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     """A real process beating as rank 1, then stuck in a loop: past hang_after_s the watch has
-    its stack (SIGUSR2, answered at C level while Python spins) and its flight records (the
+    its stack (STACK_SIGNAL, answered at C level while Python spins) and its flight records (the
     heartbeat's thread, which gets the GIL from the spinning loop), then SIGKILLs it."""
     from ddplab.forensics.watch import Watch
 

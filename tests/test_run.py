@@ -76,10 +76,9 @@ def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkey
 def test_summary_json_stays_json_with_nan_and_inf():
     import json
 
-    from ddplab.training.fit import _finite
+    from ddplab.files import finite_json
 
-    text = json.dumps(_finite({"loss": float("nan"), "x": [1.0, float("inf")], "n": 3}),
-                      allow_nan=False)
+    text = finite_json({"loss": float("nan"), "x": [1.0, float("inf")], "n": 3})
     assert json.loads(text) == {"loss": None, "x": [1.0, None], "n": 3}
 
 

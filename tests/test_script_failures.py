@@ -5,6 +5,7 @@ place in ``ddplab diagnose``, and packaged scripts (``ddplab train -m pkg.train`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import re
@@ -17,7 +18,7 @@ from ddplab import cli
 from ddplab.launchers import local
 
 from .conftest import REPO, ddplab, job_env, runs
-from .helpers import BIN, free_port, omni_path_library, wait_all
+from .helpers import BIN, artifact_text, free_port, omni_path_library, wait_all
 from .test_script_mode import FAULTY
 
 # What torchrun's agent logs itself ("E1127 09:19:57.948000 10559 torch/...] ...").
@@ -295,7 +296,7 @@ model = DDP(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(20):
     if sys.argv[1] == "os-exit" and rank == 0 and step == 2:
-        os._exit(0)  # leaves mid-training; its peer waits in the next all-reduce
+        os._exit(int(sys.argv[2]))  # leaves mid-training; its peer waits in the next all-reduce
     model(torch.randn(8, 4)).pow(2).mean().backward()
     opt.step()
     time.sleep(0.2)
@@ -303,18 +304,20 @@ for step in range(20):
 
 
 @pytest.mark.e2e
-def test_a_rank_that_leaves_by_os_exit_is_the_cause_not_the_peer_it_left(tmp_path, store):
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_rank_that_leaves_by_os_exit_is_the_cause_not_the_peer_it_left(tmp_path, store, code):
     """Rank 0 ``os._exit(0)`` mid-training: the run blamed rank 1's "Connection reset by peer"
     (a consequence), and the forensics line said rank 0 "died outright (SIGKILL, or the OOM
-    killer)" though nothing killed it."""
+    killer)" though nothing killed it; so did ``os._exit(3)``'s."""
     script = tmp_path / "leaves.py"
     script.write_text(LEAVES)
     out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
-                  "os-exit"], tmp_path, job_env(store), nproc=2)
+                  "os-exit", str(code)], tmp_path, job_env(store), nproc=2)
     assert out.returncode != 0
     said = out.stdout + out.stderr
-    assert "rank 0 (host" in said and "exited 0 before the job ended" in said, said[-3000:]
-    assert "exited 0 before the script's end (os._exit" in said, said[-3000:]
+    if not code:
+        assert "rank 0 (host" in said and "exited 0 before the job ended" in said, said[-3000:]
+    assert f"exited {code} before the script's end (os._exit" in said, said[-3000:]
     assert "died outright" not in said, said[-3000:]
     (run,) = runs(store)
     assert run.info.status == "FAILED" and "rank 0" in run.data.tags["ddplab.error"]
@@ -457,3 +460,164 @@ def test_a_terminal_resized_while_the_script_runs_resizes_the_scripts_terminal(t
     text = bytes(seen).decode(errors="replace")
     assert code == 0, text[-3000:]
     assert "COLS 123" in text and "NOW 77" in text, text[-3000:]
+
+
+def _stopped_by_the_watch(tmp_path, store, source: str, hang_after_s: float = 3
+                          ) -> tuple[subprocess.CompletedProcess, Any]:
+    """A 2-rank job of ``source``, which hangs: its output and its one run."""
+    script = tmp_path / "hangs.py"
+    script.write_text(source)
+    out = ddplab(["train", str(script), "--set", f"dist.hang_after_s={hang_after_s}", "--set",
+                  f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, job_env(store), nproc=2)
+    assert out.returncode != 0
+    (run,) = runs(store)
+    return out, run
+
+
+LATE = '''
+import time, torch, torch.distributed as dist, os
+if os.environ["RANK"] == "1":
+    time.sleep(120)  # a slow set-up of its own: rank 0 waits for it in init_process_group
+dist.init_process_group("gloo")
+'''
+
+
+@pytest.mark.e2e
+def test_a_rank_late_to_its_process_group_is_the_one_named_not_the_one_waiting(tmp_path, store):
+    """Rank 1 is slow before ``init_process_group``; rank 0 waits in it: both in set-up, and
+    the verdict named rank 0 (2 runs of 2), its own stack inside init_process_group."""
+    _, run = _stopped_by_the_watch(tmp_path, store, LATE, hang_after_s=2)
+    verdict = run.data.tags["ddplab.verdict"]
+    assert verdict.startswith("rank 1 (host ") and " in setup " in verdict, verdict
+    assert "rank 0 waits in init_process_group (for the other ranks)" in verdict, verdict
+
+
+NAN = '''
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    loss = model(torch.randn(8, 4)).sum() * float("nan")
+    opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+
+@pytest.mark.e2e
+def test_a_nan_loss_finishes_as_under_plain_python_and_its_summary_stays_json(tmp_path, store):
+    """summary.json held a bare NaN (``"final_loss": NaN``), which JSON readers refuse."""
+    from mlflow import MlflowClient
+
+    script = tmp_path / "nan.py"
+    script.write_text(NAN)
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
+                 job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = runs(store)
+    text = artifact_text(MlflowClient(store), run.info.run_id, "summary.json")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    summary = json.loads(text, parse_constant=refuse)
+    assert summary["steps"] == 6 and summary["final_loss"] is None, summary
+
+
+REQUEUES = '''
+import signal, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+signal.signal(signal.SIGUSR2, lambda *_: print("my own requeue handler ran", flush=True))
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+for step in range(20):
+    if step == 3 and dist.get_rank() == 1:
+        time.sleep(120)
+    model(torch.randn(8, 4)).sum().backward()
+'''
+
+
+@pytest.mark.e2e
+def test_a_scripts_own_sigusr2_handler_is_not_what_the_hang_watch_asks_for_stacks(tmp_path, store):
+    """The watch asked for stacks with SIGUSR2, which Slurm's --signal, Lightning and submitit
+    scripts handle themselves: the script's requeue handler ran, and no stack came."""
+    from mlflow import MlflowClient
+
+    out, run = _stopped_by_the_watch(tmp_path, store, REQUEUES)
+    assert "my own requeue handler ran" not in out.stdout + out.stderr, out.stdout[-3000:]
+    assert run.data.tags["ddplab.verdict"].startswith("rank 1 (host "), run.data.tags
+    stack = artifact_text(MlflowClient(store), run.info.run_id, "forensics/rank1.stack.txt")
+    assert "hangs.py" in stack, stack
+
+
+LEAVES_PROCESSES = '''
+import subprocess, sys, torch
+from torch.utils.data import DataLoader
+kept = subprocess.Popen(["sleep", "300"])  # started and forgotten
+daemon = subprocess.Popen(["sleep", "301"], start_new_session=True)  # detached on purpose
+print("pids", kept.pid, daemon.pid, flush=True)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x in DataLoader(torch.randn(32, 4), batch_size=8):
+    model(x).sum().backward(); opt.step()
+if sys.argv[1] == "fail":
+    raise RuntimeError("failed with its process still running")
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("ending", ["ok", "fail"])
+def test_what_a_script_started_and_left_running_ends_with_its_job(tmp_path, store, ending):
+    """``Popen(["sleep", "300"])`` outlived the job, after a failure and a success alike (a
+    DataLoader worker stuck in a hang did too); one started in a session of its own is a
+    daemon on purpose, and stays."""
+    import os
+    import signal
+
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES_PROCESSES)
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
+                  ending], tmp_path, job_env(store))
+    assert out.returncode == (0 if ending == "ok" else 1), out.stderr[-3000:]
+    kept, daemon = (int(p) for p in re.search(r"pids (\d+) (\d+)", out.stdout).groups())
+    try:
+        assert not _running(kept), "the forgotten process outlived the job"
+        assert _running(daemon), "the daemon started in a session of its own was stopped"
+    finally:
+        for pid in (kept, daemon):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+STUCK_AT_25 = '''
+import time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(40):
+    if step == 24 and dist.get_rank() == 1:
+        time.sleep(120)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step(); opt.zero_grad()
+'''
+
+
+@pytest.mark.e2e
+def test_rank_0s_last_log_point_is_kept_when_its_script_is_stopped(tmp_path, store):
+    """The observation puts a log point into the spool one log point late (a script logging
+    the same name itself has done so by then): rank 0 stopped by the hang watch at step 25
+    never wrote step 20's, and train/loss ended at step 10."""
+    from mlflow import MlflowClient
+
+    _, run = _stopped_by_the_watch(tmp_path, store, STUCK_AT_25)
+    assert "at step 25" in run.data.tags["ddplab.verdict"], run.data.tags["ddplab.verdict"]
+    steps = [m.step for m in MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == [10, 20], steps

@@ -3,8 +3,11 @@ identity, a rank's report, the run's last line): whole or not at all."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -19,3 +22,19 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not also leave the temporary behind
         raise
+
+
+def finite_json(value: Any) -> str:
+    """``value`` as indented JSON that stays JSON: NaN and infinities as null (json.dumps writes
+    bare NaN, which JSON readers refuse: a script's NaN loss in its summary.json)."""
+    return json.dumps(_finite(value), indent=2, allow_nan=False, default=str)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -2,13 +2,15 @@
 node's spool, read by that node's delivery process (watch.py). A beat is a store into shared
 memory: no system call, no network call, nothing on the training path that could block.
 
-The rank also answers SIGUSR2 with every thread's Python stack (faulthandler, at C level, so
-also while blocked in a collective), and a fatal signal (SIGSEGV, SIGABRT...) with its stack,
-into files the watch collects. SIGUSR2, not SIGUSR1: Slurm's ``--signal`` and Lightning use
-SIGUSR1 for their own warnings. And a byte written into its FIFO (``rank-R.flight-recorder.fifo``)
-with PyTorch's Flight Recorder: the collectives this rank entered and finished. That one is a
-thread, not a signal handler: a rank blocked in a collective never runs a Python signal handler,
-but it does not hold the GIL either.
+The rank also answers STACK_SIGNAL (SIGRTMIN+5) with every thread's Python stack (faulthandler,
+at C level, so also while blocked in a collective), and a fatal signal (SIGSEGV, SIGABRT...)
+with its stack, into files the watch collects. A real-time signal, not SIGUSR1 or SIGUSR2:
+Slurm's ``--signal``, Lightning and submitit install handlers of their own on those (a
+script's requeue handler ran when the watch asked for its stacks, and no stack came). And a
+byte written into its FIFO (``rank-R.flight-recorder.fifo``) with PyTorch's Flight Recorder:
+the collectives this rank entered and finished. That one is a thread, not a signal handler: a
+rank blocked in a collective never runs a Python signal handler, but it does not hold the GIL
+either.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ its last."""
 BETWEEN_STEPS = "data loading or other code between steps"
 """A script's phase between steps when no torch DataLoader fed them (scriptmode/observe.py):
 its own iterator, or whatever else it does there; ddplab cannot tell which."""
-PHASES = ("setup", "data loading", BETWEEN_STEPS, "forward", "backward", "optimizer",
+JOINING = "joining the process group"
+"""A script's phase inside ``init_process_group`` (scriptmode/child.py): waiting there for the
+other ranks, after its own set-up; a rank still in its set-up then is the one behind."""
+PHASES = ("setup", JOINING, "data loading", BETWEEN_STEPS, "forward", "backward", "optimizer",
           "evaluation", "checkpoint", "done", "failed", AFTER_TRAINING)
 INDEX = {p: i for i, p in enumerate(PHASES)}
 RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size
-STACK_SIGNAL = signal.SIGUSR2
+STACK_SIGNAL = signal.SIGRTMIN + 5
 
 
 def hb_path(directory: Path, rank: int) -> Path:
@@ -120,7 +125,7 @@ class Heartbeat:
                          self.world)
 
     def answer_stack_requests(self) -> None:
-        """SIGUSR2 -> every thread's stack into rank-R.stack.txt; a fatal signal -> the stack
+        """STACK_SIGNAL -> every thread's stack into rank-R.stack.txt; a fatal signal -> the stack
         into rank-R.crash.txt. (The files stay open: faulthandler writes from a signal handler.)"""
         stacks = stack_path(self.directory, self.rank).open("w")
         self._stacks.append(stacks)

@@ -4,7 +4,7 @@ which rank failed first and how. Imports nothing of torch or MLflow.
 
 A hang: a live rank's heartbeat older than ``dist.hang_after_s`` (three times that in set-up,
 evaluation and checkpoints, which are longer). The watch then asks every rank of its node for
-its stack (SIGUSR2) and its Flight Recorder (which collective it waits in, the last one it
+its stack (heartbeat.STACK_SIGNAL) and its Flight Recorder (which collective it waits in, the last one it
 finished: the rank that never entered the collective the others wait in is named), kills them
 (a rank blocked in a collective never reaches a Python signal handler: only SIGKILL ends it
 before the collective timeout) and keeps the verdict. The rank
@@ -36,6 +36,7 @@ from ..tracking import schema
 from .heartbeat import (
     AFTER_TRAINING,
     DUMP,
+    JOINING,
     PHASES,
     RECORD,
     STACK_SIGNAL,
@@ -49,11 +50,12 @@ from .heartbeat import (
     stopped_path,
 )
 
-LONG_PHASES = ("setup", "evaluation", "checkpoint")
+LONG_PHASES = ("setup", JOINING, "evaluation", "checkpoint")
 """Phases allowed three times ``dist.hang_after_s``."""
 WAITS_IN = {"backward": "backward (gradient all-reduce)", "forward": "forward",
             "optimizer": "optimizer step", "evaluation": "evaluation (metric all-reduce)",
-            "checkpoint": "checkpoint", "setup": "set-up", "data loading": "data loading"}
+            "checkpoint": "checkpoint", "setup": "set-up", "data loading": "data loading",
+            JOINING: "init_process_group (for the other ranks)"}
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,7 @@ class Watch:
 
 
 def collect_stacks(directory: Path, ranks: list[Beat], wait_s: float = 5.0) -> None:
-    """Every rank's stack (SIGUSR2) and Flight Recorder (its FIFO), waited for together."""
+    """Every rank's stack (STACK_SIGNAL) and Flight Recorder (its FIFO), waited for together."""
     wanted = []
     for b in ranks:
         try:

@@ -4,7 +4,6 @@ evaluation, the final checkpoint, summary.json. The train step itself is loop.py
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DdplabError
+from ..files import finite_json
 from ..forensics.heartbeat import beat
 from ..tracking import schema
 from . import checkpoint, loop, stragglers, strategy
@@ -207,7 +207,7 @@ def finish(job: Job) -> dict[str, Any]:
                          "perf/wall_time_s": summary["wall_time_s"], **memory,
                          **({"perf/mfu": summary["mfu"]} if summary["mfu"] is not None else {})},
                         job.state.step)
-    text = json.dumps(_finite(summary), indent=2, allow_nan=False)
+    text = finite_json(summary)
     job.run.log_text(text, "summary.json")
     job.console.save_summary(text)
     final = ", ".join(f"{k} {v:.4f}" for k, v in job.stats.last.items() if k.startswith("eval/"))
@@ -223,12 +223,3 @@ def _mfu(job: Job, samples_per_s: float) -> float | None:
     return round(basis.mfu(samples_per_s), 6)
 
 
-def _finite(value: Any) -> Any:
-    """NaN and infinities as null: summary.json stays JSON (json.dumps wrote bare NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value

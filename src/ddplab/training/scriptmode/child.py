@@ -54,10 +54,14 @@ def _observe(dist: Any) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        # A rank that waits here for a peer still in its own set-up (a slow import, a sleep)
+        # is not the one behind: its phase is past set-up.
+        heartbeat.beat(heartbeat.JOINING, 1)
         # A ccl group's libfabric may take SIGSEGV (ccl/handlers.py): a crash must still
         # end the script as a crash (the supervisor names the signal), not as exit(1).
         with crash_handlers_kept():
             out = init(*args, **kwargs)
+        heartbeat.beat("setup", 1)
         # ... and over what the script loaded itself before (Intel's bindings): its crash dump.
         heartbeat.crash_handler_on_top()
         import torch
@@ -113,7 +117,8 @@ def _spawns_seen() -> None:
 
 
 def _stacks_on_request() -> None:
-    """SIGUSR2 (and SIGTERM) write every thread's Python stack to $DDPLAB_SCRIPT_STACKS: the
+    """heartbeat.STACK_SIGNAL (and SIGTERM) write every thread's Python stack to
+    $DDPLAB_SCRIPT_STACKS: the
     supervisor asks before it stops the script (a peer failed, the launcher stops the job), so the run shows
     where this rank was, also while it waits inside a C++ collective. faulthandler's handler is
     C: nothing of the script's is needed."""
@@ -124,7 +129,7 @@ def _stacks_on_request() -> None:
     import signal
 
     stacks = open(path, "w")  # noqa: SIM115 - open for the process' life: the handler writes to it
-    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+    faulthandler.register(heartbeat.STACK_SIGNAL, file=stacks, all_threads=True)
     # torchrun stops a job by signalling each worker's whole process group, this process with
     # its supervisor: the stacks are written first, then the signal does what it did (chain).
     # A handler the script installs later replaces this one.

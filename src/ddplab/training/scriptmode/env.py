@@ -15,7 +15,7 @@ REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
 """The JSON file the script's process reports into: its process group, its failure, its
 observed training (observe.py)."""
 STACKS_ENV = "DDPLAB_SCRIPT_STACKS"
-"""Where the script's process writes every thread's stack on SIGUSR2."""
+"""Where the script's process writes every thread's stack on heartbeat.STACK_SIGNAL."""
 T0_ENV = "DDPLAB_T0"
 """When the job started (epoch seconds): the start-up times count from it."""
 OBSERVE_ENV = "DDPLAB_OBSERVE"

@@ -31,6 +31,9 @@ class Figures:
     line: str = ""
     straggler: str = ""
     step: int = 0
+    last_log: dict[str, Any] | None = None
+    """Rank 0's last log point, when its script was stopped before putting it in the spool
+    ({"step": ..., "metrics": ...}, the script's own names left out)."""
 
 
 def observed(outcomes: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -66,6 +69,10 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     if zero.get("clock"):
         tags[schema.SCRIPT_CLOCK] = str(zero["clock"])
     fig = Figures(metrics=metrics, tags=tags, step=int(zero["steps"]))
+    pending = zero.get("pending")
+    if isinstance(pending, dict) and isinstance(pending.get("metrics"), dict):
+        kept = {k: v for k, v in pending["metrics"].items() if k not in own}
+        fig.last_log = {"step": int(pending.get("step") or 0), "metrics": kept} if kept else None
     fig.straggler = _straggler(ranks, outcomes)
     if fig.straggler:
         fig.tags[schema.STRAGGLER] = fig.straggler

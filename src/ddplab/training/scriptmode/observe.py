@@ -620,8 +620,11 @@ class Observer:
     def save(self) -> None:
         clock = "cuda events" if self.marker is not None else \
             "host (the GPU failed: its CUDA events could not be read)" if self.marks_failed else "host"
+        # (with the log point not yet in the spool: a rank 0 stopped before its next one, by
+        # the hang watch or a peer's failure, never writes it; its supervisor does)
         self._write({"observe": {**self.totals.report(), **self.flops, **_memory(),
-                                 "clock": clock, "own_names": sorted(_script_names())}})
+                                 "clock": clock, "own_names": sorted(_script_names()),
+                                 "pending": self.pending}})
 
     def finish(self, count_flops: bool = True) -> None:
         """The script has ended (any way): the last steps' marks, epoch and log point; and,
@@ -639,9 +642,8 @@ class Observer:
             self.epoch_steps = 0
         elif self.totals.steps > self.logged_step:
             self.log_point()
-        else:
-            self.save()
         self.flush()
+        self.save()  # (nothing pending any more)
 
     # ---- once, at the script's end ----
 
@@ -914,7 +916,7 @@ def install(rank: int, world: int, report: Callable[[dict[str, Any]], None]) -> 
 
 
 def _heartbeat(rank: int, world: int) -> Callable[[str, int | None], None]:
-    """This rank's heartbeat in the node's forensics folder (its stacks on SIGUSR2 are the
+    """This rank's heartbeat in the node's forensics folder (its stacks on STACK_SIGNAL are the
     script's, child.py); nothing without one (untracked jobs)."""
     from ...forensics import heartbeat
 

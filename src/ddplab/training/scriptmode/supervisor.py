@@ -38,10 +38,11 @@ from ... import config, tracking
 from ...agent.protocol import forensics_dir
 from ...distributed import host
 from ...errors import DdplabError
-from ...files import write_text_atomic
-from ...forensics.heartbeat import hang_path, stack_path, stopped_path
+from ...files import finite_json, write_text_atomic
+from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
+from ...launchers.outlive import subreaper
 from ...subprocs import python_m
 from ...tracking import capsule, schema, spool
 from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
@@ -351,7 +352,8 @@ class Script:
         self.report_file = Path(report)
         self.stack_file = self.report_file.with_suffix(".stack.txt")
         if self.forensics is not None:
-            # The node's hang watch asks the observed script for its stacks here (SIGUSR2).
+            # The node's hang watch asks the observed script for its stacks here
+            # (heartbeat.STACK_SIGNAL).
             self.forensics.mkdir(parents=True, exist_ok=True)
             hang_path(self.forensics).unlink(missing_ok=True)  # an earlier attempt's
             stopped_path(self.forensics, self.le.rank).unlink(missing_ok=True)
@@ -366,6 +368,9 @@ class Script:
         s = self.cfg.script
         target = ["-m", s.module] if s.module else [str(self.file)]
         ends = [_output_for(stream) for stream in (sys.stdout, sys.stderr)]
+        # What the script starts and leaves behind (a Popen'd process, a DataLoader worker stuck
+        # in a hang) becomes this process's child once the script is gone: ended with the job.
+        subreaper()
         try:
             proc = subprocess.Popen(
                 [*python_m("ddplab.training.scriptmode.child"), *target, *s.argv()],
@@ -443,12 +448,12 @@ class Script:
             ended.wait(EXIT_GRACE_S)
 
     def _stacks(self, proc: subprocess.Popen[bytes], wait_s: float = 2.0) -> None:
-        """Ask the running script for its stacks (child.py: SIGUSR2, faulthandler) before it
+        """Ask the running script for its stacks (child.py: STACK_SIGNAL, faulthandler) before it
         is stopped; wait until they are written."""
         if proc.poll() is not None:
             return
         with contextlib.suppress(OSError):
-            proc.send_signal(signal.SIGUSR2)
+            proc.send_signal(STACK_SIGNAL)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and proc.poll() is None:
             with contextlib.suppress(OSError):
@@ -480,6 +485,7 @@ class Script:
         # cut this rank's report short: its ending would read "ended without reporting" (seen in
         # CI). Held until the report is made, then raised as ever.
         with self.signals.held():
+            _end_leftovers()
             self._drain(pumps, self.readers)
             for pipe in self.readers:
                 if pipe is not None:
@@ -550,9 +556,9 @@ class Script:
             out.update(why=f"stopped by ddplab's hang watch: {hang}", stopped=HUNG)
         elif code < 0:
             out["why"] = f"killed by {_signal_name(-code)}"
-        elif "returned" not in seen and not stopped and code == 0:
+        elif "returned" not in seen and not stopped:
             # The process ended without the script returning (os._exit, a library's exit()):
-            # not at the script's end, whatever its code.
+            # not at the script's end, whatever its code (os._exit(3): not a death by a signal).
             out.update(left=True, why=f"exited {code} before the script's end (os._exit, or a "
                                       "library's exit())")
         elif code:
@@ -602,6 +608,42 @@ def _innermost(stack: str, script: Path, last_first: bool, own: bool = False) ->
         return ""
     file, line, func = mine[0]
     return f"{Path(file).name}:{line} in {func}"
+
+
+def _end_leftovers(grace_s: float = 2.0) -> None:
+    """The processes the ended script left running in this rank's process group (its own
+    children's, reparented here: subreaper): SIGTERM, then SIGKILL after ``grace_s``, reaped.
+    One started in a session of its own (``start_new_session=True``: a daemon on purpose) is
+    left alone, as is every process of ddplab's own (the delivery process, in its session)."""
+    deadline = time.monotonic() + grace_s
+    sent: set[int] = set()
+    # (bounded: a process stuck in the kernel outlives even SIGKILL for a while)
+    while (left := _leftovers()) and time.monotonic() < deadline + 3.0:
+        for pid in left:
+            sig = signal.SIGKILL if time.monotonic() > deadline else signal.SIGTERM
+            if pid not in sent or sig == signal.SIGKILL:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+                sent.add(pid)
+        time.sleep(0.05)
+        for pid in sent:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+
+
+def _leftovers() -> list[int]:
+    """Children of this process in its process group, alive (not zombies)."""
+    me, group, found = os.getpid(), os.getpgrp(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            state, ppid, pgid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == me and int(pgid) == group and state not in ("Z", "X"):
+            found.append(int(entry))
+    return found
 
 
 def _output_for(stream: Any) -> tuple[Any, Any]:
@@ -942,8 +984,10 @@ def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, d
             metrics[name] = float(seen[key])
     run.log_metrics(metrics, script.step_offset)
     fig = figures(outcomes, script.wall_s)
+    if fig.last_log:
+        run.log_metrics(fig.last_log["metrics"], fig.last_log["step"])
     if fig.metrics:
         run.log_metrics(fig.metrics, script.step_offset + fig.step)
         run.set_tags(fig.tags)
-        run.log_text(json.dumps(fig.summary, indent=2, default=str), "summary.json")
+        run.log_text(finite_json(fig.summary), "summary.json")
     return fig
