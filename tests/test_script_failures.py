@@ -621,3 +621,29 @@ def test_rank_0s_last_log_point_is_kept_when_its_script_is_stopped(tmp_path, sto
     assert "at step 25" in run.data.tags["ddplab.verdict"], run.data.tags["ddplab.verdict"]
     steps = [m.step for m in MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")]
     assert sorted(steps) == [10, 20], steps
+
+
+AFTER_ITS_STEP = '''
+import time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step, x in enumerate(DataLoader(torch.randn(400, 4), batch_size=8)):
+    model(x).sum().backward()
+    opt.step()
+    if step == 4 and dist.get_rank() == 1:
+        time.sleep(120)  # its own code after the step (a checkpoint, a metric's all-reduce)
+'''
+
+
+@pytest.mark.e2e
+def test_a_hang_after_the_step_outside_the_data_loader_is_not_called_data_loading(tmp_path,
+                                                                                  store):
+    """Everything from a step's end to the next forward read "data loading"; with a DataLoader
+    feeding the steps, that is only the time inside its next()."""
+    _, run = _stopped_by_the_watch(tmp_path, store, AFTER_ITS_STEP)
+    verdict = run.data.tags["ddplab.verdict"]
+    assert verdict.startswith("rank 1 (host ") and \
+        "at step 6 in its code between steps, outside its data loader" in verdict, verdict

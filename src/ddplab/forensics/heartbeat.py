@@ -36,10 +36,13 @@ its last."""
 BETWEEN_STEPS = "data loading or other code between steps"
 """A script's phase between steps when no torch DataLoader fed them (scriptmode/observe.py):
 its own iterator, or whatever else it does there; ddplab cannot tell which."""
+OUTSIDE_LOADER = "its code between steps, outside its data loader"
+"""A script's phase between steps, its DataLoader's ``next()`` not running (a metric's
+all-reduce after the optimizer step, a checkpoint, a print): "data loading" is inside it."""
 JOINING = "joining the process group"
 """A script's phase inside ``init_process_group`` (scriptmode/child.py): waiting there for the
 other ranks, after its own set-up; a rank still in its set-up then is the one behind."""
-PHASES = ("setup", JOINING, "data loading", BETWEEN_STEPS, "forward", "backward", "optimizer",
+PHASES = ("setup", JOINING, "data loading", BETWEEN_STEPS, OUTSIDE_LOADER, "forward", "backward", "optimizer",
           "evaluation", "checkpoint", "done", "failed", AFTER_TRAINING)
 INDEX = {p: i for i, p in enumerate(PHASES)}
 RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from ...forensics.heartbeat import AFTER_TRAINING, BETWEEN_STEPS
+from ...forensics.heartbeat import AFTER_TRAINING, BETWEEN_STEPS, OUTSIDE_LOADER
 from .. import marks
 from .env import FORENSICS_ENV, OBSERVE_ENV, STEP_OFFSET_ENV
 from .imports import after_import
@@ -409,7 +409,7 @@ class Observer:
         self.step_loss, self.held, self.evaluated = self.loss, None, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
-        self._beat("data loading" if t.loaders else BETWEEN_STEPS, t.steps + 1)
+        self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
         if t.steps - self.logged_step >= LOG_EVERY_STEPS:
             self.log_point()
 
@@ -549,6 +549,14 @@ class Observer:
             self.loaded += _batch_size(tuple(batch[:8]), {})
         else:
             self.loaded += _batch_size((batch,), {})
+
+    def loading(self, inside: bool) -> None:
+        """A data loader's ``next()`` begins (``inside``) or has returned, between training
+        steps: the heartbeat says "data loading" only while it runs (not for the first step's,
+        still set-up's; not in an evaluation)."""
+        if self.totals.steps and not (self.t_forward or self.t_backward) \
+                and self.evaluated is None and self.held is None:
+            self._beat("data loading" if inside else OUTSIDE_LOADER, self.totals.steps + 1)
 
     def loader_done(self, it: Any) -> None:
         """The data loader iterator ``it`` ran out (its workers shut down first). The one
@@ -958,6 +966,7 @@ def _hooks(obs: Observer) -> None:
     forward, backward_hook = timed(obs.forward), timed(obs.backward)
     sequence_batch = timed(lambda module, args: obs.sequence_batch(args))
     scale_hook, loaded, loader_done = timed(obs.scale), timed(obs.batch), timed(obs.loader_done)
+    inside, outside = timed(lambda: obs.loading(True)), timed(lambda: obs.loading(False))
     stepping = _step_code()
 
     @timed
@@ -1040,12 +1049,15 @@ def _hooks(obs: Observer) -> None:
 
     @functools.wraps(loader_next)
     def observed_next(self: Any) -> Any:
+        inside()
         t0 = time.perf_counter()
         try:
             batch = loader_next(self)
         except StopIteration:
             loader_done(self)
             raise
+        finally:
+            outside()
         loaded(self, batch, time.perf_counter() - t0)
         return batch
 
