@@ -647,3 +647,29 @@ def test_a_hang_after_the_step_outside_the_data_loader_is_not_called_data_loadin
     verdict = run.data.tags["ddplab.verdict"]
     assert verdict.startswith("rank 1 (host ") and \
         "at step 6 in its code between steps, outside its data loader" in verdict, verdict
+
+
+RANK_0_GOES_ON = '''
+import time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+for step in range(5):
+    model(torch.randn(8, 4)).sum().backward()
+if dist.get_rank() == 0:
+    time.sleep(8)  # its own evaluation and save, its process group never destroyed
+    print("rank 0 saved", flush=True)
+'''
+
+
+@pytest.mark.e2e
+def test_rank_0s_own_work_after_its_peers_ended_well_is_not_a_hang(tmp_path, store):
+    """Rank 1's script returned; rank 0 went on alone (no destroy_process_group first): the
+    watch stopped it as hung "in data loading", though no peer was left to deadlock with."""
+    script = tmp_path / "goes_on.py"
+    script.write_text(RANK_0_GOES_ON)
+    out = ddplab(["train", str(script), "--set", "dist.hang_after_s=2", "--set",
+                  f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, job_env(store), nproc=2)
+    assert out.returncode == 0 and "rank 0 saved" in out.stdout, out.stderr[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and "ddplab.verdict" not in run.data.tags, run.data.tags

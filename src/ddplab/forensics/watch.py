@@ -145,6 +145,11 @@ class Watch:
             return
         self._due = now + 1.0
         beats = read(self.directory)
+        if any(b.phase == "done" for b in beats):
+            # A rank's script ended well: the training is over, and what the others do now is
+            # their own work (rank 0's evaluation or save, its process group never destroyed),
+            # however long; one still waiting on a peer hears of it from its backend.
+            return
         live = [b for b in beats if b.phase not in ("done", "failed") and alive(b.pid)]
         if any(now - b.time > limit(b.phase, self.hang_after_s) for b in live):
             self.hang = self._stop(beats, live, now)
