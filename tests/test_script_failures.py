@@ -673,3 +673,29 @@ def test_rank_0s_own_work_after_its_peers_ended_well_is_not_a_hang(tmp_path, sto
     assert out.returncode == 0 and "rank 0 saved" in out.stdout, out.stderr[-3000:]
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and "ddplab.verdict" not in run.data.tags, run.data.tags
+
+
+EXITS_3 = '''
+import sys, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+for step in range(20):
+    if step == 2 and dist.get_rank() == 1:
+        sys.exit(3)
+    model(torch.randn(8, 4)).sum().backward()
+    time.sleep(0.1)
+'''
+
+
+@pytest.mark.e2e
+def test_each_rank_exits_with_its_own_scripts_code(tmp_path, store):
+    """Rank 1's script exits 3; rank 0's fails of it: rank 0's ddplab exited 3 too (the
+    cause's code), where plain torchrun shows its own."""
+    script = tmp_path / "exits3.py"
+    script.write_text(EXITS_3)
+    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
+                 job_env(store), nproc=2)
+    codes = dict(re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (-?\d+)",
+                            out.stdout + out.stderr))
+    assert codes.get("1") == "3" and codes.get("0") not in (None, "3"), codes

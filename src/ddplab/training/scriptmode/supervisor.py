@@ -42,7 +42,7 @@ from ...files import finite_json, write_text_atomic
 from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
-from ...launchers.outlive import subreaper
+from ...launchers.outlive import exit_code, subreaper
 from ...subprocs import python_m
 from ...tracking import capsule, schema, spool
 from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
@@ -89,7 +89,7 @@ class ScriptFailed(DdplabError):
         self.t = t
         # The script's own exit code, as plain python would end (sys.exit(3): 3; argparse's
         # refusal: 2), or 128 + N for signal N, as a shell says it.
-        self.exit_code = 128 - code if code < 0 else code or 1
+        self.exit_code = exit_code(code) or 1
 
 
 class ScriptStopped(ScriptFailed):
@@ -777,6 +777,8 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                     console.say(f"warning: {seen.straggler}")
                 failed = _verdict(everyone, le.world_size, None)
                 if failed is not None:
+                    if own["failed"]:  # rank 0 exits with its own script's code, not the cause's
+                        failed.exit_code = exit_code(own["code"]) or 1
                     raise failed  # its line, not "done in" (the figures are in the run)
                 run.asked = _asked(everyone)
                 if seen.line:
