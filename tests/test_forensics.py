@@ -105,6 +105,10 @@ def test_a_missing_beat_file_changes_nothing_and_a_clean_job_has_no_verdict():
     ctrl_c = [Ending(r, 3, "forward", 1.0 + r, "failed", "interrupted (SIGINT / Ctrl-C)", "h")
               for r in range(2)]
     assert verdict(ctrl_c, 2) == ""  # a stop, not a failure: the run says KILLED itself
+    # A script's ranks, Ctrl-C raising KeyboardInterrupt in each: "each failed" said so.
+    scripts = [Ending(r, 3, "forward", 1.0 + r, "failed", "KeyboardInterrupt", "h")
+               for r in range(2)]
+    assert verdict(scripts, 2) == ""
 
 
 def test_the_first_real_failure_is_the_cause_and_a_peers_sigterm_is_not():

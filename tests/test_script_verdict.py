@@ -122,3 +122,12 @@ def test_a_store_gone_while_the_script_runs_is_one_line_not_a_traceback():
     assert "\n" not in str(gone.value)
     meeting.report({"rank": 1, "failed": True})  # nobody to tell: no error of its own
     meeting.leave()
+
+
+def test_a_failures_line_has_no_terminal_colour_codes():
+    """rich's and loguru's errors carry colour codes: they went raw into the run's tags and
+    the verdict (``\\x1b[31m``)."""
+    from ddplab.training.scriptmode.child import one_line
+
+    assert one_line(ValueError("\x1b[1;31mbad batch\x1b[0m at step 5")) == \
+        "ValueError: bad batch at step 5"

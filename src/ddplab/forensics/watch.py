@@ -300,8 +300,11 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     # saw, worded in a way SECONDARY does not know (a transport's error): the hang stays the
     # cause.
     acted = min((e.time for e in stopped), default=float("inf")) + hang_after_s
+    # (KeyboardInterrupt: Ctrl-C reached every rank's script, which the run says itself as
+    # KILLED; it is no rank's failure: "ranks 0,1 each failed (KeyboardInterrupt)" said so)
     raised = [e for e in failed if e.time < acted and (
-        (e.what == "failed" and not is_secondary(e.detail)) or _crashed(e))]
+        (e.what == "failed" and not is_secondary(e.detail)
+         and not e.detail.startswith("KeyboardInterrupt")) or _crashed(e))]
     if stopped and not raised:
         # The rank the others waited for may have died: killed outright (the OOM killer) while
         # they wait in a collective that never ends (ccl), or aborted. Then its death is the cause.

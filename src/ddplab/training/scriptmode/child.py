@@ -22,6 +22,7 @@ the book's chapter 9 scripts do) holds as under plain torchrun.
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import sys
 import time
@@ -244,13 +245,16 @@ def one_line(e: BaseException) -> str:
         parts = list(te.format_exception_only())
     except Exception:  # noqa: BLE001 - an exception whose str() fails: its repr
         return repr(e)
-    lines = [ln.strip() for ln in parts[-1].splitlines() if ln.strip()]
+    # (without terminal colour codes: rich's and loguru's errors carry them into the run's tags)
+    lines = [ln.strip() for ln in ANSI.sub("", parts[-1]).splitlines() if ln.strip()]
     if len(lines) > 1 and any(ln.startswith("Traceback (most recent call last)") or
                               ln.startswith("Original Traceback") for ln in lines):
         return f"{lines[0]} ... {lines[-1]}"
     return " ".join(lines)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+"""A terminal's escape sequence (colours, cursor moves)."""
 HOOKS = str(Path(__file__).parent) + os.sep
 """ddplab's code that runs inside the script's calls (its hooks, wrappers): not the user's."""
 
