@@ -699,3 +699,48 @@ def test_each_rank_exits_with_its_own_scripts_code(tmp_path, store):
     codes = dict(re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (-?\d+)",
                             out.stdout + out.stderr))
     assert codes.get("1") == "3" and codes.get("0") not in (None, "3"), codes
+
+
+TRAINS_ON = '''
+import time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(600):
+    model(torch.randn(8, 4)).sum().backward(); opt.step(); time.sleep(0.1)
+    if step == 3 and dist.get_rank() == 0:
+        print("training", flush=True)
+'''
+
+
+@pytest.mark.e2e
+def test_torchrun_killed_outright_leaves_one_line_of_error_not_ddplabs_traceback(tmp_path, store):
+    """kill -9 of torchrun: the run's error held ddplab's own frames (runs.py, supervisor.py,
+    meeting.py) under the line that says it all."""
+    import os
+    import signal
+    import time
+
+    from mlflow import MlflowClient
+
+    script = tmp_path / "trains_on.py"
+    script.write_text(TRAINS_ON)
+    job = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
+                            "ddplab", "train", str(script), "--set",
+                            f"checkpoint.dir={tmp_path / 'ck'}"], cwd=tmp_path,
+                           env=job_env(store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    assert job.stdout is not None
+    for line in job.stdout:
+        if "training" in line:
+            break
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    client, deadline = MlflowClient(store), time.monotonic() + 90
+    while (run := runs(store)[0]).info.status == "RUNNING":
+        assert time.monotonic() < deadline, "the run stayed RUNNING"
+        time.sleep(1)
+    error = client.get_run(run.info.run_id).data.tags["ddplab.error"]
+    assert error.startswith("LauncherGone: the launcher is gone") and "Traceback" not in error, \
+        error

@@ -94,9 +94,11 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
         # with no error recorded (seen in CI).
         signals.shield()
         status = getattr(e, "status", None) or signals.status()
+        # (ddplab's own errors say what happened in their line: its frames are no help)
         error = getattr(e, "detail", None) or (
             ("interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e))
-            if status == "KILLED" else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+            if status == "KILLED" else f"{type(e).__name__}: {e}" if isinstance(e, DdplabError)
+            else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         heartbeat.failed(error)
         raise
     finally:
