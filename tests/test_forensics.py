@@ -307,6 +307,43 @@ def test_a_script_past_its_process_group_is_no_hang_however_long_its_own_work(tm
         "process group destroyed)")
 
 
+@pytest.mark.parametrize("phase, hung", [("backward", True),
+                                          ("its code between steps, outside its data loader", False)])
+def test_after_a_peer_ended_well_only_a_wait_in_a_step_is_a_hang(tmp_path, phase, hung):
+    """Rank 0's script ended well: rank 1's own work between steps (its save, its evaluation)
+    is never a hang; waiting in a backward's all-reduce (uneven inputs: rank 0 has no batch
+    left) still is. A "done" of an earlier attempt says nothing of this one."""
+    from ddplab.forensics.watch import Watch
+
+    def rank(r: int, then: str) -> subprocess.Popen:
+        code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+                f"heartbeat.start(Path({str(tmp_path)!r}), {r}, 2)\n{then}\n")
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    stale = rank(0, "heartbeat.beat('done', 3)")  # an earlier attempt's: before this watch
+    stale.wait(timeout=60)
+    watch = Watch(tmp_path, hang_after_s=1.0, host="h")
+    alone = rank(1, f"heartbeat.beat({phase!r}, 11)\ntime.sleep(4)")
+    if hung:  # without a good end in this attempt: a hang as ever
+        _tick_until(watch, alone, 3.0)
+        assert watch.hang is not None
+        alone = rank(1, f"heartbeat.beat({phase!r}, 11)\ntime.sleep(4)")
+        watch = Watch(tmp_path, hang_after_s=1.0, host="h")
+    done = rank(0, "heartbeat.beat('done', 10)")
+    done.wait(timeout=60)
+    _tick_until(watch, alone, 3.0)
+    assert (watch.hang is not None) == hung
+    alone.kill()
+    alone.wait()
+
+
+def _tick_until(watch, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while proc.poll() is None and watch.hang is None and time.monotonic() < deadline:
+        watch.tick()
+        time.sleep(0.2)
+
+
 def test_ranks_their_supervisors_stopped_are_no_cause_of_their_own(tmp_path):
     """torchrun killed outright: each rank's supervisor stops its script (SIGTERM) and says why
     first; the verdict read "rank 1 died outright (killed by a signal: SIGKILL ...)"."""

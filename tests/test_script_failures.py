@@ -654,8 +654,9 @@ import time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("gloo")
 model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(5):
-    model(torch.randn(8, 4)).sum().backward()
+    model(torch.randn(8, 4)).sum().backward(); opt.step()
 if dist.get_rank() == 0:
     time.sleep(8)  # its own evaluation and save, its process group never destroyed
     print("rank 0 saved", flush=True)
@@ -744,3 +745,4 @@ def test_torchrun_killed_outright_leaves_one_line_of_error_not_ddplabs_traceback
     error = client.get_run(run.info.run_id).data.tags["ddplab.error"]
     assert error.startswith("LauncherGone: the launcher is gone") and "Traceback" not in error, \
         error
+

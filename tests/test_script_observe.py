@@ -273,14 +273,31 @@ def _train_step(obs: observe.Observer, model: nn.Module, opt: torch.optim.Optimi
     return loss
 
 
+class Wrapper(nn.Module):
+    """DDP's place: the outermost module, around the model."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
 @pytest.mark.parametrize("autocast, cast, precision", [
-    (None, None, "CPU fp32"), (torch.bfloat16, None, "CPU bf16"), (None, torch.bfloat16, "CPU bf16")],
-    ids=["fp32", "autocast-bf16", "model-cast-bf16"])
+    (None, None, "CPU fp32"), (torch.bfloat16, None, "CPU bf16"), (None, torch.bfloat16, "CPU bf16"),
+    ("inside", None, "CPU bf16")],
+    ids=["fp32", "autocast-bf16", "model-cast-bf16", "autocast-inside-the-wrapper"])
 def test_the_mfu_peak_is_in_what_the_script_computes_in(autocast, cast, precision):
     """A bf16 autocast script's MFU was taken against the fp32 peak: 271% on this CPU (bf16
-    matmuls 4.4x fp32's), and ~15x too high on an H100 (989.5 against 66.9 TFLOP/s)."""
+    matmuls 4.4x fp32's), and ~15x too high on an H100 (989.5 against 66.9 TFLOP/s); so was
+    one whose autocast Accelerate (or HF Trainer) puts around the model's forward, inside DDP."""
     obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
-    model = nn.Linear(4, 1).to(cast or torch.float32)
+    inner = nn.Sequential(nn.Linear(4, 1)).to(cast or torch.float32)
+    if autocast == "inside":  # as accelerate's prepare_model does
+        inner.forward = torch.autocast("cpu", dtype=torch.bfloat16)(inner.forward)
+        autocast = None
+    model = Wrapper(inner)
     obs.outer = model  # (as its DDP's hook finds it)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(2):
@@ -582,15 +599,24 @@ class Steps(nn.Module):
         self.lstm, self.head = nn.LSTM(4, 8), nn.Linear(8, 1)
     def forward(self, x):  # x: (batch 32, 10 steps, 4), transposed here
         return self.head(self.lstm(x.transpose(0, 1))[0][-1])
-words = sys.argv[1] == "words"
-model, x = (Words(), torch.randint(0, 50, (35, 20))) if words else (Steps(), torch.randn(32, 10, 4))
+class Classifier(nn.Module):  # batch first, a default (sequence-first) encoder inside
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 1)
+    def forward(self, x):  # x: (batch 8, 10 steps, 16)
+        return self.enc(x.transpose(0, 1)).mean(0)
+kind = sys.argv[1]
+model, x = {"words": (Words(), torch.randint(0, 50, (35, 20))),
+            "steps": (Steps(), torch.randn(32, 10, 4)),
+            "classifier": (Classifier(), torch.randn(8, 10, 16))}[kind]
 obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
 observe._hooks(obs)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for _ in range(3):
     model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
 obs.finish()
-one = mfu.counted_flops_per_sample(model, x[:, :1]) if words else 0
+one = {"words": lambda: mfu.counted_flops_per_sample(model, x[:, :1]), "steps": lambda: 0,
+       "classifier": lambda: mfu.counted_flops_per_sample(model, x[:1])}[kind]()
 print(obs.totals.samples, obs.flops["flops_per_sample"] == one, obs.flops["flops_source"])
 """
 
@@ -598,7 +624,8 @@ print(obs.totals.samples, obs.flops["flops_per_sample"] == one, obs.flops["flops
 @pytest.mark.parametrize("model, said", [
     ("words", "60 True torch.utils.flop_counter (forward x 3)"),
     ("steps", "96 True no count: torch's FLOP counter does not count nn.LSTM (give "
-              "script.flops_per_sample)")])
+              "script.flops_per_sample)"),
+    ("classifier", "24 True torch.utils.flop_counter (forward x 3)")])
 def test_a_sequence_first_models_batch_is_its_inputs_second_dimension(model, said):
     """nn.LSTM and nn.Transformer take (sequence, batch, features) unless batch_first: the
     time steps were counted as samples (pytorch/examples' word language model: 35 for 20
@@ -740,3 +767,47 @@ def test_a_model_the_flop_counter_cannot_count_says_why_in_whole_words_and_which
     flops, why = mfu.flops_per_sample(Refuses(4, 4), 0.0, torch.randn(1, 4), "script.flops_per_sample")
     assert flops == 0.0 and why.endswith("1048576 ...; give script.flops_per_sample)"), why
     assert "second line" not in why
+
+
+def test_a_loader_after_the_process_group_is_destroyed_keeps_the_phase_past_training():
+    """After destroy_process_group, each next() of a loader (rank 0's own evaluation) beat
+    "data loading", which the hang watch limits: the phase past training, which it does not,
+    was lost."""
+    from ddplab.forensics.heartbeat import AFTER_TRAINING
+
+    beats: list[str] = []
+    obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None,
+                           lambda phase, step: beats.append(phase))
+    model = nn.Linear(4, 2)
+    obs.outer = model
+    _train_step(obs, model, torch.optim.SGD(model.parameters(), lr=0.01), 8)
+    obs.loading(True)
+    assert beats[-1] == "data loading"
+    obs.trained()
+    obs.loading(True)
+    obs.loading(False)
+    assert beats[-1] == AFTER_TRAINING, beats
+
+
+def test_tf32_is_seen_in_the_old_and_the_new_flags_and_in_cudnns_convolutions():
+    """A GPU's fp32 matmuls in TF32 (set_float32_matmul_precision("high"), or torch's newer
+    ``fp32_precision = "tf32"``, after which reading the old flag raises: the MFU was lost),
+    and cuDNN's convolutions, TF32 by default (a fp32 ResNet read over 100% MFU)."""
+    code = """
+import torch
+from ddplab.training.scriptmode.observe import _tf32
+linear, conv = torch.nn.Linear(2, 2), torch.nn.Conv2d(1, 1, 1)
+seen = [_tf32(linear), _tf32(conv)]
+torch.set_float32_matmul_precision("high")
+seen.append(_tf32(linear))
+torch.set_float32_matmul_precision("highest")
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+seen.append(_tf32(linear))
+print(seen)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[False, True, True, True]", out.stdout

@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -271,23 +272,23 @@ def main(argv: list[str] | None = None) -> int:
 def _hold(path: Path) -> Any:
     """``path`` opened and locked for this process's life: ``ddplab sync`` tells from it that
     the job's agent is gone (a lock dies with its process, SIGKILL too). A restarted attempt's
-    agent waits for the last one's to let go (its last deliveries), up to 5 s; None if the
-    spool is gone or locks fail (sync then waits for closed or delivery.json, or for the
-    spool's changes to stop)."""
+    agent takes it once the last attempt's lets go (its last deliveries: a thread waits for
+    it); None if the spool is gone or locks fail (sync then waits for closed or delivery.json,
+    or for the spool's changes to stop)."""
     try:
         held = path.open("a")
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return held
+    except BlockingIOError:
+        threading.Thread(target=_take_when_free, args=(held,), daemon=True).start()
+        return held
     except OSError:
         return None
-    for _ in range(50):
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return held
-        except BlockingIOError:
-            time.sleep(0.1)
-        except OSError:
-            break
-    held.close()
-    return None
+
+
+def _take_when_free(held: Any) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.flock(held, fcntl.LOCK_EX)
 
 
 def _taken_over(directory: Path, since: float) -> bool:

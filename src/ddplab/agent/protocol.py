@@ -35,7 +35,7 @@ it: the job is over)."""
 DELIVERING = "delivering.lock"
 """Locked (flock) by the agent for its whole life: the lock free, the agent is gone, however it
 ended (``ddplab sync`` reads it: a job killed outright, agent and all, is over)."""
-QUIET_S = 30.0
+QUIET_S = 600.0
 """How long a spool whose agent's lock is free must have been unchanged before ``ddplab sync``
 takes its job for over (a file system whose locks one host cannot see: the agent, alive on
 another, writes the node's system metrics every few seconds)."""

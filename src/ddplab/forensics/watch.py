@@ -51,6 +51,8 @@ from .heartbeat import (
 )
 
 LONG_PHASES = ("setup", JOINING, "evaluation", "checkpoint")
+IN_A_STEP = ("forward", "backward", "optimizer")
+"""Phases in which a rank waits in its peers' collectives."""
 """Phases allowed three times ``dist.hang_after_s``."""
 WAITS_IN = {"backward": "backward (gradient all-reduce)", "forward": "forward",
             "optimizer": "optimizer step", "evaluation": "evaluation (metric all-reduce)",
@@ -138,6 +140,7 @@ class Watch:
         self.directory, self.hang_after_s, self.host = directory, hang_after_s, host
         self.hang: list[Ending] | None = None
         self._due = 0.0
+        self.since = time.time()  # (an earlier attempt's heartbeats are older)
 
     def tick(self) -> None:
         now = time.time()
@@ -145,13 +148,14 @@ class Watch:
             return
         self._due = now + 1.0
         beats = read(self.directory)
-        if any(b.phase == "done" for b in beats):
-            # A rank's script ended well: the training is over, and what the others do now is
-            # their own work (rank 0's evaluation or save, its process group never destroyed),
-            # however long; one still waiting on a peer hears of it from its backend.
-            return
+        # A rank's script ended well (in this attempt): the others' work between steps is
+        # their own now (rank 0's evaluation or save, its process group never destroyed),
+        # however long; in a step's forward, backward or optimizer (uneven inputs: a peer's
+        # all-reduce that never comes) it is still a hang.
+        over = any(b.phase == "done" and b.time >= self.since for b in beats)
         live = [b for b in beats if b.phase not in ("done", "failed") and alive(b.pid)]
-        if any(now - b.time > limit(b.phase, self.hang_after_s) for b in live):
+        watched = [b for b in live if not over or b.phase in IN_A_STEP]
+        if any(now - b.time > limit(b.phase, self.hang_after_s) for b in watched):
             self.hang = self._stop(beats, live, now)
 
     def _stop(self, beats: list[Beat], live: list[Beat], now: float) -> list[Ending]:

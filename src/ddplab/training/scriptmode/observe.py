@@ -238,6 +238,7 @@ class Observer:
         # the script has ended: the hooks see nothing more (the FLOP count's own forward and
         # backward of the model are not a step, nor an evaluation after the heartbeat's "done")
         self.ended = False
+        self.past_training = False  # the script destroyed its process group after its steps
 
     # ---- the hooks ----
 
@@ -267,6 +268,7 @@ class Observer:
             self.sample = _one_sample(args, kwargs)
             self.unreplayable = self.sample is None and bool(args or kwargs)
             self.dtype = _compute_dtype(module, _step_device(module, args, kwargs))
+            self._dtype_inside(module, _step_device(module, args, kwargs))
             call = (args, kwargs)
         if _in_eval_mode(module):  # (a step's later micro-batches too, training in eval mode)
             mark = None if self.t_forward else self._mark()
@@ -287,6 +289,22 @@ class Observer:
         if self.seq_hook is not None:
             self.seq_pending = (rows, call)
 
+    def _dtype_inside(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Autocast entered inside the model (Accelerate's and Hugging Face Trainer's wrapped
+        forward, an ``@autocast`` forward), past the outermost module's hook: read once more at
+        its first matmul layer's first call. Not in a compiled model (a hook added to it would
+        make torch compile it again)."""
+        layers = [m for m in model.modules() if isinstance(m, MATMUL_LAYERS)]
+        if not layers or any(hasattr(m, "_orig_mod") for m in model.modules()):
+            return
+
+        def once(layer: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            handle.remove()
+            with contextlib.suppress(Exception):  # (never the script's failure)
+                self.dtype = _compute_dtype(layer, device)
+
+        handle = layers[0].register_forward_pre_hook(once)
+
     def sequence_batch(self, args: tuple[Any, ...]) -> None:
         """The pre-hook of the model's sequence-first module (its input: sequence, batch,
         features): the model's forward took that many samples, not its input's first
@@ -295,11 +313,10 @@ class Observer:
             return
         (rows, call), self.seq_pending = self.seq_pending, None
         batch = _sequence_rows(args[0]) if args else 0
-        if not batch:
+        if not batch or batch == rows:  # (a batch-first input, transposed inside: as it was)
             return
-        if batch != rows:
-            self.samples += batch - rows
-            self.fewest = batch if self.fewest in (0, rows) else min(self.fewest, batch)
+        self.samples += batch - rows
+        self.fewest = batch if self.fewest in (0, rows) else min(self.fewest, batch)
         if call is not None:  # one sample is a slice of the second dimension
             first_args, first_kwargs = call
             self.sample = _one_sample(first_args, first_kwargs, along=1, size=batch)
@@ -337,6 +354,7 @@ class Observer:
             self.step_end = self.evaluated[0]
             self.m_end = self.evaluated[1] if self.evaluated[1] is not None else self.m_end
         self.evaluated = None
+        self.past_training = False
         self.t_forward, self.m_forward = at, mark
 
     def _rows(self, n: int) -> None:
@@ -554,7 +572,7 @@ class Observer:
         """A data loader's ``next()`` begins (``inside``) or has returned, between training
         steps: the heartbeat says "data loading" only while it runs (not for the first step's,
         still set-up's; not in an evaluation)."""
-        if self.totals.steps and not (self.t_forward or self.t_backward) \
+        if self.totals.steps and not (self.t_forward or self.t_backward or self.past_training) \
                 and self.evaluated is None and self.held is None:
             self._beat("data loading" if inside else OUTSIDE_LOADER, self.totals.steps + 1)
 
@@ -574,6 +592,7 @@ class Observer:
         saving) is past its training, not in the "data loading" of a step that never comes."""
         if self.totals.steps:
             self._beat(AFTER_TRAINING, self.totals.steps)
+            self.past_training = True  # (its loaders' next() say nothing: until a new step)
 
     # ---- log points ----
 
@@ -677,10 +696,10 @@ class Observer:
             # would gather them: a collective the script's other ranks are not making.
             flops, source = 0.0, ("no count: FSDP's parameters are sharded outside its forward "
                                   "(give script.flops_per_sample)")
-        elif any(isinstance(m, torch.nn.LSTM) and not m.proj_size for m in model.modules()):
+        elif uncounted := _uncounted(model):
             # (oneDNN and cuDNN run it as one native op, which torch's counter does not know:
-            # a count without it would make an LSTM model's MFU near 0)
-            flops, source = 0.0, ("no count: torch's FLOP counter does not count nn.LSTM "
+            # a count without it would make such a model's MFU near 0)
+            flops, source = 0.0, (f"no count: torch's FLOP counter does not count {uncounted} "
                                   "(give script.flops_per_sample)")
         else:
             flops, source = mfu.flops_per_sample(model, 0.0, sample, "script.flops_per_sample")
@@ -689,7 +708,7 @@ class Observer:
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
-            tf32 = not low and torch.get_float32_matmul_precision() != "highest"
+            tf32 = not low and model is not None and _tf32(model)
             precision = "tf32" if tf32 else precision
             # (TF32's dense peak is half of bf16's on every chip of the table)
             peak = mfu.table_peak(name, low_precision=low or tf32) / (2 if tf32 else 1)
@@ -800,6 +819,38 @@ def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any], along: int = 0, s
         return {k: first(v) if isinstance(v, torch.Tensor) and v.dim() else v
                 for k, v in kwargs.items()}
     return None
+
+
+MATMUL_LAYERS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+
+
+def _tf32(model: torch.nn.Module) -> bool:
+    """Whether a GPU computes the model's fp32 matmuls in TF32: allowed for matmuls (the old
+    or the new flags: reading the old raises once the new is set), or for convolutions, which
+    cuDNN does by default, in a model that has them."""
+    matmul = conv = False
+    with contextlib.suppress(Exception):
+        matmul = torch.get_float32_matmul_precision() != "highest"
+    with contextlib.suppress(Exception):
+        matmul = matmul or torch.backends.cuda.matmul.fp32_precision == "tf32"
+    with contextlib.suppress(Exception):
+        conv = bool(torch.backends.cudnn.allow_tf32)
+    with contextlib.suppress(Exception):
+        conv = conv or getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision",
+                               "") == "tf32"
+    return matmul or conv and any(isinstance(m, torch.nn.modules.conv._ConvNd)
+                                  for m in model.modules())
+
+
+def _uncounted(model: torch.nn.Module) -> str:
+    """The recurrent layer of the model that torch's FLOP counter does not see ("nn.LSTM"):
+    an LSTM (one oneDNN op on a CPU), any of them on a GPU (one cuDNN op); "" for none."""
+    cuda = _device(model).type == "cuda"
+    for m in model.modules():
+        if isinstance(m, torch.nn.RNNBase) and (cuda or isinstance(m, torch.nn.LSTM)
+                                                and not m.proj_size):
+            return f"nn.{type(m).__name__}"
+    return ""
 
 
 def _sequence_first(model: torch.nn.Module) -> torch.nn.Module | None:
