@@ -143,6 +143,21 @@ print(f"{__name__} {WORDS} n={a.n} argv0={sys.argv[0]} path0={sys.path[0]}")
 }
 
 
+def _two_nodes(tmp_path, store, script, *args: str
+               ) -> tuple[list[subprocess.Popen], list[str]]:
+    """The script under two torchrun nodes of one rank each, on this host: their processes and
+    outputs, once both have ended."""
+    port, procs = free_port(), []
+    for node in (0, 1):
+        procs.append(subprocess.Popen(
+            [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "ddplab", "train",
+             str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", *args],
+            cwd=tmp_path, env=job_env(store), text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True))
+    return procs, wait_all(procs, timeout=300)
+
+
 @pytest.mark.e2e
 def test_rank_0_failing_after_the_other_nodes_ended_well_is_the_verdict_no_node_lost(
         tmp_path, store, monkeypatch, capsys):
@@ -152,15 +167,7 @@ def test_rank_0_failing_after_the_other_nodes_ended_well_is_the_verdict_no_node_
     was done."""
     script = tmp_path / "faulty.py"
     script.write_text(FAULTY)
-    port, procs = free_port(), []
-    for node in (0, 1):
-        procs.append(subprocess.Popen(
-            [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "ddplab", "train",
-             str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--", "--fault", "late"],
-            cwd=tmp_path, env=job_env(store), text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True))
-    outs = wait_all(procs, timeout=300)
+    procs, outs = _two_nodes(tmp_path, store, script, "--", "--fault", "late")
     assert procs[0].returncode == 1, outs[0][-3000:]
     (run,) = runs(store)
     verdict = run.data.tags["ddplab.verdict"]
@@ -696,15 +703,7 @@ def test_each_rank_exits_with_its_own_scripts_code(tmp_path, store):
     one torchrun stops rank 0 once rank 1 failed, before its own failure, on a busy machine.)"""
     script = tmp_path / "exits3.py"
     script.write_text(EXITS_3)
-    port, procs = free_port(), []
-    for node in (0, 1):
-        procs.append(subprocess.Popen(
-            [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "ddplab", "train",
-             str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
-            cwd=tmp_path, env=job_env(store), text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True))
-    outs = wait_all(procs, timeout=300)
+    _, outs = _two_nodes(tmp_path, store, script)
     codes = dict(re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (-?\d+)",
                             "\n".join(outs)))
     assert codes.get("1") == "3" and codes.get("0") not in (None, "3"), (codes, outs[0][-2000:])
