@@ -216,3 +216,23 @@ def test_a_studys_parent_run_is_refused_in_one_line(store, monkeypatch, capsys):
                     f"no job itself): reproduce one of its jobs (a r0 {job}) or rerun the study "
                     "(`ddplab study run studies/hb.yaml`)")
     assert {r.info.run_id for r in c.search_runs([exp])} == {parent, job}  # no rerun started
+
+
+@pytest.mark.parametrize("named", ["{tmp}/gone.py", "-m gone.train"])
+def test_a_script_that_is_gone_is_refused_in_one_line_before_any_run(store, monkeypatch, capsys,
+                                                                     tmp_path, named):
+    """It said "gone here", then started a job that failed on it: a FAILED run and "differs"."""
+    from mlflow import MlflowClient
+
+    named = named.format(tmp=tmp_path)
+    c = MlflowClient(store)
+    first = script_run(c, c.create_experiment("x"), {"train/loss": [0.5]}, **{
+        "ddplab.script": named, "ddplab.script_cwd": str(tmp_path)})
+    c.log_text(first, "name: gone\nscript: {path: x.py}\n", "config.yaml")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    assert reproduce.reproduce(first, strict=False) == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith(f"ddplab reproduce: error: script {named}: the run ran it, it is ")
+    assert said.endswith(": nothing to run again"), said
+    assert len(c.search_runs([c.get_run(first).info.experiment_id])) == 1

@@ -199,6 +199,22 @@ def test_a_packaged_script_runs_with_dash_m_to_one_finished_run(tmp_path, store)
     assert json.loads(tags["ddplab.script_args"]) == ["--n", "3"]
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"[ddplab] MLflow run {run.info.run_id} FINISHED")
+    assert tags["ddplab.script_cwd"] == str(tmp_path)
+    # Reproduced from another directory: it runs where it ran (it said "it is gone here", then
+    # refused its own config's "-m pkg.train" as no .py file).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = ddplab(["reproduce", run.info.run_id], elsewhere, job_env(store))
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "gone" not in again.stderr and "n=3" in again.stdout, again.stderr[-2000:]
+    new = next(r for r in runs(store) if r.info.run_id != run.info.run_id)
+    assert new.info.status == "FINISHED" and new.data.tags["ddplab.script"] == "-m pkg.train"
+    # An experiment file names the module as -m does.
+    (elsewhere / "job.yaml").write_text("name: packaged\nscript: {module: pkg.train, args: [--n, "
+                                        "'5']}\n")
+    out = ddplab(["train", str(elsewhere / "job.yaml")], tmp_path, job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"__main__ from the package n=5 argv0={train_py}" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("command", ["train", "run"])
@@ -477,6 +493,8 @@ def _stopped_by_the_watch(tmp_path, store, source: str, hang_after_s: float = 3
                   f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, job_env(store), nproc=2)
     assert out.returncode != 0
     (run,) = runs(store)
+    # Recorded, so that reproduce's rerun is stopped as soon (it waited the default 300 s).
+    assert run.data.params["ddplab.dist.hang_after_s"] == str(float(hang_after_s))
     return out, run
 
 

@@ -563,6 +563,9 @@ class ScriptConfig:
     path: str = ""
     """The script (``.py``), relative to the experiment file; empty = ddplab's own loop.
     ``ddplab train my_train.py -- ARGS`` sets it (and ``args``) from the command line."""
+    module: str = ""
+    """A packaged script instead of ``path``: ``pkg.train`` runs as ``python -m pkg.train``
+    runs it, found from the current directory first (``ddplab train -m pkg.train`` sets it)."""
     args: list[str] = field(default_factory=list)
     """The script's command-line arguments, as given (``-- ARGS`` on the command line come after)."""
     flags: dict[str, Any] = field(default_factory=dict)
@@ -585,6 +588,13 @@ class ScriptConfig:
     ``torch.utils.flop_counter`` on one sample of an early step's batch, x 3."""
 
     def __post_init__(self) -> None:
+        if self.path.startswith("-m "):  # as the run's ddplab.script tag names a module
+            self.path, self.module = "", self.path.removeprefix("-m ").strip()
+        if self.path and self.module:
+            fail("module", self.module, f"a script is path or module, not both (path "
+                 f"{self.path!r})")
+        if self.module and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", self.module):
+            fail("module", self.module, "a module's dotted name, e.g. pkg.train")
         for name in self.flags:
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
                 fail(f"flags.{name}", self.flags[name], "a flag name is letters, digits, '_', "
@@ -597,10 +607,10 @@ class ScriptConfig:
             fail("flops_per_sample", self.flops_per_sample, "FLOPs per sample >= 0 (0 = counted)")
 
     @property
-    def module(self) -> str:
-        """``pkg.train`` when the script is a module: ``path`` is ``-m pkg.train``, which
-        ``ddplab train -m pkg.train`` sets (run as ``python -m`` runs it), else ""."""
-        return self.path.removeprefix("-m ").strip() if self.path.startswith("-m ") else ""
+    def named(self) -> str:
+        """The script as the run names it (``ddplab.script``): its path, or ``-m pkg.train``;
+        "" for ddplab's own loop."""
+        return f"-m {self.module}" if self.module else self.path
 
     def file(self, cwd: Path | None = None) -> Path:
         """The script's file: ``path``, or the file ``python -m MODULE`` runs (the module's, or
@@ -614,8 +624,6 @@ class ScriptConfig:
         import sys
 
         here = cwd or Path.cwd()
-        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
-            raise ConfigError(f"-m {name}: not a module name (dotted names, e.g. pkg.train)")
         search: list[str] | None = [str(here), *sys.path[1:]]
         spec = None
         for i in range(1, len(name.split(".")) + 1):
@@ -693,7 +701,7 @@ class ExperimentConfig:
         """Which kind of job this is: "script" (the user's own script runs its own loop:
         scriptmode/) or "loop" (ddplab's loop). The one place it is decided; the run records it
         (``ddplab.mode``), and a script job refuses the loop's own sections (LOOP_ONLY)."""
-        return "script" if self.script.path else "loop"
+        return "script" if self.script.named else "loop"
 
     def to_dict(self) -> dict[str, Any]:
         """As recorded and printed: a database URI's password masked (credentials.mask)."""
@@ -1095,6 +1103,9 @@ def load(path: str | Path | None, sets: Sequence[Override] = (),
 
 #: The sections only ddplab's own loop reads: a script job runs the script's own loop.
 LOOP_ONLY = ("data", "model", "optim", "train", "profile")
+#: What of ``dist`` a script job reads; the backend, device, strategy and DDP's knobs are the
+#: script's own (its init_process_group and DDP(...)).
+SCRIPT_DIST = ("threads_per_rank", "timeout_s", "hang_after_s")
 
 
 def _loop_only(raw: Mapping[str, Any], overridden: Mapping[str, str], source: str) -> None:
@@ -1158,11 +1169,15 @@ def _with_script(cfg: ExperimentConfig, path: str | Path | None,
     """The script's path made absolute (relative to the experiment file), the command line's
     script arguments after the file's, and what a script cannot be refused here."""
     s = cfg.script
-    if script_args and not s.path:
+    if script_args and not s.named:
         raise ConfigError(f"{path}: arguments after `--` are for a script, and this experiment "
                           "has none (give a .py file, or a script: section)")
-    if not s.path:
+    if not s.named:
         return cfg
+    if s.module:  # found as python -m finds it, from the current directory, or one line
+        check_compiles(s.file(), f"-m {s.module}: {s.file()}")
+        return dataclasses.replace(cfg, script=dataclasses.replace(
+            s, args=[*s.args, *(script_args or [])]))
     base = Path(path).parent if path is not None else Path.cwd()
     script = Path(s.path) if Path(s.path).is_absolute() else (base / s.path)
     source = str(path) if path is not None else "script.path"

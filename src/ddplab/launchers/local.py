@@ -48,7 +48,7 @@ def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def load_job(experiment: str | None, module: str, overrides: list[str],
              script_args: list[str] | None) -> ExperimentConfig:
     """The job's config: an experiment (YAML or .py), or ``-m MODULE``: a packaged script
-    (``script.path`` ``-m MODULE``, config.ScriptConfig.module; with an experiment file's
+    (``script.module``; with an experiment file's
     settings when one is given too), named after the module. The module is found and its file
     compiled here: a refusal is one line before any run."""
     import dataclasses
@@ -59,11 +59,16 @@ def load_job(experiment: str | None, module: str, overrides: list[str],
     if not module:
         return config.load(experiment, overrides, script_args, environ=os.environ)
     cfg = config.load(experiment, overrides, environ=os.environ, script_job=True)
-    if cfg.script.path:
-        raise ConfigError(f"-m {module}: the experiment names a script already (script.path "
-                          f"{cfg.script.path!r}); give one of them")
-    script = dataclasses.replace(cfg.script, path=f"-m {module}",
-                                 args=[*cfg.script.args, *(script_args or [])])
+    if cfg.script.named:
+        raise ConfigError(f"-m {module}: the experiment names a script already (script."
+                          f"{'module' if cfg.script.module else 'path'} "
+                          f"{cfg.script.module or cfg.script.path!r}); give one of them")
+    try:
+        script = dataclasses.replace(cfg.script, module=module,
+                                     args=[*cfg.script.args, *(script_args or [])])
+    except ConfigError:
+        raise ConfigError(f"-m {module}: not a module name (dotted names, e.g. pkg.train)"
+                          ) from None
     file = script.file()  # found as python -m finds it, or one line
     config.check_compiles(file, f"-m {module}: {file}")
     name = cfg.name if cfg.name != config.ExperimentConfig.name else module
@@ -84,7 +89,7 @@ def preflight(a: argparse.Namespace) -> None:
     cfg = load_job(a.experiment, a.module, a.overrides, a.script_args)
     n = a.nproc_per_node
     le = LaunchEnv("torchrun", 0, n, 0, n, 0, "127.0.0.1", 29500)
-    if cfg.script.path:
+    if cfg.script.named:
         checks.for_script(cfg, le, a.summary_out)
         return
     cuda = torch.cuda.is_available()

@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, ScriptConfig
 from ..log import logger
 from ..tracking import life, schema
 
@@ -162,23 +162,41 @@ def _differences(original: dict[str, str]) -> list[str]:
         recorded = original.get(schema.version_tag(name))
         if recorded and recorded != str(version):
             said.append(f"{name}: the run {recorded}, here {version}")
-    return said + _user_modules(original) + _script(original)
+    changed = _script_changed(original)
+    return said + _user_modules(original) + ([changed] if changed else [])
 
 
-def _script(original: dict[str, str]) -> list[str]:
-    """A script-mode run's script, changed or gone since the run."""
+def script_gone(original: dict[str, str]) -> str:
+    """Why a script-mode run's script cannot run again here ("" when it can): its file gone, or
+    its module not found from the directory it ran in."""
+    named = original.get(schema.SCRIPT, "")
+    if not named:
+        return ""
+    cwd = original.get(schema.SCRIPT_CWD, "")
+    if named.startswith("-m ") and cwd and not Path(cwd).is_dir():
+        return f"script {named}: the run ran it in {cwd}, which is gone here"
+    try:
+        file = ScriptConfig(path=named).file(Path(cwd) if cwd else None)
+    except ConfigError as e:
+        return f"script {named}: the run ran it, it is not found here ({e})"
+    if not file.is_file():
+        return f"script {named}: the run ran it, it is gone here"
+    return ""
+
+
+def _script_changed(original: dict[str, str]) -> str:
+    """A script-mode run's script, changed since the run ("" when not)."""
     from ..workload.userparts import sha256
 
-    file, recorded = original.get(schema.SCRIPT), original.get(schema.SCRIPT_SHA256)
-    if not file:
-        return []
-    now = sha256(Path(file))
-    if now == "missing":
-        return [f"script {file}: the run ran it, it is gone here"]
+    named, recorded = original.get(schema.SCRIPT), original.get(schema.SCRIPT_SHA256)
+    if not named or script_gone(original):
+        return ""
+    cwd = original.get(schema.SCRIPT_CWD, "")
+    now = sha256(ScriptConfig(path=named).file(Path(cwd) if cwd else None))
     if now != recorded:
-        return [f"script {file}: changed since the run (sha256 {(recorded or '?')[:12]} then, "
-                f"{now[:12]} now)"]
-    return []
+        return (f"script {named}: changed since the run (sha256 {(recorded or '?')[:12]} then, "
+                f"{now[:12]} now)")
+    return ""
 
 
 def _user_modules(original: dict[str, str]) -> list[str]:
@@ -300,6 +318,10 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
         return 2
     run, config = found
     tags = run.data.tags
+    gone = script_gone(tags)
+    if gone:
+        logger("reproduce").error(f"{gone}: nothing to run again")
+        return 2
     changed = _differences(tags)
     for line in changed:
         (logger("reproduce").error if strict else logger("reproduce").warning)(line)
@@ -326,7 +348,10 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     if search != "none":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (search, env.get("PYTHONPATH", "")) if p)
     logger("reproduce").info(f"reproducing {run_id} as {new}: {' '.join(cmd)}")
-    code = subprocess.run(cmd, env=env, check=False).returncode
+    # A script runs where it ran: its module is found there, its relative paths start there.
+    cwd = tags.get(schema.SCRIPT_CWD) or None
+    code = subprocess.run(cmd, env=env, check=False,
+                          cwd=cwd if cwd and Path(cwd).is_dir() else None).returncode
     # No reason of ours: the job's own ddplab.error, if it sent one, is the right one.
     life.end_if_running(client, new, life.FAILED)
     # The verdict through a spool, as a job's records: a server gone meanwhile loses none.

@@ -267,8 +267,9 @@ class Observer:
         if self.sample is None and not self.flops:
             self.sample = _one_sample(args, kwargs)
             self.unreplayable = self.sample is None and bool(args or kwargs)
-            self.dtype = _compute_dtype(module, _step_device(module, args, kwargs))
-            self._dtype_inside(module, _step_device(module, args, kwargs))
+            device = _step_device(module, args, kwargs)
+            self.dtype = _compute_dtype(module, device)
+            self._dtype_inside(module, device)
             call = (args, kwargs)
         if _in_eval_mode(module):  # (a step's later micro-batches too, training in eval mode)
             mark = None if self.t_forward else self._mark()

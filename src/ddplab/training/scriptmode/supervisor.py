@@ -135,7 +135,7 @@ def job_identity(cfg: config.ExperimentConfig) -> dict[str, Any]:
     its sha256 and its arguments."""
     s = cfg.script
     file = s.file().resolve()
-    return {"script": str(file), "path": s.path,
+    return {"script": str(file), "path": s.named,
             "sha256": hashlib.sha256(file.read_bytes()).hexdigest(), "args": s.argv()}
 
 
@@ -914,7 +914,7 @@ def _record_start(run: tracking.NullTracker, cfg: config.ExperimentConfig, le: L
         run.log_text(diff, "git.diff")
     run.set_tags({
         schema.GIT_DIRTY: dirty,
-        schema.SCRIPT: s.path,
+        schema.SCRIPT: s.named, schema.SCRIPT_CWD: os.getcwd(),
         schema.SCRIPT_SHA256: identity["sha256"],
         schema.SCRIPT_GIT: git_state(path), schema.SCRIPT_ARGS: json.dumps(s.argv()),
         **schema.identity_tags(
@@ -926,8 +926,7 @@ def _record_start(run: tracking.NullTracker, cfg: config.ExperimentConfig, le: L
         schema.CHECKPOINT_DIR: str(script.ckpt_dir)})
     kept = {"name": cfg.name, "description": cfg.description,
             "script": {**cfg.to_dict()["script"], "path": s.path},
-            "dist": {"threads_per_rank": cfg.dist.threads_per_rank,
-                     "timeout_s": cfg.dist.timeout_s},
+            "dist": {k: getattr(cfg.dist, k) for k in config.SCRIPT_DIST},
             "tracking": cfg.to_dict()["tracking"], "checkpoint": cfg.to_dict()["checkpoint"]}
     # Under ddplab.: a script's own params (argparse's --name, Lightning's hyperparameters) are
     # the plain names, which MLflow lets one value each.
