@@ -30,6 +30,9 @@ job = os.environ["MLFLOW_RUN_ID"]
 import mlflow
 from mlflow import start_run  # the from-import sees the same start_run
 assert start_run is mlflow.start_run and start_run.__wrapped__ and mlflow.end_run.__wrapped__
+# The quickstart's own line: the job's store, written relative to the current directory (it was
+# taken for another store: a run per rank there, the job's run without the script's records).
+mlflow.set_tracking_uri("sqlite:///mlflow.db")
 
 exp = mlflow.set_experiment("my-experiment")
 with start_run(run_name="my run") as run:
@@ -297,6 +300,17 @@ with mlflow.start_run(run_name="search"):
                     raise FloatingPointError("diverged")  # caught: the search goes on
         except FloatingPointError:
             pass
+for trial in range(2):  # flat trials, the first raising (caught): MLflow ended it FAILED
+    try:
+        with mlflow.start_run(run_name=f"flat-{trial}"):
+            if trial == 0:
+                raise FloatingPointError("diverged")
+    except FloatingPointError:
+        pass
+mlflow.start_run()
+mlflow.end_run(status="FAILED")  # the script's own end, then another run: a trial's end
+with mlflow.start_run(run_name="after"):
+    pass
 print("REPORT", open(os.environ["DDPLAB_SCRIPT_REPORT"]).read())
 '''
 
@@ -304,7 +318,8 @@ print("REPORT", open(os.environ["DDPLAB_SCRIPT_REPORT"]).read())
 def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the_jobs(
         tmp_path, store):
     """mlflow.log_param answered str(value), an asynchronous set_tags None (no .wait()), and a
-    nested trial that raised (and was caught) ended the whole job's run FAILED."""
+    trial that raised (and was caught), nested or not, or one the script ended FAILED before
+    starting the next, ended the whole job's run FAILED."""
     import os
     import subprocess
     import sys
@@ -320,6 +335,8 @@ def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the
     out = subprocess.run([sys.executable, "-c", IN_PROCESS], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "asked_status" not in json.loads(report.read_text())
+    assert json.loads(report.read_text()).get("asked_status") is None
+    # Said once, for the explicit end_run (every rank printed it as an exception left a `with`).
+    assert out.stderr.count("ended the job's run FAILED") == 1, out.stderr
     params = client.get_run(run_id).data.params
     assert (params["lr"], params["lr.2"]) == ("0.1", "10.0") and params["learning_rate"] == "0.01"

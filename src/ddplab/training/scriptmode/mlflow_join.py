@@ -70,6 +70,7 @@ class _Job:
         self.elsewhere: list[dict[str, str]] = []  # runs the script made in other stores
         self.said: set[str] = set()
         self.nested_end = False  # end_run is ending a nested run (joined into the job's)
+        self.ended_as = ""  # the status the script ended the job's run with, until it starts one
         self.lock = threading.Lock()
 
 
@@ -96,11 +97,34 @@ def _same_store(uri: str) -> bool:
         u = str(u).rstrip("/")
         if u.startswith("file:"):
             return str(Path(urlparse(u).path or u[len("file:"):]).resolve())
+        if u.startswith("sqlite:///"):  # sqlite:///mlflow.db is relative, sqlite:////x absolute
+            return "sqlite:" + str(Path(u[len("sqlite:///"):].split("?")[0]).resolve())
         if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", u):  # a bare path
             return str(Path(u).resolve())
         return u
 
     return _job is not None and (uri == _job.uri or norm(uri) == norm(_job.uri))
+
+
+def _started_again() -> None:
+    """A run started after the script ended one FAILED or KILLED: that was a trial's end (a
+    loop of flat trials), not the job's."""
+    if _job is not None and _job.ended_as:
+        report({"asked_status": None})
+        _job.ended_as = ""
+
+
+def _left_with_raising() -> bool:
+    """Whether MLflow ends the run because an exception leaves its ``with start_run()`` (its
+    ActiveRun.__exit__ ends it FAILED): the exception, caught by the script or not, is the
+    script's to act on, as under plain MLflow; the job's run ends by how the script ends."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__exit__" and \
+                frame.f_globals.get("__name__") == "mlflow.tracking.fluent":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _caller_library() -> str:
@@ -225,6 +249,7 @@ def _patch_client(module: ModuleType) -> None:
                 _link_elsewhere(self, run.info.run_id)
             return run
         assert _job is not None
+        _started_again()
         own, name, note = _script_tags(tags)
         if note:
             own[DESCRIPTION_TAG] = note
@@ -238,10 +263,12 @@ def _patch_client(module: ModuleType) -> None:
         if _job is None or run_id != _job.run_id:
             set_terminated(self, run_id, status=status, end_time=end_time)  # MLflow's: None
             return None
-        if status in ("FAILED", "KILLED") and not _job.nested_end:
+        if status in ("FAILED", "KILLED") and not _job.nested_end and not _left_with_raising():
             # the script's verdict on its run, as it leaves its outermost one: the run's end
-            # (a failed trial's nested `with start_run(nested=True)` is not the job's)
+            # (a failed trial's nested `with start_run(nested=True)` is not the job's), until
+            # it starts one again (a loop of flat trials)
             report({"asked_status": status})
+            _job.ended_as = status
             _say(ASKED.format(library=_caller_library(), status=status), any_rank=True)
         # ddplab ends the job's run once every rank has reported; what was logged
         # asynchronously is sent now, as MLflow's own end of a run would.
@@ -414,6 +441,7 @@ def _patch_fluent(fluent: ModuleType) -> None:
             with _job_run_unset():  # (MLflow would resume the job's run id in that store)
                 return start_run(*args, **kwargs)
         client = fluent.MlflowClient()
+        _started_again()
         own, name, note = _script_tags(a.get("tags"))
         if a.get("description") or note:
             own[DESCRIPTION_TAG] = str(a.get("description") or note)
