@@ -752,6 +752,17 @@ def test_the_closing_line_and_summary_keep_the_observed_figures_beside_the_scrip
     assert "train/loss" not in fig.line and "observed loss 0.5000" in fig.line, fig.line
     assert "2000 observed samples/s" in fig.line, fig.line
     assert "perf/samples_per_s" not in fig.metrics and fig.summary["samples_per_s_steady"] == 2000
+    assert fig.mixed == [] and "ddplab.observed_mixed" not in fig.tags
+    # A name only rank 1 logs is the script's too; one the observation sent to the spool before
+    # the script logged it is said (its series holds both), as the late train/loss on rank 0.
+    both = outcomes(["train/loss"])
+    both[0]["observed"]["observe"]["sent_names"] = ["train/loss", "perf/samples_per_s",
+                                                    "epoch/time_s"]
+    both[1]["observed"]["observe"]["own_names"] = ["perf/samples_per_s"]
+    fig = figures(both, 3.0)
+    assert "perf/samples_per_s" not in fig.metrics and "observed samples/s" in fig.line, fig.line
+    assert fig.mixed == ["perf/samples_per_s", "train/loss"]
+    assert fig.tags["ddplab.observed_mixed"] == "perf/samples_per_s,train/loss"
 
 
 def test_a_model_the_flop_counter_cannot_count_says_why_in_whole_words_and_which_key_to_give():
@@ -811,3 +822,36 @@ print(seen)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[False, True, True, True]", out.stdout
+
+
+def test_metrics_logged_through_mlflows_client_are_the_scripts_own_names(tmp_path):
+    """Lightning's MLFlowLogger, autolog and a script's own MlflowClient log through the client,
+    not mlflow.log_metric: their names were not seen, and train/loss held the script's values
+    and the observed ones in one series. Names logged into another run are not the script's."""
+    code = f"""
+import os, time
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+from ddplab.training.scriptmode import observe
+os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///{tmp_path}/mlflow.db"
+c = MlflowClient()
+exp = c.create_experiment("x")
+job, other = (c.create_run(exp).info.run_id for _ in range(2))
+os.environ["MLFLOW_RUN_ID"] = job
+observe._watch_mlflow(None)
+now = int(time.time() * 1000)
+c.log_batch(job, metrics=[Metric("train/loss", 100.5, now, 3)])
+c.log_metric(job, "epoch/time_s", 7.0)
+c.log_metric(other, "perf/mfu", 0.5)
+import mlflow
+with mlflow.start_run(run_id=job):
+    mlflow.log_metrics({{"lit/acc": 0.9}})
+print(sorted(observe._not_the_scripts({{"train/loss": 0.1, "epoch/time_s": 1.0, "perf/mfu": 0.2,
+                                        "lit/acc": 1.0}})))
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['perf/mfu']", out.stdout

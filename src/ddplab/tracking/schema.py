@@ -96,6 +96,9 @@ SCRIPT_RUN_NAME = "ddplab.script_run_name"
 SCRIPT_RUN_DESCRIPTION = "ddplab.script_run_description"
 # A run the script made in another tracking store, and that run's way back to the job's run.
 SCRIPT_OTHER_RUNS = "ddplab.script_other_runs"
+OBSERVED_MIXED = "ddplab.observed_mixed"
+"""Names under which the observation's values went into the run before the script (any rank)
+logged the same name itself: their series holds both (a comma-separated list)."""
 JOB_RUN_ID = "ddplab.job_run_id"
 JOB_TRACKING_URI = "ddplab.job_tracking_uri"
 

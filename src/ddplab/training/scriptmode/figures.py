@@ -31,6 +31,9 @@ class Figures:
     line: str = ""
     straggler: str = ""
     step: int = 0
+    mixed: list[str] = field(default_factory=list)
+    """Names the observation logged before the script (any rank) logged them itself
+    (schema.OBSERVED_MIXED): their series in the run holds both, said on the console."""
     last_log: dict[str, Any] | None = None
     """Rank 0's last log point, when its script was stopped before putting it in the spool
     ({"step": ..., "metrics": ...}, the script's own names left out)."""
@@ -64,11 +67,15 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     mfu, tags = _mfu(ranks, total)
     if mfu is not None:
         metrics[MFU] = round(mfu, 6)
-    own = set(zero.get("own_names") or [])
+    # The script's own names, whichever rank logged them (a name only rank 1 logs, too).
+    own = {n for o in ranks.values() for n in o.get("own_names") or []}
     metrics = {k: v for k, v in metrics.items() if k not in own}
     if zero.get("clock"):
         tags[schema.SCRIPT_CLOCK] = str(zero["clock"])
     fig = Figures(metrics=metrics, tags=tags, step=int(zero["steps"]))
+    fig.mixed = sorted(own & set(zero.get("sent_names") or []))
+    if fig.mixed:
+        fig.tags[schema.OBSERVED_MIXED] = ",".join(fig.mixed)
     pending = zero.get("pending")
     if isinstance(pending, dict) and isinstance(pending.get("metrics"), dict):
         kept = {k: v for k, v in pending["metrics"].items() if k not in own}

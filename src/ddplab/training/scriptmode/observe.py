@@ -230,6 +230,7 @@ class Observer:
         self.ran_out = False  # the iterator feeding the steps has run out
         self.iter_start = 0.0  # when the last batch's iterator gave its first
         self.logged_step = 0
+        self.sent: set[str] = set()  # the names this rank's log points put in the spool
         self.pending: dict[str, Any] | None = None  # rank 0's last log point, written at the next
         self.flops: dict[str, Any] = {}
         self.unreplayable = False  # a forward's arguments the FLOP count cannot replay
@@ -643,6 +644,7 @@ class Observer:
         if record is not None:
             record["metrics"] = _not_the_scripts(record["metrics"])
             if record["metrics"]:
+                self.sent.update(record["metrics"])
                 self._spool(record)
 
     def save(self) -> None:
@@ -652,6 +654,7 @@ class Observer:
         # the hang watch or a peer's failure, never writes it; its supervisor does)
         self._write({"observe": {**self.totals.report(), **self.flops, **_memory(),
                                  "clock": clock, "own_names": sorted(_script_names()),
+                                 "sent_names": sorted(self.sent),
                                  "pending": self.pending}})
 
     def finish(self, count_flops: bool = True) -> None:
@@ -939,22 +942,32 @@ def _not_the_scripts(metrics: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if k not in own}
 
 
-def _watch_mlflow(fluent: ModuleType) -> None:
-    """Right after the script imports MLflow (imports.py), before it binds any of its names:
-    MLflow's ``log_metric(s)`` add the names they log to the script's own."""
-    for name, names_of in (("log_metric", lambda a, k: [a[0] if a else k.get("key")]),
-                           ("log_metrics", lambda a, k: list((a[0] if a else k.get("metrics")) or {}))):
-        original = getattr(fluent, name, None)
+def _watch_mlflow(_: ModuleType) -> None:
+    """Right after the script imports MLflow (imports.py): every metric logged into the job's
+    run adds its name to the script's own, whether through MLflow's fluent calls or its client
+    (both end in MlflowClient's: Lightning's MLFlowLogger, autolog, a client of the script's)."""
+    from mlflow.tracking.client import MlflowClient
+
+    job = os.environ.get("MLFLOW_RUN_ID", "")
+
+    def argument(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, name: str) -> Any:
+        return args[at] if len(args) > at else kwargs.get(name)
+
+    for method, names_of in (
+            ("log_metric", lambda a, k: [argument(a, k, 2, "key")]),
+            ("log_batch", lambda a, k: [m.key for m in argument(a, k, 2, "metrics") or ()])):
+        original = getattr(MlflowClient, method, None)
         if original is None:
             continue
 
         def wrapped(*args: Any, _original: Any = original, _names: Any = names_of,
                     **kwargs: Any) -> Any:
             with contextlib.suppress(Exception):
-                _mlflow_names.update(str(n) for n in _names(args, kwargs) if n)
+                if argument(args, kwargs, 1, "run_id") == job:
+                    _mlflow_names.update(str(n) for n in _names(args, kwargs) if n)
             return _original(*args, **kwargs)
 
-        setattr(fluent, name, functools.wraps(original)(wrapped))
+        setattr(MlflowClient, method, functools.wraps(original)(wrapped))
 
 
 # ---- installing the hooks ----

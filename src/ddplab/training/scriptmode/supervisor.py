@@ -775,6 +775,12 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 console = Console(True)
                 if seen.straggler:
                     console.say(f"warning: {seen.straggler}")
+                if seen.mixed:
+                    console.say(
+                        f"warning: the script logged {', '.join(seen.mixed)} itself only after "
+                        "ddplab had logged its observed values there: the run's series holds "
+                        f"both (tag {schema.OBSERVED_MIXED}); give the script's its own name, or "
+                        "set script.observe: false")
                 failed = _verdict(everyone, le.world_size, None)
                 if failed is not None:
                     if own["failed"]:  # rank 0 exits with its own script's code, not the cause's
