@@ -6,6 +6,7 @@ real report code from runs made with MlflowClient in a real SQLite store: no job
 from __future__ import annotations
 
 import dataclasses
+import csv
 import io
 from pathlib import Path
 
@@ -61,6 +62,20 @@ def test_a_metric_the_rule_cannot_place_is_refused_in_one_line(tmp_path, store, 
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.endswith("metric_mode: 'min' without a metric: the default, perf/samples_per_s, "
                          "is compared as higher is better; name the metric you mean (metric: NAME)")
+    # ... or named: its words are a speed's ("b is 1.11x a, slower" was named the best).
+    assert cli.main(["study", "run", str(write_study(tmp_path, metric="perf/samples_per_s",
+                                                     metric_mode="min")), "--dry-run"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("metric_mode: got 'min' for perf/samples_per_s, a throughput: higher is "
+                         "better; leave metric_mode out, or name the metric you mean"), line
+
+
+def test_a_small_value_keeps_its_digits():
+    """An MFU of 1.1e-05 read 0.000 in the table, the verdict and the plots' labels."""
+    from ddplab.study.table import fmt
+
+    assert [fmt(v) for v in (1.1e-05, 0.0, 0.0123, 0.85, 12.5, 1234.0)] == [
+        "1.1e-05", "0.000", "0.0123", "0.850", "12.500", "1,234"]
 
 
 @pytest.mark.parametrize("fields, says", [
@@ -151,6 +166,11 @@ def test_a_named_higher_is_better_metric_is_compared_as_itself_not_as_a_speed(tm
     md, html = files["report.md"], files["report.html"]
     assert "| val/acc median [min-max], higher is better | vs baseline |" in md
     assert "| lr0.3 | 2/2 | 0.855 [0.850-0.860] | +51.3% |" in md
+    # The wall time beside it is the job's own perf/wall_s, not the run's start to end (which
+    # adds the launcher's start-up: it ranked a script study's variants the other way).
+    walls = {row["variant"]: row["wall_time_s"] for row in csv.DictReader(
+        io.StringIO(files["results.csv"]))}
+    assert walls == {"lr0.01": "30.0", "lr0.3": "30.0"}, walls
     assert "<th>val/acc median [min-max], higher is better</th>" in html
     assert "val/acc (higher is better)" in console and "vs baseline" in console
     for text in (verdict, md, html, console):
@@ -252,3 +272,22 @@ def test_a_script_jobs_line_shows_the_compared_metric_not_zero_samples_per_s(tmp
     loop = spec.load_study(write_study(tmp_path))
     assert runner.job_figures(loop, {"perf/samples_per_s": 1234.0, "eval/accuracy": 0.9}) == \
         "1,234 samples/s, eval accuracy 0.9000"
+
+
+def test_a_time_within_the_machines_drift_is_within_noise_a_loss_is_not(tmp_path, store):
+    """One repeat of a wall time 7.5% lower read "better"; times drift as throughput does (its
+    5% floor), a loss does not."""
+    study = spec.load_study(write_study(tmp_path, metric="epoch/time_s"))
+    parent, _, _ = build(tmp_path, store, study, {"lr0.01": [10.0], "lr0.3": [9.6]})
+    verdict = parent.data.tags["ddplab.study.verdict"]
+    assert "-4.0% epoch/time_s vs lr0.01 (9.600 vs 10.000), within noise" in verdict, verdict
+    (tmp_path / "b").mkdir()
+    study = spec.load_study(write_study(tmp_path / "b", metric="epoch/time_s", name="b"))
+    parent, _, _ = build(tmp_path / "b", store, study, {"lr0.01": [10.0], "lr0.3": [9.0]})
+    assert "-10.0% epoch/time_s vs lr0.01 (9.000 vs 10.000), better" in \
+        parent.data.tags["ddplab.study.verdict"]
+    (tmp_path / "c").mkdir()
+    study = spec.load_study(write_study(tmp_path / "c", metric="val/loss", name="c"))
+    parent, _, _ = build(tmp_path / "c", store, study, {"lr0.01": [1.0], "lr0.3": [0.98]})
+    assert "-2.0% val/loss vs lr0.01 (0.980 vs 1.000), better" in \
+        parent.data.tags["ddplab.study.verdict"]

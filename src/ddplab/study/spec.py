@@ -366,6 +366,10 @@ def _metric(f: StudyFile, script: bool) -> tuple[str, str, str]:
                               f"{metric}, is compared as {better(its)}; name the metric "
                               "you mean (metric: NAME)")
         return metric, its, "metric_mode" if f.metric_mode else "default"
+    if f.metric == THROUGHPUT and f.metric_mode == "min":
+        # (its words are a speed's: "b is 1.11x a, slower" named b the best)
+        raise ConfigError(f"metric_mode: got 'min' for {THROUGHPUT}, a throughput: higher is "
+                          "better; leave metric_mode out, or name the metric you mean")
     if f.metric_mode:
         return f.metric, f.metric_mode, "metric_mode"
     mode = inferred_mode(f.metric)

@@ -72,8 +72,11 @@ def _accuracy(row: Any, base: Any) -> str:
 def _change(row: Any, base: Any) -> str:
     """A named metric against the baseline: "+12% val/acc vs a (0.850 vs 0.759), better (range
     +5% to +20%)": "better", "worse" or "within the repeats' range" in the metric's direction,
-    from the range of the differences over the repeats (no 5% floor: that is the machines'
-    drift, which a loss or an accuracy does not have)."""
+    from the range of the differences over the repeats; a figure that varies run to run (a
+    time, a rate, memory: reproduce's rule) has throughput's 5% floor, the machines' drift,
+    which a loss or an accuracy does not have."""
+    from .reproduce import varies_run_to_run
+
     metric, scale = row.metric, abs(base.throughput_median) or None
     low = row.throughput_min - base.throughput_max
     high = row.throughput_max - base.throughput_min
@@ -86,6 +89,10 @@ def _change(row: Any, base: Any) -> str:
         return f"{said}, the same"
     if low <= 0 <= high:
         return f"{said}, within the repeats' range ({rel(low)} to {rel(high)})"
+    if varies_run_to_run(metric) and scale and \
+            abs(row.throughput_median - base.throughput_median) / scale <= NOISE:
+        return (f"{said}, within noise (a timing's {NOISE:.0%} floor; range {rel(low)} to "
+                f"{rel(high)})")
     up = low > 0
     word = "better" if up == (row.metric_mode != "min") else "worse"
     return f"{said}, {word} (range {rel(low)} to {rel(high)})"

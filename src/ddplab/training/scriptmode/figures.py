@@ -103,7 +103,7 @@ def _line(zero: dict[str, Any], wall_s: float, total: float, mfu: float | None,
         parts.append(f"{name(TRAIN_LOSS, 'loss')} {loss:.4f}")
     parts.append(f"{total:.0f} {'observed ' if SAMPLES_PER_S in own else ''}samples/s")
     if mfu is not None:
-        parts.append(f"{name(MFU, 'MFU')} {mfu:.4f}")
+        parts.append(f"{name(MFU, 'MFU')} {mfu:.4g}")  # (a CPU's tiny model: 1.1e-05, not 0)
     return ", ".join(parts)
 
 
