@@ -291,3 +291,34 @@ def test_a_time_within_the_machines_drift_is_within_noise_a_loss_is_not(tmp_path
     parent, _, _ = build(tmp_path / "c", store, study, {"lr0.01": [1.0], "lr0.3": [0.98]})
     assert "-2.0% val/loss vs lr0.01 (0.980 vs 1.000), better" in \
         parent.data.tags["ddplab.study.verdict"]
+
+
+@pytest.mark.parametrize("fields, said", [
+    # The script's own init_process_group decides: two jobs alike but for an unread key (an
+    # nccl variant was "skipped: needs 1 GPU(s)").
+    ({"grid": {"dist.backend": ["gloo", "nccl"]}},
+     "study.yaml: variant backendgloo: set 'dist.backend': a script job reads only "
+     "dist.threads_per_rank, dist.timeout_s, dist.hang_after_s; its backend"),
+    ({"set": {"dist.find_unused_parameters": True}},
+     "study.yaml: set 'dist.find_unused_parameters': a script job reads only"),
+    # The study's own set is no variant's ("variant lr0.01: set 'train.epochs=3'").
+    ({"set": {"train.epochs": 3}}, "study.yaml: set 'train.epochs=3': train.epochs: got 3; a "
+                                   "script job runs your script's own loop"),
+    ({"experiment": "missing.py"}, "study.yaml: experiment: got 'missing.py'; not found: "),
+])
+def test_a_script_study_varies_only_what_the_script_reads_and_says_whose_set_is_wrong(
+        tmp_path, store, monkeypatch, capsys, fields, said):
+    from ddplab import cli
+
+    (tmp_path / "train.py").write_text("print('training')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("DDPLAB_SET", raising=False)
+    fields = {"experiment": "train.py", **fields}
+    if "grid" in fields:
+        fields.update(variants=[], baseline="backendgloo")
+    assert cli.main(["study", "run", str(write_study(tmp_path, **fields)), "--dry-run"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert said in line, line
+    if "variant" not in said:
+        assert "variant" not in line, line

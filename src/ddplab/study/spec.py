@@ -137,8 +137,8 @@ class Variant:
         """The study's set, then the variant's, then $DDPLAB_SET's and the command line's
         (each keeping its source for error messages): later wins."""
         merged = {**study_set, **self.set}
-        return [("set", f"{k}={_yaml_value(v)}") for k, v in merged.items()] \
-            + list(extra)
+        return [(f"variant {self.name}: set" if k in self.set else "set",
+                 f"{k}={_yaml_value(v)}") for k, v in merged.items()] + list(extra)
 
 
 @dataclass(frozen=True)
@@ -261,17 +261,41 @@ def parse(path: Path, raw: Any, extra: Sequence[Override] = ()) -> Study:
         raise ConfigError(f"{where}: {e}") from None
     for v in study.variants:  # every job's config resolves, before any job starts
         try:
-            study.config(v)
+            cfg = study.config(v)
         except ConfigError as e:
-            raise ConfigError(f"{where}: variant {v.name}: {e}") from None
+            # (a key a set gives names its own source: the variant's, or the study's for all)
+            said = str(e) if str(e).startswith(("set ", "variant ", "--set ", "DDPLAB_SET")) \
+                else f"variant {v.name}: {e}"
+            raise ConfigError(f"{where}: {said}") from None
+        if cfg.kind == "script":
+            _only_what_a_script_reads(where, study, v)
     return study
+
+
+def _only_what_a_script_reads(where: str, study: Study, v: Variant) -> None:
+    """A study over a script varies what the script reads: a dist key the script's own
+    init_process_group and DDP(...) decide (backend, device, strategy) would make jobs alike
+    but for a key nothing reads (and an nccl variant was skipped for want of a GPU)."""
+    from ..config import SCRIPT_DIST
+
+    for key in {**study.set, **v.set}:
+        section, _, leaf = key.partition(".")
+        if section == "dist" and leaf.split(".")[0] not in SCRIPT_DIST:
+            raise ConfigError(
+                f"{where}: {'variant ' + v.name + ': ' if key in v.set else ''}set {key!r}: a "
+                f"script job reads only dist.{', dist.'.join(SCRIPT_DIST)}; its backend, device "
+                "and DDP settings are the script's own: vary them through its arguments "
+                "(script.flags.NAME)")
 
 
 def _resolve(path: Path, f: StudyFile, extra: Sequence[Override]) -> Study:
     """The file's keys as a plan: the experiment's path, listed and grid variants, the
     baseline and the compared metric with their defaults."""
-    if not f.experiment or not (path.parent / f.experiment).is_file():
+    if not f.experiment:
         fail("experiment", f.experiment, "must be an experiment file, relative to the study")
+    if not (path.parent / f.experiment).is_file():
+        fail("experiment", f.experiment, f"not found: {(path.parent / f.experiment).absolute()} "
+             "(relative to the study's folder)")
     listed = [Variant(v.name, v.nproc, v.nnodes, v.launcher, _no_login(v.set)) for v in f.variants]
     grid = [from_mapping(VariantFile, v, "grid.") for v in _grid(f.grid)] if f.grid else []
     variants = listed + [Variant(v.name, v.nproc, v.nnodes, v.launcher, _no_login(v.set))
