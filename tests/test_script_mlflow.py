@@ -331,7 +331,7 @@ def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the
     report = tmp_path / "report.json"
     report.write_text("{}")
     env = {**os.environ, "MLFLOW_TRACKING_URI": store, "MLFLOW_RUN_ID": run_id,
-           "DDPLAB_SCRIPT_REPORT": str(report)}
+           "DDPLAB_SCRIPT_REPORT": str(report), "MLFLOW_EXPERIMENT_NAME": "from-env"}
     out = subprocess.run([sys.executable, "-c", IN_PROCESS], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -340,3 +340,7 @@ def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the
     assert out.stderr.count("ended the job's run FAILED") == 1, out.stderr
     params = client.get_run(run_id).data.params
     assert (params["lr"], params["lr.2"]) == ("0.1", "10.0") and params["learning_rate"] == "0.01"
+    # The experiment MLflow would have started the run in, said as set_experiment's (silent).
+    assert client.get_run(run_id).data.tags["ddplab.script_experiment"] == "from-env"
+    assert out.stderr.count("ddplab: MLFLOW_EXPERIMENT_NAME=from-env keeps the job's run in "
+                            "experiment 'joined'") == 1, out.stderr

@@ -204,7 +204,16 @@ def _link_elsewhere(client: Any, run_id: str) -> None:
 
 
 def _experiment_name(client: Any, experiment_id: Any) -> str | None:
-    """The name of an experiment the script named by id, when it is not the job's."""
+    """The name of an experiment the script named by id, when it is not the job's; none named:
+    the one ``MLFLOW_EXPERIMENT_NAME``/``_ID`` names, where MLflow would start the run."""
+    if experiment_id is None:
+        experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        if experiment_id is None and name and name != _job_experiment(client).name:
+            _say(f"ddplab: MLFLOW_EXPERIMENT_NAME={name} keeps the job's run in experiment "
+                 f"{_job_experiment(client).name!r} (tag {EXPERIMENT_TAG}); --set "
+                 f"tracking.experiment={name} files the job there")
+            return name
     if experiment_id is None or str(experiment_id) == _job_experiment(client).experiment_id:
         return None
     try:
