@@ -47,6 +47,7 @@ with start_run(run_name="my run") as run:
     # config, a rename through a tag: the script goes on, every value kept, ddplab's name too.
     mlflow.log_param("local_rank", rank)
     mlflow.log_params({"name": "my-name"})
+    mlflow.set_tag("ddplab.mode", "mine")  # ddplab's own record stays ddplab's
     if rank == 0:
         mlflow.set_tag("mlflow.runName", "renamed by a tag")
 assert mlflow.active_run() is None and os.environ.get("MLFLOW_RUN_ID") == job, "run id forgotten"
@@ -201,6 +202,7 @@ def test_clashing_params_are_kept_apart_and_a_store_of_the_scripts_own_gets_its_
     assert "param 'local_rank' was logged to the job's run already" in res.stderr
     assert run.info.run_name == "patterns script 1n x 2r torchrun"
     assert "renamed by a tag" in json.loads(tags["ddplab.script_run_names"])
+    assert (tags["ddplab.mode"], tags["script.ddplab.mode"]) == ("script", "mine")
     uri = next(ln.split()[1] for ln in res.stdout.splitlines() if "OTHER_STORE" in ln)
     other = MlflowClient(uri)
     (elsewhere,) = other.search_runs([other.get_experiment_by_name("elsewhere").experiment_id])

@@ -53,6 +53,8 @@ from .imports import after_import
 EXPERIMENT_TAG = schema.SCRIPT_EXPERIMENT
 RUN_NAME_TAG = schema.SCRIPT_RUN_NAME
 DESCRIPTION_TAG = schema.SCRIPT_RUN_DESCRIPTION
+JOINS_OWN = (EXPERIMENT_TAG, RUN_NAME_TAG, DESCRIPTION_TAG, schema.SCRIPT_OTHER_RUNS)
+"""The tags this module writes on the job's run itself, through the client it patches."""
 NOTE = "ddplab: {library} asked for a new MLflow run; its records go to the job's run {run_id}"
 ELSEWHERE = ("ddplab: {library} made its own MLflow run {run_id} in another tracking store ({uri}), "
              "not in the job's run {job}: leave its tracking_uri out (or pass "
@@ -104,6 +106,17 @@ def _same_store(uri: str) -> bool:
         return u
 
     return _job is not None and (uri == _job.uri or norm(uri) == norm(_job.uri))
+
+
+def _not_ddplabs(key: str) -> str:
+    """A tag key for the script's value: one of ddplab's own (``ddplab.mode``, the verdict, the
+    lock) is what ddplab recorded, which studies and reproduce read: the script's goes beside
+    it, as ``script.<key>``, said once."""
+    if not key.startswith(schema.PREFIX) or key in JOINS_OWN or key.removesuffix("s") in JOINS_OWN:
+        return key
+    _say(f"ddplab: tag {key!r} is ddplab's own record: the script's value is kept as "
+         f"'script.{key}'")
+    return f"script.{key}"
 
 
 def _started_again() -> None:
@@ -312,7 +325,9 @@ def _patch_client(module: ModuleType) -> None:
                          tags: Any = (), synchronous: bool | None = None) -> Any:
         if not ours(self, run_id):
             return log_batch(self, run_id, metrics, params, tags, synchronous=synchronous)
-        tags = list(tags or ())
+        from mlflow.entities import RunTag
+
+        tags = [RunTag(_not_ddplabs(t.key), t.value) for t in tags or ()]
         names = [t.value for t in tags if t.key == "mlflow.runName"]
         if names:  # the job's run keeps ddplab's name: the script's becomes a tag
             _record(self, {}, run_name=str(names[-1]))
@@ -332,6 +347,8 @@ def _patch_client(module: ModuleType) -> None:
             _record(self, {}, run_name=str(value))
             return None if _synchronous(kwargs.get("synchronous", args[0] if args else None)) \
                 else _operations([])
+        if ours(self, run_id):
+            key = _not_ddplabs(str(key))
         return set_tag(self, run_id, key, value, *args, **kwargs)
 
     _swap(cls, create_run, create_run_joined)
