@@ -322,3 +322,20 @@ def test_a_script_study_varies_only_what_the_script_reads_and_says_whose_set_is_
     assert said in line, line
     if "variant" not in said:
         assert "variant" not in line, line
+
+
+def test_a_metric_no_job_logged_names_the_closest_they_did_and_spaces_are_refused(
+        tmp_path, store, monkeypatch, capsys):
+    """A slip in the metric's name ended with best=none and nothing to go on."""
+    from ddplab import cli
+
+    study = spec.load_study(write_study(tmp_path, metric="perf/wal_s"))
+    parent, console, _ = build(tmp_path, store, study, {"lr0.01": [None], "lr0.3": [None]})
+    assert parent.data.tags["ddplab.study.verdict"].endswith("; did you mean perf/wall_s?")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    capsys.readouterr()
+    assert cli.main(["study", "run", str(write_study(tmp_path, metric="val/acc ")),
+                     "--dry-run"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("metric: got 'val/acc '; a metric's name, as the runs log it, without "
+                         "spaces around it"), line

@@ -76,6 +76,8 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
     others = environment_warnings(children) + straggler_warnings(children)
     notes += others
     verdict = judge(rows, baseline, single_epoch=single)
+    if rows and not verdict.best:
+        verdict.nothing += _did_you_mean(rows[0].metric, children)
     if interrupted:
         ran = {r.variant for r in rows}
         missing = [name for name in order if name not in ran]
@@ -170,3 +172,13 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
         for k, v in {**study.set, "repeats": study.repeats, "baseline": study.baseline}.items():
             if f"study.{k}" not in parent.data.params:
                 client.log_param(parent_id, f"study.{k}", str(v)[:schema.PARAM_LIMIT])
+
+
+def _did_you_mean(metric: str, children: list[Any]) -> str:
+    """The names the jobs did log that are closest to a compared metric none logged (a slip:
+    ``val/acc `` with a space, ``val_acc`` for ``val/acc``)."""
+    import difflib
+
+    logged = sorted({k for c in children for k in c.data.metrics})
+    close = difflib.get_close_matches(metric.strip(), logged, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""

@@ -390,6 +390,9 @@ def _metric(f: StudyFile, script: bool) -> tuple[str, str, str]:
                               f"{metric}, is compared as {better(its)}; name the metric "
                               "you mean (metric: NAME)")
         return metric, its, "metric_mode" if f.metric_mode else "default"
+    if f.metric != f.metric.strip() or not f.metric:
+        raise ConfigError(f"metric: got {f.metric!r}; a metric's name, as the runs log it, "
+                          "without spaces around it")
     if f.metric == THROUGHPUT and f.metric_mode == "min":
         # (its words are a speed's: "b is 1.11x a, slower" named b the best)
         raise ConfigError(f"metric_mode: got 'min' for {THROUGHPUT}, a throughput: higher is "
