@@ -182,6 +182,10 @@ def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path
         ("one", "0"), ("one", "1"), ("two", "0"), ("two", "1")]
     failed = [c for c in children if c.data.tags["ddplab.variant"] == "broken"]
     assert len(failed) == 2 and all(c.info.status == "FAILED" for c in failed)
+    # The failed job's line says why (it said only "FAILED in 9 s, no samples/s logged").
+    (said,) = [ln for ln in out.stdout.splitlines() if ln.strip().startswith("broken r0: FAILED")]
+    why = failed[0].data.tags["ddplab.error"].splitlines()[0][:60]
+    assert f"no samples/s logged: {why}" in " ".join(out.stdout.split()), said
     assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
     assert {c.data.tags["ddplab.world_size"] for c in ok if c.data.tags["ddplab.variant"] == "two"} == {"2"}
 

@@ -543,7 +543,13 @@ def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
     tracker.name_child(run_id, v, r, done.data.tags)
     line = (f"{v.name} r{r}: {status} in {time.monotonic() - t0:.0f} s, "
             f"{job_figures(study, done.data.metrics)}")
-    return line if status == "FINISHED" else f"{line} (exit {code}; log {log})"
+    if status == "FINISHED":
+        return line
+    from .reproduce import error_line
+
+    error = error_line(done.data.tags)  # (the job's own, not "the job exited N" said above)
+    why = f": {error[:300]}" if error and not error.startswith("the job exited") else ""
+    return f"{line}{why} (exit {code}; log {log})"
 
 
 def job_figures(study: Study, m: dict[str, float]) -> str:
