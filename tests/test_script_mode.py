@@ -412,6 +412,10 @@ def test_a_slow_ranks_data_is_named_the_straggler_and_its_hang_by_rank_phase_and
     # Each rank's own line says the hang watch stopped it, not a bare SIGKILL of unknown origin.
     said = "the job hung: stopped by ddplab's hang watch: rank 1 stopped at step 7 in data loading"
     assert said in hang.stderr and "killed by SIGKILL" not in hang.stderr, hang.stderr[-3000:]
+    # Where in the script each rank was, from its stack (diagnose said only "stack ...").
+    ranks = {e["rank"]: e for e in json.loads(hung.data.tags["ddplab.script_ranks"]) if "rank" in e}
+    line = next(i for i, text in enumerate(SLOW_DATA.splitlines(), 1) if "sleep(3600)" in text)
+    assert ranks[1]["where"] == f"slow_data.py:{line} in __getitem__", ranks[1]
 
 
 RESTARTED = '''

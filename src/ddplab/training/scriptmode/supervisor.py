@@ -564,8 +564,8 @@ class Script:
         elif code:
             out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
         out["traceback"] = seen.get("traceback", "")[-6000:]
-        if stopped and (where := self.where(out["traceback"])):
-            out["where"] = where  # where a stopped rank was: its stack, asked for
+        if out["stopped"] and (where := self.where(out["traceback"])):
+            out["where"] = where  # where a stopped rank was (the hang watch's too): its stack
         elif code and (where := self.raised_at(out["traceback"])):
             out["raised_at"] = where  # where a failed rank's script raised
         with contextlib.suppress(OSError):
