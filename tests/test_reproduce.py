@@ -236,3 +236,17 @@ def test_a_script_that_is_gone_is_refused_in_one_line_before_any_run(store, monk
     assert said.startswith(f"ddplab reproduce: error: script {named}: the run ran it, it is ")
     assert said.endswith(": nothing to run again"), said
     assert len(c.search_runs([c.get_run(first).info.experiment_id])) == 1
+
+
+def test_a_difference_after_the_script_was_edited_says_so_in_the_verdict(store, capsys):
+    """The edit was said only in a warning before the rerun's output, far above the verdict."""
+    from mlflow import MlflowClient
+
+    c = MlflowClient(store)
+    exp = c.create_experiment("edited")
+    first = script_run(c, exp, {"val/acc": [0.5]})
+    new = script_run(c, exp, {"val/acc": [0.7]})
+    edited = "; script /x/t.py: changed since the run (sha256 aaaa then, bbbb now)"
+    assert reproduce._judge(c, c.get_run(first), new, 0, edited) == 1
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert ": differs (" in line and line.endswith(f"{edited})"), line

@@ -468,6 +468,8 @@ def test_reproduce_reruns_a_script_and_strict_refuses_a_changed_one(tmp_path, st
     new = next(r for r in runs(store) if r.info.run_id != run.info.run_id)
     assert new.data.tags["ddplab.reproduce.verdict"] == "bitwise"
     assert new.data.tags["ddplab.script_args"] == run.data.tags["ddplab.script_args"]
+    # Its snapshots were reproduce's scratch: no tag points at the removed folder.
+    assert new.data.tags["ddplab.checkpoint_dir"] == "none (reproduce's scratch, removed)"
     script.write_text(script.read_text() + "\n# changed\n")
     strict = subprocess.run([str(Path(sys.executable).parent / "ddplab"), "reproduce", "--strict",
                              run.info.run_id], cwd=tmp_path, env=job_env(store),

@@ -356,14 +356,19 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     life.end_if_running(client, new, life.FAILED)
     # The verdict through a spool, as a job's records: a server gone meanwhile loses none.
     recorder = SpooledClient(client, uri, new, run.info.experiment_id, home("reproduce", new))
-    verdict = _judge(recorder, run, new, code)
+    if changed:
+        recorder.set_tag(new, schema.REPRODUCE_CHANGED, "\n".join(changed)[:schema.TAG_LIMIT])
+    # The rerun's snapshots were reproduce's scratch, gone with it: no folder to point at.
+    recorder.set_tag(new, schema.CHECKPOINT_DIR, "none (reproduce's scratch, removed)")
+    script = _script_changed(tags)
+    verdict = _judge(recorder, run, new, code, f"; {script}" if script else "")
     kept = recorder.close(DELIVERY_S)
     if kept:
         logger("reproduce").warning(kept)
     return verdict
 
 
-def _judge(client: Any, run: Any, new: str, code: int) -> int:
+def _judge(client: Any, run: Any, new: str, code: int, because: str = "") -> int:
     """Record and print the verdict on the new run; exit 1 when it differs (or the job
     failed). What varies run to run is in differences.csv and counted in the line, never
     compared. A FAILED run's verdict is whether its failure came back (_judge_failure)."""
@@ -383,7 +388,8 @@ def _judge(client: Any, run: Any, new: str, code: int) -> int:
         print(f"reproduce {run_id} -> {new}: differs (the job exited {code}: "
               f"{_rerun_error(client, new)}; nothing compared)")
     else:
-        print(f"reproduce {run_id} -> {new}: {verdict} ({_summary(rows, varying, new)})")
+        why = because if verdict == "differs" else ""  # (the script edited since, say)
+        print(f"reproduce {run_id} -> {new}: {verdict} ({_summary(rows, varying, new)}{why})")
     return 0 if verdict != "differs" else 1
 
 

@@ -130,6 +130,9 @@ STUDY_WARNINGS = "ddplab.study.warnings"
 # --- ddplab reproduce (study/reproduce.py) --------------------------------------------------
 REPRODUCES = "ddplab.reproduces"
 REPRODUCE_VERDICT = "ddplab.reproduce.verdict"
+REPRODUCE_CHANGED = "ddplab.reproduce.changed"
+"""What differed from the recorded run before the rerun (its code, packages, script), one line
+each: what a "differs" may come from."""
 
 # --- ddplab import (tracking/importer.py) ---------------------------------------------------
 IMPORTED_FROM = "ddplab.imported_from"  # the source run's id
