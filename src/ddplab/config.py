@@ -570,7 +570,8 @@ class ScriptConfig:
     """The script's command-line arguments, as given (``-- ARGS`` on the command line come after)."""
     flags: dict[str, Any] = field(default_factory=dict)
     """Flags given by name, appended as ``--NAME VALUE`` (a flag already in ``args`` is
-    replaced; true = the bare ``--NAME``, false = left out): what a study varies,
+    replaced; true = the bare ``--NAME``, false or null = left out, a flag in ``args``
+    too): what a study varies,
     e.g. ``script.flags.lr: [0.01, 0.1]``."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the script."""
