@@ -102,7 +102,8 @@ LAYERS = [
     ("ddplab.errors", "ddplab.config", "ddplab.log", "ddplab.poll", "ddplab.files", "ddplab.pages",
      "ddplab.subprocs",
      "ddplab.logins", "ddplab.credentials", "ddplab.track",
-     "ddplab.tracking.schema"),  # the run's vocabulary, stdlib only: every room names tags
+     "ddplab.tracking.schema",  # the run's vocabulary, stdlib only: every room names tags
+     "ddplab.tracking.naming"),  # its rules (a user's ddplab.* tag; what varies run to run)
     ("ddplab.workload", "ddplab.launchers", "ddplab.launchers.detect", "ddplab.ccl", "ddplab.forensics"),
     ("ddplab.distributed",),
     ("ddplab.tracking", "ddplab.agent"),  # a job's run, and the node agent that delivers it

@@ -24,6 +24,10 @@ from tests.helpers import artifact_text
     ("system/cpu_utilization_percentage", True), ("epoch/time_s", True),
     ("memory/peak_rss_mb", True), ("perf/mfu", True), ("train/rank1_busy_s", True),
     ("train/data_wait_frac", True),
+    # a time, a rate or memory by other common spellings: a study's 5% floor reads this rule
+    ("tokens_per_sec", True), ("train/throughput", True), ("epoch_duration_s", True),
+    ("eval/runtime_s", True), ("peak_mem_mb", True), ("gpu_memory_gb", True),
+    ("val/f1", False), ("grad_norm_mean", False),
     ("epoch/epoch", False),
     ("loss", False), ("grad_norm", False), ("learning_rate", False), ("epoch", False),
     ("train/loss", False), ("eval/accuracy", False), ("total_flos", False),
@@ -119,7 +123,10 @@ def test_the_docs_state_the_rule_the_code_applies():
     said = text[text.index("- **Reproduce**"):text.index("**Reports as results pages.**")]
     said = " ".join(said.split())
     for part, example in (("perf/", "perf/mfu"), ("system/", "system/cpu"),
-                          ("memory/", "memory/peak_rss_mb"), ("_runtime", "train_runtime"),
+                          ("memory/", "memory/peak_rss_mb"), ("runtime", "train_runtime"),
+                          ("throughput", "tok/throughput"), ("duration", "epoch_duration"),
+                          ("_per_sec", "tokens_per_sec"), ("eval/runtime_s", "eval/runtime_s"),
+                          ("peak_mem_mb", "peak_mem_mb"),
                           ("_per_second", "eval_steps_per_second"), ("_per_s", "tokens_per_s"),
                           ("_busy_s", "train/rank0_busy_s"),
                           ("_wait_frac", "train/data_wait_frac"), ("_time", "epoch_time_s")):
@@ -218,22 +225,24 @@ def test_a_studys_parent_run_is_refused_in_one_line(store, monkeypatch, capsys):
     assert {r.info.run_id for r in c.search_runs([exp])} == {parent, job}  # no rerun started
 
 
-@pytest.mark.parametrize("named", ["{tmp}/gone.py", "-m gone.train"])
+@pytest.mark.parametrize("named, cwd", [("{tmp}/gone.py", "{tmp}"), ("-m gone.train", "{tmp}"),
+                                        ("-m gone.train", "{tmp}/removed")])
 def test_a_script_that_is_gone_is_refused_in_one_line_before_any_run(store, monkeypatch, capsys,
-                                                                     tmp_path, named):
+                                                                     tmp_path, named, cwd):
     """It said "gone here", then started a job that failed on it: a FAILED run and "differs"."""
     from mlflow import MlflowClient
 
-    named = named.format(tmp=tmp_path)
+    named, cwd = named.format(tmp=tmp_path), cwd.format(tmp=tmp_path)
     c = MlflowClient(store)
     first = script_run(c, c.create_experiment("x"), {"train/loss": [0.5]}, **{
-        "ddplab.script": named, "ddplab.script_cwd": str(tmp_path)})
+        "ddplab.script": named, "ddplab.script_cwd": cwd})
     c.log_text(first, "name: gone\nscript: {path: x.py}\n", "config.yaml")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     assert reproduce.reproduce(first, strict=False) == 2
     (said,) = capsys.readouterr().err.strip().splitlines()
-    assert said.startswith(f"ddplab reproduce: error: script {named}: the run ran it, it is ")
+    assert said.startswith(f"ddplab reproduce: error: script {named}: the run ran it")
+    assert ("which is gone here" in said) == cwd.endswith("removed"), said
     assert said.endswith(": nothing to run again"), said
     assert len(c.search_runs([c.get_run(first).info.experiment_id])) == 1
 
@@ -250,3 +259,7 @@ def test_a_difference_after_the_script_was_edited_says_so_in_the_verdict(store, 
     assert reproduce._judge(c, c.get_run(first), new, 0, edited) == 1
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert ": differs (" in line and line.endswith(f"{edited})"), line
+    # ... and when the edited script's rerun failed (the likeliest end of an edit)
+    assert reproduce._judge(c, c.get_run(first), new, 3, edited) == 1
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "differs (the job exited 3: " in line and line.endswith(f"compared{edited})"), line

@@ -202,7 +202,7 @@ def test_clashing_params_are_kept_apart_and_a_store_of_the_scripts_own_gets_its_
     assert "param 'local_rank' was logged to the job's run already" in res.stderr
     assert run.info.run_name == "patterns script 1n x 2r torchrun"
     assert "renamed by a tag" in json.loads(tags["ddplab.script_run_names"])
-    assert (tags["ddplab.mode"], tags["script.ddplab.mode"]) == ("script", "mine")
+    assert (tags["ddplab.mode"], tags["user.ddplab.mode"]) == ("script", "mine")
     uri = next(ln.split()[1] for ln in res.stdout.splitlines() if "OTHER_STORE" in ln)
     other = MlflowClient(uri)
     (elsewhere,) = other.search_runs([other.get_experiment_by_name("elsewhere").experiment_id])
@@ -309,9 +309,13 @@ for trial in range(2):  # flat trials, the first raising (caught): MLflow ended 
                 raise FloatingPointError("diverged")
     except FloatingPointError:
         pass
+    print("AFTER_RAISE", json.load(open(os.environ["DDPLAB_SCRIPT_REPORT"])).get("asked_status"))
 mlflow.start_run()
-mlflow.end_run(status="FAILED")  # the script's own end, then another run: a trial's end
-with mlflow.start_run(run_name="after"):
+mlflow.end_run(status="FAILED")
+mlflow.set_tag("why", "diverged")  # MLflow's own start of a run for it: the FAILED stays
+print("AFTER_TAG", json.load(open(os.environ["DDPLAB_SCRIPT_REPORT"])).get("asked_status"))
+mlflow.end_run()
+with mlflow.start_run(run_name="after"):  # the script's own start: that was a trial's end
     pass
 print("REPORT", open(os.environ["DDPLAB_SCRIPT_REPORT"]).read())
 '''
@@ -338,6 +342,8 @@ def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(report.read_text()).get("asked_status") is None
+    said = out.stdout.splitlines()
+    assert said.count("AFTER_RAISE None") == 2 and "AFTER_TAG FAILED" in said, out.stdout
     # Said once, for the explicit end_run (every rank printed it as an exception left a `with`).
     assert out.stderr.count("ended the job's run FAILED") == 1, out.stderr
     params = client.get_run(run_id).data.params

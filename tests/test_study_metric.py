@@ -305,6 +305,9 @@ def test_a_time_within_the_machines_drift_is_within_noise_a_loss_is_not(tmp_path
     ({"set": {"train.epochs": 3}}, "study.yaml: set 'train.epochs=3': train.epochs: got 3; a "
                                    "script job runs your script's own loop"),
     ({"experiment": "missing.py"}, "study.yaml: experiment: got 'missing.py'; not found: "),
+    # the nested form of a key the script reads is no refusal; of one it does not, named whole
+    ({"set": {"dist": {"threads_per_rank": 2, "backend": "nccl"}}},
+     "study.yaml: set 'dist.backend': a script job reads only"),
 ])
 def test_a_script_study_varies_only_what_the_script_reads_and_says_whose_set_is_wrong(
         tmp_path, store, monkeypatch, capsys, fields, said):
@@ -339,3 +342,25 @@ def test_a_metric_no_job_logged_names_the_closest_they_did_and_spaces_are_refuse
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.endswith("metric: got 'val/acc '; a metric's name, as the runs log it, without "
                          "spaces around it"), line
+
+
+
+def test_a_script_studys_jobs_are_not_skipped_for_a_backend_the_script_does_not_read(
+        tmp_path, store, monkeypatch, capsys):
+    """The experiment file's (or --set's) dist.backend: nccl skipped every job "needs 1 GPU(s)";
+    on the command line it is refused as in the study file."""
+    from ddplab import cli
+    from ddplab.study.runner import cannot_run_here
+
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "exp.yaml").write_text("name: e\nscript: {path: train.py}\ndist: {backend: nccl}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("DDPLAB_SET", raising=False)
+    study = spec.load_study(write_study(tmp_path, experiment="exp.yaml",
+                                        set={"dist": {"threads_per_rank": 1}}))
+    assert [cannot_run_here(study, v) for v in study.variants] == ["", ""]
+    assert cli.main(["study", "run", str(write_study(tmp_path, experiment="train.py")),
+                     "--dry-run", "--set", "dist.backend=nccl"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "study.yaml: --set 'dist.backend': a script job reads only" in line, line

@@ -194,3 +194,20 @@ def test_two_jobs_creating_one_experiment_at_once_both_get_it(tmp_path):
     for t in threads:
         t.join(120)
     assert not errors and len(got) == 2 and got[0] == got[1], (errors, got)
+
+
+def test_a_users_ddplab_tag_is_kept_beside_ddplabs_own_record(monkeypatch):
+    """ddplab.track.tags({"ddplab.mode": ...}) overwrote the record studies and reproduce read
+    (MLflow's own set_tag in a script is kept apart the same way: test_script_mlflow)."""
+    from ddplab import track
+
+    got: dict = {}
+
+    class Recorder:
+        def set_tags(self, values):
+            got.update(values)
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(track, "_sink", Recorder())
+    track.tags({"ddplab.mode": "mine", "dataset": "cifar10"})
+    assert got == {"user.ddplab.mode": "mine", "dataset": "cifar10"}

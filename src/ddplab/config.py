@@ -589,8 +589,11 @@ class ScriptConfig:
     ``torch.utils.flop_counter`` on one sample of an early step's batch, x 3."""
 
     def __post_init__(self) -> None:
-        if self.path.startswith("-m "):  # as the run's ddplab.script tag names a module
-            self.path, self.module = "", self.path.removeprefix("-m ").strip()
+        if self.path.startswith("-m ") and not self.module:  # as ddplab.script names a module
+            module = self.path.removeprefix("-m ").strip()
+            if not module:
+                fail("path", self.path, "a script's file, or -m and a module's dotted name")
+            self.path, self.module = "", module
         if self.path and self.module:
             fail("module", self.module, f"a script is path or module, not both (path "
                  f"{self.path!r})")

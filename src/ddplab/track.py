@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .tracking.naming import users_tag
 from .tracking.schema import PARAM_LIMIT, TAG_LIMIT
 
 SPOOL_ENV = "DDPLAB_SPOOL"
@@ -101,10 +102,12 @@ def params(values: dict[str, Any], all_ranks: bool = False) -> None:
 
 
 def tags(values: dict[str, Any], all_ranks: bool = False) -> None:
-    """Tags on the run."""
+    """Tags on the run (one named as ddplab's own records, ``ddplab.*``, kept beside them as
+    ``user.<key>``)."""
     named = _named(values, all_ranks)
     if named is None:
         return
+    named = {users_tag(str(k)): v for k, v in named.items()}
     if _sink is not None:
         _sink.set_tags(named)
     else:

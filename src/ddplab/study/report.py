@@ -180,5 +180,7 @@ def _did_you_mean(metric: str, children: list[Any]) -> str:
     import difflib
 
     logged = sorted({k for c in children for k in c.data.metrics})
+    if metric in logged:  # logged, but by failed runs only, or NaN: no slip of the name
+        return ""
     close = difflib.get_close_matches(metric.strip(), logged, n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(close)}?" if close else ""

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from typing import Any
 from ..config import ConfigError, ScriptConfig
 from ..log import logger
 from ..tracking import life, schema
+from ..tracking.naming import varies_run_to_run
 
 RTOL = 1e-4
 COMPARED = ("train/loss", "eval/loss", "eval/accuracy")
@@ -60,23 +60,8 @@ CSV = "reproduce/differences.csv"
 NOT_COMPARED = "no: varies run to run (timing, memory, throughput)"
 """differences.csv's ``compared`` cell for a value of :func:`varies_run_to_run`."""
 
-_VARIES = re.compile(r"^(perf|system|memory)/|_runtime$|_per_second$|_per_s$|_time|(^|/)time"
-                     r"|_busy_s$|_wait_frac$")
-
 Row = tuple[str, int, float | None, float | None]
 """(metric, step, original, new); None: that side logged no value at that step."""
-
-
-def varies_run_to_run(metric: str) -> bool:
-    """Whether ``metric`` is one no rerun repeats however deterministic the arithmetic (how
-    long, how fast, how much memory, how loaded the machine), so reproduce reports it and never
-    compares it. The one rule: a name under ``perf/``, ``system/`` or ``memory/`` (ddplab's
-    throughput, wall time, MFU; the machine's samples; what the process held), or ending in
-    ``_runtime``, ``_per_second``, ``_per_s``, ``_busy_s`` or ``_wait_frac``, or with ``_time``
-    in it or a segment that starts with ``time`` (Hugging Face Trainer's ``train_runtime``,
-    ``train_samples_per_second``; a script's ``epoch_time_s``; ``epoch/time_s``; a rank's share
-    of its step, ``train/rank<r>_busy_s``, ``train/data_wait_frac``)."""
-    return bool(_VARIES.search(metric))
 
 
 def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
@@ -239,7 +224,9 @@ def _command(tags: dict[str, str], config_path: Path, sets: list[str]) -> list[s
     if isinstance(target, Torchrun):
         # torchrun in a process of ddplab's: a failed rank is one line (the verdict follows),
         # not torchrun's traceback and failure banner
-        return [sys.executable, "-m", "ddplab.launchers.local", *target.args(train)]
+        from ..subprocs import python_m
+
+        return [*python_m("ddplab.launchers.local"), *target.args(train)]
     return local_launch(launcher, world, train)
 
 
@@ -250,11 +237,6 @@ def reproduce(run_id: str, strict: bool) -> int:
     # each reproduction would otherwise leave tens of MB in the temporary directory.
     with tempfile.TemporaryDirectory(prefix="ddplab-reproduce-") as work:
         return _reproduce(run_id, strict, Path(work))
-
-
-def error_line(tags: dict[str, str]) -> str:
-    """The first line of a run's ``ddplab.error`` (the rest is its traceback), "" for none."""
-    return next(iter((tags.get(schema.ERROR) or "").strip().splitlines()), "")
 
 
 JOBS_NAMED = 4
@@ -300,7 +282,7 @@ def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path
         return None
     if run.info.status == life.FAILED:
         logger("reproduce").warning(
-            f"run {run_id} FAILED ({error_line(run.data.tags) or 'no ddplab.error recorded'}): "
+            f"run {run_id} FAILED ({life.error_line(run.data.tags) or 'no ddplab.error recorded'}): "
             "rerunning it says whether the failure reproduces")
     return run, Path(text)
 
@@ -308,10 +290,11 @@ def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path
 def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     from ..tracking import validated_uri
     from ..tracking.spooled import DELIVERY_S, SpooledClient, home
-    from ..tracking.store import reading_client
+    from ..tracking.store import absolute_store, reading_client
     from .runner import job_env
 
-    uri = validated_uri()
+    # absolute: the rerun of a script runs where it ran, not here
+    uri = absolute_store(validated_uri())
     client = reading_client(uri, run_id)
     found = _recorded(client, uri, run_id, work)
     if found is None:
@@ -358,8 +341,8 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     recorder = SpooledClient(client, uri, new, run.info.experiment_id, home("reproduce", new))
     if changed:
         recorder.set_tag(new, schema.REPRODUCE_CHANGED, "\n".join(changed)[:schema.TAG_LIMIT])
-    # The rerun's snapshots were reproduce's scratch, gone with it: no folder to point at.
-    recorder.set_tag(new, schema.CHECKPOINT_DIR, "none (reproduce's scratch, removed)")
+    if tags.get(schema.MODE) == "script":  # its snapshots were reproduce's scratch, gone
+        recorder.set_tag(new, schema.CHECKPOINT_DIR, "none (reproduce's scratch, removed)")
     script = _script_changed(tags)
     verdict = _judge(recorder, run, new, code, f"; {script}" if script else "")
     kept = recorder.close(DELIVERY_S)
@@ -373,7 +356,7 @@ def _judge(client: Any, run: Any, new: str, code: int, because: str = "") -> int
     failed). What varies run to run is in differences.csv and counted in the line, never
     compared. A FAILED run's verdict is whether its failure came back (_judge_failure)."""
     if run.info.status == life.FAILED:
-        return _judge_failure(client, run, new, code)
+        return _judge_failure(client, run, new, code, because)
     run_id = run.info.run_id
     verdict, rows = compare(client, run_id, new, compared_keys(run)) if code == 0 \
         else ("differs", [])
@@ -386,7 +369,7 @@ def _judge(client: Any, run: Any, new: str, code: int, because: str = "") -> int
         print(f"reproduce {run_id} -> {new}: {NOTHING} (the run logged {what})")
     elif code:
         print(f"reproduce {run_id} -> {new}: differs (the job exited {code}: "
-              f"{_rerun_error(client, new)}; nothing compared)")
+              f"{_rerun_error(client, new)}; nothing compared{because})")
     else:
         why = because if verdict == "differs" else ""  # (the script edited since, say)
         print(f"reproduce {run_id} -> {new}: {verdict} ({_summary(rows, varying, new)}{why})")
@@ -429,13 +412,13 @@ def _summary(rows: list[Row], varying: list[Row], new: str) -> str:
 
 def _rerun_error(client: Any, new: str) -> str:
     # Read once the job ended: its ddplab.error is in the store by then.
-    return error_line(client.get_run(new).data.tags) or "no ddplab.error recorded"
+    return life.error_line(client.get_run(new).data.tags) or "no ddplab.error recorded"
 
 
-def _judge_failure(client: Any, run: Any, new: str, code: int) -> int:
+def _judge_failure(client: Any, run: Any, new: str, code: int, because: str = "") -> int:
     """A FAILED run reproduced is one whose rerun failed with the same error (its first line:
     the rest is a traceback, whose line numbers a harmless edit moves)."""
-    run_id, was = run.info.run_id, error_line(run.data.tags) or "no ddplab.error recorded"
+    run_id, was = run.info.run_id, life.error_line(run.data.tags) or "no ddplab.error recorded"
     failed = code != 0 or client.get_run(new).info.status == life.FAILED
     now = _rerun_error(client, new) if failed else ""
     again = failed and now == was
@@ -444,5 +427,6 @@ def _judge_failure(client: Any, run: Any, new: str, code: int) -> int:
         print(f"reproduce {run_id} -> {new}: reproduced (it failed again: {was})")
         return 0
     rerun = f"the rerun failed: {now}" if failed else "the rerun finished"
-    print(f"reproduce {run_id} -> {new}: differs (the original failed: {was}; {rerun})")
+    print(f"reproduce {run_id} -> {new}: differs (the original failed: {was}; {rerun}"
+          f"{because})")
     return 1

@@ -240,6 +240,8 @@ def cannot_run_here(study: Study, v: Variant) -> str:
     """Why this host cannot run the variant at all ("" if it can): a GPU variant needs one
     visible GPU per rank."""
     cfg = study.config(v)
+    if cfg.kind == "script":  # its own init_process_group chooses (dist.backend: not read)
+        return ""
     if cfg.dist.device != "cuda" and cfg.dist.backend != "nccl":
         return ""
     import torch
@@ -545,7 +547,7 @@ def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
             f"{job_figures(study, done.data.metrics)}")
     if status == "FINISHED":
         return line
-    from .reproduce import error_line
+    from ..tracking.life import error_line
 
     error = error_line(done.data.tags)  # (the job's own, not "the job exited N" said above)
     why = f": {error[:300]}" if error and not error.startswith("the job exited") else ""

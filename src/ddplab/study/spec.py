@@ -276,16 +276,19 @@ def _only_what_a_script_reads(where: str, study: Study, v: Variant) -> None:
     """A study over a script varies what the script reads: a dist key the script's own
     init_process_group and DDP(...) decide (backend, device, strategy) would make jobs alike
     but for a key nothing reads (and an nccl variant was skipped for want of a GPU)."""
-    from ..config import SCRIPT_DIST
+    from ..config import SCRIPT_DIST, flatten, parse_override
 
-    for key in {**study.set, **v.set}:
+    given = {**{".".join(parse_override(o)[0]): o[0] if isinstance(o, tuple) else "--set"
+                for o in study.extra},
+             **dict.fromkeys(flatten(study.set), "set"),
+             **dict.fromkeys(flatten(v.set), f"variant {v.name}: set")}
+    for key, source in given.items():
         section, _, leaf = key.partition(".")
         if section == "dist" and leaf.split(".")[0] not in SCRIPT_DIST:
             raise ConfigError(
-                f"{where}: {'variant ' + v.name + ': ' if key in v.set else ''}set {key!r}: a "
-                f"script job reads only dist.{', dist.'.join(SCRIPT_DIST)}; its backend, device "
-                "and DDP settings are the script's own: vary them through its arguments "
-                "(script.flags.NAME)")
+                f"{where}: {source} {key!r}: a script job reads only dist."
+                f"{', dist.'.join(SCRIPT_DIST)}; its backend, device and DDP settings are the "
+                "script's own: vary them through its arguments (script.flags.NAME)")
 
 
 def _resolve(path: Path, f: StudyFile, extra: Sequence[Override]) -> Study:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..tracking.naming import varies_run_to_run
 from .spec import better
 from .table import Row, fmt, is_throughput
 
@@ -75,7 +76,6 @@ def _change(row: Any, base: Any) -> str:
     from the range of the differences over the repeats; a figure that varies run to run (a
     time, a rate, memory: reproduce's rule) has throughput's 5% floor, the machines' drift,
     which a loss or an accuracy does not have."""
-    from .reproduce import varies_run_to_run
 
     metric, scale = row.metric, abs(base.throughput_median) or None
     low = row.throughput_min - base.throughput_max

@@ -42,3 +42,8 @@ def end_if_running(client: Any, run_id: str, status: str = FAILED, reason: str =
         return now
     end(client, run_id, status, reason)
     return status
+
+
+def error_line(tags: dict[str, str]) -> str:
+    """The first line of a run's ``ddplab.error`` (the rest is its traceback), "" for none."""
+    return next(iter((tags.get(ERROR) or "").strip().splitlines()), "")

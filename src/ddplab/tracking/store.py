@@ -105,6 +105,24 @@ def uri_problem(value: str) -> str | None:
     return None
 
 
+def absolute_store(uri: str, cwd: str | None = None) -> str:
+    """A local store's URI with its path made absolute (``sqlite:///mlflow.db`` is relative,
+    ``sqlite:////x`` absolute; ``file:`` and a bare path alike), so that it names the same
+    store from any directory; any other URI as given."""
+    from urllib.parse import urlparse
+
+    here = Path(cwd or os.getcwd())
+    u = str(uri).rstrip("/")
+    if u.startswith("file:"):
+        return f"file://{(here / (urlparse(u).path or u[len('file:'):])).resolve()}"
+    if u.startswith("sqlite:///"):
+        path, sep, query = u[len("sqlite:///"):].partition("?")
+        return f"sqlite:///{(here / path).resolve()}{sep}{query}"
+    if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", u):  # a bare path
+        return str((here / u).resolve())
+    return str(uri)
+
+
 def validated_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
     """The tracking URI a command uses (``explicit``, else $MLFLOW_TRACKING_URI, else the
     embedded store here), or one ConfigError line naming where the bad one came from."""

@@ -36,17 +36,15 @@ import functools
 import inspect
 import json
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any
-from urllib.parse import urlparse
 
 from ... import logins
 from ...tracking import schema
+from ...tracking.naming import users_tag
 from .env import report
 from .imports import after_import
 
@@ -73,6 +71,7 @@ class _Job:
         self.said: set[str] = set()
         self.nested_end = False  # end_run is ending a nested run (joined into the job's)
         self.ended_as = ""  # the status the script ended the job's run with, until it starts one
+        self.set_experiment = False  # the script called mlflow.set_experiment
         self.lock = threading.Lock()
 
 
@@ -95,33 +94,31 @@ def install() -> None:
 
 def _same_store(uri: str) -> bool:
     """Whether ``uri`` names the job's tracking store (a local path however it is written)."""
-    def norm(u: str) -> str:
-        u = str(u).rstrip("/")
-        if u.startswith("file:"):
-            return str(Path(urlparse(u).path or u[len("file:"):]).resolve())
-        if u.startswith("sqlite:///"):  # sqlite:///mlflow.db is relative, sqlite:////x absolute
-            return "sqlite:" + str(Path(u[len("sqlite:///"):].split("?")[0]).resolve())
-        if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", u):  # a bare path
-            return str(Path(u).resolve())
-        return u
+    from ...tracking.store import absolute_store
 
-    return _job is not None and (uri == _job.uri or norm(uri) == norm(_job.uri))
+    return _job is not None and (uri == _job.uri or
+                                 absolute_store(uri) == absolute_store(_job.uri))
 
 
 def _not_ddplabs(key: str) -> str:
     """A tag key for the script's value: one of ddplab's own (``ddplab.mode``, the verdict, the
     lock) is what ddplab recorded, which studies and reproduce read: the script's goes beside
-    it, as ``script.<key>``, said once."""
-    if not key.startswith(schema.PREFIX) or key in JOINS_OWN or key.removesuffix("s") in JOINS_OWN:
-        return key
-    _say(f"ddplab: tag {key!r} is ddplab's own record: the script's value is kept as "
-         f"'script.{key}'")
-    return f"script.{key}"
+    it (schema.users_tag), said once."""
+    kept = users_tag(key, JOINS_OWN)
+    if kept != key:
+        _say(f"ddplab: tag {key!r} is ddplab's own record: the script's value is kept as "
+             f"{kept!r}")
+    return kept
 
 
 def _started_again() -> None:
     """A run started after the script ended one FAILED or KILLED: that was a trial's end (a
-    loop of flat trials), not the job's."""
+    loop of flat trials), not the job's. Not MLflow's own start of a run for a call made with
+    none active (``mlflow.set_tag`` after ``end_run(status="FAILED")``, as under plain MLflow,
+    opens a new run: the FAILED one stays FAILED)."""
+    caller = sys._getframe(2)
+    if caller.f_code.co_name == "_get_or_start_run":
+        return
     if _job is not None and _job.ended_as:
         report({"asked_status": None})
         _job.ended_as = ""
@@ -219,10 +216,11 @@ def _link_elsewhere(client: Any, run_id: str) -> None:
 def _experiment_name(client: Any, experiment_id: Any) -> str | None:
     """The name of an experiment the script named by id, when it is not the job's; none named:
     the one ``MLFLOW_EXPERIMENT_NAME``/``_ID`` names, where MLflow would start the run."""
-    if experiment_id is None:
-        experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
+    if experiment_id is None and _job is not None and not _job.set_experiment:
+        # (MLflow's order: set_experiment's, then MLFLOW_EXPERIMENT_NAME's, then _ID's)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
-        if experiment_id is None and name and name != _job_experiment(client).name:
+        experiment_id = None if name else os.environ.get("MLFLOW_EXPERIMENT_ID")
+        if name and name != _job_experiment(client).name:
             _say(f"ddplab: MLFLOW_EXPERIMENT_NAME={name} keeps the job's run in experiment "
                  f"{_job_experiment(client).name!r} (tag {EXPERIMENT_TAG}); --set "
                  f"tracking.experiment={name} files the job there")
@@ -440,6 +438,7 @@ def _patch_fluent(fluent: ModuleType) -> None:
                 not _same_store(store_uri()):
             return set_experiment(experiment_name, experiment_id, *args, **kwargs)
         client = fluent.MlflowClient()
+        _job.set_experiment = True
         experiment = _job_experiment(client)
         asked = experiment_name if experiment_name is not None else \
             _experiment_name(client, experiment_id)
