@@ -211,3 +211,18 @@ def test_a_users_ddplab_tag_is_kept_beside_ddplabs_own_record(monkeypatch):
     monkeypatch.setattr(track, "_sink", Recorder())
     track.tags({"ddplab.mode": "mine", "dataset": "cifar10"})
     assert got == {"user.ddplab.mode": "mine", "dataset": "cifar10"}
+
+
+def test_a_local_stores_uri_names_the_same_store_from_any_directory(tmp_path):
+    """reproduce runs a script where it ran: a relative sqlite:///mlflow.db there is another
+    (empty) store, and the script's own set_tracking_uri("sqlite:///mlflow.db") was taken for
+    another store than the job's absolute one."""
+    from ddplab.tracking.store import absolute_store
+
+    here = str(tmp_path)
+    assert absolute_store("sqlite:///mlflow.db", here) == f"sqlite:///{tmp_path}/mlflow.db"
+    assert absolute_store(f"sqlite:///{tmp_path}/m.db?timeout=5", "/") == \
+        f"sqlite:///{tmp_path}/m.db?timeout=5"
+    assert absolute_store("file:mlruns", here) == f"file://{tmp_path}/mlruns"
+    assert absolute_store("mlruns", here) == f"{tmp_path}/mlruns"
+    assert absolute_store("http://host:5000", here) == "http://host:5000"
