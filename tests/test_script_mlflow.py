@@ -317,6 +317,19 @@ print("AFTER_TAG", json.load(open(os.environ["DDPLAB_SCRIPT_REPORT"])).get("aske
 mlflow.end_run()
 with mlflow.start_run(run_name="after"):  # the script's own start: that was a trial's end
     pass
+
+
+class Callback:  # Hugging Face's MLflowCallback: its __del__ ends whatever run is active
+    def __del__(self):
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+
+
+with mlflow.start_run(run_name="outer") as outer:
+    with mlflow.start_run(run_name="library's"):  # MLFLOW_RUN_ID set: it started one
+        callback = Callback()
+    del callback
+    print("OUTER_ACTIVE", mlflow.active_run() is not None)
 print("REPORT", open(os.environ["DDPLAB_SCRIPT_REPORT"]).read())
 '''
 
@@ -344,6 +357,7 @@ def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the
     assert json.loads(report.read_text()).get("asked_status") is None
     said = out.stdout.splitlines()
     assert said.count("AFTER_RAISE None") == 2 and "AFTER_TAG FAILED" in said, out.stdout
+    assert "OUTER_ACTIVE True" in said, out.stdout  # (a finalizer ended the script's own run)
     # Said once, for the explicit end_run (every rank printed it as an exception left a `with`).
     assert out.stderr.count("ended the job's run FAILED") == 1, out.stderr
     params = client.get_run(run_id).data.params

@@ -124,6 +124,16 @@ def _started_again() -> None:
         _job.ended_as = ""
 
 
+def _in_finalizer() -> bool:
+    """Whether the call comes from an object's ``__del__`` (a garbage collector's call)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _left_with_raising() -> bool:
     """Whether MLflow ends the run because an exception leaves its ``with start_run()`` (its
     ActiveRun.__exit__ ends it FAILED): the exception, caught by the script or not, is the
@@ -479,6 +489,10 @@ def _patch_fluent(fluent: ModuleType) -> None:
     def end_run_joined(*args: Any, **kwargs: Any) -> None:
         active = stack()
         ours = _job is not None and bool(active) and active[-1].info.run_id == _job.run_id
+        if ours and _in_finalizer():
+            # A library's __del__ ending whatever run is active (Hugging Face's MLflowCallback,
+            # which MLFLOW_RUN_ID made start one): the script's own `with start_run()` stays.
+            return None
         if ours and _job is not None:
             _job.nested_end = sum(r.info.run_id == _job.run_id for r in active) > 1
         try:
