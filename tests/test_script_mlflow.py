@@ -366,3 +366,41 @@ def test_the_joined_calls_answer_as_mlflows_and_a_failed_nested_trial_is_not_the
     assert client.get_run(run_id).data.tags["ddplab.script_experiment"] == "from-env"
     assert out.stderr.count("ddplab: MLFLOW_EXPERIMENT_NAME=from-env keeps the job's run in "
                             "experiment 'joined'") == 1, out.stderr
+
+
+RACE = '''
+import sys, time
+from ddplab.training.scriptmode import mlflow_join
+mlflow_join.install()
+import mlflow
+mlflow.set_tag("warm", "up")  # (the store's connection made before the race)
+start = float(sys.argv[1])
+time.sleep(max(0.0, start - time.time()))
+for i in range(40):
+    mlflow.set_tag(f"key{i}", "same on every rank")
+    mlflow.set_tags({f"keys{i}": "same on every rank"})
+print("done")
+'''
+
+
+def test_every_rank_setting_the_same_tags_at_once_is_no_crash(tmp_path, store):
+    """MLflow's SQL store reads, then inserts: two ranks writing one key of the one run at the
+    same moment failed one of them (UNIQUE constraint failed: tags.key, tags.run_uuid), 17 of 60
+    calls in a helper's run. Under plain torchrun each rank had its own run."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("race")).info.run_id
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "MLFLOW_RUN_ID": run_id}
+    start = str(time.time() + 8)
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, start], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    assert client.get_run(run_id).data.tags["key39"] == "same on every rank"

@@ -855,3 +855,16 @@ print(sorted(observe._not_the_scripts({{"train/loss": 0.1, "epoch/time_s": 1.0, 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['perf/mfu']", out.stdout
+
+
+def test_a_tiny_mfu_keeps_its_significant_digits_in_the_run():
+    """A CPU's tiny model: 2.883e-05 was stored as 2.9e-05 (rounded to 6 decimals), and a study
+    compared values cut to one digit."""
+    from ddplab.training.scriptmode.figures import MFU, figures
+
+    seen = {"steps": 20, "samples": 160, "samples_per_s": 100.0, "rows_per_s": 100.0,
+            "busy_s": 0.01, "flops_per_sample": 2.883, "flops_source": "torch.utils.flop_counter",
+            "peak_flops_s": 1e9, "peak_where": "rank0"}
+    fig = figures({0: {"host": "h", "observed": {"observe": seen}}}, 1.0)
+    assert fig.metrics[MFU] == pytest.approx(2.883e-7, rel=1e-4)
+    assert fig.summary["mfu"] == pytest.approx(2.883e-7, rel=1e-4)

@@ -66,7 +66,7 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     metrics.update(memory)
     mfu, tags = _mfu(ranks, total)
     if mfu is not None:
-        metrics[MFU] = round(mfu, 6)
+        metrics[MFU] = float(f"{mfu:.6g}")  # (a CPU's 2.883e-05 was stored as 2.9e-05)
     # The script's own names, whichever rank logged them (a name only rank 1 logs, too).
     own = {n for o in ranks.values() for n in o.get("own_names") or []}
     metrics = {k: v for k, v in metrics.items() if k not in own}
@@ -84,7 +84,7 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     if fig.straggler:
         fig.tags[schema.STRAGGLER] = fig.straggler
     fig.summary = _summary(ranks, {**metrics, SAMPLES_PER_S: round(total, 3),
-                                   **({MFU: round(mfu, 6)} if mfu is not None else {})},
+                                   **({MFU: float(f"{mfu:.6g}")} if mfu is not None else {})},
                            wall_s, fig.straggler)
     fig.line = _line(zero, wall_s, total, mfu, own)
     return fig

@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType, ModuleType
 from typing import Any
@@ -122,6 +123,20 @@ def _started_again() -> None:
     if _job is not None and _job.ended_as:
         report({"asked_status": None})
         _job.ended_as = ""
+
+
+def _past_a_race(call: Callable[[], Any]) -> Any:
+    """A tag written into the job's run, once more when another rank wrote the same key at the
+    same moment: MLflow's SQL store reads, then inserts, and the second insert of a key fails
+    (UNIQUE constraint). Under plain torchrun each rank had its own run; here they share one."""
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - MlflowException wraps sqlalchemy's IntegrityError
+        if "UNIQUE constraint" not in str(e) and "IntegrityError" not in str(e) and \
+                "duplicate key" not in str(e):
+            raise
+    time.sleep(0.05)
+    return call()  # the row is there now: the store updates it
 
 
 def _in_finalizer() -> bool:
@@ -346,7 +361,8 @@ def _patch_client(module: ModuleType) -> None:
             sent.append(_unclashed(self, list(params), lambda ps: log_batch(
                 self, run_id, params=ps, synchronous=sync)))
         if metrics or tags:
-            sent.append(log_batch(self, run_id, metrics, (), tags, synchronous=sync))
+            sent.append(_past_a_race(lambda: log_batch(self, run_id, metrics, (), tags,
+                                                       synchronous=sync)))
         return None if sync else _operations(sent)
 
     def set_tag_joined(self: Any, run_id: str, key: str, value: Any, *args: Any,
@@ -357,6 +373,8 @@ def _patch_client(module: ModuleType) -> None:
                 else _operations([])
         if ours(self, run_id):
             key = _not_ddplabs(str(key))
+        if ours(self, run_id):
+            return _past_a_race(lambda: set_tag(self, run_id, key, value, *args, **kwargs))
         return set_tag(self, run_id, key, value, *args, **kwargs)
 
     _swap(cls, create_run, create_run_joined)
