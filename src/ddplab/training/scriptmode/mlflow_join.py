@@ -104,7 +104,7 @@ def _same_store(uri: str) -> bool:
 def _not_ddplabs(key: str) -> str:
     """A tag key for the script's value: one of ddplab's own (``ddplab.mode``, the verdict, the
     lock) is what ddplab recorded, which studies and reproduce read: the script's goes beside
-    it (schema.users_tag), said once."""
+    it (naming.users_tag), said once."""
     kept = users_tag(key, JOINS_OWN)
     if kept != key:
         _say(f"ddplab: tag {key!r} is ddplab's own record: the script's value is kept as "
@@ -371,11 +371,10 @@ def _patch_client(module: ModuleType) -> None:
             _record(self, {}, run_name=str(value))
             return None if _synchronous(kwargs.get("synchronous", args[0] if args else None)) \
                 else _operations([])
-        if ours(self, run_id):
-            key = _not_ddplabs(str(key))
-        if ours(self, run_id):
-            return _past_a_race(lambda: set_tag(self, run_id, key, value, *args, **kwargs))
-        return set_tag(self, run_id, key, value, *args, **kwargs)
+        if not ours(self, run_id):
+            return set_tag(self, run_id, key, value, *args, **kwargs)
+        key = _not_ddplabs(str(key))
+        return _past_a_race(lambda: set_tag(self, run_id, key, value, *args, **kwargs))
 
     _swap(cls, create_run, create_run_joined)
     _swap(cls, set_terminated, set_terminated_joined)
