@@ -5,8 +5,8 @@ real report code from runs made with MlflowClient in a real SQLite store: no job
 
 from __future__ import annotations
 
-import dataclasses
 import csv
+import dataclasses
 import io
 from pathlib import Path
 
