@@ -139,27 +139,28 @@ def _past_a_race(call: Callable[[], Any]) -> Any:
     return call()  # the row is there now: the store updates it
 
 
-def _in_finalizer() -> bool:
-    """Whether the call comes from an object's ``__del__`` (a garbage collector's call)."""
-    frame: FrameType | None = sys._getframe(2)
+def _called_from(function: str, module: str = "") -> bool:
+    """Whether the call into the patched MLflow came, at any depth, from ``function`` (of
+    ``module``, when one is named)."""
+    frame: FrameType | None = sys._getframe(3)
     while frame is not None:
-        if frame.f_code.co_name == "__del__":
+        if frame.f_code.co_name == function and \
+                (not module or frame.f_globals.get("__name__") == module):
             return True
         frame = frame.f_back
     return False
+
+
+def _in_finalizer() -> bool:
+    """Whether the call comes from an object's ``__del__`` (a garbage collector's call)."""
+    return _called_from("__del__")
 
 
 def _left_with_raising() -> bool:
     """Whether MLflow ends the run because an exception leaves its ``with start_run()`` (its
     ActiveRun.__exit__ ends it FAILED): the exception, caught by the script or not, is the
     script's to act on, as under plain MLflow; the job's run ends by how the script ends."""
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "__exit__" and \
-                frame.f_globals.get("__name__") == "mlflow.tracking.fluent":
-            return True
-        frame = frame.f_back
-    return False
+    return _called_from("__exit__", "mlflow.tracking.fluent")
 
 
 def _caller_library() -> str:
