@@ -136,8 +136,8 @@ def plan(a: argparse.Namespace, out: Path) -> list[Step]:
 def peers_argv(a: argparse.Namespace, out: Path) -> list[str]:
     # On the GPU: the plain script, ddplab tracked and untracked, Fabric and Accelerate, three
     # interleaved rounds (~25 s a job: ~6 minutes, a call of its own with --only peers).
-    on = (["--device", "cuda", "--nproc", "1", "--rounds", "3",
-           "--only", "plain,ddplab,ddplab-untracked,fabric,accelerate"] if a.device == "cuda" else
+    on = (["--device", "cuda", "--nproc", "1", "--rounds", str(a.peer_rounds), "--only", a.peers]
+          if a.device == "cuda" else
           ["--device", "cpu", "--nproc", "2", "--rounds", "1"])
     quick = ["--only", "plain,ddplab-untracked", "--epochs", "2", "--samples", "512"] if a.quick else []
     return [sys.executable, str(REPO / "benchmarks" / "bench_peers.py"), *on, *quick,
@@ -379,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                     choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                     help="the GPT's model.compile_mode (a call each, to choose by measurement)")
     ap.add_argument("--only", default="", help="comma-separated step names")
+    ap.add_argument("--peers", default="plain,ddplab,ddplab-untracked,fabric,accelerate",
+                    help="the peers step's tools on cuda (bench_peers.py --only)")
+    ap.add_argument("--peer-rounds", type=int, default=3, help="the peers step's interleaved rounds")
     ap.add_argument("--budget-s", type=int, default=480,
                     help="stop starting steps after this long, so the results are still packed")
     a = ap.parse_args(argv)

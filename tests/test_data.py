@@ -101,3 +101,36 @@ def test_the_data_fingerprint_ignores_augmentation_draws_and_leaves_the_generato
     np.random.seed(3)
     random.seed(3)
     assert after == (torch.rand(1), np.random.rand(), random.random())
+
+
+def test_a_gpu_ranks_pinning_runs_on_one_intraop_thread_fake_gpu():
+    """Without loader workers the batch is pinned in the rank's thread: torch's copy into
+    page-locked memory ran on every intra-op thread, whose idle spin then burned 15 cores
+    through each step on an H200. No GPU here, so a recorder stands in for the pinning."""
+    from ddplab.workload.data import loaders, pinning
+
+    threads: list[int] = []
+
+    def pin_recorder(batch):
+        threads.append(torch.get_num_threads())
+        return batch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        collate = pinning(torch.utils.data.default_collate, pin=pin_recorder)
+        x, y = collate([(torch.ones(3), 1), (torch.zeros(3), 2)])
+        assert threads == [1] and torch.get_num_threads() == 2
+        assert x.shape == (2, 3) and y.tolist() == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+    sets = (SyntheticImages(8, 4, 1, 2, 1.0, seed=0), SyntheticImages(4, 4, 1, 2, 1.0, seed=1))
+    gpu = loaders(DataConfig(batch_size=4), sets, seed=0, rank=0, world=1, pin=True)
+    workers = loaders(DataConfig(batch_size=4, num_workers=1), sets, seed=0, rank=0, world=1, pin=True)
+    cpu = loaders(DataConfig(batch_size=4), sets, seed=0, rank=0, world=1, pin=False)
+    # in the rank: ddplab pins, on one thread; with workers: DataLoader's own pinning thread
+    assert not gpu.train.pin_memory and gpu.train.collate_fn.__name__ == "collate_pinned"
+    assert not gpu.eval.pin_memory and gpu.eval.collate_fn.__name__ == "collate_pinned"
+    assert workers.train.pin_memory and workers.train.collate_fn is torch.utils.data.default_collate
+    assert not cpu.train.pin_memory and cpu.train.collate_fn is torch.utils.data.default_collate

@@ -99,8 +99,11 @@ def test_every_step_of_the_proofs_plan_is_a_valid_command(tmp_path, device, quic
     from ddplab.study.spec import load_study
 
     a = argparse.Namespace(device=device, quick=quick, cores=16 if device == "cuda" else 2,
-                           gpt_steps=600, gpt_compile_mode="max-autotune-no-cudagraphs", only="")
+                           gpt_steps=600, gpt_compile_mode="max-autotune-no-cudagraphs", only="",
+                           peers="plain,ddplab", peer_rounds=2)
     steps = {s.name: s for s in gpu_proof.plan(a, tmp_path)}
+    peers = " ".join(steps["peers"].argv)
+    assert ("--rounds 2 --only plain,ddplab" in peers) == (device == "cuda")  # --peers, --peer-rounds
     assert set(RUN_HERE.split(",")) < set(steps) and {"ch09-cores", "script-cuda"} < set(steps)
     for s in steps.values():
         if s.script:  # the script and its own arguments, as script mode takes them
