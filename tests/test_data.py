@@ -103,34 +103,46 @@ def test_the_data_fingerprint_ignores_augmentation_draws_and_leaves_the_generato
     assert after == (torch.rand(1), np.random.rand(), random.random())
 
 
-def test_a_gpu_ranks_pinning_runs_on_one_intraop_thread_fake_gpu():
-    """Without loader workers the batch is pinned in the rank's thread: torch's copy into
-    page-locked memory ran on every intra-op thread, whose idle spin then burned 15 cores
-    through each step on an H200. No GPU here, so a recorder stands in for the pinning."""
-    from ddplab.workload.data import loaders, pinning
+def test_a_gpu_ranks_pinning_copies_on_its_own_thread_and_keeps_the_batch_fake_gpu():
+    """Without loader workers the batch is pinned in the rank's thread: torch's parallel copy
+    into page-locked memory left OpenMP's idle threads spinning through each step (15 cores on
+    an H200). No GPU here, so ordinary tensors stand in for page-locked ones; what is measured
+    is the copy's CPU time against the wall time between steps."""
+    import collections
+    import time
 
-    threads: list[int] = []
+    from ddplab.workload.data import SERIAL_COPY, loaders, pin_serially, pinning
 
-    def pin_recorder(batch):
-        threads.append(torch.get_num_threads())
-        return batch
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = {"inputs": torch.randn(32, 3, 32, 32), "parts": [Pair(torch.arange(5), "tag")],
+             "ids": (torch.ones(2, SERIAL_COPY + 3, dtype=torch.uint8),)}
+    pinned = pin_serially(batch, torch.empty_like)
+    assert torch.equal(pinned["inputs"], batch["inputs"]) and pinned["inputs"] is not batch["inputs"]
+    assert isinstance(pinned["parts"][0], Pair) and pinned["parts"][0].y == "tag"
+    assert torch.equal(pinned["parts"][0].x, torch.arange(5))
+    assert torch.equal(pinned["ids"][0], batch["ids"][0])
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        collate = pinning(torch.utils.data.default_collate, pin=pin_recorder)
-        x, y = collate([(torch.ones(3), 1), (torch.zeros(3), 2)])
-        assert threads == [1] and torch.get_num_threads() == 2
-        assert x.shape == (2, 3) and y.tolist() == [1, 2]
+        collate = pinning(lambda samples: samples[0], alloc=torch.empty_like)
+        cpu, t0 = time.process_time(), time.perf_counter()
+        for _ in range(100):
+            collate([batch])
+            time.sleep(0.004)  # the device's step, which the host does not wait for
+        share = (time.process_time() - cpu) / (time.perf_counter() - t0)
+        # a parallel copy kept the second thread spinning: CPU time about equal to wall time
+        assert share < 0.5, f"{share:.2f} of a core busy between steps"
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
     sets = (SyntheticImages(8, 4, 1, 2, 1.0, seed=0), SyntheticImages(4, 4, 1, 2, 1.0, seed=1))
     gpu = loaders(DataConfig(batch_size=4), sets, seed=0, rank=0, world=1, pin=True)
     workers = loaders(DataConfig(batch_size=4, num_workers=1), sets, seed=0, rank=0, world=1, pin=True)
-    cpu = loaders(DataConfig(batch_size=4), sets, seed=0, rank=0, world=1, pin=False)
-    # in the rank: ddplab pins, on one thread; with workers: DataLoader's own pinning thread
+    cpu_job = loaders(DataConfig(batch_size=4), sets, seed=0, rank=0, world=1, pin=False)
+    # in the rank: ddplab pins; with workers: DataLoader's own pinning thread (one intra-op thread)
     assert not gpu.train.pin_memory and gpu.train.collate_fn.__name__ == "collate_pinned"
     assert not gpu.eval.pin_memory and gpu.eval.collate_fn.__name__ == "collate_pinned"
     assert workers.train.pin_memory and workers.train.collate_fn is torch.utils.data.default_collate
-    assert not cpu.train.pin_memory and cpu.train.collate_fn is torch.utils.data.default_collate
+    assert not cpu_job.train.pin_memory and cpu_job.train.collate_fn is torch.utils.data.default_collate

@@ -23,6 +23,18 @@ def test_a_page_says_when_where_on_what_and_how_it_was_measured(tmp_path):
     assert text.rstrip().endswith("| 1 | 2 |")
 
 
+def test_a_gpu_machines_page_names_its_device_fake_gpu(tmp_path, monkeypatch):
+    """No GPU here: torch's device queries answer as on the H200 whose pages left it out."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    text = results.write("demo", "A demo", "body", argv=["benchmarks/bench_peers.py"],
+                         folder=tmp_path).read_text()
+    assert re.search(r"^\| machine \| 1 x NVIDIA H200, \d+ cores \(", text, re.M)
+
+
 def test_every_results_page_the_docs_link_to_exists():
     linked = {m for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]
               for m in re.findall(r"\(((?:docs/)?results/[\w.-]+\.md)\)", doc.read_text())}

@@ -748,6 +748,9 @@ def test_the_closing_line_and_summary_keep_the_observed_figures_beside_the_scrip
 
     fig = figures(outcomes([]), 3.0)
     assert "train/loss 0.5000, 2000 samples/s" in fig.line, fig.line
+    zero = outcomes([])  # pytorch/examples' multigpu_torchrun: a one-class cross entropy, -0.0
+    zero[0]["observed"]["observe"]["loss"] = -0.0
+    assert "train/loss 0.0000," in figures(zero, 3.0).line
     fig = figures(outcomes(["train/loss", "perf/samples_per_s"]), 3.0)
     assert "train/loss" not in fig.line and "observed loss 0.5000" in fig.line, fig.line
     assert "2000 observed samples/s" in fig.line, fig.line

@@ -122,7 +122,9 @@ class DataConfig:
     """DataLoader worker processes per rank (each uses /dev/shm; see ``ddplab doctor``)."""
     pin_memory: bool = True
     """Page-locked host memory, so the batch's copy to the GPU (non-blocking) overlaps the
-    step instead of waiting on the host; a CPU job ignores it."""
+    step instead of waiting on the host; a CPU job ignores it. Without loader workers ddplab
+    copies the batch there on the rank's own thread (torch's parallel copy left the rank's
+    idle OpenMP threads spinning through every step)."""
     persistent_workers: bool = False
     """Keep loader workers alive between epochs (needs num_workers > 0)."""
     input_keys: list[str] = field(default_factory=list)

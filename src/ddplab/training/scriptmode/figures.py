@@ -100,7 +100,8 @@ def _line(zero: dict[str, Any], wall_s: float, total: float, mfu: float | None,
     parts = [f"done in {wall_s:.1f}s: {zero['steps']} steps"]
     loss = zero.get("loss")
     if isinstance(loss, (int, float)):
-        parts.append(f"{name(TRAIN_LOSS, 'loss')} {loss:.4f}")
+        shown = f"{loss:.4f}"  # a loss that is 0 (pytorch/examples' one-class toy) read -0.0000
+        parts.append(f"{name(TRAIN_LOSS, 'loss')} {shown.removeprefix('-') if float(shown) == 0 else shown}")
     parts.append(f"{total:.0f} {'observed ' if SAMPLES_PER_S in own else ''}samples/s")
     if mfu is not None:
         parts.append(f"{name(MFU, 'MFU')} {mfu:.4g}")  # (a CPU's tiny model: 1.1e-05, not 0)
