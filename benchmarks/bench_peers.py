@@ -1,7 +1,8 @@
 """ddplab beside the tools a user would pick instead, on the SAME job: the quickstart's model,
 synthetic data, global batch, epochs and threads, as a plain torchrun DDP script, Lightning
 Fabric, Lightning's Trainer (strategy ddp; with and without its MLFlowLogger), Hugging Face
-Accelerate (benchmarks/peers/peer_job.py), and ddplab with tracking on and off. Rounds are
+Accelerate (benchmarks/peers/peer_job.py), and ddplab with tracking on and off (and, asked for on
+a GPU, with data.pin_memory off: ``--only ...,ddplab-unpinned``). Rounds are
 interleaved (each round runs every tool once, in a rotated order) and medians reported:
 
 - steady samples/s: the epochs after the first (ddplab's perf/samples_per_s, counted the same);
@@ -37,7 +38,10 @@ import results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = REPO / "benchmarks" / "peers" / "peer_job.py"
-TOOLS = ("plain", "ddplab", "ddplab-untracked", "fabric", "trainer", "trainer-mlflow", "accelerate")
+TOOLS = ("plain", "ddplab", "ddplab-untracked", "ddplab-unpinned", "fabric", "trainer", "trainer-mlflow",
+         "accelerate")
+# Run only when asked, and only on a GPU: what data.pin_memory is worth there (a CPU job pins nothing).
+GPU_ONLY = ("ddplab-unpinned",)
 NEEDS = {"fabric": "lightning", "trainer": "lightning", "trainer-mlflow": "lightning",
          "accelerate": "accelerate"}
 
@@ -49,7 +53,8 @@ def command(tool: str, a: argparse.Namespace, out: Path) -> list[str]:
                 f"dist.device={a.device}", f"dist.backend={'nccl' if a.device == 'cuda' else 'gloo'}",
                 f"train.eval_every_epochs={a.epochs}", "checkpoint.every_steps=0",
                 "checkpoint.every_epochs=0", "checkpoint.resume=never", "train.mfu=false",
-                *(["tracking.enabled=false"] if tool == "ddplab-untracked" else [])]
+                *(["tracking.enabled=false"] if tool == "ddplab-untracked" else []),
+                *(["data.pin_memory=false"] if tool == "ddplab-unpinned" else [])]
         return [sys.executable, "-m", "ddplab", "run", "--nproc-per-node", str(a.nproc),
                 str(REPO / "experiments" / "quickstart.yaml"), "--summary-out", str(out),
                 *[x for s in sets for x in ("--set", s)]]
@@ -85,7 +90,9 @@ def measure(tool: str, a: argparse.Namespace, work: Path) -> dict[str, float] | 
             "first_step_s": r["first_step_at"] - t0, "wall_s": wall}
 
 
-def available(tool: str) -> str:
+def available(tool: str, device: str = "cuda") -> str:
+    if tool in GPU_ONLY and device != "cuda":
+        return "a GPU job's: on CPU there is nothing to pin"
     need = NEEDS.get(tool)
     return "" if not need or importlib.util.find_spec(need) else f"{need} is not installed"
 
@@ -98,6 +105,8 @@ def table(rows: dict[str, list[dict[str, float]]], failed: dict[str, str]) -> st
             "| wall s |", "|---|---|---|---|---|---|---|"]
     for tool in TOOLS:
         if tool not in med:
+            if tool in GPU_ONLY and tool not in failed:
+                continue
             head.append(f"| {tool} | 0 | {failed.get(tool, 'not run')} | | | | |")
             continue
         m, cells = med[tool], []
@@ -127,8 +136,9 @@ def main() -> int:
                     help="no runs: the page from the rounds a (cut-off) run of this script printed")
     a = ap.parse_args()
     a.threads = a.threads or max(1, len(os.sched_getaffinity(0)) // a.nproc)
-    tools = [t for t in TOOLS if not a.only or t in a.only.split(",")]
-    failed = {t: why for t in tools if (why := available(t))}
+    tools = [t for t in TOOLS if t in a.only.split(",")] if a.only else [
+        t for t in TOOLS if t not in GPU_ONLY]
+    failed = {t: why for t in tools if (why := available(t, a.device))}
     rows: dict[str, list[dict[str, float]]] = {t: [] for t in tools if t not in failed}
     if a.from_log:
         rows, failed = from_log(Path(a.from_log).read_text())
@@ -159,7 +169,7 @@ def from_log(text: str) -> tuple[dict[str, list[dict[str, float]]], dict[str, st
             continue
         rows.setdefault(tool, []).append({k: float(v.replace(",", "")) for k, v in pairs})
     for tool in TOOLS:
-        if tool not in rows and tool not in failed:
+        if tool not in rows and tool not in failed and tool not in GPU_ONLY:
             failed[tool] = "not measured: the run was cut off before it"
     return rows, failed
 

@@ -6,6 +6,7 @@ through ``ddplab import`` (twice: the second adds nothing). The unit tests below
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -150,6 +151,12 @@ def test_the_peers_page_is_rebuilt_from_a_cut_off_runs_log():
     page = bench_peers.table(rows, failed)
     assert "| ddplab | 1 | 900.0 (0.90x) | 5.0 (1.25x) | 20.0 (2.00x) | 3.0 (1.50x) | 8.0 (1.60x) |" in page
     assert "| accelerate | 0 | not measured" in page
+    assert "unpinned" not in page  # the GPU-only tool, never asked for: no row
+    # asked for on a GPU: ddplab with data.pin_memory off, tracked
+    argv = bench_peers.command("ddplab-unpinned", argparse.Namespace(
+        epochs=1, samples=64, batch=32, threads=1, device="cuda", nproc=1), Path("out.json"))
+    assert "data.pin_memory=false" in argv and "tracking.enabled=false" not in argv
+    assert bench_peers.available("ddplab-unpinned", "cpu").startswith("a GPU job's")
 
 
 def test_the_kit_leaves_out_what_the_gpu_machine_has():
