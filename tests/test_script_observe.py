@@ -871,3 +871,36 @@ def test_a_tiny_mfu_keeps_its_significant_digits_in_the_run():
     fig = figures({0: {"host": "h", "observed": {"observe": seen}}}, 1.0)
     assert fig.metrics[MFU] == pytest.approx(2.883e-7, rel=1e-4)
     assert fig.summary["mfu"] == pytest.approx(2.883e-7, rel=1e-4)
+
+
+COMPILED_OUTSIDE_DDP = '''
+import tempfile, torch, torch.nn as nn, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+model = torch.compile(DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))),
+                      backend="eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+print("trained", step + 1)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.e2e
+def test_a_model_compiled_around_ddp_gets_no_graph_break_from_the_observation(tmp_path):
+    """torch.compile(DDP(model)): the hook that reads autocast inside the model removed itself
+    while Dynamo traced it, a graph break Dynamo could not handle ("Attempted to represent
+    unregistered RemovableHandle ... falling back to eager"), one plain torchrun never had."""
+    from .conftest import ddplab, job_env, runs
+
+    script = tmp_path / "compiled.py"
+    script.write_text(COMPILED_OUTSIDE_DDP)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = ddplab(["train", str(script)], tmp_path, job_env(store, TORCH_LOGS="graph_breaks"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "trained 6" in out, out[-3000:]
+    assert "RemovableHandle" not in out and "scriptmode/observe.py" not in out, out[-3000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.metrics["train/loss"] > 0

@@ -295,12 +295,17 @@ class Observer:
         """Autocast entered inside the model (Accelerate's and Hugging Face Trainer's wrapped
         forward, an ``@autocast`` forward), past the outermost module's hook: read once more at
         its first matmul layer's first call. Not in a compiled model (a hook added to it would
-        make torch compile it again)."""
+        make torch compile it again), nor while torch.compile traces the model from outside
+        (``torch.compile(DDP(model))``: the hook's ``remove`` cannot be traced, and Dynamo ran
+        the model's frame eagerly)."""
         layers = [m for m in model.modules() if isinstance(m, MATMUL_LAYERS)]
-        if not layers or any(hasattr(m, "_orig_mod") for m in model.modules()):
+        if not layers or torch.compiler.is_compiling() or any(
+                hasattr(m, "_orig_mod") for m in model.modules()):
             return
 
         def once(layer: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            if torch.compiler.is_compiling():
+                return  # compiled after the first forward: read again in its next eager call
             handle.remove()
             with contextlib.suppress(Exception):  # (never the script's failure)
                 self.dtype = _compute_dtype(layer, device)
