@@ -35,6 +35,36 @@ def test_any_other_model_is_counted_by_torchs_flop_counter_forward_times_three()
     assert model.weight.grad is None  # counted without touching the training state
 
 
+def test_a_frozen_backbone_counts_the_backward_the_step_runs_not_forward_times_three():
+    """A linear probe: only the head trains, so the backward is its weight gradient alone;
+    x 3 made its MFU 3x too high."""
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    for p in net[:4].parameters():
+        p.requires_grad = False
+    flops, source = mfu.flops_per_sample(net, 0.0, torch.randn(1, 64))
+    forward = 2 * 64 * 64 * 2 + 2 * 64 * 2
+    assert flops == forward + 2 * 64 * 2  # + the head's weight gradient
+    assert "4 of 6 parameter tensors frozen" in source
+    assert all(p.grad is None for p in net.parameters()) and net.training
+
+
+def test_a_transformers_models_attention_is_counted_on_cpu_as_in_training():
+    """BERT (built from a config) in eval mode ran the CPU's fused attention kernel, which
+    torch's counter scored 0: its MFU read 11 % low at 128 tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BertConfig, BertForSequenceClassification
+
+    bert = BertForSequenceClassification(BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        vocab_size=1000))
+    sample = {"input_ids": torch.randint(0, 1000, (1, 128)),
+              "attention_mask": torch.ones(1, 128, dtype=torch.long)}
+    with FlopCounterMode(display=False) as training:  # the math attention, counted
+        bert(**sample)
+    flops, _ = mfu.flops_per_sample(bert, 0.0, sample)
+    assert flops == 3 * training.get_total_flops()
+
+
 def test_a_given_count_wins_and_an_uncountable_sample_says_why():
     given = mfu.flops_per_sample(nn.Linear(10, 5), 123.0, torch.zeros(1, 10))
     assert given == (123.0, "model.flops_per_sample")

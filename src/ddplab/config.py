@@ -184,7 +184,7 @@ class ModelConfig:
     flops_per_sample: float = 0.0
     """Training FLOPs (forward and backward) of one sample, for perf/mfu; 0 = counted: the
     built-in gpt by nanoGPT's formula, any other model by torch.utils.flop_counter on one
-    sample's forward x 3."""
+    sample's forward x 3 (frozen parameters: its forward and backward, counted)."""
 
     def __post_init__(self) -> None:
         _check_part("name", self.name, MODEL_NAMES)
@@ -588,7 +588,8 @@ class ScriptConfig:
     hang named by rank, phase and step. ``false``: the script runs with no hook at all."""
     flops_per_sample: float = 0.0
     """The model's training FLOPs per sample for ``perf/mfu``; 0 = counted by
-    ``torch.utils.flop_counter`` on one sample of an early step's batch, x 3."""
+    ``torch.utils.flop_counter`` on one sample of an early step's batch, x 3 (frozen parameters:
+    its forward and backward, counted)."""
 
     def __post_init__(self) -> None:
         if self.path.startswith("-m ") and not self.module:  # as ddplab.script names a module
