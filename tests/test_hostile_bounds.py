@@ -80,6 +80,9 @@ def test_max_jobs_bounds_listed_variants_repeats_and_the_command_lines_repeats(a
     assert "l.yaml: variants: got '3 variants'; 3 variants x 2 repeats = 6 jobs" in line
     line = refused(capsys, ["study", "run", study(at / "m.yaml", variants=listed, max_jobs=0)])
     assert "max_jobs: got 0; must be an integer in [1, 1000000]" in line
+    # --repeats 0 is the default (the file's): the range that refuses -1 says so, not [1, ...]
+    line = refused(capsys, ["study", "run", str(at / "ok.yaml"), "--dry-run", "--repeats", "-1"])
+    assert "--repeats: got -1; must be an integer in [0, 1000] (0, the default: the file's repeats)" in line
 
 
 def test_an_alias_bomb_in_a_study_file_is_refused_in_one_line(at, capsys):

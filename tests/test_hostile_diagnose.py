@@ -346,3 +346,19 @@ def test_diagnose_of_a_studys_parent_lists_its_jobs_that_did_not_finish(store, m
     said = capsys.readouterr().out
     assert "is study s's parent run: it ran no job itself; of its 2 jobs, 1 did not finish:" in said
     assert f"  b repeat 0: FAILED: ddplab diagnose {failed}" in said and "verdict" not in said
+
+
+def test_diagnose_of_a_running_job_says_it_has_no_verdict_yet(store, monkeypatch, capsys):
+    """A RUNNING script run read "verdict: no rank failed or hung", then "not recorded (rank 0
+    ended before it could say ...)" of a rank 0 that had not ended."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    c = MlflowClient(store)
+    run = c.create_run(c.create_experiment("s"), tags={"ddplab.mode": "script"}).info.run_id
+    assert cli.main(["diagnose", run]) == 0
+    said = capsys.readouterr().out
+    assert said.splitlines() == [
+        f"run {run}: RUNNING",
+        "verdict: none yet: the job is still running, or it was killed before it could end its "
+        "run (`ddplab sync` ends such a run from its spool)"]

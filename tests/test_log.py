@@ -32,3 +32,19 @@ def test_each_part_and_level_keeps_its_prefix(monkeypatch, capsys):
     logger().warning("records left")
     assert capsys.readouterr().err.splitlines() == [
         "[ddplab mpi] workers up", "ddplab bench: error: no backend", "ddplab: warning: records left"]
+
+
+def test_an_unknown_log_level_is_said_in_one_line_and_info_kept():
+    """DDPLAB_LOG_LEVEL=loud ran as info without a word: a typo looked like the level working."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from ddplab.log import logger; logger().info('epoch 1'); logger().debug('hidden')"
+    env = {**os.environ, "DDPLAB_LOG_LEVEL": "loud"}
+    env.pop("RANK", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stderr.splitlines() == [
+        "ddplab: warning: DDPLAB_LOG_LEVEL: got 'loud'; allowed: debug, info, warning, error "
+        "(info used)", "[ddplab] epoch 1"]

@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     sr.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
     sr.add_argument("--fresh", action="store_true", help="start a new parent run, re-run all")
     sr.add_argument("--repeats", type=int, default=0, metavar="N",
-                    help="run each variant N times instead of the file's repeats (a quick look)")
+                    help="run each variant N times instead of the file's repeats (a quick look; 0, "
+                         "the default: the file's)")
     sr.add_argument("--variants", default="", metavar="A,B",
                     help="run only these variants, by name (the baseline stays if among them)")
     rp = sub.add_parser("report", help="rebuild a study's report from its parent run")

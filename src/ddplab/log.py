@@ -83,7 +83,11 @@ def _configure() -> logging.Logger:
         root.addHandler(handler)
         root.propagate = False  # an application's root handlers would print every line twice
         level = os.environ.get("DDPLAB_LOG_LEVEL", "info").upper()
-        root.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")
+        known = level in ("DEBUG", "INFO", "WARNING", "ERROR")
+        root.setLevel(level if known else "INFO")
+        if not known:  # (a typo's silence read as the level working)
+            root.warning(f"DDPLAB_LOG_LEVEL: got {os.environ['DDPLAB_LOG_LEVEL']!r}; allowed: debug, "
+                         "info, warning, error (info used)")
     return root
 
 

@@ -30,8 +30,8 @@ def run_study(path: str, overrides: list[str], fresh: bool, dry_run: bool, repea
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     study = spec.load_study(path, list(overrides))
     if not 0 <= repeats <= spec.MAX_REPEATS:
-        raise ConfigError(f"--repeats: got {repeats}; must be an integer in [1, "
-                          f"{spec.MAX_REPEATS}] (0 = the file's)")
+        raise ConfigError(f"--repeats: got {repeats}; must be an integer in [0, "
+                          f"{spec.MAX_REPEATS}] (0, the default: the file's repeats)")
     if repeats:
         study = dataclasses.replace(study, repeats=repeats)
     if variants:
