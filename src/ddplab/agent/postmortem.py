@@ -105,9 +105,9 @@ def diagnose(run_id: str) -> int:
     print(f"run {run_id}: {run.info.status}")
     if tags.get(schema.STUDY_ROLE) == "parent":
         return _study_parent(client, run)
-    said = any(k in (schema.VERDICT, schema.ERROR) or k.startswith(schema.FORENSICS_PREFIX)
-               for k in tags)
-    if run.info.status == "RUNNING" and not said:  # ("no rank failed" read as an all-clear)
+    verdict = any(k in (schema.VERDICT, schema.ERROR) or k.startswith(schema.FORENSICS_PREFIX)
+                  for k in tags)
+    if run.info.status == "RUNNING" and not verdict:  # ("no rank failed" read as an all-clear)
         print("verdict: none yet: the job is still running, or it was killed before it could end "
               "its run (`ddplab sync` ends such a run from its spool)")
         return 0
