@@ -83,3 +83,20 @@ def test_a_gpus_peak_comes_from_its_datasheet_by_name(name, low, tflops):
 def test_a_cpu_peak_is_measured_with_the_processes_own_threads():
     peak, source = mfu.job_peak(torch.device("cpu"), False, world_size=1)
     assert peak > 1e8 and "measured" in source  # a 2-core machine does ~150 GFLOP/s fp32
+
+
+def test_a_jobs_mfu_above_the_peak_is_said_on_its_console(capsys):
+    """A quickstart on a busy CPU logged perf/mfu 2.94 in silence (its peak measured at the
+    start was 0.031 TFLOP/s)."""
+    import types
+
+    from ddplab.training.fit import _mfu
+    from ddplab.training.summary import Console
+
+    job = types.SimpleNamespace(console=Console(True), mfu_basis=mfu.Basis(
+        4.623e7, "torch.utils.flop_counter (forward x 3)", 3.131e10, "CPU fp32 matmul"))
+    assert _mfu(job, 1988.0) == pytest.approx(2.935, abs=1e-3)
+    assert "ddplab: warning: perf/mfu 294% is above the peak (CPU fp32 matmul: 0.0313 TFLOP/s)" \
+        in capsys.readouterr().err
+    assert _mfu(job, 100.0) == pytest.approx(0.1477, abs=1e-3)
+    assert capsys.readouterr().err == ""

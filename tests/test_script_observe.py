@@ -904,3 +904,30 @@ def test_a_model_compiled_around_ddp_gets_no_graph_break_from_the_observation(tm
     assert "RemovableHandle" not in out and "scriptmode/observe.py" not in out, out[-3000:]
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.metrics["train/loss"] > 0
+
+
+TINY_TRAINING = '''
+import torch, torch.nn as nn
+model = nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(12):
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+
+@pytest.mark.e2e
+def test_a_script_runs_mfu_above_the_peak_is_a_warning_on_its_console(tmp_path):
+    """An MFU above 1 (a CPU peak measured while the machine was busy; here a FLOP count given
+    too high) was printed as a figure like any other."""
+    from .conftest import ddplab, job_env
+
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_TRAINING)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = ddplab(["train", str(script), "--set", "script.flops_per_sample=1e15"], tmp_path,
+                 job_env(store))
+    err = res.stderr
+    assert res.returncode == 0, err[-3000:]
+    assert "warning: perf/mfu" in err and "is above the peak (" in err and "says nothing" in err, \
+        err[-3000:]

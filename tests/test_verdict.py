@@ -68,3 +68,16 @@ def test_the_repeats_counted_are_those_behind_the_median():
     c = dataclasses.replace(row("c", 1210, 1190, 1240, runs=4, failed=1), unlogged=1)
     v = judge(with_ratios([row("a", 1000, 980, 1020), b, c], "a"), "a")
     assert "over 3 repeat(s)" in v.lines[0] and "over 2 repeat(s)" in v.lines[1]
+
+
+def test_an_mfu_above_the_peak_is_a_warning_not_a_figure():
+    """A study's report showed 293.6% MFU without a word: the CPU peak measured at the job's
+    start on a busy machine was 3x too low."""
+    import dataclasses
+
+    rows = with_ratios([row("a", 1000, 990, 1010), row("b", 1010, 1000, 1020)], "a")
+    rows = [dataclasses.replace(rows[0], mfu=2.936), dataclasses.replace(rows[1], mfu=0.4)]
+    v = judge(rows, "a")
+    assert [w for w in v.warnings if "mfu" in w] == [
+        "a: perf/mfu 294%, above the peak: the peak measured at its start was low (a busy "
+        "machine?); its MFU says nothing"]

@@ -151,6 +151,9 @@ def _warn(v: Verdict, row: Any, base: Any) -> None:
         v.warnings.append(f"{row.variant}: efficiency {row.efficiency:.2f} with the same resources "
                           f"as {base.variant} ({row.resources}): more than the cores can give; "
                           "the baseline was slowed by something else (a busy machine?)")
+    if row.mfu is not None and row.mfu > 1:  # (a CPU's peak is measured at the job's start)
+        v.warnings.append(f"{row.variant}: perf/mfu {row.mfu:.0%}, above the peak: the peak measured "
+                          "at its start was low (a busy machine?); its MFU says nothing")
     if "(asked" in row.backend:
         v.warnings.append(f"{row.variant}: ran on {row.backend}: the backend fell back")
     if row.failed:

@@ -220,6 +220,11 @@ def _mfu(job: Job, samples_per_s: float) -> float | None:
     basis = job.mfu_basis
     if basis is None or not basis.flops_per_sample or not basis.peak_flops_s or not samples_per_s:
         return None
-    return round(basis.mfu(samples_per_s), 6)
+    mfu = round(basis.mfu(samples_per_s), 6)
+    if mfu > 1:  # a CPU's peak is a matmul measured at the start: a busy machine measures low
+        job.console.warn(f"perf/mfu {mfu:.0%} is above the peak ({basis.peak_source}: "
+                         f"{basis.peak_flops_s / 1e12:.3g} TFLOP/s): the peak was measured low, "
+                         "a busy machine?; this run's MFU says nothing")
+    return mfu
 
 

@@ -23,6 +23,10 @@ class Console:
         if self.active:
             logger().info(text)
 
+    def warn(self, text: str) -> None:
+        if self.active:
+            logger().warning(text)
+
     def save_summary(self, text: str) -> None:
         if self.active and self.summary_out:
             Path(self.summary_out).parent.mkdir(parents=True, exist_ok=True)

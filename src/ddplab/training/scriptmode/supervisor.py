@@ -775,6 +775,10 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 console = Console(True)
                 if seen.straggler:
                     console.say(f"warning: {seen.straggler}")
+                if seen.metrics.get("perf/mfu", 0.0) > 1:  # (a CPU peak measured when busy)
+                    console.say(f"warning: perf/mfu {seen.metrics['perf/mfu']:.0%} is above the peak "
+                                f"({seen.tags.get(schema.MFU_PEAK_SOURCE, 'its peak')}): the peak was "
+                                "measured low, a busy machine?; this run's MFU says nothing")
                 if seen.mixed:
                     console.say(
                         f"warning: the script logged {', '.join(seen.mixed)} itself only after "
