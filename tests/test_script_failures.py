@@ -253,6 +253,10 @@ def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path
     assert local.failed(e) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ddplab: error: rank 1 failed (exit code 1): ValueError: bad batch"]
+    # Both ranks failing alike: the line names both, as the verdict printed above it does
+    both = ChildFailedError("ddplab", {1: failure, 0: ProcessFailure(0, 2, 1, str(error_file))})
+    assert local.failed(both) == 1
+    assert capsys.readouterr().err.strip().startswith("ddplab: error: ranks 0,1 failed (exit code 1)")
     killed = ChildFailedError("ddplab", {0: ProcessFailure(0, 1, -9, str(tmp_path / "none"))})
     assert local.failed(killed) == 128 + 9
     assert capsys.readouterr().err.strip() == "ddplab: error: rank 0 was killed by SIGKILL"

@@ -195,7 +195,11 @@ def failed(e: ChildFailedError) -> int:
         name = first.signal_name()
         logger().error(f"rank {rank} was killed by {name}{f' ({why})' if why and name not in why else ''}")
         return 128 - code
-    logger().error(f"rank {rank} {'refused the job' if code == 2 else 'failed'} (exit code "
+    # Every rank that failed alike, as the verdict above it says ("ranks 0,1 ... each failed"),
+    # not only the one torchrun saw first.
+    alike = sorted({rank, *(r for r, f in e.failures.items() if f.exitcode == code)})
+    who = f"rank {rank}" if len(alike) == 1 else f"ranks {','.join(map(str, alike))}"
+    logger().error(f"{who} {'refused the job' if code == 2 else 'failed'} (exit code "
                    f"{code}){f': {why}' if why else ''}")
     return code
 
