@@ -309,7 +309,18 @@ def test_a_script_whose_process_trains_nothing_says_so_at_its_end(tmp_path, stor
                  job_env(store))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "no training seen in the script's process" in out.stdout + out.stderr
-    assert "(torch.multiprocessing.spawn) are not observed" in out.stdout + out.stderr
+    assert "(torch.multiprocessing.spawn, or torchrun's own main) are not observed" in \
+        out.stdout + out.stderr
+    # A launcher script calling torchrun's main itself: an empty FINISHED run, unsaid
+    (tmp_path / "child.py").write_text("print('a rank would train here')\n")
+    launcher = tmp_path / "launch.py"
+    launcher.write_text("import sys\nfrom torch.distributed import run\n"
+                        "run.main(['--standalone', '--nproc-per-node', '1', sys.argv[1]])\n")
+    out = ddplab(["train", str(launcher), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
+                  str(tmp_path / "child.py")], tmp_path, job_env(store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "a rank would train here" in out.stdout + out.stderr
+    assert "no training seen in the script's process" in out.stdout + out.stderr
 
 
 LEAVES = '''

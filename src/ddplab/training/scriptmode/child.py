@@ -115,6 +115,18 @@ def _spawns_seen() -> None:
 
     module.start_processes = start_processes
     cast(Any, mp).start_processes = start_processes
+    # A launcher script: torchrun's own main (torch.distributed.run), or elastic_launch, which
+    # both start their ranks through launch_agent (its run was an empty FINISHED run, unsaid).
+    import torch.distributed.launcher.api as launcher  # (18 ms)
+
+    agent = launcher.launch_agent
+
+    @functools.wraps(agent)
+    def launch_agent(*args: Any, **kwargs: Any) -> Any:
+        report({"spawned": True})
+        return agent(*args, **kwargs)
+
+    cast(Any, launcher).launch_agent = launch_agent
 
 
 def _stacks_on_request() -> None:

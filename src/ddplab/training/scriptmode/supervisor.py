@@ -796,8 +796,8 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 elif cfg.script.observe and _trains_likely(everyone, script.wall_s):
                     console.say("no training seen in the script's process (no optimizer step "
                                 "after a forward or backward): ranks it starts itself "
-                                "(torch.multiprocessing.spawn) are not observed; torchrun "
-                                "starting them is")
+                                "(torch.multiprocessing.spawn, or torchrun's own main) are not "
+                                "observed; torchrun starting them is")
             elif own["failed"]:
                 # Its own failure, the user's traceback in torchrun's error file; a peer's
                 # consequence a second later, so torchrun names the cause first.
