@@ -42,8 +42,11 @@ all-reduce after the optimizer step, a checkpoint, a print): "data loading" is i
 JOINING = "joining the process group"
 """A script's phase inside ``init_process_group`` (scriptmode/child.py): waiting there for the
 other ranks, after its own set-up; a rank still in its set-up then is the one behind."""
+OWN_COLLECTIVE = "a torch.distributed call of its own"
+"""A script inside a collective it calls itself (scriptmode/child.py): a rank that ran out of
+batches waits there while its peers wait in their step's gradient all-reduce."""
 PHASES = ("setup", JOINING, "data loading", BETWEEN_STEPS, OUTSIDE_LOADER, "forward", "backward", "optimizer",
-          "evaluation", "checkpoint", "done", "failed", AFTER_TRAINING)
+          "evaluation", "checkpoint", "done", "failed", AFTER_TRAINING, OWN_COLLECTIVE)
 INDEX = {p: i for i, p in enumerate(PHASES)}
 RECORD = struct.Struct("<qdiiii")  # step, time, phase, pid, rank, world size
 STACK_SIGNAL = signal.SIGRTMIN + 5
@@ -109,7 +112,7 @@ class Heartbeat:
     def __init__(self, directory: Path, rank: int, world_size: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory, self.rank, self.world = directory, rank, world_size
-        self.pid, self.step = os.getpid(), 0
+        self.pid, self.step, self.phase = os.getpid(), 0, ""
         path = hb_path(directory, rank)
         path.write_bytes(b"\0" * RECORD.size)
         self._file = path.open("r+b")
@@ -124,6 +127,7 @@ class Heartbeat:
     def beat(self, phase: str, step: int | None = None) -> None:
         if step is not None:
             self.step = step
+        self.phase = phase
         RECORD.pack_into(self._map, 0, self.step, time.time(), INDEX[phase], self.pid, self.rank,
                          self.world)
 
@@ -212,7 +216,7 @@ def _serve(fifo: Path, out: Path, records: Callable[[], bytes]) -> None:
 class _Off:
     """No heartbeat (untracked jobs, the one-process checks): every beat is nothing."""
 
-    step = 0
+    step, phase = 0, ""
 
     def beat(self, phase: str, step: int | None = None) -> None: ...
 
@@ -260,6 +264,11 @@ def current_step() -> int:
     before training or without a heartbeat. For code of your own that acts at a step (a fault
     injected on purpose, say), in the training process (not in DataLoader workers)."""
     return _current.step
+
+
+def current_phase() -> str:
+    """The phase this rank last beat ("" without a heartbeat)."""
+    return _current.phase
 
 
 def failed(error: str) -> None:

@@ -37,6 +37,7 @@ from .heartbeat import (
     AFTER_TRAINING,
     DUMP,
     JOINING,
+    OWN_COLLECTIVE,
     PHASES,
     RECORD,
     STACK_SIGNAL,
@@ -386,7 +387,20 @@ def _hang_line(stopped: Ending, waiting: list[Ending], now: float | None) -> str
         by_phase.setdefault(WAITS_IN.get(e.phase, e.phase), []).append(e.rank)
     waits = "; ".join(f"{_ranks(sorted(r))} wait{'s' if len(r) == 1 else ''} in {p}"
                       for p, r in by_phase.items())
-    return line + (f"; {waits}" if waits else "") + _never_entered([stopped, *waiting])
+    return line + (f"; {waits}" if waits else "") + _never_entered([stopped, *waiting]) + \
+        _uneven([stopped, *waiting])
+
+
+def _uneven(ranks: list[Ending]) -> str:
+    """Ranks in a collective of the script's own (its barrier after the loop) while others
+    wait in a step's: one ran out of batches first (uneven data per rank, DDP's classic hang)."""
+    own = sorted(e.rank for e in ranks if e.phase == OWN_COLLECTIVE)
+    stepping = sorted(e.rank for e in ranks if e.phase in IN_A_STEP)
+    if not own or not stepping:
+        return ""
+    return (f"; uneven data? {_ranks(own)} left {'its' if len(own) == 1 else 'their'} training "
+            f"steps while {_ranks(stepping)} still {'waits' if len(stepping) == 1 else 'wait'} in "
+            "one: give every rank as many batches, or train inside DDP's join()")
 
 
 def _never_entered(ranks: list[Ending]) -> str:

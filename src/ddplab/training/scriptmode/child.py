@@ -85,6 +85,20 @@ def _observe(dist: Any) -> None:
             return out
         return call
 
+    def own(fn: Any) -> Any:
+        """A collective the script calls itself: its phase while it waits there (a rank that
+        ran out of batches sits in its barrier while its peers wait in their all-reduce)."""
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = heartbeat.current_phase()
+            heartbeat.beat(heartbeat.OWN_COLLECTIVE)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if before:
+                    heartbeat.beat(before)
+        return call
+
     dist.init_process_group = init_process_group
     _spawns_seen()
     # DDP's constructor broadcasts rank 0's parameters (in C++, past the wrappers below): for
@@ -94,7 +108,7 @@ def _observe(dist: Any) -> None:
     cast(Any, DDP).__init__ = timed(DDP.__init__)  # Any: mypy refuses assigning to a method
     for name in COLLECTIVES:
         if hasattr(dist, name):
-            setattr(dist, name, timed(getattr(dist, name)))
+            setattr(dist, name, timed(own(getattr(dist, name))))
 
 
 def _spawns_seen() -> None:
