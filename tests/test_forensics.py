@@ -488,3 +488,24 @@ def test_a_sigterm_while_a_rank_reports_its_end_is_raised_after_the_report():
             time.sleep(0.5)  # the handler has run by now, in the main thread, and held it
             done.append("reported")
     assert done == ["reported"] and signals.status() == "FAILED"
+
+
+def test_an_attempt_with_fewer_ranks_forgets_the_earlier_attempts_other_ranks(tmp_path):
+    """A failed 2-rank script run resumed by one process (checkpoint.resume=RUN): rank 1's
+    heartbeat and error from the failed attempt read as the new attempt's, and the FINISHED run
+    kept "rank 1 failed (RuntimeError ...)" as its verdict."""
+    from ddplab.forensics import heartbeat
+    from ddplab.forensics.watch import Watch
+
+    earlier = heartbeat.Heartbeat(tmp_path, 1, 2)
+    earlier.beat("backward", 20)
+    earlier.failed("RuntimeError: injected failure at step 20")
+    assert [e.what for e in Watch(tmp_path, 300.0, "h").endings()] == ["failed"]
+    heartbeat.start(tmp_path, 0, 1)
+    try:
+        heartbeat.beat("forward", 3)
+    finally:
+        heartbeat.stop()
+    endings = Watch(tmp_path, 300.0, "h").endings()
+    assert [(e.rank, e.what) for e in endings] == [(0, "done")]
+    assert not list(tmp_path.glob("rank-1.*"))

@@ -362,3 +362,23 @@ def test_diagnose_of_a_running_job_says_it_has_no_verdict_yet(store, monkeypatch
         f"run {run}: RUNNING",
         "verdict: none yet: the job is still running, or it was killed before it could end its "
         "run (`ddplab sync` ends such a run from its spool)"]
+
+
+def test_diagnose_of_a_run_that_finished_after_a_resume_labels_the_failed_attempts_files(
+        store, monkeypatch, capsys):
+    """A run that failed, resumed and FINISHED listed the failed attempt's error files under
+    "stacks, crash dumps and errors (the run's artifacts)", beside "no rank failed or hung"."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    c = MlflowClient(store)
+    run = c.create_run(c.create_experiment("r"), tags={
+        "ddplab.resumed_from": "checkpoints/r/step20.pt"}).info.run_id
+    c.log_text(run, "RuntimeError: injected failure at step 20", "forensics/node0/rank-1.error.txt")
+    c.set_terminated(run, "FINISHED")
+    assert cli.main(["diagnose", run]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[1] == "verdict: no rank failed or hung"
+    assert said[2] == ("stacks, crash dumps and errors of an earlier attempt (this run resumed "
+                       "after it; its ending is in resumes/):")
+    assert said[3].endswith("forensics/node0/rank-1.error.txt")

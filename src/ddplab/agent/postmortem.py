@@ -136,7 +136,11 @@ def diagnose(run_id: str) -> int:
         return 0
     if files:
         root = run.info.artifact_uri.rstrip("/")
-        print("stacks, crash dumps and errors (the run's artifacts):")
+        earlier = run.info.status == "FINISHED" and not line and \
+            tags.get(schema.RESUMED_FROM, "none") != "none"
+        print("stacks, crash dumps and errors of an earlier attempt (this run resumed after it; "
+              "its ending is in resumes/):" if earlier else
+              "stacks, crash dumps and errors (the run's artifacts):")
         for path in files:
             print(f"  {root}/{path}")
     return 0

@@ -236,6 +236,7 @@ def start(directory: Path, rank: int, world_size: int,
     ``flight_records``: the Flight Recorder's JSON, asked for on a hang. A heartbeat that
     cannot be made (a full disk) is left off, saying so: it must never be what stops a job."""
     global _current
+    _forget_ranks_past(directory, world_size)
     try:
         hb = Heartbeat(directory, rank, world_size)
         hb.answer_stack_requests()
@@ -247,6 +248,19 @@ def start(directory: Path, rank: int, world_size: int,
         logger().warning(f"no heartbeat for this rank ({e}): a hang will not be named")
         return
     _current = hb
+
+
+def _forget_ranks_past(directory: Path, world_size: int) -> None:
+    """An earlier attempt's ranks that this one does not have (a failed 2-rank run resumed by
+    one process): their files read as this attempt's, and its FINISHED run kept their failure
+    as its verdict. (Ranks this attempt has write their own files over theirs.)"""
+    import re
+
+    for path in directory.glob("rank-*"):
+        m = re.match(r"rank-(\d+)\.", path.name)
+        if m and int(m.group(1)) >= world_size:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def beat(phase: str, step: int | None = None) -> None:
