@@ -501,11 +501,9 @@ def test_an_attempt_with_fewer_ranks_forgets_the_earlier_attempts_other_ranks(tm
     earlier.beat("backward", 20)
     earlier.failed("RuntimeError: injected failure at step 20")
     assert [e.what for e in Watch(tmp_path, 300.0, "h").endings()] == ["failed"]
-    heartbeat.start(tmp_path, 0, 1)
-    try:
-        heartbeat.beat("forward", 3)
-    finally:
-        heartbeat.stop()
+    now = heartbeat.Heartbeat(tmp_path, 0, 1)  # (script mode makes it so, ddplab's loop by start)
+    now.beat("forward", 3)
+    now.close()
     endings = Watch(tmp_path, 300.0, "h").endings()
     assert [(e.rank, e.what) for e in endings] == [(0, "done")]
     assert not list(tmp_path.glob("rank-1.*"))

@@ -111,6 +111,7 @@ class Heartbeat:
 
     def __init__(self, directory: Path, rank: int, world_size: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
+        _forget_ranks_past(directory, world_size)
         self.directory, self.rank, self.world = directory, rank, world_size
         self.pid, self.step, self.phase = os.getpid(), 0, ""
         path = hb_path(directory, rank)
@@ -236,7 +237,6 @@ def start(directory: Path, rank: int, world_size: int,
     ``flight_records``: the Flight Recorder's JSON, asked for on a hang. A heartbeat that
     cannot be made (a full disk) is left off, saying so: it must never be what stops a job."""
     global _current
-    _forget_ranks_past(directory, world_size)
     try:
         hb = Heartbeat(directory, rank, world_size)
         hb.answer_stack_requests()
