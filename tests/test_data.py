@@ -146,3 +146,22 @@ def test_a_gpu_ranks_pinning_copies_on_its_own_thread_and_keeps_the_batch_fake_g
     assert not gpu.eval.pin_memory and gpu.eval.collate_fn.__name__ == "collate_pinned"
     assert workers.train.pin_memory and workers.train.collate_fn is torch.utils.data.default_collate
     assert not cpu_job.train.pin_memory and cpu_job.train.collate_fn is torch.utils.data.default_collate
+
+
+def test_a_compiled_models_loader_trains_whole_batches_and_says_when_its_epoch_is_over():
+    """The epoch's last, shorter batch compiled a compiled model again (a new shape): 27 s of
+    the GPT's job on an H200. Whole batches only, and the epoch still ends."""
+    from ddplab.workload.data import loaders
+
+    sets = (SyntheticImages(22, 4, 1, 2, 1.0, seed=0), SyntheticImages(4, 4, 1, 2, 1.0, seed=1))
+    cfg = DataConfig(batch_size=4)
+    whole = loaders(cfg, sets, seed=0, rank=0, world=2, pin=False, whole_batches=True)
+    plain = loaders(cfg, sets, seed=0, rank=0, world=2, pin=False)
+    # 11 samples a rank: 2 whole batches of 4 (3 left out), against 3 batches, the last of 3
+    assert [len(x) for x, _ in whole.train] == [4, 4] and whole.micro_batches_per_epoch == 2
+    assert [len(x) for x, _ in plain.train] == [4, 4, 3] and plain.micro_batches_per_epoch == 3
+    assert whole.epoch_over(8) and not whole.epoch_over(4)
+    assert not plain.epoch_over(8) and plain.epoch_over(11)
+    with pytest.raises(DataError, match=r"data.batch_size: got 16; each rank's share of the "
+                                        r"training set is 11 samples, and a compiled model"):
+        loaders(DataConfig(batch_size=16), sets, seed=0, rank=0, world=2, pin=False, whole_batches=True)

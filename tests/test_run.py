@@ -41,6 +41,28 @@ def test_train_in_process_runs_the_pipeline_to_one_finished_run(tmp_path, monkey
     assert ckpts == ["step-00000008.pt", "step-00000016.pt"]
 
 
+@pytest.mark.e2e
+def test_a_compiled_model_trains_whole_batches_every_epoch_and_compiles_once(tmp_path, monkeypatch):
+    """The epoch's last, shorter batch compiled the model again (27 s of the GPT's job on an
+    H200); dropping it first made the next epoch train nothing (its position never reached the
+    shard's end)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    store = lone_job(tmp_path, monkeypatch)
+    dynamo_utils.counters.clear()
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    sets = [f"data.root={tmp_path / 'text.txt'}", "data.seq_len=16", "data.batch_size=8",
+            "model.args={n_layer: 1, n_head: 2, n_embd: 32, dropout: 0.0}", "model.compile=true",
+            "train.epochs=2", "train.eval_every_epochs=2", "checkpoint.every_epochs=0",
+            "tracking.system_metrics=false"]
+    run.train(str(REPO / "experiments" / "lm-tiny.yaml"), sets, "summary.json")
+    (r,) = runs(store)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert r.info.status == "FINISHED" and summary["epoch_steps"][0] == summary["epoch_steps"][1] > 0
+    # one graph, the final evaluation's included: the shorter batch's shape made a second
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+
+
 def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkeypatch):
     """A rank's collective fails and, while its error is being written down, torchrun's SIGTERM
     arrives (its peer died): the run still ends FAILED with that error, not a bare FAILED."""

@@ -35,7 +35,7 @@ def fit(job: Job) -> None:
             if job.stats.stopped_early:
                 break
         _log_interval(job)
-        if state.samples_in_epoch >= job.loaders.sampler.num_samples:
+        if job.loaders.epoch_over(state.samples_in_epoch):
             state.epoch, state.samples_in_epoch = epoch + 1, 0
             if state.scheduler_per_epoch:
                 state.scheduler.step()

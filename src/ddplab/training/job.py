@@ -111,7 +111,7 @@ def _data(cfg: config.ExperimentConfig, layout: Layout,
     if parts.datasets is not None:
         _same_data_everywhere(sets, le.rank, le.world_size)
     loaders = data.loaders(d, sets, cfg.train.seed, le.rank, le.world_size,
-                           pin=layout.device.type == "cuda")
+                           pin=layout.device.type == "cuda", whole_batches=cfg.model.compile)
     return loaders, data.describe(d, sets[0])
 
 

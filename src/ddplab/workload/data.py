@@ -11,7 +11,6 @@ unpadded, so every sample is counted exactly once when the totals are all-reduce
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from pathlib import Path
@@ -404,17 +403,31 @@ class Loaders:
 
     @property
     def micro_batches_per_epoch(self) -> int:
-        """Micro-batches per rank in a whole epoch (equal on every rank: the sampler pads)."""
+        """Micro-batches per rank in a whole epoch (equal on every rank: the sampler pads);
+        whole batches only where the loader drops the last short one."""
         batch = self.train.batch_size
         assert batch is not None  # loaders() passes one; only a batch_sampler leaves it None
-        return math.ceil(self.sampler.num_samples / batch)
+        whole, short = divmod(self.sampler.num_samples, batch)
+        return whole + (1 if short and not self.train.drop_last else 0)
+
+    def epoch_over(self, samples_in_epoch: int) -> bool:
+        """This rank's shard is trained through (what is left is less than the one batch the
+        loader drops, for a compiled model), not cut short by max_steps."""
+        left = self.sampler.num_samples - samples_in_epoch
+        return left <= 0 or bool(self.train.drop_last) and left < (self.train.batch_size or 1)
 
 
 def loaders(cfg: DataConfig, sets: tuple[Dataset[Any], Dataset[Any]], seed: int, rank: int, world: int,
-            pin: bool) -> Loaders:
-    """Per-rank loaders over ``sets`` (from ``datasets``, built once per rank)."""
+            pin: bool, whole_batches: bool = False) -> Loaders:
+    """Per-rank loaders over ``sets`` (from ``datasets``, built once per rank).
+    ``whole_batches`` (a compiled model): the training loader drops each epoch's last, shorter
+    batch, whose new shape would compile the model again (27 s of a GPT's job on an H200)."""
     train_set, eval_set = sets
     sampler = ResumableSampler(train_set, world, rank, seed)
+    if whole_batches and sampler.num_samples < cfg.batch_size:
+        raise DataError(f"data.batch_size: got {cfg.batch_size}; each rank's share of the training "
+                        f"set is {sampler.num_samples} samples, and a compiled model (model.compile) "
+                        "trains on whole batches only: a smaller batch, or more data")
     pinned = pin and cfg.pin_memory
     # Loader workers hand batches to DataLoader's pinning thread, which runs on one intra-op
     # thread; without workers DataLoader pins in the rank's own thread, on all of them.
@@ -422,7 +435,8 @@ def loaders(cfg: DataConfig, sets: tuple[Dataset[Any], Dataset[Any]], seed: int,
     common: dict[str, Any] = {"num_workers": cfg.num_workers, "pin_memory": pinned and not in_rank,
                               "persistent_workers": cfg.persistent_workers,
                               "collate_fn": pinning(default_collate) if in_rank else None}
-    train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, **common)
+    train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=whole_batches,
+                       **common)
     evals = DataLoader(eval_set, batch_size=cfg.eval_batch_size,
                        sampler=ShardSampler(len(cast(Sized, eval_set)), world, rank), **common)
     return Loaders(train, evals, sampler)
