@@ -15,7 +15,7 @@ from ..errors import DdplabError
 from ..files import finite_json
 from ..forensics.heartbeat import beat
 from ..tracking import schema
-from . import checkpoint, loop, stragglers, strategy
+from . import checkpoint, loop, mfu, stragglers, strategy
 from .job import Job
 from .summary import CpuUse
 
@@ -220,11 +220,9 @@ def _mfu(job: Job, samples_per_s: float) -> float | None:
     basis = job.mfu_basis
     if basis is None or not basis.flops_per_sample or not basis.peak_flops_s or not samples_per_s:
         return None
-    mfu = round(basis.mfu(samples_per_s), 6)
-    if mfu > 1:  # a CPU's peak is a matmul measured at the start: a busy machine measures low
-        job.console.warn(f"perf/mfu {mfu:.0%} is above the peak ({basis.peak_source}: "
-                         f"{basis.peak_flops_s / 1e12:.3g} TFLOP/s): the peak was measured low, "
-                         "a busy machine?; this run's MFU says nothing")
-    return mfu
+    mfu_ = round(basis.mfu(samples_per_s), 6)
+    if said := mfu.above_peak(mfu_, f"{basis.peak_source}: {basis.peak_flops_s / 1e12:.3g} TFLOP/s"):
+        job.console.warn(said)
+    return mfu_
 
 

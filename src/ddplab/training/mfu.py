@@ -100,6 +100,15 @@ def counted_flops_per_sample(model: nn.Module, inputs: Any) -> float:
     return float(total) if frozen else 3.0 * total
 
 
+def above_peak(mfu: float, peak: str) -> str:
+    """The warning for an MFU over 1 ("" otherwise): a CPU's peak is a matmul measured at the
+    job's start, which a busy machine measures low."""
+    if mfu <= 1:
+        return ""
+    return (f"perf/mfu {mfu:.0%} is above the peak ({peak}): the peak was measured low, a busy "
+            "machine?; this run's MFU says nothing")
+
+
 def frozen_share(model: nn.Module) -> str:
     """"12 of 14 parameter tensors frozen" ("" when every one trains), for the count's source."""
     params = list(model.parameters())

@@ -353,8 +353,6 @@ def pin_serially(obj: Any, alloc: Callable[[torch.Tensor], torch.Tensor]) -> Any
 
 def first_batch(sets: tuple[Dataset[Any], Any], n: int = 2) -> Any:
     """A tiny batch from the training set, collated as the loader will (for checks)."""
-    from torch.utils.data import default_collate
-
     return default_collate([sets[0][i] for i in range(min(n, len(cast(Sized, sets[0]))))])
 
 

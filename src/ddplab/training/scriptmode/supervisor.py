@@ -727,7 +727,7 @@ def _stop(proc: subprocess.Popen[bytes], sig: int | None, grace_s: float = 10.0)
 def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
     """Script mode's pipeline: launch environment -> checks -> meeting -> run -> the script on
     every rank -> how every rank ended -> the run's end. Returns the run id ("" untracked)."""
-    from .. import checks
+    from .. import checks, mfu
     from ..jobend import Signals, say_last, where
     from ..summary import Console
 
@@ -775,10 +775,9 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 console = Console(True)
                 if seen.straggler:
                     console.say(f"warning: {seen.straggler}")
-                if seen.metrics.get("perf/mfu", 0.0) > 1:  # (a CPU peak measured when busy)
-                    console.say(f"warning: perf/mfu {seen.metrics['perf/mfu']:.0%} is above the peak "
-                                f"({seen.tags.get(schema.MFU_PEAK_SOURCE, 'its peak')}): the peak was "
-                                "measured low, a busy machine?; this run's MFU says nothing")
+                if said := mfu.above_peak(seen.metrics.get("perf/mfu", 0.0),
+                                          seen.tags.get(schema.MFU_PEAK_SOURCE, "its peak")):
+                    console.say(f"warning: {said}")
                 if seen.mixed:
                     console.say(
                         f"warning: the script logged {', '.join(seen.mixed)} itself only after "
