@@ -33,6 +33,8 @@ from typing import NamedTuple
 import psutil
 import results as results_page  # benchmarks/ is this script's directory
 
+from ddplab.training.scriptmode.env import BOOT  # the file script mode's child runs
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BOOK = REPO / "experiments" / "scripts" / "gloo_distributed-cnn_cifar10.py"
@@ -103,7 +105,7 @@ def _is_script(cmdline: list[str]) -> bool:
     """The script's own process: script mode's child, or a plain torchrun worker (which runs
     the clock itself, not torchrun and not ``python -m ddplab``), told apart by its arguments,
     not by names a checkout's path may hold too."""
-    if "ddplab.training.scriptmode.child" in cmdline:
+    if BOOT in cmdline:
         return True
     if len(cmdline) > 1 and Path(cmdline[1]).name == "torchrun":
         return False

@@ -866,3 +866,43 @@ def test_a_folder_or_an_extensionless_script_says_how_to_run_it(tmp_path, capsys
     assert f"give {tmp_path / 'pkgdir' / '__main__.py'}" in capsys.readouterr().err
     assert cli.main(["train", str(tmp_path / "train")]) == 2
     assert "a Python script? script mode runs a .py file" in capsys.readouterr().err
+
+
+# What a script sees of how it was started, and how deep its frames sit (code that walks the
+# stack, as torch does on each manual_seed before CUDA starts, pays for every frame below).
+WHERE = '''
+import os, pickle, sys, traceback
+class Thing:
+    pass
+print("DEPTH", len(traceback.extract_stack()))
+print("MAIN", __name__, __file__, getattr(__spec__, "name", None), os.path.abspath(sys.argv[0]),
+      sys.modules["__main__"].__dict__ is globals(), sys.path[0])
+print("PICKLED", type(pickle.loads(pickle.dumps(Thing()))).__name__)
+'''
+
+
+def _said(out: str) -> dict[str, str]:
+    return {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.splitlines()
+            if ln.split(" ", 1)[0] in ("DEPTH", "MAIN", "PICKLED")}
+
+
+@pytest.mark.e2e
+def test_a_script_runs_as_under_python_one_frame_above_the_bottom(tmp_path, store):
+    """As a file and as ``-m pkg.module``: the script's __main__, its file, its argv[0] and
+    sys.path[0] are python's own, its classes pickle, and its top level sits one frame above
+    where python puts it (ddplab's boot.py), not under runpy's and ddplab's nine: torch formats
+    the whole stack on each manual_seed while CUDA is not started, which torchvision's FakeData
+    calls for every sample (5% of the book's chapter 9 step, bench-script)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "where.py").write_text(WHERE)
+    (tmp_path / "where.py").write_text(WHERE)
+    env = job_env(store)
+    for target in (["where.py"], ["-m", "pkg.where"]):
+        plain = subprocess.run([sys.executable, *target], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=60)
+        res = ddplab(["train", *target, "--set", "tracking.enabled=false"], tmp_path, env)
+        assert res.returncode == 0 and plain.returncode == 0, res.stderr[-2000:] + plain.stderr
+        ours, theirs = _said(res.stdout), _said(plain.stdout)
+        assert ours["MAIN"] == theirs["MAIN"] and ours["PICKLED"] == theirs["PICKLED"] == "Thing"
+        assert int(ours["DEPTH"]) <= int(theirs["DEPTH"]) + 1, (target, ours, theirs)

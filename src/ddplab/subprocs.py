@@ -13,3 +13,10 @@ def python_m(module: str) -> list[str]:
     where ``python train.py`` would never see it."""
     safe = ["-P"] if sys.version_info >= (3, 11) else []
     return [sys.executable, *safe, "-m", module]
+
+
+def python_file(path: str) -> list[str]:
+    """``python -P FILE``: without ``-P``, FILE's own directory would come first on
+    ``sys.path``, ddplab's package directory where the file is one of ddplab's."""
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe, path]

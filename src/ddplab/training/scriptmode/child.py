@@ -1,5 +1,5 @@
-"""The script's own process: ``python -m ddplab.training.scriptmode.child SCRIPT [ARGS...]``
-(or ``... child -m pkg.module [ARGS...]``).
+"""The script's own process (``python -P .../boot.py SCRIPT [ARGS...]``, or ``... boot.py -m
+pkg.module [ARGS...]``: boot.py runs the script from its top level, this module does the rest).
 
 Started by the rank's supervisor (supervisor.py) with the launcher's environment, it runs the
 script as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` or
@@ -21,19 +21,22 @@ the book's chapter 9 scripts do) holds as under plain torchrun.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import runpy
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
-from typing import Any, cast
+from types import CodeType
+from typing import Any, NoReturn, cast
 
 from ...ccl.handlers import crash_handlers_kept
 from ...forensics import heartbeat
 from . import mlflow_join
-from .env import STACKS_ENV, T0_ENV, report
+from .env import BOOT, STACKS_ENV, T0_ENV, report
 from .imports import after_import
 
 STAND_IN = Path(__file__).parent / "stand_in"
@@ -170,7 +173,14 @@ def _ccl_stand_in() -> None:
         sys.path.append(str(STAND_IN))  # after everything: a real install always wins
 
 
-def main(argv: list[str]) -> int:
+_watching: list[Any] = []
+"""The observation, once the script has imported torch (_watch_torch; None: script.observe off)."""
+
+
+def prepare(argv: list[str]) -> Path | str:
+    """Everything before the script (boot.py): ``sys.argv`` and ``sys.path`` as ``python SCRIPT
+    ARGS`` or ``python -m pkg.module ARGS`` set them, the stand-in, the stacks on request, the
+    watch on torch and MLflow. Returns the script (a path; a str: a module's name)."""
     script: Path | str
     if argv[0] == "-m":  # python -m: sys.path[0] the current directory, argv[0] the module's file
         script, argv = argv[1], argv[1:]
@@ -178,8 +188,8 @@ def main(argv: list[str]) -> int:
     else:  # python SCRIPT: sys.path[0] the directory of the file a symbolic link points to
         script = Path(argv[0])
         first = os.path.dirname(os.path.realpath(script))
-    # Started with -P (subprocs.python_m): the current directory is not on sys.path, whose first
-    # entry is the standard library's, kept.
+    # Started with -P (subprocs.python_file): boot.py's directory is not on sys.path, whose
+    # first entry is the standard library's, kept.
     if getattr(sys.flags, "safe_path", False):
         sys.path.insert(0, first)
     else:
@@ -187,22 +197,84 @@ def main(argv: list[str]) -> int:
     sys.argv = [str(script), *argv[1:]]
     _ccl_stand_in()
     _stacks_on_request()
-    watching: list[Any] = []
     # Once the SCRIPT imports torch (after whatever it sets first: OMP_NUM_THREADS), not before.
-    after_import("torch", lambda _: watching.append(_watch_torch()))
+    after_import("torch", lambda _: _watching.append(_watch_torch()))
     mlflow_join.install()
-    code = 1
-    try:
-        code = _run(script)
-        # The script returned (its supervisor tells this from os._exit: no such line).
-        report({"returned": code, **({} if code else {"t": time.time()})})
+    return script
+
+
+def main_module(script: Path | str) -> tuple[CodeType, dict[str, Any]]:
+    """The script's code and the namespace it runs in: a fresh ``__main__`` module, made as
+    runpy's ``run_path`` and ``run_module(alter_sys=True)`` make it, and ``sys.modules["__main__"]``
+    from here on (pickle and multiprocessing's spawn look the script's classes up there);
+    ``sys.argv[0]`` its file. A script that cannot be found, read or compiled raises here, as it
+    would under python, and is reported as the script's failure."""
+    module = types.ModuleType("__main__")
+    if isinstance(script, str):
+        # python -m's own look-up (runpy's helper since Python 3.x's first runpy): the parent
+        # packages imported, a package run as its __main__, python's own error when not found.
+        _, spec, code = runpy._get_module_details(script)  # type: ignore[attr-defined]
+        file = spec.origin
+        module.__dict__.update(__file__=file, __cached__=spec.cached, __loader__=spec.loader,
+                               __package__=spec.parent, __spec__=spec)
+    else:
+        file = str(script)
+        with io.open_code(os.path.abspath(file)) as f:
+            code = compile(f.read(), file, "exec")
+        module.__dict__.update(__file__=file, __cached__=None, __loader__=None, __package__="",
+                               __spec__=None)
+    sys.argv[0] = file
+    sys.modules["__main__"] = module
+    return code, module.__dict__
+
+
+def returned() -> int:
+    heartbeat.beat("done")
+    return 0
+
+
+def failed(e: BaseException) -> int:
+    """The script ended by an exception (SystemExit included): its exit code, its failure
+    reported (the run's error, the user's traceback on stderr, as Python would show it)."""
+    if isinstance(e, SystemExit):
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code &= 0xFF  # the exit status the process ends with: sys.exit(256) succeeds, -1 is 255
+        if code:
+            report({"exception": f"SystemExit: {e.code}", "t": time.time()})
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            heartbeat.failed(f"SystemExit: {e.code}")
+        else:
+            heartbeat.beat("done")
         return code
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report
+    tb = e.__traceback__
+    # The frames above the script's own are ddplab's (boot.py, this module, runpy's and
+    # importlib's while it finds a module or imports its packages): not the user's.
+    while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    text = _users_traceback(e, tb or e.__traceback__)
+    last = one_line(e)[:500]
+    report({"exception": last, "traceback": text[-8000:], "t": time.time()})
+    heartbeat.failed(last)
+    sys.stderr.write(text)
+    return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
+def end(code: int) -> NoReturn:
+    """The script is over: said to the supervisor (which tells a script that called os._exit
+    itself by the missing line), the observation's figures written, the process ended."""
+    try:
+        report({"returned": code, **({} if code else {"t": time.time()})})
     finally:
-        for watcher in watching:
+        for watcher in _watching:
             if watcher is not None:
                 # (a failed script ends at once: its peers' launcher stops what lingers, and
                 # its FLOPs, ~0.3 s on a CPU, would only be cut short)
                 watcher.finish(count_flops=code == 0)
+    _exit(code)
 
 
 def _watch_torch() -> Any:
@@ -219,44 +291,6 @@ def _watch_torch() -> Any:
 def _env_int(name: str, default: int = 0) -> int:
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() else default
-
-
-def _run(script: Path | str) -> int:
-    """The script (a path; a str: a module's name) as ``__main__``; its exit code, its failure
-    reported."""
-    try:
-        if isinstance(script, str):
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        code &= 0xFF  # the exit status the process ends with: sys.exit(256) succeeds, -1 is 255
-        if code:
-            report({"exception": f"SystemExit: {e.code}", "t": time.time()})
-            if not isinstance(e.code, int):
-                print(e.code, file=sys.stderr)
-            heartbeat.failed(f"SystemExit: {e.code}")
-        else:
-            heartbeat.beat("done")
-        return code
-    except BaseException as e:  # noqa: BLE001 - the script's failure: shown once, kept in the run
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report
-        tb = e.__traceback__
-        # The frames above the script's own are ddplab's (this module, runpy, importlib's
-        # while it imports a module's packages): not the user's.
-        while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
-            tb = tb.tb_next
-        text = _users_traceback(e, tb or e.__traceback__)
-        last = one_line(e)[:500]
-        report({"exception": last, "traceback": text[-8000:], "t": time.time()})
-        heartbeat.failed(last)
-        sys.stderr.write(text)
-        return 130 if isinstance(e, KeyboardInterrupt) else 1
-    heartbeat.beat("done")
-    return 0
 
 
 def one_line(e: BaseException) -> str:
@@ -303,10 +337,10 @@ def _users_traceback(e: BaseException, tb: Any) -> str:
 
 
 def _ours(filename: str) -> bool:
-    return filename in (__file__, runpy.__file__) or filename.startswith("<frozen ")
+    return filename in (__file__, BOOT, runpy.__file__) or filename.startswith("<frozen ")
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """The script's atexit handlers run, then the process ends without interpreter teardown:
     a script that never destroyed its process group would otherwise risk gloo's abort at exit
     (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop, and likewise gives
@@ -327,5 +361,3 @@ def _exit(code: int) -> None:
         os._exit(code)
 
 
-if __name__ == "__main__":
-    _exit(main(sys.argv[1:]))

@@ -11,6 +11,8 @@ from typing import Any
 
 from ...files import write_text_atomic
 
+BOOT = str(Path(__file__).with_name("boot.py"))
+"""The file python runs in the script's process (boot.py, child.py)."""
 REPORT_ENV = "DDPLAB_SCRIPT_REPORT"
 """The JSON file the script's process reports into: its process group, its failure, its
 observed training (observe.py)."""

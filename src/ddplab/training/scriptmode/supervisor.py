@@ -43,9 +43,9 @@ from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
 from ...launchers.outlive import exit_code, subreaper
-from ...subprocs import python_m
+from ...subprocs import python_file
 from ...tracking import capsule, schema, spool
-from .env import FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
+from .env import BOOT, FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
 from .figures import Figures, figures
 from .meeting import LauncherGone, Meeting
 
@@ -373,7 +373,7 @@ class Script:
         subreaper()
         try:
             proc = subprocess.Popen(
-                [*python_m("ddplab.training.scriptmode.child"), *target, *s.argv()],
+                [*python_file(BOOT), *target, *s.argv()],
                 env=self.env(), stdout=ends[0][0], stderr=ends[1][0],
                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
         except BaseException:
