@@ -6,6 +6,8 @@ scheduler statistics, /proc/self/task/*/schedstat; 0 where the kernel keeps none
 calls and file reads per epoch, the same in every variant bench_script.py compares, so the
 comparison is of what the variants add, not of this."""
 
+import importlib.abc
+import importlib.util
 import json
 import os
 import runpy
@@ -13,10 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from torch.utils.data.distributed import DistributedSampler
-
 marks: list[tuple[float, float, float]] = []
-set_epoch = DistributedSampler.set_epoch
 
 
 def waited() -> float:
@@ -31,12 +30,40 @@ def waited() -> float:
     return total / 1e9
 
 
-def clocked(self, epoch):  # noqa: ANN001, ANN201 - the sampler's own signature
-    marks.append((time.perf_counter(), time.process_time(), waited()))
-    set_epoch(self, epoch)
+def clock(sampler: type) -> None:
+    set_epoch = sampler.set_epoch
+
+    def clocked(self, epoch):  # noqa: ANN001, ANN202 - the sampler's own signature
+        marks.append((time.perf_counter(), time.process_time(), waited()))
+        set_epoch(self, epoch)
+
+    sampler.set_epoch = clocked
 
 
-DistributedSampler.set_epoch = clocked
+class WhenImported(importlib.abc.MetaPathFinder):
+    """Clocks DistributedSampler once the SCRIPT imports it. Importing torch here first would
+    change the script: torch takes its thread count from OMP_NUM_THREADS when it is imported
+    (by the time its first parallel operation runs), and the book's script sets 8 before its
+    own ``import torch``; torchrun set 1."""
+
+    NAME = "torch.utils.data.distributed"
+
+    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201 - importlib's own
+        if name != self.NAME:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):  # noqa: ANN001, ANN202
+            run(module)
+            clock(module.DistributedSampler)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, WhenImported())
 script = Path(sys.argv[1]).resolve()
 sys.argv = sys.argv[1:]
 sys.path[0] = str(script.parent)
