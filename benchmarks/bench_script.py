@@ -161,6 +161,7 @@ class Job(NamedTuple):
     cpu_s: float
     wait_s: float
     others: float
+    threads: int = 0  # torch's threads in rank 0
 
     @property
     def machine_cpu_s(self) -> float:
@@ -203,8 +204,15 @@ def one_job(variant: str, samples: int, work: Path) -> Job:
     def per_step(i: int) -> float:
         return statistics.median(b[i] - a[i] for a, b in steady) / steps
 
+    threads = clocks / "rank0.threads"
     return Job(per_step(0), per_step(1), per_step(2),
-               structure_share(cpu, marks[1][0], marks[-1][0]))
+               structure_share(cpu, marks[1][0], marks[-1][0]),
+               int(threads.read_text()) if threads.exists() else 0)
+
+
+def _threads(jobs: dict[str, list[Job]]) -> str:
+    seen = sorted({j.threads for js in jobs.values() for j in js if j.threads})
+    return "/".join(map(str, seen)) or "an unknown number of"
 
 
 def _column(jobs: dict[str, list[Job]], v: str, field: str) -> tuple[float, str, float]:
@@ -253,8 +261,9 @@ def main() -> None:
         ap.error(f"--variants: {args.variants!r}; each one of {','.join(SHORT)}, plain among them")
     chosen = [SHORT[n] for n in names]
     if wait_policy():
-        print(f"OMP_WAIT_POLICY=PASSIVE for every variant: the script's {RANKS} x "
-              f"{BOOK_THREADS} threads outnumber this machine's {os.cpu_count()} cores", flush=True)
+        print(f"OMP_WAIT_POLICY=PASSIVE for every variant: the script asks for {RANKS} x "
+              f"{BOOK_THREADS} threads, more than this machine's {os.cpu_count()} cores",
+              flush=True)
     jobs: dict[str, list[Job]] = {v: [] for v in chosen}
     own: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -300,10 +309,13 @@ def main() -> None:
             "step costs the machine; the wait is the time rank 0's threads spent runnable but "
             "without a CPU (the kernel's schedstat), what other work on the cores took from it."
             + (f" Every variant ran with `OMP_WAIT_POLICY={policy}`"
-               + (" (set by the benchmark: the script's "
-                  f"{RANKS} x {BOOK_THREADS} threads outnumber this machine's "
+               + (" (set by the benchmark: the script asks for "
+                  f"{RANKS} x {BOOK_THREADS} threads, more than this machine's "
                   f"{os.cpu_count()} cores; spinning threads made the step time the "
                   "scheduler's luck)." if wait_policy() else ".") if policy else "")
+            + f" torch ran {_threads(jobs)} thread(s) a rank (the script sets OMP_NUM_THREADS="
+            f"{BOOK_THREADS} before its `import torch`; torch takes no more than the cores it "
+            "may use)."
             + (f" \"{AGAIN}\" is plain torchrun's command run a second time in each rep: its "
                "ratio to plain torchrun is what this machine's noise alone makes of two runs of "
                "one thing, the yardstick for the other ratios." if AGAIN in jobs else "")

@@ -2,8 +2,9 @@
 when each of its epochs began (``DistributedSampler.set_epoch``) into
 ``$BENCH_CLOCK_DIR/rank<RANK>.json``: ``[wall seconds, this process's CPU seconds, the seconds
 its threads spent runnable but waiting for a CPU]`` per epoch (the last from the kernel's
-scheduler statistics, /proc/self/task/*/schedstat; 0 where the kernel keeps none), a few clock
-calls and file reads per epoch, the same in every variant bench_script.py compares, so the
+scheduler statistics, /proc/self/task/*/schedstat; 0 where the kernel keeps none), and the
+threads the script's torch ran into ``rank<RANK>.threads``: a few clock calls and file reads
+per epoch, the same in every variant bench_script.py compares, so the
 comparison is of what the variants add, not of this."""
 
 import importlib.abc
@@ -72,3 +73,5 @@ try:
 finally:
     out = Path(os.environ["BENCH_CLOCK_DIR"]) / f"rank{os.environ.get('RANK', '0')}.json"
     out.write_text(json.dumps(marks))
+    if "torch" in sys.modules:  # the threads the script's torch ran (its own count)
+        out.with_suffix(".threads").write_text(str(sys.modules["torch"].get_num_threads()))
