@@ -211,8 +211,9 @@ def main_module(script: Path | str) -> tuple[CodeType, dict[str, Any]]:
     would under python, and is reported as the script's failure."""
     module = types.ModuleType("__main__")
     if isinstance(script, str):
-        # python -m's own look-up (runpy's helper since Python 3.x's first runpy): the parent
-        # packages imported, a package run as its __main__, python's own error when not found.
+        # The look-up python -m itself makes (runpy's private helper, the one its run_module
+        # calls): the parent packages imported, a package run as its __main__, python's own
+        # error when nothing is found.
         _, spec, code = runpy._get_module_details(script)  # type: ignore[attr-defined]
         file = spec.origin
         module.__dict__.update(__file__=file, __cached__=spec.cached, __loader__=spec.loader,
