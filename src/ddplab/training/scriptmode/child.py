@@ -21,11 +21,13 @@ the book's chapter 9 scripts do) holds as under plain torchrun.
 
 from __future__ import annotations
 
+import builtins
 import io
 import os
 import re
 import runpy
 import sys
+import threading
 import time
 import traceback
 import types
@@ -221,9 +223,12 @@ def main_module(script: Path | str) -> tuple[CodeType, dict[str, Any]]:
     else:
         file = str(script)
         with io.open_code(os.path.abspath(file)) as f:
-            code = compile(f.read(), file, "exec")
+            # dont_inherit: this module's own `from __future__ import annotations` is not the
+            # script's (its annotations stay objects, as under python)
+            code = compile(f.read(), file, "exec", dont_inherit=True)
         module.__dict__.update(__file__=file, __cached__=None, __loader__=None, __package__="",
                                __spec__=None)
+    module.__dict__["__builtins__"] = builtins  # the module, as python gives __main__
     sys.argv[0] = file
     sys.modules["__main__"] = module
     return code, module.__dict__
@@ -260,7 +265,13 @@ def failed(e: BaseException) -> int:
     last = one_line(e)[:500]
     report({"exception": last, "traceback": text[-8000:], "t": time.time()})
     heartbeat.failed(last)
-    sys.stderr.write(text)
+    if sys.excepthook is sys.__excepthook__:
+        sys.stderr.write(text)
+    else:  # the script's own (rich.traceback.install(), a logger's): shown its way, as python does
+        try:
+            sys.excepthook(type(e), e, tb or e.__traceback__)
+        except Exception:  # noqa: BLE001 - a hook that fails: python's own words then
+            sys.stderr.write(text)
     return 130 if isinstance(e, KeyboardInterrupt) else 1
 
 
@@ -342,17 +353,27 @@ def _ours(filename: str) -> bool:
 
 
 def _exit(code: int) -> NoReturn:
-    """The script's atexit handlers run, then the process ends without interpreter teardown:
-    a script that never destroyed its process group would otherwise risk gloo's abort at exit
-    (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop, and likewise gives
-    back the shared memory a ccl process group's libfabric made, whose own clean-up is skipped)."""
+    """The script's end as python makes it, then the process ends without the interpreter's
+    teardown: a script that never destroyed its process group would otherwise risk gloo's abort
+    at exit (pytorch/pytorch#179291; cli.entry does the same for ddplab's own loop, and likewise
+    gives back the shared memory a ccl process group's libfabric made, whose own clean-up is
+    skipped). A script that ended well first has what python gives it: its non-daemon threads
+    (and concurrent.futures' workers) finish, its atexit handlers run, and its namespace is let
+    go, so a file it never closed is flushed and closed, a NamedTemporaryFile deleted, a
+    ``__del__`` run. A failed one ends after its atexit handlers (its peers' launcher stops what
+    lingers)."""
     import atexit
     import contextlib
 
     from ...log import flush_std
 
     try:
+        if code == 0:
+            with contextlib.suppress(Exception):
+                threading._shutdown()  # type: ignore[attr-defined] # python's own first step
         atexit._run_exitfuncs()
+        if code == 0:
+            _let_go_of_main()
     finally:
         with contextlib.suppress(BaseException):  # nothing may keep the process from _exit
             from ... import ccl
@@ -362,3 +383,20 @@ def _exit(code: int) -> NoReturn:
         os._exit(code)
 
 
+def _let_go_of_main() -> None:
+    """The script's globals let go as python's teardown lets go of a module still alive: each
+    set to None (the names with a leading underscore first), then garbage collected, so what
+    only they held is finalised. (The process group is held by torch.distributed itself, not
+    by them: it stays to the end.)"""
+    import contextlib
+    import gc
+
+    main = sys.modules.get("__main__")
+    if main is None:
+        return
+    namespace = main.__dict__
+    with contextlib.suppress(Exception):
+        for name in sorted(namespace, key=lambda n: not n.startswith("_")):
+            if name != "__builtins__":
+                namespace[name] = None
+        gc.collect()
