@@ -92,6 +92,7 @@ def wait_policy() -> dict[str, str]:
 def observe_frac(work: Path) -> float:
     """The newest run's ``observe_frac`` (summary.json): the share of rank 0's steady steps its
     observation's own hooks took, measured inside the script's process."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # not in the log
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
