@@ -910,9 +910,10 @@ def test_a_script_runs_as_under_python_one_frame_above_the_bottom(tmp_path, stor
 
 # A script's end as python makes it: its own annotations (no __future__ of ddplab's), its
 # __builtins__ the module, its non-daemon thread and executor finished, then its atexit
-# handler, its unclosed file flushed, its temporary file deleted and its __del__ run.
+# handler, its unclosed file flushed, its temporary file deleted and its __del__ run (with its
+# globals still there).
 ENDS = '''
-import atexit, builtins, concurrent.futures, sys, tempfile, threading, time
+import atexit, builtins, concurrent.futures, multiprocessing, sys, tempfile, threading, time
 def f(x: int) -> int:
     return x
 print("ANNOTATIONS", f.__annotations__["x"] is int, __builtins__ is builtins)
@@ -926,8 +927,9 @@ log = open("log.txt", "w")
 log.write("unclosed\\n")
 tmp = tempfile.NamedTemporaryFile(dir=".", prefix="tmp-", delete=True)
 class Held:
-    def __del__(self):
-        print("DEL", flush=True)
+    def __del__(self):  # uses a global: python finalises it while its globals are still there
+        sys.stdout.write("DEL\\n")
+        sys.stdout.flush()
 held = Held()
 '''
 HOOKED = '''

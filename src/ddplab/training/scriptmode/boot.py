@@ -17,8 +17,8 @@ from ddplab.training.scriptmode import child
 
 _script = child.prepare(sys.argv[1:])
 try:
-    _code, _namespace = child.main_module(_script)
-    exec(_code, _namespace)  # noqa: S102 - the user's script, as python runs it
+    # (no name of this file's holds the script's code or globals: they are let go at its end)
+    exec(*child.main_module(_script))  # noqa: S102 - the user's script, as python runs it
 except BaseException as _e:  # noqa: BLE001 - the script's failure: shown once, kept in the run
     child.end(child.failed(_e))
 child.end(child.returned())

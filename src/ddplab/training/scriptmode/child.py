@@ -252,6 +252,7 @@ def failed(e: BaseException) -> int:
             heartbeat.failed(f"SystemExit: {e.code}")
         else:
             heartbeat.beat("done")
+        e.__traceback__ = None  # (its frames would hold the script's globals past its end)
         return code
     import signal
 
@@ -272,6 +273,7 @@ def failed(e: BaseException) -> int:
             sys.excepthook(type(e), e, tb or e.__traceback__)
         except Exception:  # noqa: BLE001 - a hook that fails: python's own words then
             sys.stderr.write(text)
+    e.__traceback__ = None  # (its frames would hold the script's globals past its end)
     return 130 if isinstance(e, KeyboardInterrupt) else 1
 
 
@@ -369,7 +371,8 @@ def _exit(code: int) -> NoReturn:
 
     try:
         if code == 0:
-            with contextlib.suppress(Exception):
+            # (Ctrl-C while it waits: python goes on to the atexit handlers, so does this)
+            with contextlib.suppress(BaseException):
                 threading._shutdown()  # type: ignore[attr-defined] # python's own first step
         atexit._run_exitfuncs()
         if code == 0:
@@ -384,19 +387,58 @@ def _exit(code: int) -> NoReturn:
 
 
 def _let_go_of_main() -> None:
-    """The script's globals let go as python's teardown lets go of a module still alive: each
-    set to None (the names with a leading underscore first), then garbage collected, so what
-    only they held is finalised. (The process group is held by torch.distributed itself, not
-    by them: it stays to the end.)"""
+    """The script's globals let go as python's teardown lets go of ``__main__``: first only
+    dropped, so what nothing else holds is finalised with the globals still there (a ``__del__``
+    that uses them works); then, where something still holds them (ddplab's observation holds
+    the model, whose class's methods hold the globals), each set to None, the names with a
+    leading underscore first, and collected again. (The process group is held by
+    torch.distributed itself, not by them: it stays to the end.)"""
     import contextlib
     import gc
+    import weakref
 
-    main = sys.modules.get("__main__")
+    main = sys.modules.pop("__main__", None)
     if main is None:
         return
-    namespace = main.__dict__
+    for alias in [k for k, v in sys.modules.items() if v is main]:  # multiprocessing's __mp_main__
+        del sys.modules[alias]
     with contextlib.suppress(Exception):
+        namespace = main.__dict__
+        _flush_files(namespace)
+        ties = [weakref.ref(main), *(weakref.ref(f) for f in _functions_of(namespace))]
+        del main, namespace
+        gc.collect()
+        left = next((t() for t in ties if t() is not None), None)
+        if left is None:
+            return
+        namespace = left.__dict__ if isinstance(left, types.ModuleType) else left.__globals__
+        del left
         for name in sorted(namespace, key=lambda n: not n.startswith("_")):
             if name != "__builtins__":
                 namespace[name] = None
         gc.collect()
+
+
+def _flush_files(namespace: dict[str, Any]) -> None:
+    """The script's open files flushed: one collected within a cycle can lose what its buffer
+    held (CPython's bpo-17852), where python's teardown drops ``__main__``'s files by reference
+    counts. (A function of its own: no name here may outlive it and hold a global.)"""
+    for value in list(namespace.values()):
+        if isinstance(value, io.IOBase) and not value.closed:
+            try:
+                value.flush()
+            except Exception:  # noqa: BLE001, S112 - a file that cannot flush: as at python's end
+                continue
+
+
+def _functions_of(namespace: dict[str, Any]) -> list[Any]:
+    """The script's own functions and methods (their globals are ``namespace``): what may keep
+    the globals alive once the module is gone."""
+    found = []
+    for value in list(namespace.values()):
+        members = list(vars(value).values()) if isinstance(value, type) else [value]
+        for member in members:
+            member = getattr(member, "__func__", member)  # staticmethod, classmethod
+            if isinstance(member, types.FunctionType) and member.__globals__ is namespace:
+                found.append(member)
+    return found
