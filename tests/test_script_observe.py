@@ -931,3 +931,27 @@ def test_a_script_runs_mfu_above_the_peak_is_a_warning_on_its_console(tmp_path):
     assert res.returncode == 0, err[-3000:]
     assert "warning: perf/mfu" in err and "is above the peak (" in err and "says nothing" in err, \
         err[-3000:]
+
+
+def test_a_loader_with_persistent_workers_makes_an_epoch_of_each_pass_of_its_one_iterator(
+        monkeypatch):
+    """Such a loader resets its one iterator each pass (``iter(loader)`` gives it again):
+    without set_epoch, every pass after the first was counted in the first epoch (a hostile
+    pass: epoch/epoch 1 where the same script without workers had 2)."""
+    clock = _host_clock(monkeypatch)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    it = LoaderIter()
+    for steps in (3, 2, 2):
+        obs.loader_reset(it)  # (what the hooked _reset says on every pass but the first)
+        clock[0] += 0.5
+        for _ in range(steps):
+            clock[0] += 1.0
+            obs.batch(it, torch.zeros(8, 4), 0.1)
+            _train_step(obs, model, opt, 8)
+        obs.loader_done(it)
+        clock[0] += 4.0
+    obs.finish()
+    assert [(e["epoch"], e["steps"]) for e in obs.totals.epochs] == [(1, 3), (2, 2), (3, 2)]

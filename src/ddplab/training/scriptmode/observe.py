@@ -531,7 +531,8 @@ class Observer:
         the one after the last ran out) starts an epoch, when no sampler's set_epoch does."""
         new = feeding() if feeding is not None else None
         old = self.feeding() if self.feeding is not None else None
-        if self.sampler_epochs or new is None or new is old:
+        # (the same iterator after it ran out: a loader with persistent workers resets it)
+        if self.sampler_epochs or new is None or (new is old and not self.ran_out):
             return
         if self.feeding is None:
             self._start_epoch(0, self.iter_start)
@@ -582,6 +583,12 @@ class Observer:
         if self.totals.steps and not (self.t_forward or self.t_backward or self.past_training) \
                 and self.evaluated is None and self.held is None:
             self._beat("data loading" if inside else OUTSIDE_LOADER, self.totals.steps + 1)
+
+    def loader_reset(self, it: Any) -> None:
+        """``iter(loader)`` gave ``it`` again (a loader with persistent workers resets its one
+        iterator each pass): its next batch starts a pass, as a new iterator's does."""
+        if self.last_iter is not None and self.last_iter() is it:
+            self.last_iter = None
 
     def loader_done(self, it: Any) -> None:
         """The data loader iterator ``it`` ran out (its workers shut down first). The one
@@ -1141,6 +1148,17 @@ def _hooks(obs: Observer) -> None:
         loader_iter(self, *args, **kwargs)
 
     _BaseDataLoaderIter.__init__ = observed_iter  # type: ignore[method-assign]
+    loader_reset = _BaseDataLoaderIter._reset
+
+    @functools.wraps(loader_reset)
+    def observed_reset(self: Any, *args: Any, **kwargs: Any) -> None:
+        with contextlib.suppress(Exception):
+            setattr(self, CREATED, time.perf_counter())  # (a persistent loader's next pass)
+        loader_reset(self, *args, **kwargs)
+        if not kwargs.get("first_iter", args[1] if len(args) > 1 else False):
+            obs.loader_reset(self)
+
+    _BaseDataLoaderIter._reset = observed_reset  # type: ignore[method-assign]
 
     import torch.distributed as dist
 
