@@ -15,10 +15,11 @@ import sys
 
 from ddplab.training.scriptmode import child
 
-_script = child.prepare(sys.argv[1:])
-try:
-    # (no name of this file's holds the script's code or globals: they are let go at its end)
-    exec(*child.main_module(_script))  # noqa: S102 - the user's script, as python runs it
-except BaseException as _e:  # noqa: BLE001 - the script's failure: shown once, kept in the run
-    child.end(child.failed(_e))
-child.end(child.returned())
+if __name__ == "__main__":  # (an `if` adds no frame; importing this file runs nothing)
+    _script = child.prepare(sys.argv[1:])
+    try:
+        # (no name of this file's holds the script's code or globals: they are let go at its end)
+        exec(*child.main_module(_script))  # noqa: S102 - the user's script, as python runs it
+    except BaseException as _e:  # noqa: BLE001 - the script's failure: shown once, kept in the run
+        child.end(child.failed(_e))
+    child.end(child.returned())
