@@ -95,6 +95,42 @@ def test_a_signal_while_the_failure_is_recorded_cannot_erase_it(tmp_path, monkey
     assert "RuntimeError: Connection closed by peer" in r.data.tags["ddplab.error"]
 
 
+def test_a_sigterm_that_cuts_a_checkpoint_write_is_recorded_as_the_stop_not_the_write(
+        tmp_path, monkeypatch):
+    """A peer died and torchrun's SIGTERM reached rank 0 inside torch.save: the run's error was
+    the cut write's "CheckpointError: could not write ... (unexpected pos ...)", which the
+    verdict took for the cause and named rank 0 instead of the dead peer (seen in CI). The
+    rank's error is the stop's, which the verdict knows for a consequence; no half file stays."""
+    import os
+    import signal
+
+    import pytest
+    import torch
+
+    from ddplab.forensics.watch import is_secondary
+    from ddplab.training.jobend import Terminated
+
+    store = lone_job(tmp_path, monkeypatch)
+
+    class SigtermWhilePickled:
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at the next bytecode: mid-write
+            return (int, (0,))
+
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real_save(
+        {**obj, "cut": SigtermWhilePickled()}, f, *a, **k))
+    with pytest.raises(Terminated, match="terminated by SIGTERM"):
+        run.train(str(REPO / "experiments" / "quickstart.yaml"),
+                  ["data.train_samples=128", "data.eval_samples=32", "checkpoint.every_steps=2",
+                   "tracking.system_metrics=false"])
+    (r,) = runs(store)
+    error = r.data.tags["ddplab.error"]
+    assert r.info.status == "FAILED" and error.startswith("Terminated: terminated by SIGTERM"), error
+    assert is_secondary(error) and "could not write" not in error
+    assert not list(tmp_path.rglob("*.pt.tmp")) and not list(tmp_path.rglob("step-*.pt"))
+
+
 def test_summary_json_stays_json_with_nan_and_inf():
     import json
 

@@ -8,6 +8,10 @@ one-line summary, then its traceback (cli.py).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 
 class DdplabError(Exception):
     """A failure named in one line: what, where, and what to do."""
@@ -19,3 +23,20 @@ class BadInput(DdplabError):
     """Bad input, refused before anything ran: exit 2, like argparse."""
 
     exit_code = 2
+
+
+
+def chain(e: BaseException) -> list[BaseException]:
+    """``e``, then what it was raised from or while handling (``__cause__``, else
+    ``__context__``), and so on: the reasons under a wrapper's error."""
+    found: list[BaseException] = []
+    seen: BaseException | None = e
+    while seen is not None and all(seen is not c for c in found):  # (a chain may loop back)
+        found.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return found
+
+
+def in_chain(e: BaseException, kind: type[E] | tuple[type[E], ...]) -> E | None:
+    """The first exception of ``kind`` in ``e``'s chain."""
+    return next((c for c in chain(e) if isinstance(c, kind)), None)

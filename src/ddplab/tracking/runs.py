@@ -38,6 +38,10 @@ class JobSignals(Protocol):
         """From here on no signal interrupts: the run's ending must reach the store."""
         ...
 
+    def cause(self, e: BaseException) -> BaseException:
+        """Why the rank ends: the signal's exception when ``e`` came of it, else ``e``."""
+        ...
+
 
 @contextlib.contextmanager
 def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_run_id: str,
@@ -93,6 +97,7 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
         # this rank's own collective failed) would cut this block and leave the run FAILED
         # with no error recorded (seen in CI).
         signals.shield()
+        e = signals.cause(e)  # (a write the launcher's SIGTERM cut short: the stop, not the write)
         status = getattr(e, "status", None) or signals.status()
         # (ddplab's own errors say what happened in their line: its frames are no help)
         error = getattr(e, "detail", None) or (

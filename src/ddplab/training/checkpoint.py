@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed.group import share_from_rank0
-from ..errors import DdplabError
+from ..errors import DdplabError, in_chain
 from . import strategy
+from .jobend import Terminated
 from .loop import TrainState
 
 if TYPE_CHECKING:
@@ -184,17 +185,6 @@ class CorruptCheckpoint(CheckpointError, ValueError):
     """A partial or unreadable checkpoint file."""
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    """torch.save reports a full disk as a RuntimeError from its zip writer, raised while
-    handling the OSError that says what happened: the OSError is the reason to give."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return e
-
-
 def write_atomic(payload: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -206,7 +196,14 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
         os.replace(tmp, path)
     except Exception as e:
         tmp.unlink(missing_ok=True)  # a full disk must not also leave half a checkpoint behind
-        cause = _root_cause(e)
+        stop = in_chain(e, (Terminated, KeyboardInterrupt))
+        if stop is not None:
+            # The launcher's SIGTERM cut the write (a peer died): that is why this rank ends,
+            # not the zip writer's "unexpected pos" it left behind.
+            raise stop from None
+        # (torch.save reports a full disk as a RuntimeError from its zip writer, raised while
+        # handling the OSError that says what happened: the OSError is the reason to give)
+        cause = in_chain(e, OSError) or e
         why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)[:200]
         raise CheckpointError(f"checkpoint.dir: could not write {path} ({why})") from e
     dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import tracking
 from ..ccl import handlers
-from ..errors import DdplabError
+from ..errors import DdplabError, chain
 from ..files import write_text_atomic
 
 
@@ -32,6 +32,7 @@ class Signals:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.raised: BaseException | None = None
         self.previous: dict[int, Any] = {}
         self.run: tracking.NullTracker | None = None
         self.holding = False
@@ -63,6 +64,7 @@ class Signals:
             e = Terminated("terminated by SIGHUP (the terminal or ssh session closed)")
         else:
             e = Terminated(f"terminated by SIGTERM ({who_stops(os.environ)})")
+        self.raised = e
         if self.holding:
             self.pending = e
             return
@@ -81,6 +83,15 @@ class Signals:
         pending, self.pending = self.pending, None
         if pending is not None:
             raise pending
+
+    def cause(self, e: BaseException) -> BaseException:
+        """Why the rank ends: the first signal's exception when ``e`` came of it (what the signal
+        cut short raised an error of its own: a checkpoint's write, a collective's), else ``e``.
+        Recorded as the error, a stop reads as one (forensics' SECONDARY), never as a cause
+        that outranks the peer whose death made the launcher stop this rank."""
+        if self.raised is None:
+            return e
+        return next((c for c in chain(e) if c is self.raised), e)
 
     def status(self) -> str:
         """Ctrl-C and a closed terminal stop the job (KILLED); SIGTERM is also how launchers end
