@@ -939,6 +939,32 @@ raise ValueError("boom")
 '''
 
 
+def test_a_rank_held_past_its_script_by_a_thread_says_which_thread(capfd, monkeypatch):
+    """python waits at a script's end for its non-daemon threads, forever if one never ends,
+    while the rank's heartbeat says "done": no hang for the watch. The rank says which thread
+    holds it, then again while it does, and nothing once it is free."""
+    import threading
+
+    from ddplab.training.scriptmode import child
+
+    monkeypatch.setenv("RANK", "1")
+    release = threading.Event()
+    uploader = threading.Thread(target=release.wait, name="uploader")
+    uploader.start()
+    try:
+        child._say_who_holds_the_end((0.2, 0.3))
+        time.sleep(0.65)  # said at 0.2 s and 0.5 s
+    finally:
+        release.set()
+        uploader.join()
+    time.sleep(0.5)  # free: nothing more is said
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ddplab:")]
+    assert said == ["ddplab: rank 1's script has ended; its process waits for its non-daemon "
+                    "thread 'uploader', as python does (Ctrl-C stops the job)"] * 2, said
+    child._say_who_holds_the_end((0.0, 0.0))  # no thread holds it: no watcher either
+    assert not [t for t in threading.enumerate() if t.name == "ddplab-end-held"]
+
+
 @pytest.mark.e2e
 def test_a_script_ends_as_under_python_and_its_excepthook_shows_its_failure(tmp_path, store):
     """What python does at a script's end, ddplab's script process does before it ends without

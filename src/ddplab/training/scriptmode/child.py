@@ -371,6 +371,7 @@ def _exit(code: int) -> NoReturn:
 
     try:
         if code == 0:
+            _say_who_holds_the_end()
             # (Ctrl-C while it waits: python goes on to the atexit handlers, so does this)
             with contextlib.suppress(BaseException):
                 threading._shutdown()  # type: ignore[attr-defined] # python's own first step
@@ -384,6 +385,37 @@ def _exit(code: int) -> NoReturn:
             ccl.release_shm()
         flush_std()
         os._exit(code)
+
+
+HOLD_SAY_S = (30.0, 300.0)
+"""When a rank whose script ended still waits for its threads says so: first, then again."""
+
+
+def _say_who_holds_the_end(say_s: tuple[float, float] = HOLD_SAY_S) -> None:
+    """python waits for a script's non-daemon threads at its end, forever if one never ends
+    (under plain torchrun too), while the rank's heartbeat says its script is done: no hang the
+    watch can tell from a long final upload. Said on stderr, which threads hold the rank."""
+    def held() -> list[str]:
+        return [t.name for t in threading.enumerate()
+                if not t.daemon and t is not threading.main_thread() and t.is_alive()]
+
+    def say() -> None:
+        wait = say_s[0]
+        while True:
+            time.sleep(wait)
+            names = held()
+            if not names:
+                return
+            s = "" if len(names) == 1 else "s"
+            sys.stderr.write(
+                f"ddplab: rank {os.environ.get('RANK', '0')}'s script has ended; its process "
+                f"waits for its non-daemon thread{s} {', '.join(map(repr, names))}, as python "
+                "does (Ctrl-C stops the job)\n")
+            sys.stderr.flush()
+            wait = say_s[1]
+
+    if held():
+        threading.Thread(target=say, daemon=True, name="ddplab-end-held").start()
 
 
 def _let_go_of_main() -> None:
