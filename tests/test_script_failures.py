@@ -257,6 +257,15 @@ def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path
     both = ChildFailedError("ddplab", {1: failure, 0: ProcessFailure(0, 2, 1, str(error_file))})
     assert local.failed(both) == 1
     assert capsys.readouterr().err.strip().startswith("ddplab: error: ranks 0,1 failed (exit code 1)")
+    # Rank 0 exits 1 too, stopped by torchrun's SIGTERM after rank 1 failed: not blamed with it
+    stopped_file = tmp_path / "stopped.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(stopped_file))
+    cli._tell_torchrun(ScriptFailed("rank 0 (host h): terminated by SIGTERM", "",
+                                    "terminated by SIGTERM (a peer rank failed)", 101.0))
+    stopped = ChildFailedError("ddplab", {1: failure, 0: ProcessFailure(0, 2, 1, str(stopped_file))})
+    assert local.failed(stopped) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ddplab: error: rank 1 failed (exit code 1): ValueError: bad batch"], err
     killed = ChildFailedError("ddplab", {0: ProcessFailure(0, 1, -9, str(tmp_path / "none"))})
     assert local.failed(killed) == 128 + 9
     assert capsys.readouterr().err.strip() == "ddplab: error: rank 0 was killed by SIGKILL"

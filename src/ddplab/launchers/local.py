@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from ..config import ExperimentConfig
 
@@ -186,22 +186,29 @@ def failed(e: ChildFailedError) -> int:
 
     rank, first = e.get_first_failure()
     code = first.exitcode
-    message = first.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    said = str(message or "").strip().splitlines()
-    why = said[0][:300] if said and not said[0].startswith("To enable traceback") else ""
+    why = _said(first)
     if code < 0:
         name = first.signal_name()
         logger().error(f"rank {rank} was killed by {name}{f' ({why})' if why and name not in why else ''}")
         return 128 - code
     # Every rank that failed alike, as the verdict above it says ("ranks 0,1 ... each failed"),
-    # not only the one torchrun saw first.
-    alike = sorted({rank, *(r for r, f in e.failures.items() if f.exitcode == code)})
+    # not only the one torchrun saw first; not one that exited with the same code for another
+    # reason (stopped by torchrun's SIGTERM after this one failed).
+    alike = sorted({rank, *(r for r, f in e.failures.items()
+                            if f.exitcode == code and _said(f) == why)})
     who = f"rank {rank}" if len(alike) == 1 else f"ranks {','.join(map(str, alike))}"
     logger().error(f"{who} {'refused the job' if code == 2 else 'failed'} (exit code "
                    f"{code}){f': {why}' if why else ''}")
     return code
+
+
+def _said(failure: ProcessFailure) -> str:
+    """The first line of what a rank said of its failure (its error file), "" if nothing."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    said = str(message or "").strip().splitlines()
+    return said[0][:300] if said and not said[0].startswith("To enable traceback") else ""
 
 
 if __name__ == "__main__":
