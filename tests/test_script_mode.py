@@ -291,6 +291,15 @@ def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp
                                                           "ddplab.error"))}, run.data.tags
     aside = [a.path for a in client.list_artifacts(run.info.run_id, "resumes")]
     assert any(p.startswith("resumes/error-before-step") for p in aside), aside
+    # A rerun lines up with the script's own series, not with ddplab's observed ones, whose step
+    # axis went on counting from the failed attempt while the script went back to its epoch 2:
+    # reproduce said "differs" on epoch/epoch, every value the script logged being bitwise equal.
+    assert "epoch/epoch" in run.data.tags["ddplab.observed"].split(","), run.data.tags
+    rerun = subprocess.run([str(Path(sys.executable).parent / "ddplab"), "reproduce",
+                            run.info.run_id], cwd=tmp_path, env=job_env(store),
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and ": bitwise (" in rerun.stdout, rerun.stdout + rerun.stderr[-3000:]
+    assert "as the run was resumed: ddplab's observed epoch/epoch" in rerun.stdout, rerun.stdout
 
 
 # A script whose own train/loss is one value at step 0 (mlflow.log_metric without a step, after

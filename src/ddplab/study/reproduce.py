@@ -22,8 +22,8 @@ A script-mode run (``ddplab train my_train.py``) is reproduced the same way: its
 arguments run again, and every metric the script logged is compared (``train/loss`` too, which
 ddplab observes for scripts) but those that vary run to run (:func:`varies_run_to_run`:
 timings, memory, throughput, the machine's load: a seeded Hugging Face Trainer's loss comes back
-bitwise, its ``train_runtime`` never does); a script whose file changed since the run is named
-(``--strict``: refused).
+bitwise, its ``train_runtime`` never does), and of a resumed run not what ddplab observed
+(``shifted_keys``); a script whose file changed since the run is named (``--strict``: refused).
 
 A run that FAILED is said to have failed before it runs again; then the verdict is whether the
 failure came back: ``failed_again`` (the rerun failed with the same first line of
@@ -70,10 +70,23 @@ def _series(client: Any, run_id: str, key: str) -> dict[int, float]:
 
 def compared_keys(run: Any) -> tuple[str, ...]:
     """ddplab's loop: its loss and eval metrics; a script: whatever the script logged (and
-    ddplab observed: train/loss), but what varies run to run."""
+    ddplab observed: train/loss), but what varies run to run and what a resume shifted."""
     if run.data.tags.get(schema.MODE) != "script":
         return COMPARED
-    return tuple(sorted(k for k in run.data.metrics if not varies_run_to_run(k)))
+    return tuple(sorted(k for k in run.data.metrics
+                        if not varies_run_to_run(k) and k not in shifted_keys(run)))
+
+
+def shifted_keys(run: Any) -> tuple[str, ...]:
+    """A resumed script run's series that ddplab observed: on ddplab's step axis, which went on
+    counting where the failed attempt stopped while the script went back to its own checkpoint
+    (its steps since then are on the axis twice as far); a fresh rerun's cannot line up. The
+    script's own series stay compared."""
+    tags = run.data.tags
+    if tags.get(schema.MODE) != "script" or tags.get(schema.RESUMED_FROM, "none") == "none":
+        return ()
+    observed = [k for k in tags.get(schema.OBSERVED, "").split(",") if k]
+    return tuple(sorted(k for k in observed if k in run.data.metrics and not varies_run_to_run(k)))
 
 
 def varying_keys(run: Any) -> tuple[str, ...]:
@@ -363,17 +376,25 @@ def _judge(client: Any, run: Any, new: str, code: int, because: str = "") -> int
     varying = _rows(client, run_id, new, varying_keys(run)) if code == 0 else []
     client.set_tag(new, schema.REPRODUCE_VERDICT, verdict)
     client.log_text(new, _csv(rows, varying), CSV)
+    shifted = _shifted(run)
     if verdict == NOTHING:
         what = (f"only values that vary run to run, {len(varying)} reported in {CSV}, never "
                 "compared" if varying else "no metric reproduce compares")
-        print(f"reproduce {run_id} -> {new}: {NOTHING} (the run logged {what})")
+        print(f"reproduce {run_id} -> {new}: {NOTHING} (the run logged {what}{shifted})")
     elif code:
         print(f"reproduce {run_id} -> {new}: differs (the job exited {code}: "
               f"{_rerun_error(client, new)}; nothing compared{because})")
     else:
         why = because if verdict == "differs" else ""  # (the script edited since, say)
-        print(f"reproduce {run_id} -> {new}: {verdict} ({_summary(rows, varying, new)}{why})")
+        print(f"reproduce {run_id} -> {new}: {verdict} ({_summary(rows, varying, new)}{why}"
+              f"{shifted})")
     return 0 if verdict != "differs" else 1
+
+
+def _shifted(run: Any) -> str:
+    keys = shifted_keys(run)
+    return (f"; not compared, as the run was resumed: ddplab's observed {', '.join(keys)}, on "
+            "a step axis the script's own resume shifted" if keys else "")
 
 
 def _csv(rows: list[Row], varying: list[Row]) -> str:

@@ -99,6 +99,10 @@ SCRIPT_OTHER_RUNS = "ddplab.script_other_runs"
 OBSERVED_MIXED = "ddplab.observed_mixed"
 """Names under which the observation's values went into the run before the script (any rank)
 logged the same name itself: their series holds both (a comma-separated list)."""
+OBSERVED = "ddplab.observed"
+"""The names under which script mode's observation logged series into the run, on ddplab's own
+step axis (its count of the script's optimizer steps), not the script's (a comma-separated
+list): a script that resumes from its own checkpoint repeats steps that axis counts on."""
 JOB_RUN_ID = "ddplab.job_run_id"
 JOB_TRACKING_URI = "ddplab.job_tracking_uri"
 

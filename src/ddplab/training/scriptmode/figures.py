@@ -73,7 +73,10 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     if zero.get("clock"):
         tags[schema.SCRIPT_CLOCK] = str(zero["clock"])
     fig = Figures(metrics=metrics, tags=tags, step=int(zero["steps"]))
-    fig.mixed = sorted(own & set(zero.get("sent_names") or []))
+    sent = set(zero.get("sent_names") or [])
+    fig.mixed = sorted(own & sent)
+    if sent - own:
+        fig.tags[schema.OBSERVED] = ",".join(sorted(sent - own))
     if fig.mixed:
         fig.tags[schema.OBSERVED_MIXED] = ",".join(fig.mixed)
     pending = zero.get("pending")
