@@ -27,13 +27,15 @@ class BadInput(DdplabError):
 
 
 def chain(e: BaseException) -> list[BaseException]:
-    """``e``, then what it was raised from or while handling (``__cause__``, else
-    ``__context__``), and so on: the reasons under a wrapper's error."""
+    """``e``, then what it was raised from or while handling, and so on, as python's traceback
+    shows them: the reasons under a wrapper's error (``__cause__``; else ``__context__``, unless
+    ``raise ... from None`` set it aside: an error that replaced the one it handled on purpose,
+    a verdict raised on a signal)."""
     found: list[BaseException] = []
     seen: BaseException | None = e
     while seen is not None and all(seen is not c for c in found):  # (a chain may loop back)
         found.append(seen)
-        seen = seen.__cause__ or seen.__context__
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
     return found
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrackingConfig
-from ..errors import DdplabError, chain
+from ..errors import DdplabError
 
 
 class TrackingError(DdplabError, RuntimeError):
@@ -281,7 +281,10 @@ def _not_a_database(uri: str, said: str) -> str:
 def unusable(e: BaseException, uri: str, schema_only: bool = False) -> StoreUnusable | None:
     """What MLflow or SQLite raised on opening ``uri``, as one line, when it says the store is
     unusable as it is (SCHEMA_MISMATCH; unless ``schema_only``, NOT_A_DATABASE); else None."""
-    for cause in chain(e):
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
         text = str(cause)
         said_there = re.search(r"\bStoreUnusable: (.+)", text)  # the delivery process's answer
         if said_there:
@@ -292,6 +295,7 @@ def unusable(e: BaseException, uri: str, schema_only: bool = False) -> StoreUnus
         said = next((s for s in NOT_A_DATABASE if s in text), "")
         if said and not schema_only:
             return StoreUnusable(_not_a_database(uri, said))
+        cause = cause.__cause__ or cause.__context__
     return None
 
 
