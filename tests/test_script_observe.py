@@ -955,3 +955,67 @@ def test_a_loader_with_persistent_workers_makes_an_epoch_of_each_pass_of_its_one
         clock[0] += 4.0
     obs.finish()
     assert [(e["epoch"], e["steps"]) for e in obs.totals.epochs] == [(1, 3), (2, 2), (3, 2)]
+
+
+def test_only_forwards_a_backward_reaches_are_training_and_one_batch_seen_twice_counts_once():
+    """Hostile pass: a script scoring its validation set each epoch without torch.no_grad() or
+    model.eval() had those forwards counted as the next step's samples (7x the samples/s) and
+    time; a two-view step without a DataLoader (``model(x + a)``, ``model(x - a)``, one loss)
+    counted each sample twice. Real hooks, in a process of its own: which forwards a backward
+    reached is what the outputs' gradient hooks say."""
+    code = """
+import time, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from ddplab.training.scriptmode import observe
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+
+class Slow(nn.Module):  # the validation batches (of 128) take 50 ms each
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    def forward(self, x):
+        if x.shape[0] == 128:
+            time.sleep(0.05)
+        return self.net(x)
+
+torch.manual_seed(0)
+model = Slow()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+train = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=16)
+val = DataLoader(TensorDataset(torch.randn(512, 4)), batch_size=128)
+for epoch in range(3):
+    for (x,) in train:
+        loss = model(x).pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+    score = sum(model(v).pow(2).mean().item() for (v,) in val)  # gradients on, train mode
+t = obs.totals
+print("evaluated", t.steps, t.samples, round(t.forward_s, 3), round(t.steady_s, 3))
+
+X = torch.randn(96, 4)
+for case in ("two views", "micro-batches"):
+    obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+    observe._hooks(obs)
+    for i in range(0, 96, 32):
+        opt.zero_grad()
+        if case == "two views":  # of one slice, one loss: 32 samples a step
+            z1, z2 = model(X[i:i + 32] + 0.1), model(X[i:i + 32] - 0.1)
+            ((z1 - z2).pow(2).mean() + z1.pow(2).mean()).backward()
+        else:  # 4 micro-batches of 8, a backward each (gradient accumulation): 32 a step
+            for j in range(i, i + 32, 8):
+                model(X[j:j + 8]).pow(2).mean().backward()
+        opt.step()
+    print(case, obs.totals.steps, obs.totals.samples)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    _, steps, samples, forward_s, steady_s = lines[0].split()
+    assert (int(steps), int(samples)) == (12, 3 * 64), lines
+    # Each epoch's first step starts at its training forward; its data wait after the last
+    # validation forward: of the 0.6 s of validation, one forward (50 ms) an epoch, at most.
+    assert float(forward_s) < 0.1 and float(steady_s) < 0.1 + 2 * 0.05 + 0.2, lines
+    assert lines[1:] == ["two views 3 96", "micro-batches 3 96"], lines

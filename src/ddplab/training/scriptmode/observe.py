@@ -83,6 +83,25 @@ CREATED = "_ddplab_created"
 set_epoch starts there, its workers' start included)."""
 FINISH_PATIENCE_S = 10.0
 """At the script's end, how long its last steps' marks are waited for."""
+UNSEEN, UNREACHED = -1, 0
+"""A forward's ``Forward.reached``: no output of it could be watched (not a tensor that
+requires grad); none of its outputs got a gradient yet. Above 0: the number of the backward
+that reached it."""
+OUTPUTS_WATCHED = 8
+"""At most this many of a forward's output tensors get a gradient hook (the loss may use
+any: Hugging Face's ``loss`` or ``logits``, a detector's several heads)."""
+
+
+@dataclass
+class Forward:
+    """One of the step's forwards of the model (gradients on, train mode)."""
+
+    rows: int
+    at: float
+    mark: Any
+    loaded: int
+    """what the data loaders had given since the last step, this forward's batch included"""
+    reached: int = UNSEEN
 
 
 @dataclass
@@ -180,6 +199,10 @@ class Observer:
         self.step_end = 0.0  # the previous step's end (0: none yet)
         self.t_forward = self.t_backward = 0.0
         self.samples = 0
+        # the step's forwards, whose outputs' gradient hooks say which ones a backward reached:
+        # one none reached is no training (an evaluation with gradients on, in train mode)
+        self.forwards: list[Forward] = []
+        self.backwards = 0  # backwards seen (their number: which forwards each one reached)
         # samples the script's data loaders gave since the last step: a bound on the step's
         # forwards' count (a GAN's discriminator sees each real batch and two fake ones)
         self.loaded = 0
@@ -209,6 +232,7 @@ class Observer:
         self.outer: torch.nn.Module | None = None
         self.found: Any = None  # the hook on a model found by its first call (no DDP/FSDP)
         self.hooked: Any = None  # the forward pre-hook on the model (self.outer)
+        self.done: Any = None  # its forward hook (forward_done)
         # the pre-hook on the model's first sequence-first module (an LSTM, a Transformer
         # layer without batch_first): its input's second dimension is the batch
         self.seq_hook: Any = None
@@ -286,10 +310,31 @@ class Observer:
         if not self.t_forward:
             self._begin(now, self._mark())
             self._beat("forward", None)
+            mark = self.m_forward
+        else:  # (a mark only before the step's first backward: where an evaluation may end)
+            mark = self._mark() if not self.t_backward else None
         rows = _batch_size(args, kwargs)
         self._rows(rows)
+        self.forwards.append(Forward(rows, now, mark, self.loaded))
         if self.seq_hook is not None:
             self.seq_pending = (rows, call)
+
+    def forward_done(self, module: torch.nn.Module, output: Any) -> None:
+        """A forward hook of the model: gradient hooks on its output tensors, which say whether
+        a backward reaches this forward (``Forward.reached``)."""
+        if module is not self.outer or not self.forwards or not torch.is_grad_enabled():
+            return
+        forward = self.forwards[-1]
+        if forward.reached != UNSEEN:
+            return  # (the step's forward was a model inside it)
+        for t in _grad_tensors(output, OUTPUTS_WATCHED):
+            t.register_hook(functools.partial(self._reached, forward))
+            forward.reached = max(forward.reached, UNREACHED)  # (watched, once a hook is on)
+
+    def _reached(self, forward: Forward, grad: torch.Tensor) -> None:
+        """A backward reached an output of ``forward`` (in the autograd engine's thread)."""
+        if forward.reached <= 0:
+            forward.reached = max(self.backwards, 1)
 
     def _dtype_inside(self, model: torch.nn.Module, device: torch.device) -> None:
         """Autocast entered inside the model (Accelerate's and Hugging Face Trainer's wrapped
@@ -323,6 +368,8 @@ class Observer:
         if not batch or batch == rows:  # (a batch-first input, transposed inside: as it was)
             return
         self.samples += batch - rows
+        if self.forwards:
+            self.forwards[-1].rows = batch
         self.fewest = batch if self.fewest in (0, rows) else min(self.fewest, batch)
         if call is not None:  # one sample is a slice of the second dimension
             first_args, first_kwargs = call
@@ -336,6 +383,7 @@ class Observer:
                 self._begin(at, mark)
             self._rows(samples)
             self.held = None
+        self.backwards += 1
         if not self.t_backward:
             self.t_backward = time.perf_counter()
             self.m_backward = self._mark()
@@ -402,6 +450,7 @@ class Observer:
         now = time.perf_counter()
         end = self._mark()
         self.t_backward = self.t_backward or now
+        self._trained_forwards()
         t = self.totals
         if not t.steps:
             self._lead_model()
@@ -426,6 +475,7 @@ class Observer:
             self._count(step, *step.host)
         self._read()
         self.step_end, self.t_forward, self.t_backward, self.samples = now, 0.0, 0.0, 0
+        self.forwards = []
         self.seq_pending = None
         self.loaded = self.fewest = 0
         self.in_loader = 0.0
@@ -437,6 +487,33 @@ class Observer:
         self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
         if t.steps - self.logged_step >= LOG_EVERY_STEPS:
             self.log_point()
+
+    def _trained_forwards(self) -> None:
+        """The step's samples and start from the forwards a backward reached. One none reached
+        is not training: its rows are not the step's (an evaluation with gradients on, in train
+        mode, counted ~7x the samples of a script evaluating each epoch), and when such forwards
+        came first, the step starts at its first forward a backward reached, its data wait after
+        the last of them (as after an evaluation in eval mode). Without a data loader to bound
+        them (_bounded), the forwards one backward reached count as the largest of them: one
+        batch seen twice (two augmented views, a GAN's real and fake) is one batch's samples;
+        each micro-batch's own backward still counts it."""
+        seen = [f for f in self.forwards if f.reached != UNSEEN]
+        reached = [f for f in seen if f.reached > 0]
+        if not reached:
+            return  # (nothing to tell by: every forward counts, as before)
+        before = self.forwards[:self.forwards.index(reached[0])]
+        if before and all(f.reached == UNREACHED for f in before):
+            self.step_end, self.t_forward = before[-1].at, reached[0].at
+            if before[-1].mark is not None and reached[0].mark is not None:
+                self.m_end, self.m_forward = before[-1].mark, reached[0].mark
+            # (the evaluation's batches are not this step's, nor a bound on the next one's)
+            self.loaded, self.credit = max(0, self.loaded - before[-1].loaded), 0
+        self.samples -= sum(f.rows for f in seen if f.reached == UNREACHED)
+        if not (self.loaded or self.credit):
+            largest: dict[int, int] = {}
+            for f in reached:
+                largest[f.reached] = max(largest.get(f.reached, 0), f.rows)
+            self.samples -= sum(f.rows for f in reached) - sum(largest.values())
 
     def _lead_model(self) -> None:
         """At the first step: the model is the DDP/FSDP whose parameters the leading optimizer
@@ -789,6 +866,23 @@ def _the_loss(tensors: Any) -> torch.Tensor | None:
     return None
 
 
+def _grad_tensors(value: Any, most: int, depth: int = 3) -> list[torch.Tensor]:
+    """Up to ``most`` tensors that require grad in a forward's output (a tensor; a tuple, list
+    or dict of them, Hugging Face's ModelOutput; nested ``depth`` deep)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if depth <= 0 or not isinstance(value, (list, tuple)):
+        return []
+    found: list[torch.Tensor] = []
+    for v in value[:most]:
+        found += _grad_tensors(v, most - len(found), depth - 1)
+        if len(found) >= most:
+            break
+    return found
+
+
 def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Samples in a forward's arguments: the first dimension of the first tensor, looking into
     a Hugging Face batch passed whole (a dict) and Lightning's ``(batch, batch_idx)`` (a list or
@@ -1041,6 +1135,7 @@ def _hooks(obs: Observer) -> None:
         return run
 
     forward, backward_hook = timed(obs.forward), timed(obs.backward)
+    forward_done = timed(lambda module, args, output: obs.forward_done(module, output))
     sequence_batch = timed(lambda module, args: obs.sequence_batch(args))
     scale_hook, loaded, loader_done = timed(obs.scale), timed(obs.batch), timed(obs.loader_done)
     inside, outside = timed(lambda: obs.loading(True)), timed(lambda: obs.loading(False))
@@ -1060,11 +1155,12 @@ def _hooks(obs: Observer) -> None:
         """The script's model from now on: the samples, the forward's start and the FLOPs are
         its calls' (with their keyword arguments: ``model(**batch)``)."""
         anywhere.remove()
-        for hook in (obs.found, obs.hooked):  # found by its first call, then wrapped in DDP;
-            if hook is not None:  # or the first DDP built, not the one the lead optimizer steps
-                hook.remove()
+        for hook in (obs.found, obs.hooked, obs.done):  # found by its first call, then wrapped
+            if hook is not None:  # in DDP; or the first DDP built, not the one the lead
+                hook.remove()  # optimizer steps
         obs.outer = module
         obs.hooked = module.register_forward_pre_hook(forward, with_kwargs=True)
+        obs.done = module.register_forward_hook(forward_done)
         if obs.seq_hook is not None:
             obs.seq_hook.remove()
         seq = _sequence_first(module)
@@ -1215,6 +1311,7 @@ def _hooks(obs: Observer) -> None:
 
     def wrapper_done(module: Any, args: Any, output: Any) -> None:
         obs.wrapped = False
+        forward_done(obs.outer, args, output)
 
     after_import("torch._dynamo.eval_frame", compiled)
     # FSDP only once the script imports it: importing it here cost every script ~0.6 s and 600
