@@ -364,3 +364,21 @@ def test_a_script_studys_jobs_are_not_skipped_for_a_backend_the_script_does_not_
                      "--dry-run", "--set", "dist.backend=nccl"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "study.yaml: --set 'dist.backend': a script job reads only" in line, line
+
+
+def test_one_repeat_per_variant_warns_that_faster_or_slower_has_no_spread_behind_it(
+        tmp_path, store):
+    """A hostile pass: one repeat each, 6% apart on a shared 2-core machine, read "slower (range
+    0.94-0.94)" with no warning; this machine's plain torchrun, run twice, differs 2-2.5%."""
+    study = spec.load_study(write_study(tmp_path, metric="perf/samples_per_s"))
+    parent, console, files = build(tmp_path, store, study, {"lr0.01": [100.0], "lr0.3": [94.0]})
+    assert "lr0.3 is 0.94x lr0.01, slower" in parent.data.tags["ddplab.study.verdict"]
+    said = "one repeat per variant: a speed difference has no spread to be judged by"
+    assert said in files["report.md"] and said in console.replace("\n", " "), console
+    (tmp_path / "b").mkdir()
+    study = spec.load_study(write_study(tmp_path / "b", metric="perf/samples_per_s", name="b",
+                                        repeats=3))
+    parent, console, files = build(tmp_path / "b", store, study,
+                                   {"lr0.01": [100.0, 101.0, 99.0], "lr0.3": [94.0, 93.0, 94.5]})
+    assert "slower" in parent.data.tags["ddplab.study.verdict"]
+    assert "one repeat" not in files["report.md"] and parent.data.tags["ddplab.study.warnings"] == "0"

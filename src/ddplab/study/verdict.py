@@ -121,18 +121,25 @@ def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict
         _warn(v, row, base)
         if base is None or row is base or not row.measured:
             continue
-        # the repeats behind the median: not those that failed, logged nothing, or diverged
-        compared = row.runs - row.failed - row.unlogged - row.not_finite
-        repeats = f"over {compared} repeat(s){_accuracy(row, base)}."
+        repeats = f"over {_compared(row)} repeat(s){_accuracy(row, base)}."
         if throughput and row.speedup is not None:
             v.lines.append(f"{row.variant} is {row.speedup:.2f}x {baseline}, "
                            f"{_compare(row, base)} {repeats}")
         elif not throughput:
             v.lines.append(f"{row.variant}: {_change(row, base)} {repeats}")
+    if throughput and len(measured) > 1 and all(_compared(r) <= 1 for r in measured):
+        v.warnings.append("one repeat per variant: a speed difference has no spread to be "
+                          f"judged by, only the {NOISE:.0%} floor (this machine's drift can pass "
+                          "it); run repeats >= 3, interleaved, to trust faster or slower")
     if single_epoch and throughput:
         v.warnings.append("one epoch only: throughput comes from its log intervals after the "
                           "first, not from whole steady epochs; run train.epochs >= 2 to trust it")
     return v
+
+
+def _compared(row: Any) -> int:
+    """The repeats behind a row's median: not those that failed, logged nothing, or diverged."""
+    return int(row.runs - row.failed - row.unlogged - row.not_finite)
 
 
 def _warn(v: Verdict, row: Any, base: Any) -> None:
