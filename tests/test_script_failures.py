@@ -698,6 +698,47 @@ def test_a_hang_after_the_step_outside_the_data_loader_is_not_called_data_loadin
         "at step 6 in its code between steps, outside its data loader" in verdict, verdict
 
 
+A_BAD_RECORD = '''
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+dist.init_process_group("gloo")
+class Records(Dataset):
+    def __len__(self):
+        return 400
+    def __getitem__(self, i):
+        if i == 241:  # rank 1's 6th batch of 8
+            raise ValueError(f"corrupt record {i}")
+        return torch.randn(4)
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+first = dist.get_rank() * 200
+for x in DataLoader(Records(), batch_size=8, sampler=range(first, first + 200)):
+    model(x).sum().backward()
+    opt.step()
+'''
+
+
+@pytest.mark.e2e
+def test_an_error_inside_the_data_loader_is_in_data_loading_and_its_traceback_is_the_users(
+        tmp_path, store):
+    """A hostile pass: a Dataset raising in __getitem__ read "in its code between steps, outside
+    its data loader" (the loader's hook said so on the error's way out), pointing away from the
+    data; the consoles' tracebacks, through torch.distributed's "[rankN]:" excepthook, showed
+    ddplab's boot.py and hooks between the user's frames."""
+    script = tmp_path / "bad_record.py"
+    script.write_text(A_BAD_RECORD)
+    out = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
+    assert out.returncode != 0
+    (run,) = runs(store)
+    verdict = run.data.tags["ddplab.verdict"]
+    assert verdict.startswith("rank 1 (host ") and "ValueError: corrupt record 241" in verdict \
+        and "at step 6 in data loading" in verdict, verdict
+    said = out.stdout + out.stderr
+    assert 'bad_record.py", line 11, in __getitem__' in said, said[-3000:]
+    assert "scriptmode" not in said.split("Traceback", 1)[1], said[-3000:]
+
+
 RANK_0_GOES_ON = '''
 import time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -268,9 +268,12 @@ def failed(e: BaseException) -> int:
     heartbeat.failed(last)
     if sys.excepthook is sys.__excepthook__:
         sys.stderr.write(text)
-    else:  # the script's own (rich.traceback.install(), a logger's): shown its way, as python does
+    else:  # the script's own (rich.traceback.install(), a logger's, torch.distributed's
+        # "[rank1]:" one): shown its way, as python does; without ddplab's frames, which python's
+        # own display reads from the exception, not from the hook's argument
+        _hide_our_frames(e, tb or e.__traceback__)
         try:
-            sys.excepthook(type(e), e, tb or e.__traceback__)
+            sys.excepthook(type(e), e, e.__traceback__)
         except Exception:  # noqa: BLE001 - a hook that fails: python's own words then
             sys.stderr.write(text)
     e.__traceback__ = None  # (its frames would hold the script's globals past its end)
@@ -348,6 +351,28 @@ def _users_traceback(e: BaseException, tb: Any) -> str:
         t.stack = traceback.StackSummary.from_list(kept)
         todo += [c for c in (t.__cause__, t.__context__) if c is not None]
     return "".join(te.format())
+
+
+def _hide_our_frames(e: BaseException, tb: types.TracebackType | None) -> None:
+    """``e`` (from ``tb`` on) and the exceptions it was raised from or while handling, each
+    with a traceback of the user's frames only: not ddplab's hooks inside its calls."""
+    seen: set[int] = set()
+    todo: list[tuple[BaseException, types.TracebackType | None]] = [(e, tb)]
+    while todo:
+        x, frames = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        kept = []
+        while frames is not None:
+            if not frames.tb_frame.f_code.co_filename.startswith(HOOKS):
+                kept.append(frames)
+            frames = frames.tb_next
+        rebuilt = None
+        for t in reversed(kept):
+            rebuilt = types.TracebackType(rebuilt, t.tb_frame, t.tb_lasti, t.tb_lineno)
+        x.__traceback__ = rebuilt
+        todo += [(c, c.__traceback__) for c in (x.__cause__, x.__context__) if c is not None]
 
 
 def _ours(filename: str) -> bool:

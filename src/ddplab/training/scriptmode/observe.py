@@ -213,6 +213,11 @@ class Observer:
         self.last_iter: weakref.ref[Any] | None = None  # the one that gave the last batch
         self.fed_from = 0  # the feeding iterator's data (_data_of), which outlives it
         self.loss: torch.Tensor | None = None  # the last backward's
+        # the loss the model's last forward returned (Lightning's training_step's, a Hugging
+        # Face model's given labels) and the one given to Accelerate's backward: what a
+        # backward from it divided by a constant (gradient accumulation's 1/N) stands for
+        self.returned: torch.Tensor | None = None
+        self.given: torch.Tensor | None = None
         self.step_loss: torch.Tensor | None = None  # the last backward's before the last step
         # a forward of the model in eval mode with gradients on (model.eval() without
         # torch.no_grad()): its time, device mark and samples, a training step's start only if
@@ -252,6 +257,7 @@ class Observer:
         # iterator of it after the last one ran out.
         self.sampler_epochs = False  # set_epoch was called: its epochs, not the loader's
         self.ran_out = False  # the iterator feeding the steps has run out
+        self.reset = False  # ... and was reset since (a loader with persistent workers)
         self.iter_start = 0.0  # when the last batch's iterator gave its first
         self.logged_step = 0
         self.sent: set[str] = set()  # the names this rank's log points put in the spool
@@ -330,6 +336,7 @@ class Observer:
         for t in _grad_tensors(output, OUTPUTS_WATCHED):
             t.register_hook(functools.partial(self._reached, forward))
             forward.reached = max(forward.reached, UNREACHED)  # (watched, once a hook is on)
+        self.returned = _returned_loss(output)
 
     def _reached(self, forward: Forward, grad: torch.Tensor) -> None:
         """A backward reached an output of ``forward`` (in the autograd engine's thread)."""
@@ -388,13 +395,14 @@ class Observer:
             self.t_backward = time.perf_counter()
             self.m_backward = self._mark()
             self._beat("backward", None)
+        known, self.returned, self.given = (self.given, self.returned), None, None
         if loss is None or loss.numel() != 1:
             return
         for ref, unscaled in self.scaled:
             if ref() is loss:  # GradScaler.scale(loss).backward(): the loss, not x 65536
                 loss = unscaled
                 break
-        self.loss = loss.detach()
+        self.loss = _undivided(loss, [t for t in known if t is not None]).detach()
 
     def _begin(self, at: float, mark: Any) -> None:
         """A training step's first forward, at ``at``: its data wait starts at the last
@@ -423,7 +431,7 @@ class Observer:
         ``retain_graph``, is still the same loss)."""
         pairs = zip(scaled, outputs, strict=False) if isinstance(outputs, (list, tuple)) \
             and isinstance(scaled, (list, tuple)) else [(scaled, outputs)]
-        self.scaled = [(weakref.ref(s), o.detach()) for s, o in pairs
+        self.scaled = [(weakref.ref(s), o) for s, o in pairs
                        if isinstance(s, torch.Tensor) and isinstance(o, torch.Tensor)
                        and s is not o]
 
@@ -608,15 +616,17 @@ class Observer:
         the one after the last ran out) starts an epoch, when no sampler's set_epoch does."""
         new = feeding() if feeding is not None else None
         old = self.feeding() if self.feeding is not None else None
-        # (the same iterator after it ran out: a loader with persistent workers resets it)
-        if self.sampler_epochs or new is None or (new is old and not self.ran_out):
+        # The same iterator is a new pass once reset after it ran out (a loader with persistent
+        # workers resets its one iterator); not before: a loader read one batch ahead
+        # (Accelerate's, so Hugging Face Trainer's) runs out before its last batch's step.
+        if self.sampler_epochs or new is None or (new is old and not (self.ran_out and self.reset)):
             return
         if self.feeding is None:
             self._start_epoch(0, self.iter_start)
         elif self.ran_out:
             self.end_epoch()
             self._start_epoch(self.epoch + 1, self.iter_start)
-        self.ran_out = False
+        self.ran_out = self.reset = False
 
     def _bounded(self) -> int:
         """The step's samples: its forwards' rows, but no more than the data loaders gave
@@ -666,6 +676,7 @@ class Observer:
         iterator each pass): its next batch starts a pass, as a new iterator's does."""
         if self.last_iter is not None and self.last_iter() is it:
             self.last_iter = None
+        self.reset = self.reset or (self.feeding is not None and self.feeding() is it)
 
     def loader_done(self, it: Any) -> None:
         """The data loader iterator ``it`` ran out (its workers shut down first). The one
@@ -864,6 +875,36 @@ def _the_loss(tensors: Any) -> torch.Tensor | None:
             and isinstance(tensors[0], torch.Tensor):
         return tensors[0]
     return None
+
+
+def _returned_loss(output: Any) -> torch.Tensor | None:
+    """The loss a forward returned: a one-value tensor that requires grad, itself, under a
+    mapping's "loss" (Hugging Face's ModelOutput, Lightning's training_step dict), or the one
+    such tensor of a tuple (nanoGPT's ``logits, loss``)."""
+    def one(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.requires_grad and t.numel() == 1
+
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    if isinstance(output, (list, tuple)):
+        found = [t for t in output[:OUTPUTS_WATCHED] if one(t)]
+        output = found[0] if len(found) == 1 else None
+    return output if one(output) else None
+
+
+def _undivided(loss: torch.Tensor, known: list[torch.Tensor]) -> torch.Tensor:
+    """``loss``, or the loss it was divided from just before the backward, when that is one
+    of ``known`` (the model's returned loss, Accelerate's argument): gradient accumulation's
+    ``loss / N`` by Lightning, Accelerate or the script (nanoGPT's) stands for the loss the
+    step computed, which they log and print, not its Nth."""
+    while known and type(loss.grad_fn).__name__ == "DivBackward0":
+        parent = loss.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        found = next((t for t in known if t.grad_fn is parent), None)
+        if found is None:
+            break
+        loss = found
+        known = [t for t in known if t is not found]
+    return loss
 
 
 def _grad_tensors(value: Any, most: int, depth: int = 3) -> list[torch.Tensor]:
@@ -1228,9 +1269,11 @@ def _hooks(obs: Observer) -> None:
             batch = loader_next(self)
         except StopIteration:
             loader_done(self)
-            raise
-        finally:
             outside()
+            raise
+        # (an error the loader raised, a dataset's __getitem__'s, leaves the phase "data
+        # loading": where the rank failed)
+        outside()
         loaded(self, batch, time.perf_counter() - t0)
         return batch
 
@@ -1320,3 +1363,21 @@ def _hooks(obs: Observer) -> None:
     # FSDP's own scaler (Lightning's and Accelerate's under FSDP with fp16) has its own scale().
     after_import("torch.distributed.fsdp.sharded_grad_scaler",
                  lambda m: observe_scale(m.ShardedGradScaler))
+
+    @timed
+    def given(loss: Any) -> None:
+        obs.given = loss if isinstance(loss, torch.Tensor) else None
+
+    def accelerate(m: ModuleType) -> None:
+        """Accelerate's backward divides the loss by its gradient_accumulation_steps: the loss
+        given to it is the step's (_undivided)."""
+        backward = m.Accelerator.backward
+
+        @functools.wraps(backward)
+        def observed(self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+            given(loss)
+            return backward(self, loss, *args, **kwargs)
+
+        m.Accelerator.backward = observed
+
+    after_import("accelerate.accelerator", accelerate)

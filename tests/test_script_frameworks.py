@@ -1,0 +1,113 @@
+"""Script mode under real training frameworks (Accelerate, Lightning): what the run records of
+their steps, epochs and loss against what the framework itself counts and logs. Real
+frameworks, real torchrun jobs of 2 ranks on CPU; tiny models, synthetic data."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from mlflow import MlflowClient
+
+from .conftest import ddplab, job_env, runs
+
+# Accelerate's loaders read a batch ahead (so Hugging Face's Trainer's, built on them): the
+# torch iterator runs out before the epoch's last step. Its backward divides the loss by
+# gradient_accumulation_steps; the script prints the loss it computed, as its users do.
+ACCELERATE = '''
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+loader = DataLoader(TensorDataset(torch.randn(168, 4), torch.randn(168, 1)), batch_size=4)
+model, opt, loader = acc.prepare(model, opt, loader)
+for epoch in range(2):
+    for x, y in loader:  # 21 batches a rank: 11 optimizer steps an epoch, the last of 1 batch
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    acc.print(f"EPOCH {epoch} LOSS {loss.item():.6f}")
+'''
+
+# Lightning under DDP, its loss divided by accumulate_grad_batches before its backward; the
+# loss its training_step returns is what it logs (self.log), and what the script prints last.
+LIGHTNING = '''
+import os
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 1))
+        self.last = None
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.last = float(loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+torch.manual_seed(0)
+net = Net()
+trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                    strategy="ddp", max_epochs=2, accumulate_grad_batches=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(net, DataLoader(TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), batch_size=16))
+if trainer.global_rank == 0:
+    print(f"STEPS {trainer.global_step} LAST {net.last:.6f}", flush=True)
+'''
+
+
+def _job(tmp_path, store, script: str) -> tuple:
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    out = ddplab(["train", str(path), "--summary-out", str(tmp_path / "summary.json")], tmp_path,
+                 job_env(store), nproc=2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run,) = runs(store)
+    summary = json.loads((tmp_path / "summary.json").read_text())["observed"]
+    return out, run, summary, MlflowClient(store)
+
+
+@pytest.mark.e2e
+def test_accelerates_epochs_and_loss_are_its_own_not_a_step_early_nor_halved(tmp_path, store):
+    """A hostile pass: an Accelerate script of 2 epochs of 10 steps was recorded as 3 epochs
+    ([9, 10, 1] steps: its last step, begun after the loader read ahead had run out, started
+    the next one), and its loss at an epoch's end was half of what the script printed (the
+    backward's loss / gradient_accumulation_steps)."""
+    out, run, summary, client = _job(tmp_path, store, ACCELERATE)
+    printed = [float(v) for v in re.findall(r"EPOCH \d LOSS (\S+)", out.stdout)]
+    assert len(printed) == 2, out.stdout[-2000:]
+    assert summary["steps"] == 22 and summary["epoch_steps"] == [11, 11], summary
+    epochs = client.get_metric_history(run.info.run_id, "epoch/epoch")
+    assert [(m.step, m.value) for m in epochs] == [(11, 1.0), (22, 2.0)], epochs
+    loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert [round(loss[11], 6), round(loss[22], 6)] == printed, (loss, printed)
+
+
+@pytest.mark.e2e
+def test_lightnings_loss_under_gradient_accumulation_is_what_its_training_step_returned(
+        tmp_path, store):
+    """A hostile pass: with accumulate_grad_batches=2, train/loss and the closing line were half
+    the loss Lightning logs (its backward's, divided by 2)."""
+    out, run, summary, client = _job(tmp_path, store, LIGHTNING)
+    steps, last = re.search(r"STEPS (\d+) LAST (\S+)", out.stdout).groups()
+    assert summary["steps"] == int(steps) == 8 and summary["epoch_steps"] == [4, 4], summary
+    assert round(summary["final_loss"], 6) == float(last), (summary, last)
