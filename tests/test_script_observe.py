@@ -1019,3 +1019,21 @@ for case in ("two views", "micro-batches"):
     # validation forward: of the 0.6 s of validation, one forward (50 ms) an epoch, at most.
     assert float(forward_s) < 0.1 and float(steady_s) < 0.1 + 2 * 0.05 + 0.2, lines
     assert lines[1:] == ["two views 3 96", "micro-batches 3 96"], lines
+
+
+@pytest.mark.parametrize("ended_well, epochs", [(True, [(1, 4), (2, 2)]), (False, [(1, 4)])])
+def test_a_failed_scripts_unfinished_epoch_is_not_recorded_as_an_epoch(ended_well, epochs):
+    """A hostile pass: Lightning stopped by a NaN (detect_anomaly) 5 steps into its first
+    epoch of 10 left a FAILED run with epoch/epoch 1 and epoch_steps [5]. A script that ended
+    well (a max_steps break mid-epoch) keeps its last epoch's steps."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    for epoch, steps in enumerate((4, 2)):
+        obs.set_epoch(epoch)
+        for _ in range(steps):
+            _train_step(obs, model, opt, 8)
+    obs.finish(ended_well=ended_well)
+    assert [(e["epoch"], e["steps"]) for e in obs.totals.epochs] == epochs
+    assert obs.totals.steps == 6 and obs.logged_step == 6  # its last steps' log point, either way

@@ -290,7 +290,7 @@ def end(code: int) -> NoReturn:
             if watcher is not None:
                 # (a failed script ends at once: its peers' launcher stops what lingers, and
                 # its FLOPs, ~0.3 s on a CPU, would only be cut short)
-                watcher.finish(count_flops=code == 0)
+                watcher.finish(ended_well=code == 0)
     _exit(code)
 
 

@@ -757,18 +757,19 @@ class Observer:
                                  "sent_names": sorted(self.sent),
                                  "pending": self.pending}})
 
-    def finish(self, count_flops: bool = True) -> None:
-        """The script has ended (any way): the last steps' marks, epoch and log point; and,
-        ``count_flops``, its FLOPs per sample (not for a failed script: no MFU is said)."""
+    def finish(self, ended_well: bool = True) -> None:
+        """The script has ended (any way): the last steps' marks and log point; and, when it
+        ended well, its last epoch and its FLOPs per sample (a failed script's epoch did not
+        end, and no MFU is said of it)."""
         self.ended = True
         self._read(FINISH_PATIENCE_S)
         if self.unread:  # the device never passed the last steps: their loss is not read (it
             self.loss = self.step_loss = None  # may never be); the last one read stays
         self._drop_unread()
-        if count_flops and not self.flops and self.totals.steps:
+        if ended_well and not self.flops and self.totals.steps:
             with contextlib.suppress(Exception):  # (a failed device: no MFU, nothing else lost)
                 self._count_flops()
-        if self.epoch >= 0 and self.epoch_steps:
+        if ended_well and self.epoch >= 0 and self.epoch_steps:
             self.end_epoch()
             self.epoch_steps = 0
         elif self.totals.steps > self.logged_step:
