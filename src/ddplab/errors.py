@@ -25,7 +25,6 @@ class BadInput(DdplabError):
     exit_code = 2
 
 
-
 def chain(e: BaseException) -> list[BaseException]:
     """``e``, then what it was raised from or while handling, and so on, as python's traceback
     shows them: the reasons under a wrapper's error (``__cause__``; else ``__context__``, unless

@@ -73,8 +73,9 @@ def compared_keys(run: Any) -> tuple[str, ...]:
     ddplab observed: train/loss), but what varies run to run and what a resume shifted."""
     if run.data.tags.get(schema.MODE) != "script":
         return COMPARED
+    shifted = shifted_keys(run)
     return tuple(sorted(k for k in run.data.metrics
-                        if not varies_run_to_run(k) and k not in shifted_keys(run)))
+                        if not varies_run_to_run(k) and k not in shifted))
 
 
 def shifted_keys(run: Any) -> tuple[str, ...]:
