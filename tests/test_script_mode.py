@@ -926,11 +926,12 @@ import atexit, builtins, concurrent.futures, multiprocessing, sys, tempfile, thr
 def f(x: int) -> int:
     return x
 print("ANNOTATIONS", f.__annotations__["x"] is int, __builtins__ is builtins)
-def later(what):
-    time.sleep(0.3)
+def later(what, delay):
+    time.sleep(delay)
     print("FINISHED", what, flush=True)
-threading.Thread(target=later, args=("thread",)).start()
-concurrent.futures.ThreadPoolExecutor(1).submit(later, "executor")
+# distinct delays: the order the two print in is then the script's, not the scheduler's
+threading.Thread(target=later, args=("thread", 0.3)).start()
+concurrent.futures.ThreadPoolExecutor(1).submit(later, "executor", 0.8)
 atexit.register(print, "ATEXIT")
 log = open("log.txt", "w")
 log.write("unclosed\\n")
