@@ -262,16 +262,17 @@ def failed(e: BaseException) -> int:
     # importlib's while it finds a module or imports its packages): not the user's.
     while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    text = _users_traceback(e, tb or e.__traceback__)
+    # (on the exception itself, not only in the text: python's display, under a script's own
+    # excepthook too, reads the exception's traceback, not the hook's argument)
+    _hide_our_frames(e, tb or e.__traceback__)
+    text = "".join(traceback.format_exception(e))
     last = one_line(e)[:500]
     report({"exception": last, "traceback": text[-8000:], "t": time.time()})
     heartbeat.failed(last)
     if sys.excepthook is sys.__excepthook__:
         sys.stderr.write(text)
     else:  # the script's own (rich.traceback.install(), a logger's, torch.distributed's
-        # "[rank1]:" one): shown its way, as python does; without ddplab's frames, which python's
-        # own display reads from the exception, not from the hook's argument
-        _hide_our_frames(e, tb or e.__traceback__)
+        # "[rank1]:" one): shown its way, as python does
         try:
             sys.excepthook(type(e), e, e.__traceback__)
         except Exception:  # noqa: BLE001 - a hook that fails: python's own words then
@@ -336,26 +337,10 @@ HOOKS = str(Path(__file__).parent) + os.sep
 """ddplab's code that runs inside the script's calls (its hooks, wrappers): not the user's."""
 
 
-def _users_traceback(e: BaseException, tb: Any) -> str:
-    """The traceback as the user's code made it: without the frames of ddplab's hooks inside it
-    (an error raised in ``loss.backward()`` passes through the observed backward)."""
-    te = traceback.TracebackException(type(e), e, tb)
-    seen: set[int] = set()
-    todo = [te]
-    while todo:
-        t = todo.pop()
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        kept = [f for f in t.stack if not f.filename.startswith(HOOKS)]
-        t.stack = traceback.StackSummary.from_list(kept)
-        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
-    return "".join(te.format())
-
-
 def _hide_our_frames(e: BaseException, tb: types.TracebackType | None) -> None:
     """``e`` (from ``tb`` on) and the exceptions it was raised from or while handling, each
-    with a traceback of the user's frames only: not ddplab's hooks inside its calls."""
+    with a traceback of the user's frames only: not ddplab's hooks inside its calls (an error
+    raised in ``loss.backward()`` passes through the observed backward)."""
     seen: set[int] = set()
     todo: list[tuple[BaseException, types.TracebackType | None]] = [(e, tb)]
     while todo:
