@@ -95,6 +95,37 @@ def test_the_build_is_recorded_and_picked_over_nothing(monkeypatch):
     assert choice.available("cpu")["ccl"][0]
 
 
+LOADS = """
+import json, sys
+from ddplab.config import DistConfig
+from ddplab.distributed.layout import plan_layout
+from ddplab.launchers.detect import LaunchEnv
+backend, local = sys.argv[1], int(sys.argv[2])
+le = LaunchEnv("torchrun", 0, local, 0, local, 0, "127.0.0.1", 29500)
+layout = plan_layout(DistConfig(backend=backend, device="cpu"), le)
+with open("/proc/self/maps") as maps:
+    print(json.dumps([layout.choice.name, layout.choice.reason, "libccl.so" in maps.read()]))
+"""
+
+
+@pytest.mark.parametrize("backend, local, name, loaded", [
+    ("ccl", 2, "ccl", True),
+    ("gloo", 2, "gloo", False),
+    ("auto", 2 * os.cpu_count(), "gloo", False),  # 1 core a rank: ccl cannot win
+    ("auto", 1, "gloo", False),  # one rank exchanges nothing
+])
+def test_a_rank_loads_oneccl_only_where_ccl_can_be_its_backend(backend, local, name, loaded):
+    """Loading oneCCL costs each rank 0.2-0.3 s before its first step: a rank whose backend is
+    gloo (asked for, or auto's where ccl cannot win) leaves it unloaded. A process of its own
+    each (what a rank is), its memory map read."""
+    built()
+    out = subprocess.run([sys.executable, "-c", LOADS, backend, str(local)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "DDPLAB_NODES_ON_HOST": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    picked, why, mapped = json.loads(out.stdout.splitlines()[-1])
+    assert (picked, mapped) == (name, loaded), why
+
+
 @pytest.mark.parametrize("impl, cores, world, name, why", [
     ("intel-bindings", 1, 2, "gloo", "worker thread needs one of its own"),
     ("intel-bindings", 2, 2, "ccl", "each rank has 2 cores"),

@@ -64,9 +64,10 @@ def import_ccl() -> CclImpl:
     return CclImpl("ddplab", why) if ok else CclImpl(None, f"{why}; {intel}")
 
 
-def available(device_type: str) -> dict[str, tuple[bool, str]]:
-    """Each backend -> (usable here, why). ccl is imported as a side effect when present."""
-    ccl = import_ccl()
+def available(device_type: str, ccl_asked: bool = True) -> dict[str, tuple[bool, str]]:
+    """Each backend -> (usable here, why). ccl is imported as a side effect when present and
+    ``ccl_asked`` (else it is "not asked for": loading oneCCL costs a process 0.2-0.3 s)."""
+    ccl = import_ccl() if ccl_asked else CclImpl(None, "not asked for")
     cuda = device_type == "cuda"
     return {
         "gloo": (dist.is_gloo_available(), "built into torch"),
@@ -94,7 +95,8 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
     node's 2 ranks on 2 cores still beat gloo (docs/results/ccl-one-node.md), but the rule stays
     the one that holds across nodes. On several nodes every rank must run the same backend:
     see :func:`agree`."""
-    table = table if table is not None else available(device_type)
+    if table is None:
+        table = available(device_type, may_take_ccl(requested, device_type, cores_per_rank, world_size))
     if requested == "auto":
         return _auto(device_type, table, cores_per_rank, ccl_impl, world_size)
     ok, why = table[requested]
@@ -110,14 +112,21 @@ def resolve(requested: str, device_type: str, allow_fallback: bool,
     raise BackendError(f"dist.backend: {requested!r} is not available: {why}.{hint}")
 
 
+def may_take_ccl(requested: str, device_type: str, cores_per_rank: int | None,
+                 world_size: int) -> bool:
+    """Whether ccl can be the answer: only then is oneCCL loaded to see if it is usable."""
+    if device_type != "cpu" or requested not in ("ccl", "auto"):
+        return False
+    return requested == "ccl" or (world_size >= 2 and (cores_per_rank is None or cores_per_rank >= 2))
+
+
 def _auto(device_type: str, table: Mapping[str, tuple[bool, str]], cores_per_rank: int | None,
           ccl_impl: str | None, world_size: int) -> BackendChoice:
     if device_type == "cuda" and table["nccl"][0]:
         return BackendChoice("nccl", "auto", "auto: CUDA device, NCCL available")
     if device_type == "cuda":
         return BackendChoice("gloo", "auto", f"auto: gloo, because {table['nccl'][1]}")
-    if not table["ccl"][0]:
-        return BackendChoice("gloo", "auto", f"auto: gloo, because {table['ccl'][1]}")
+    # (the layout's reasons before the build's: where they hold, oneCCL is not even loaded)
     if world_size < 2:
         return BackendChoice("gloo", "auto", "auto: gloo, because one rank exchanges nothing and "
                              "oneCCL's worker thread would take a core from the compute")
@@ -125,6 +134,8 @@ def _auto(device_type: str, table: Mapping[str, tuple[bool, str]], cores_per_ran
         return BackendChoice("gloo", "auto", f"auto: gloo, because each rank has {cores_per_rank} "
                              "core(s) and oneCCL's worker thread needs one of its own "
                              "(set dist.backend=ccl to use it anyway)")
+    if not table["ccl"][0]:
+        return BackendChoice("gloo", "auto", f"auto: gloo, because {table['ccl'][1]}")
     which = "ddplab's own oneCCL backend" if ccl_impl == "ddplab" else table["ccl"][1]
     cores = f"{cores_per_rank} cores" if cores_per_rank is not None else "enough cores"
     return BackendChoice("ccl", "auto", f"auto: ccl on CPU ({which}), each rank has {cores}: "

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..config import DistConfig
 from ..launchers import LaunchEnv
-from .choice import BackendChoice, BackendError, agree, import_ccl, resolve, resolve_device
+from .choice import BackendChoice, BackendError, agree, import_ccl, may_take_ccl, resolve, resolve_device
 from .cpu import apply_cpu_layout, cores_per_rank
 from .group import (
     destroy_process_group,
@@ -44,9 +44,9 @@ class Layout:
 def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     """Device, backend (with its recorded reason), oneCCL variables, CPU threads and pinning."""
     device = resolve_device(cfg.device, le.local_rank, cfg.backend)
-    impl = import_ccl() if device.type == "cpu" else None
-    choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback,
-                     cores_per_rank=cores_per_rank(le, os.environ),
+    cores = cores_per_rank(le, os.environ)
+    impl = import_ccl() if may_take_ccl(cfg.backend, device.type, cores, le.world_size) else None
+    choice = resolve(cfg.backend, device.type, cfg.allow_backend_fallback, cores_per_rank=cores,
                      ccl_impl=impl.name if impl else None, world_size=le.world_size)
     store = None
     if cfg.backend == "auto" and device.type == "cpu" and le.nnodes > 1:

@@ -80,7 +80,8 @@ def preflight(a: argparse.Namespace) -> None:
     import torch
 
     from ..config import ConfigError
-    from ..distributed.choice import resolve, resolve_device
+    from ..distributed.choice import import_ccl, may_take_ccl, resolve, resolve_device
+    from ..distributed.cpu import cores_per_rank
     from ..training import checks
     from .detect import LaunchEnv
 
@@ -95,15 +96,10 @@ def preflight(a: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
     checks.preflight(cfg, le, a.summary_out, cuda)
     device = resolve_device(cfg.dist.device, n - 1, cfg.dist.backend).type  # the last rank: enough GPUs?
-    resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback,
-            ccl_impl=None if device != "cpu" else _ccl_impl(), world_size=n)
-
-
-def _ccl_impl() -> str | None:
-    from ..distributed.choice import import_ccl
-
-    impl = import_ccl()
-    return impl.name if impl else None
+    cores = cores_per_rank(le, os.environ)
+    ccl = import_ccl().name if may_take_ccl(cfg.dist.backend, device, cores, n) else None
+    resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, cores_per_rank=cores,
+            ccl_impl=ccl, world_size=n)
 
 
 def torchrun_args(a: argparse.Namespace) -> list[str]:
