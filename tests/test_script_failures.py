@@ -707,7 +707,7 @@ class Records(Dataset):
     def __len__(self):
         return 400
     def __getitem__(self, i):
-        if i == 241:  # rank 1's 6th batch of 8
+        if i == BAD:  # 241: rank 1's 6th batch of 8; 200: its first
             raise ValueError(f"corrupt record {i}")
         return torch.randn(4)
 model = DDP(torch.nn.Linear(4, 1))
@@ -720,20 +720,22 @@ for x in DataLoader(Records(), batch_size=8, sampler=range(first, first + 200)):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("bad, step", [(241, 6), (200, 1)])
 def test_an_error_inside_the_data_loader_is_in_data_loading_and_its_traceback_is_the_users(
-        tmp_path, store):
+        tmp_path, store, bad, step):
     """A hostile pass: a Dataset raising in __getitem__ read "in its code between steps, outside
     its data loader" (the loader's hook said so on the error's way out), pointing away from the
-    data; the consoles' tracebacks, through torch.distributed's "[rankN]:" excepthook, showed
-    ddplab's boot.py and hooks between the user's frames."""
+    data, and "in setup" in the first batch; the consoles' tracebacks, through
+    torch.distributed's "[rankN]:" excepthook, showed ddplab's boot.py and hooks between the
+    user's frames."""
     script = tmp_path / "bad_record.py"
-    script.write_text(A_BAD_RECORD)
+    script.write_text(A_BAD_RECORD.replace("BAD", str(bad)))
     out = ddplab(["train", str(script)], tmp_path, job_env(store), nproc=2)
     assert out.returncode != 0
     (run,) = runs(store)
     verdict = run.data.tags["ddplab.verdict"]
-    assert verdict.startswith("rank 1 (host ") and "ValueError: corrupt record 241" in verdict \
-        and "at step 6 in data loading" in verdict, verdict
+    assert verdict.startswith("rank 1 (host ") and f"ValueError: corrupt record {bad}" in verdict \
+        and f"at step {step} in data loading" in verdict, verdict
     said = out.stdout + out.stderr
     assert 'bad_record.py", line 11, in __getitem__' in said, said[-3000:]
     assert "scriptmode" not in said.split("Traceback", 1)[1], said[-3000:]

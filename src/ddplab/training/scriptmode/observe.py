@@ -671,6 +671,13 @@ class Observer:
                 and self.evaluated is None and self.held is None:
             self._beat("data loading" if inside else OUTSIDE_LOADER, self.totals.steps + 1)
 
+    def loading_failed(self) -> None:
+        """A data loader's ``next()`` raised (a dataset's ``__getitem__``): the rank fails in
+        data loading, the first step's too (whose wait was set-up's while it lasted)."""
+        if not self.totals.steps and not self.past_training and self.evaluated is None \
+                and self.held is None:
+            self._beat("data loading", 1)
+
     def loader_reset(self, it: Any) -> None:
         """``iter(loader)`` gave ``it`` again (a loader with persistent workers resets its one
         iterator each pass): its next batch starts a pass, as a new iterator's does."""
@@ -1272,8 +1279,9 @@ def _hooks(obs: Observer) -> None:
             loader_done(self)
             outside()
             raise
-        # (an error the loader raised, a dataset's __getitem__'s, leaves the phase "data
-        # loading": where the rank failed)
+        except Exception:  # a dataset's __getitem__'s: the phase stays "data loading"
+            obs.loading_failed()
+            raise
         outside()
         loaded(self, batch, time.perf_counter() - t0)
         return batch
