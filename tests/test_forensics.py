@@ -318,20 +318,29 @@ def test_after_a_peer_ended_well_only_a_wait_in_a_step_is_a_hang(tmp_path, phase
     def rank(r: int, then: str) -> subprocess.Popen:
         code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
                 f"heartbeat.start(Path({str(tmp_path)!r}), {r}, 2)\n{then}\n")
-        return subprocess.Popen([sys.executable, "-c", code])
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+    def waiting() -> subprocess.Popen:
+        """Rank 1 in ``phase`` from the moment this returns (a loaded machine's python start-up
+        is not counted in the watch's 3 s)."""
+        proc = rank(1, f"heartbeat.beat({phase!r}, 11)\nprint('up', flush=True)\ntime.sleep(60)")
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        return proc
 
     stale = rank(0, "heartbeat.beat('done', 3)")  # an earlier attempt's: before this watch
     stale.wait(timeout=60)
     watch = Watch(tmp_path, hang_after_s=1.0, host="h")
-    alone = rank(1, f"heartbeat.beat({phase!r}, 11)\ntime.sleep(4)")
+    alone = waiting()
     if hung:  # without a good end in this attempt: a hang as ever
-        _tick_until(watch, alone, 3.0)
+        _tick_until(watch, alone, 30.0)  # (it ends when the hang is seen)
         assert watch.hang is not None
-        alone = rank(1, f"heartbeat.beat({phase!r}, 11)\ntime.sleep(4)")
+        alone.kill()
+        alone.wait()
+        alone = waiting()
         watch = Watch(tmp_path, hang_after_s=1.0, host="h")
     done = rank(0, "heartbeat.beat('done', 10)")
     done.wait(timeout=60)
-    _tick_until(watch, alone, 3.0)
+    _tick_until(watch, alone, 30.0 if hung else 3.0)
     assert (watch.hang is not None) == hung
     alone.kill()
     alone.wait()
@@ -378,10 +387,11 @@ def test_a_rank_the_watch_finds_dead_when_it_stops_a_hang_is_the_cause(tmp_path)
         code = ("import os, time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
                 f"heartbeat.start(Path({str(tmp_path)!r}), {r}, 2)\n"
                 "heartbeat.beat('data loading', 5)\n" + then)
-        return subprocess.Popen([sys.executable, "-c", code])
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
-    waits = rank(0, "heartbeat.beat('backward')\nwhile True:\n    time.sleep(0.05)\n")
-    time.sleep(0.5)
+    waits = rank(0, "heartbeat.beat('backward')\nprint('up', flush=True)\n"
+                    "while True:\n    time.sleep(0.05)\n")
+    assert waits.stdout is not None and waits.stdout.readline() == "up\n"  # in its backward now
     dies = rank(1, "time.sleep(0.5)\nheartbeat.beat('backward')\nos.kill(os.getpid(), 9)\n")
     assert dies.wait(timeout=60) == -9
     watch = _until_the_watch_stops(Watch(tmp_path, hang_after_s=3.0, host="h"), waits)
@@ -484,8 +494,9 @@ def test_a_sigterm_while_a_rank_reports_its_end_is_raised_after_the_report():
     done = []
     with Signals() as signals, pytest.raises(Terminated, match="terminated by SIGTERM"):
         with signals.held():
-            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
-            time.sleep(0.5)  # the handler has run by now, in the main thread, and held it
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM))
+            sender.start()
+            sender.join()  # sent: the handler runs in the main thread, here, and holds it
             done.append("reported")
     assert done == ["reported"] and signals.status() == "FAILED"
 

@@ -2,6 +2,8 @@
 mpirun(1) "Environment Variables", Slurm's srun(1) "OUTPUT ENVIRONMENT VARIABLES", Intel MPI's
 and Kubeflow's env references)."""
 
+from pathlib import Path
+
 import pytest
 
 from ddplab.launchers.detect import LaunchEnv, LaunchError
@@ -151,12 +153,19 @@ def test_outlive_is_bounded_and_forwards_a_stop_to_its_command(tmp_path):
     assert "still running after 1 s; leaving it" in err
     # docker stop's SIGTERM reaches the command (a shell: it exits 128 + 15); nothing left.
     proc = outlive("trap 'exit 143' TERM; echo ready > up; while :; do sleep 0.1; done", tmp_path)
-    while not (tmp_path / "up").exists():
-        assert proc.poll() is None
+    while not (tmp_path / "up").exists() or not _catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None  # (outlive forwards a stop once its handler is in place)
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143 and "waiting" not in err, err
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (its SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (sig - 1)))
 
 
 def test_outlive_says_a_bad_bound_in_one_line(tmp_path):

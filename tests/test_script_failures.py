@@ -406,7 +406,9 @@ def test_a_process_the_script_leaves_running_does_not_hold_the_job(tmp_path, sto
         assert out.returncode == 0, out.stderr[-3000:]
         assert not _running(pid)  # (test_what_a_script_started_and_left_running_ends_...)
         (run,) = runs(store)
-        assert run.data.metrics["perf/wall_s"] < 8  # (it was 10 s more than the script's)
+        # (it was 10 s more than the script's: the wait for the pipe; a loaded machine's start-up
+        # is seconds, never 10)
+        assert run.data.metrics["perf/wall_s"] < 10
     finally:
         subprocess.run(["kill", str(pid)], check=False)
 
@@ -750,7 +752,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(5):
     model(torch.randn(8, 4)).sum().backward(); opt.step()
 if dist.get_rank() == 0:
-    time.sleep(8)  # its own evaluation and save, its process group never destroyed
+    time.sleep(12)  # its own evaluation and save, its process group never destroyed
     print("rank 0 saved", flush=True)
 '''
 
@@ -761,7 +763,9 @@ def test_rank_0s_own_work_after_its_peers_ended_well_is_not_a_hang(tmp_path, sto
     watch stopped it as hung "in data loading", though no peer was left to deadlock with."""
     script = tmp_path / "goes_on.py"
     script.write_text(RANK_0_GOES_ON)
-    out = ddplab(["train", str(script), "--set", "dist.hang_after_s=2", "--set",
+    # (4 s, not less: the wait in init_process_group, while rank 0 opens the run on a loaded
+    # machine, is watched too, at 3x that)
+    out = ddplab(["train", str(script), "--set", "dist.hang_after_s=4", "--set",
                   f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path, job_env(store), nproc=2)
     assert out.returncode == 0 and "rank 0 saved" in out.stdout, out.stderr[-3000:]
     (run,) = runs(store)

@@ -926,12 +926,15 @@ import atexit, builtins, concurrent.futures, multiprocessing, sys, tempfile, thr
 def f(x: int) -> int:
     return x
 print("ANNOTATIONS", f.__annotations__["x"] is int, __builtins__ is builtins)
-def later(what, delay):
-    time.sleep(delay)
+printed = threading.Event()
+def later(what, after):
+    after.wait(30)  # (the order the two print in is the script's, not the scheduler's)
     print("FINISHED", what, flush=True)
-# distinct delays: the order the two print in is then the script's, not the scheduler's
-threading.Thread(target=later, args=("thread", 0.3)).start()
-concurrent.futures.ThreadPoolExecutor(1).submit(later, "executor", 0.8)
+    printed.set()
+sleeping = threading.Event()
+threading.Thread(target=later, args=("thread", sleeping)).start()
+concurrent.futures.ThreadPoolExecutor(1).submit(later, "executor", printed)
+threading.Timer(0.3, sleeping.set).start()
 atexit.register(print, "ATEXIT")
 log = open("log.txt", "w")
 log.write("unclosed\\n")
@@ -955,16 +958,26 @@ def test_a_rank_held_past_its_script_by_a_thread_says_which_thread():
     holds it, then again while it does, and nothing once it is free. (In a process of its own:
     a test process has other libraries' threads.)"""
     code = """
-import threading, time
+import sys, threading
 from ddplab.training.scriptmode import child
 release = threading.Event()
+class Stderr:  # the upload ends once the rank has said so twice (no race with the clock)
+    lines = 0
+    def write(self, text):
+        sys.__stderr__.write(text)
+        Stderr.lines += text.count("\\n")
+        if Stderr.lines == 2:
+            release.set()
+    def flush(self):
+        sys.__stderr__.flush()
+sys.stderr = Stderr()
 uploader = threading.Thread(target=release.wait, name="uploader")
 uploader.start()
-child._say_who_holds_the_end((0.2, 0.3))
-time.sleep(0.65)  # said at 0.2 s and 0.5 s
-release.set()
+child._say_who_holds_the_end((0.2, 1.0))
 uploader.join()
-time.sleep(0.5)  # free: nothing more is said, and the watcher is gone
+for t in threading.enumerate():
+    if t.name == "ddplab-end-held":
+        t.join(30)  # free: it says nothing more, and goes
 child._say_who_holds_the_end((0.0, 0.0))  # no thread holds it: no watcher either
 print([t.name for t in threading.enumerate() if t.name == "ddplab-end-held"])
 """

@@ -459,9 +459,9 @@ def test_a_slow_user_part_says_what_the_checks_wait_for(capfd):
 
     from ddplab.workload.userparts import still_working
 
-    # Lines due at 0.3 s and 1.3 s, the next at 2.3 s: half a second of room on either side
-    # for a busy machine's late wake-ups.
-    with still_working("calling mymod:slow (data.dataset)", first_s=0.3, every_s=1.0):
+    # Lines due at 0.1 s and 1.1 s, the next at 2.1 s: 0.4 s of room for a busy machine's late
+    # wake-ups (the first line's "(0 s)" holds until 0.5 s).
+    with still_working("calling mymod:slow (data.dataset)", first_s=0.1, every_s=1.0):
         time.sleep(1.8)
     time.sleep(1.0)  # nothing more once it returned
     lines = [x for x in capfd.readouterr().err.splitlines() if "checks: still" in x]
