@@ -176,6 +176,24 @@ def test_sigkill_of_rank0_still_ends_the_run_failed(tmp_path, store):
     assert proc.returncode != 0
 
 
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path, store):
+    """kill -9 of torchrun (or of ``ddplab run``, torchrun in its process): its ranks, in sessions
+    of their own, trained on alone to the end, and a rerun of the command resumed their run
+    beside them (a hostile pass: one run, its steps from 160 on recorded twice). Each rank now
+    stops with its launcher: the run KILLED, saying why, nothing of the job left running."""
+    proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=20"], tmp_path, job_env(store))
+    _wait_for(lambda: _logged_a_loss(store), 120, proc)
+    job = psutil.Process(proc.pid).children(recursive=True)  # the ranks, the delivery process
+    assert len([p for p in job if "train" in p.cmdline()]) == 2, [p.cmdline() for p in job]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    _, alive = psutil.wait_procs(job, timeout=90)
+    assert not alive, [p.cmdline() for p in alive]
+    (run,) = runs(store)
+    assert run.info.status == "KILLED", run.data.tags
+    assert f"its launcher, pid {proc.pid}, died without stopping it" in run.data.tags["ddplab.error"]
+
+
 def _start_lone(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
     """`ddplab train` as one process, no launcher."""
     return subprocess.Popen([str(Path(sys.executable).parent / "ddplab"), "train", *args],

@@ -152,6 +152,9 @@ def entry() -> None:
     """
     args = parse(sys.argv[1:])
     if args.command == "train":
+        from .launchers import tether
+
+        tether.to_launcher(os.environ)  # (torchrun killed outright: its ranks end with it)
         _delivery_first(args)
     try:
         # Under torchrun, an unexpected exception lands in the rank's error file as well

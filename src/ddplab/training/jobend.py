@@ -61,7 +61,7 @@ class Signals:
         if signum == signal.SIGINT:
             e: BaseException = KeyboardInterrupt()
         elif signum == signal.SIGHUP:
-            e = Terminated("terminated by SIGHUP (the terminal or ssh session closed)")
+            e = Terminated(f"terminated by SIGHUP ({_hung_up_by()})")
         else:
             e = Terminated(f"terminated by SIGTERM ({who_stops(os.environ)})")
         self.raised = e
@@ -126,6 +126,14 @@ def _run_in(tb: TracebackType | None) -> tracking.NullTracker | None:
                 return value
         tb = tb.tb_next
     return None
+
+
+def _hung_up_by() -> str:
+    from ..launchers import tether
+
+    if tether.launcher_gone():
+        return f"its launcher, pid {tether.launcher_pid}, died without stopping it: killed?"
+    return "the terminal or ssh session closed"
 
 
 def who_stops(env: Mapping[str, str]) -> str:

@@ -1,0 +1,62 @@
+"""A rank ends with its launcher.
+
+torchrun starts its ranks in sessions of their own: when torchrun itself dies outright
+(``kill -9`` of ``ddplab run`` or of ``torchrun``, the OOM killer), nothing stops them. They
+trained on alone, to the end, and a rerun of the same command resumed their run beside them
+(a hostile pass: one run, every step from 160 on recorded twice). Under torchrun a rank
+therefore asks the kernel for SIGHUP when its launcher dies (``PR_SET_PDEATHSIG``): it stops
+as on a closed terminal, its run KILLED, saying why (training/jobend.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+launcher_pid: int | None = None
+"""The launcher this rank is tethered to (None: not tethered)."""
+
+
+def to_launcher(env: Mapping[str, str]) -> None:
+    """Under torchrun (its workers have TORCHELASTIC_RUN_ID): SIGHUP when the launcher dies.
+    (Other launchers stop their ranks themselves: mpirun's daemons, srun's slurmstepd.)"""
+    global launcher_pid
+    if not env.get("TORCHELASTIC_RUN_ID"):
+        return
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no tether
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGHUP) != 0:
+            return
+        launcher_pid = parent
+        if os.getppid() != parent:  # it died before the tether held
+            os.kill(os.getpid(), signal.SIGHUP)
+
+
+def launcher_gone(within_s: float = 2.0) -> bool:
+    """Whether this rank's launcher has died (its SIGHUP is the tether's, not a terminal's).
+    The kernel sends the signal when the thread that started the rank ends: a launcher killed
+    outright may still be ending its other threads, and be this rank's parent, for a moment."""
+    if launcher_pid is None:
+        return False
+    deadline = time.monotonic() + within_s
+    while True:
+        if os.getppid() != launcher_pid or _state(launcher_pid) in ("", "Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc ("" when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[0]
