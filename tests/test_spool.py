@@ -192,6 +192,24 @@ def test_the_delivery_process_opens_the_run_for_rank_0(store, monkeypatch):
     run = client.get_run(opened.run_id)
     assert run.info.status == "FAILED" and "before it started training" in run.data.tags["ddplab.error"]
 
+def test_a_job_stopped_after_its_run_opened_ends_it_killed_saying_how(store, monkeypatch):
+    """Ctrl-C between the run's opening and the first step (the ranks still meeting, a hostile
+    pass): the run ended FAILED, "the job stopped ... (see the job's console)", where any other
+    Ctrl-C ends it KILLED. Rank 0 tells its delivery process how the job was stopped."""
+    from ddplab.tracking.opening import Request
+
+    client, _, _ = store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", client.tracking_uri)
+    delivery = _early_delivery()
+    opened = delivery.open_run(Request(client.tracking_uri, "stopped-early", "my run", ""))
+    delivery.cancel("KILLED", "interrupted (SIGINT / Ctrl-C)")
+    assert delivery.proc.wait(timeout=120) == 0
+    run = client.get_run(opened.run_id)
+    assert run.info.status == "KILLED", run.data.tags
+    assert run.data.tags["ddplab.error"] == ("interrupted (SIGINT / Ctrl-C), after its run was "
+                                             "opened, before it started training")
+
+
 @pytest.mark.parametrize("meta", ["null", "[1, 2]", '{"uri": "sqlite:///x.db"}',
                                   '{"uri": 1, "run_id": "r", "experiment_id": "0"}'])
 def test_sync_of_a_spool_whose_meta_is_not_one_says_so_in_one_line(tmp_path, capsys, meta):

@@ -20,6 +20,7 @@ from .protocol import (
     open_request,
     read,
     spool_message,
+    stopped_message,
 )
 
 if TYPE_CHECKING:  # annotations only: this module must not import torch (backend, tracker)
@@ -88,10 +89,10 @@ class Delivery:
         (directory / DELIVERY_JSON).unlink(missing_ok=True)  # (sync reads both: job over)
         self._tell(spool_message(directory, ref.start_ms))
 
-    def cancel(self) -> None:
-        """No run to deliver: the process exits on the empty stdin (ending the run it opened, if
-        it did: it must not stay RUNNING)."""
-        self._tell("")
+    def cancel(self, status: str = "FAILED", why: str = "") -> None:
+        """No run to deliver: the process exits (ending the run it opened, if it did: it must not
+        stay RUNNING; KILLED with ``why`` when the job was stopped: Ctrl-C, SIGTERM)."""
+        self._tell(stopped_message(status, why) if why else "")
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=15)
 
@@ -172,7 +173,7 @@ class NoDelivery:
         return None
 
     def attach(self, directory: Path, ref: RunRef) -> None: ...
-    def cancel(self) -> None: ...
+    def cancel(self, status: str = "FAILED", why: str = "") -> None: ...
 
     def cpu_s(self) -> tuple[float, float]:
         return 0.0, 0.0

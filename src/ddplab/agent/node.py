@@ -93,6 +93,9 @@ def _answer(uri: str, answers: Any) -> tuple[Path | None, int, Any]:
                 opening.end_unclaimed(client, opened)
             return None, 0, client
         told = read(line)
+        if "stopped" in told:  # the job was stopped before it started training
+            opening.end_unclaimed(client, opened, **told["stopped"])
+            return None, 0, client
         if "open" not in told:
             return Path(told["spool"]), int(told["t0_ms"]), client
         req = opening.Request(**told["open"])

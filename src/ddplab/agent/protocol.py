@@ -115,6 +115,11 @@ def spool_message(folder: Path, t0_ms: int) -> str:
     return json.dumps({"spool": str(folder), "t0_ms": t0_ms}) + "\n"
 
 
+def stopped_message(status: str, why: str) -> str:
+    """The job stopped before it started training (Ctrl-C, SIGTERM): the run it opened ends so."""
+    return json.dumps({"stopped": {"status": status, "why": why}}) + "\n"
+
+
 def read(line: str) -> dict[str, Any]:
     """One message (any of the above); an empty line means the sender closed its end."""
     message: dict[str, Any] = json.loads(line)

@@ -184,14 +184,16 @@ def end_failed(client: Any, run_id: str, why: str) -> None:
     life.end(client, run_id, life.FAILED, why)
 
 
-def end_unclaimed(client: Any, opened: Opened | None) -> None:
+def end_unclaimed(client: Any, opened: Opened | None, status: str = life.FAILED,
+                  why: str = "") -> None:
     """The job stopped after its run was opened but before it said where to deliver: the run
-    must not stay RUNNING."""
+    must not stay RUNNING. ``why``: how it was stopped (Ctrl-C: KILLED), when the job said."""
     if opened is None:
         return
     try:
-        end_failed(client, opened.run_id, "the job stopped after its run was opened, before it "
-                   "started training (see the job's console)")
+        life.end(client, opened.run_id, status, f"{why}, after its run was opened, before it "
+                 "started training" if why else "the job stopped after its run was opened, "
+                 "before it started training (see the job's console)")
     except Exception as e:  # noqa: BLE001 - the console says it; nothing else can
         print(f"ddplab delivery: could not end run {opened.run_id} ({spool.describe(e)})",
               file=sys.stderr)

@@ -78,8 +78,12 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
                                 opener=delivery.open_run)
         run.open_cpu_s = time.process_time() - cpu0 if le.is_rank0 else 0.0
         delivery.attach(spool.spool_dir(spool_root, ref.run_id, le.node_rank), ref)
-    except BaseException:
-        delivery.cancel()  # nothing to deliver: it must not outlive the failed job
+    except BaseException as e:
+        # Nothing to deliver: it must not outlive the job. A stop (Ctrl-C) ends its run KILLED.
+        if signals.status() == "KILLED":
+            delivery.cancel("KILLED", _stopped_by(signals.cause(e)))
+        else:
+            delivery.cancel()
         raise
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)
@@ -101,8 +105,8 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
         status = getattr(e, "status", None) or signals.status()
         # (ddplab's own errors say what happened in their line: its frames are no help)
         error = getattr(e, "detail", None) or (
-            ("interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e))
-            if status == "KILLED" else f"{type(e).__name__}: {e}" if isinstance(e, DdplabError)
+            _stopped_by(e) if status == "KILLED"
+            else f"{type(e).__name__}: {e}" if isinstance(e, DdplabError)
             else f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         heartbeat.failed(error)
         raise
@@ -130,6 +134,11 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
                 orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
         if lost and finished and isinstance(run, MlflowTracker):
             raise SpoolLost(lost)  # the job did not fail otherwise: this is why it failed
+
+
+def _stopped_by(e: BaseException) -> str:
+    """A stopped job's error: what stopped it (Ctrl-C, a closed terminal, its launcher's end)."""
+    return "interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e)
 
 
 class SpoolLost(DdplabError):
