@@ -133,6 +133,10 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     # The cause is the rank that vanished, not what rank 0 saw of it (a closed connection).
     assert re.match(r"rank 1 \(host .+\) died outright .* at step \d+ in [a-z ]+; rank 0 "
                     r"stopped after it", failed.data.tags["ddplab.error"]), failed.data.tags
+    # Nor does rank 0's console call what it saw a bug: its lost connection was "unexpected
+    # RuntimeError ... (traceback below)" and ddplab's frames (a hostile pass).
+    said = proc.stdout.read()
+    assert "unexpected" not in said and "(traceback below)" not in said, said[-4000:]
 
     # A resume that would change what the run computes is refused, and the run is untouched.
     changed = ddplab(["train", *args, "--set", "optim.lr=0.05"], tmp_path, env, nproc=2)

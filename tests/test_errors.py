@@ -71,3 +71,15 @@ def test_an_error_raised_in_the_users_own_code_says_so_and_where(capsys):
     line = _failing.__code__.co_firstlineno + 3  # handler's raise
     assert err == (f"ddplab: error: your code ({Path(__file__)}:{line}) raised ValueError: a real "
                    "bug (traceback below)")
+
+
+def test_first_line_is_what_happened_not_a_librarys_note_and_is_cut_visibly():
+    from ddplab.errors import first_line
+
+    sqlalchemy = ("(raised as a result of Query-invoked autoflush; consider using a "
+                  "session.no_autoflush block if this flush is occurring prematurely)\n"
+                  "(sqlite3.OperationalError) database or disk is full\n[SQL: INSERT ...]")
+    assert first_line(sqlalchemy) == "(sqlite3.OperationalError) database or disk is full"
+    assert first_line("\n  one\ntwo") == "one" and first_line("") == ""
+    long = first_line("x" * 700 + " Start it, or set tracking.enabled=false")
+    assert len(long) == 600 and long.endswith("...")

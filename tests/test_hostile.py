@@ -305,6 +305,49 @@ def test_a_full_disk_ends_the_run_failed_with_its_reason_and_leaves_no_partial_f
     assert leftovers == []
 
 
+FILLED = """
+import subprocess, sys
+from ddplab.tracking.store import open_client
+client = open_client(sys.argv[1])
+run = client.create_run(client.create_experiment("e")).info.run_id
+subprocess.run(["dd", "if=/dev/zero", f"of={sys.argv[2]}", "bs=4k"], capture_output=True)
+try:
+    for i in range(2000):
+        client.log_metric(run, "m" * 200 + str(i), float(i), step=i)
+except Exception as e:
+    print("raised:", str(e))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_a_store_on_a_full_disk_is_one_line_not_pages_of_tracebacks(tmp_path, store):
+    """A hostile pass: the store's disk full when the run is opened gave 357 lines, 9
+    tracebacks (MLflow's log of each SQLAlchemy error, the delivery's answer, rank 0's "unexpected
+    RuntimeError", rank 1 quoting them), and a last line that named SQLAlchemy's autoflush note
+    instead of the full disk; filled later, MLflow logged a traceback at each of the delivery's
+    tries. Now one line a rank, what to do in it; MLflow's raise is ddplab's to say."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(small)], check=True)
+    try:
+        out = subprocess.run(
+            [str(BIN / "ddplab"), "run", "--nproc-per-node", "2", QUICKSTART, *QUICK],
+            cwd=tmp_path, env=job_env(f"sqlite:///{small / 'mlflow.db'}"), capture_output=True,
+            text=True, timeout=300)
+        subprocess.run(["umount", str(small)], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], check=True)
+        later = subprocess.run([sys.executable, "-c", FILLED, f"sqlite:///{small / 'mlflow.db'}",
+                                str(small / "filler")], capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in said, said[-4000:]
+    assert said.count("cannot be written: database or disk is full (SQLite); free space on "
+                      f"{small}") == 2, said[-4000:]  # rank 0's line, and rank 1's of it
+    assert "raised:" in later.stdout and "database or disk is full" in later.stdout, later
+    assert "SQLAlchemy database error" not in later.stderr, later.stderr[-3000:]
+
+
 # ---- classes 2, 4, 6: studies ----
 
 TINY = {"data.train_samples": 256, "data.eval_samples": 128, "train.epochs": 1,

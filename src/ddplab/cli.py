@@ -28,10 +28,11 @@ import warnings
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from . import __version__
+from .errors import first_line
 from .log import flush_std, logger
 
 if TYPE_CHECKING:
-    from .tracking.store import StoreUnusable
+    from .tracking.store import TrackingError
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 
@@ -312,8 +313,16 @@ def run(args: argparse.Namespace) -> int:
         if known is not None:  # MLflow's refusal of the store's schema, from any path to it
             logger().error(known)
             return known.exit_code
+        first = first_line(str(e))
+        if args.command == "train" and _peer_gone(f"{type(e).__name__}: {first}"):
+            # Not a bug: a peer rank ended first (killed, failed) and this rank's collective lost
+            # its connection. The verdict names that rank; this one's frames are in the run.
+            logger().error(f"stopped: a peer rank ended first and this rank's collective lost "
+                           f"it ({type(e).__name__}: {first})")
+            _tell_torchrun(e)
+            _say_run(e)
+            return EXIT_ERROR
         # A bug (ddplab's, or the user's code's): one line first, then the traceback.
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         where = _raised_in_user_code(e)
         logger().error(f"{where + ' raised' if where else 'unexpected'} {type(e).__name__}: "
                        f"{first} (traceback below)")
@@ -328,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-def _store_refusal(e: BaseException, uris: list[str] | None = None) -> StoreUnusable | None:
+def _store_refusal(e: BaseException, uris: list[str] | None = None) -> TrackingError | None:
     """MLflow's refusal to open a store as it is (tracking/store.py, unusable) where it escaped
     open_client (a client made elsewhere, the delivery process's answer), as its one line
     (a StoreUnusable), else None. ``uris``: the stores the command used (the one named is the
@@ -349,6 +358,14 @@ def _say_run(e: BaseException) -> None:
     from .training.jobend import say_last
 
     say_last(getattr(e, "run_line", ""))
+
+
+def _peer_gone(error: str) -> bool:
+    """Whether a rank's error is its collective's broken connection to a peer that is gone."""
+    from .forensics.watch import PEER_GONE
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    return world.isdigit() and int(world) > 1 and any(s in error for s in PEER_GONE)
 
 
 def _raised_in_user_code(e: BaseException) -> str:

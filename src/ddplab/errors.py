@@ -25,6 +25,20 @@ class BadInput(DdplabError):
     exit_code = 2
 
 
+NOTES = ("(raised as a result of ",)
+"""Lines a library puts before what happened: SQLAlchemy's autoflush note ("(raised as a
+result of Query-invoked autoflush; consider using a session.no_autoflush block ...)") above
+"(sqlite3.OperationalError) database or disk is full"."""
+
+
+def first_line(text: str, limit: int = 600) -> str:
+    """A message's first line that says what happened (not a library's note before it), cut at
+    ``limit`` characters with "..." (an unreachable server's line, its advice last, is ~400)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    first = next((ln for ln in lines if not ln.startswith(NOTES)), lines[0] if lines else "")
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
 def chain(e: BaseException) -> list[BaseException]:
     """``e``, then what it was raised from or while handling, and so on, as python's traceback
     shows them: the reasons under a wrapper's error (``__cause__``; else ``__context__``, unless

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import first_line
 from ..tracking import spool
 from .protocol import (
     DELIVERY_JSON,
@@ -77,8 +78,9 @@ class Delivery:
             return Opened(**answer["opened"])
         if answer["kind"] == "TrackingError":
             raise TrackingError(answer["error"])
-        raise RuntimeError(f"opening the run failed: {answer['kind']}: {answer['error']}\n"
-                           f"(in the delivery process)\n{answer['traceback']}")
+        raise RuntimeError(f"opening the run failed: {answer['kind']}: "
+                           f"{first_line(answer['error'])}\n(in the delivery process)\n"
+                           f"{answer['traceback']}")
 
     def attach(self, directory: Path, ref: RunRef) -> None:
         """Deliver this run's spool. (The pipes are closed here, before any DataLoader worker is

@@ -27,6 +27,9 @@ def make_client(uri: str, opened: Any = None) -> Any:
         os.environ.setdefault(k, v)
     from mlflow import MlflowClient
 
+    from ..tracking.store import quiet_store_errors
+
+    quiet_store_errors()
     return opened or MlflowClient(uri)
 
 

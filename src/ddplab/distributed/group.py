@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..ccl.handlers import crash_handlers_kept
-from ..errors import DdplabError
+from ..errors import DdplabError, first_line
 from ..launchers import LaunchEnv
 from .choice import BackendChoice, BackendError
 
@@ -131,7 +131,7 @@ def share_from_rank0(produce: Callable[[], T], is_rank0: bool, world_size: int) 
         try:
             message = [produce(), None]
         except Exception as e:  # noqa: BLE001 - sent to the other ranks, then re-raised
-            error, message = e, [None, f"{type(e).__name__}: {e}"]
+            error, message = e, [None, f"{type(e).__name__}: {first_line(str(e))}"]
     if world_size > 1:
         dist.broadcast_object_list(message, src=0)
     if error is not None:

@@ -274,8 +274,10 @@ def _read(path: Path) -> str:
 
 # ---- the verdict, from every node's endings ----
 
-SECONDARY = ("terminated by SIG", "killed by SIGTERM", "interrupted (SIGINT", "DistBackendError",
-             "DistNetworkError", "Connection reset", "Connection closed", "Broken pipe",
+PEER_GONE = ("DistBackendError", "DistNetworkError", "Connection reset", "Connection closed",
+             "Broken pipe")
+"""What a rank's collective raises when a peer's process is gone (its connection broke)."""
+SECONDARY = ("terminated by SIG", "killed by SIGTERM", "interrupted (SIGINT", *PEER_GONE,
              "timed out", "Timed out", "Timeout")
 """What a rank raises when it is stopped, or because another rank stopped: never a cause. The
 one list for both kinds of job (ddplab's loop here, script mode's verdict in supervisor.py)."""

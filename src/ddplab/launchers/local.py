@@ -25,6 +25,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import first_line
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -203,8 +205,8 @@ def _said(failure: ProcessFailure) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    said = str(message or "").strip().splitlines()
-    return said[0][:300] if said and not said[0].startswith("To enable traceback") else ""
+    said = first_line(str(message or ""))
+    return "" if said.startswith("To enable traceback") else said
 
 
 if __name__ == "__main__":

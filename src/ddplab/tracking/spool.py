@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import DdplabError
+from ..errors import DdplabError, first_line
 from ..files import write_text_atomic
 from . import life
 from .schema import BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS  # MLflow's log_batch limits
@@ -278,7 +278,7 @@ def _is_permanent(e: Exception) -> bool:
 def describe(e: Exception) -> str:
     """One line for a delivery failure: refused (with the HTTP status) or no answer."""
     status = status_of(e)
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    first = first_line(str(e)) or type(e).__name__
     if status and status != 500:
         return f"refused with HTTP {status}: {first}"
     return f"{type(e).__name__}: {first}"

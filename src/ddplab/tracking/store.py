@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -24,6 +25,10 @@ class StoreUnusable(TrackingError):
     or a file at its path that is no SQLite database. Bad input, found before anything ran."""
 
     exit_code = 2
+
+
+class StoreUnwritable(TrackingError):
+    """A SQLite store whose file cannot be written: its disk full, or read-only."""
 
 
 def embedded_store() -> str:
@@ -209,10 +214,28 @@ def store_lock(uri: str) -> Iterator[None]:
         os.close(fd)
 
 
+class _RaisedAnyway(logging.Filter):
+    """MLflow logs each SQLAlchemy OperationalError of a store (a full disk, a locked database)
+    with its whole traceback, then raises it: a delivery retrying every 2 s printed 20
+    tracebacks in a 10 s job (a hostile pass). ddplab says what it raised, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SQLAlchemy database error")
+
+
+def quiet_store_errors() -> None:
+    """MLflow's store errors said once, by ddplab, not also logged with tracebacks by MLflow."""
+    db = logging.getLogger("mlflow.store.db.utils")
+    if not any(isinstance(f, _RaisedAnyway) for f in db.filters):
+        db.addFilter(_RaisedAnyway())
+
+
 def open_client(uri: str) -> Any:
     """An MlflowClient whose store is ready (created and migrated once, under store_lock); a
     store it cannot open as it is (unusable) is one StoreUnusable line."""
     from mlflow import MlflowClient
+
+    quiet_store_errors()
 
     try:
         with store_lock(uri):
@@ -241,6 +264,8 @@ worded alike, a newer one."""
 NOT_A_DATABASE = ("file is not a database", "database disk image is malformed",
                   "unable to open database file")
 """SQLite's words for a store path that holds something else, or cannot be opened."""
+UNWRITABLE = ("database or disk is full", "attempt to write a readonly database")
+"""SQLite's words for a store it cannot write (StoreUnwritable)."""
 
 
 def schema_advice(uri: str, found: str, needed: str) -> str:
@@ -278,23 +303,38 @@ def _not_a_database(uri: str, said: str) -> str:
             "in its place)")
 
 
-def unusable(e: BaseException, uri: str, schema_only: bool = False) -> StoreUnusable | None:
+def _unwritable(uri: str, said: str) -> str:
+    from ..logins import mask
+
+    db = sqlite_path(uri)
+    where = f" on {db.parent}" if db is not None else ""
+    return (f"the MLflow store {mask(uri)} cannot be written: {said} (SQLite); free space{where} "
+            "or make it writable, or point MLFLOW_TRACKING_URI at another store")
+
+
+def unusable(e: BaseException, uri: str, schema_only: bool = False) -> TrackingError | None:
     """What MLflow or SQLite raised on opening ``uri``, as one line, when it says the store is
-    unusable as it is (SCHEMA_MISMATCH; unless ``schema_only``, NOT_A_DATABASE); else None."""
+    unusable as it is (SCHEMA_MISMATCH; unless ``schema_only``, NOT_A_DATABASE, UNWRITABLE);
+    else None."""
     seen: set[int] = set()
     cause: BaseException | None = e
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         text = str(cause)
-        said_there = re.search(r"\bStoreUnusable: (.+)", text)  # the delivery process's answer
+        # (the delivery process's answer, as rank 0 raised it)
+        said_there = re.search(r"\b(StoreUnusable|StoreUnwritable): (.+)", text)
         if said_there:
-            return StoreUnusable(said_there.group(1))
+            kind = StoreUnusable if said_there.group(1) == "StoreUnusable" else StoreUnwritable
+            return kind(said_there.group(2))
         m = SCHEMA_MISMATCH.search(text)
         if m:
             return StoreUnusable(schema_advice(uri, m.group(1), m.group(2)))
         said = next((s for s in NOT_A_DATABASE if s in text), "")
         if said and not schema_only:
             return StoreUnusable(_not_a_database(uri, said))
+        said = next((s for s in UNWRITABLE if s in text), "")
+        if said and not schema_only:
+            return StoreUnwritable(_unwritable(uri, said))
         cause = cause.__cause__ or cause.__context__
     return None
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ...distributed.group import Rank0Error, rendezvous_store
-from ...errors import DdplabError
+from ...errors import DdplabError, first_line
 from ...launchers import LaunchEnv
 
 T = TypeVar("T")
@@ -88,7 +88,7 @@ class Meeting:
             try:
                 value = produce()
             except Exception as e:
-                self._set_pickled(key, (None, f"{type(e).__name__}: {e}"))
+                self._set_pickled(key, (None, f"{type(e).__name__}: {first_line(str(e))}"))
                 raise
             self._set_pickled(key, (value, None))
             return value
