@@ -839,8 +839,11 @@ def test_torchrun_killed_outright_leaves_one_line_of_error_not_ddplabs_traceback
         assert time.monotonic() < deadline, "the run stayed RUNNING"
         time.sleep(1)
     error = client.get_run(run.info.run_id).data.tags["ddplab.error"]
-    assert error.startswith("LauncherGone: the launcher is gone") and "Traceback" not in error, \
-        error
+    # (each rank stops with its launcher, launchers/tether.py: KILLED, as in ddplab's loop; the
+    # rank says so either way it saw it first, the store gone or the kernel's SIGHUP)
+    assert run.info.status == "KILLED", error
+    assert ("the launcher is gone" in error or "its launcher, pid" in error) and \
+        "Traceback" not in error and "\n" not in error.strip(), error
 
 
 
