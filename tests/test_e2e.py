@@ -185,14 +185,20 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path, store):
     of their own, trained on alone to the end, and a rerun of the command resumed their run
     beside them (a hostile pass: one run, its steps from 160 on recorded twice). Each rank now
     stops with its launcher: the run KILLED, saying why, nothing of the job left running."""
-    proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=20"], tmp_path, job_env(store))
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "ddplab"), "run",
+                             "--nproc-per-node", "2", QUICKSTART, "--set", "train.epochs=20"],
+                            cwd=tmp_path, env=job_env(store), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     _wait_for(lambda: _logged_a_loss(store), 120, proc)
     job = psutil.Process(proc.pid).children(recursive=True)  # the ranks, the delivery process
-    assert len([p for p in job if "train" in p.cmdline()]) == 2, [p.cmdline() for p in job]
+    ranks = [p for p in job if "train" in p.cmdline()]
+    assert len(ranks) == 2, [p.cmdline() for p in job]
+    run_line = Path(ranks[0].environ()["DDPLAB_RUN_LINE"])  # what `ddplab run` would have read
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     _, alive = psutil.wait_procs(job, timeout=90)
     assert not alive, [p.cmdline() for p in alive]
+    assert not run_line.exists()
     (run,) = runs(store)
     assert run.info.status == "KILLED", run.data.tags
     assert f"its launcher, pid {proc.pid}, died without stopping it" in run.data.tags["ddplab.error"]

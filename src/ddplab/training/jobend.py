@@ -162,7 +162,12 @@ def say_last(line: str, active: bool = True) -> None:
         return
     logger().info(line)
     path = os.environ.get(RUN_LINE_ENV)
-    if path:
+    from ..launchers import tether
+
+    if path and tether.launcher_gone(within_s=0):  # (killed outright: nobody will read it)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    elif path:
         try:  # whole or not at all (the launcher reads it once torchrun is done)
             write_text_atomic(path, line)
         except OSError:
