@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +51,9 @@ def watch_of(endings: list[Ending]) -> type:
             return endings
 
         def files(self) -> list[Path]:
+            return []
+
+        def still_running(self) -> list[Ending]:
             return []
 
     return Watch
@@ -132,6 +137,35 @@ def test_when_the_verdict_appears_the_runs_error_names_the_cause_already(run_in)
     assert seen["ddplab.error"] == line, seen
     assert seen["ddplab.error.rank0"] == "DistBackendError: Connection closed by peer", seen
     assert client.get_run(run_id).data.tags["ddplab.verdict"] == line
+
+
+def test_a_rank_still_blocked_beside_a_failed_rank_0_is_not_a_lost_node(run_in, tmp_path):
+    """A hostile pass: rank 0's checkpoint hit a full disk; rank 1, on the same node, alive and
+    blocked in its all-reduce until the launcher stopped it, read "rank 1 reported nothing
+    (their node lost?)" in the verdict (taken as rank 0 ended, before rank 1's error came). A
+    real heartbeat of each, rank 1's in a process of its own."""
+    from ddplab.forensics import heartbeat
+    from ddplab.forensics.watch import Watch
+
+    client, run_id = run_in
+    code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2)\nheartbeat.beat('backward', 51)\n"
+            "print('up', flush=True)\ntime.sleep(60)\n")
+    blocked = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert blocked.stdout is not None and blocked.stdout.readline() == "up\n"
+        rank0 = heartbeat.Heartbeat(tmp_path, 0, 2)
+        rank0.beat("checkpoint", 50)
+        rank0.failed("CheckpointError: could not write step-50.pt: No space left on device")
+        t0 = time.monotonic()
+        line = postmortem.record(client, run_id, Watch(tmp_path, 300.0, "h"), "node0", 2,
+                                 holds_rank0=True)
+        assert time.monotonic() - t0 < postmortem.WAIT_FOR_NODES_S  # no wait for a lost node
+    finally:
+        blocked.kill()
+        blocked.wait()
+    assert line == ("rank 0 (host h) failed (CheckpointError: could not write step-50.pt: No space "
+                    "left on device) at step 50 in checkpoint; rank 1 stopped after it"), line
 
 
 def test_the_error_tag_keeps_its_first_line():

@@ -45,8 +45,8 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
         print(f"ddplab delivery: the ranks' stacks could not be recorded ({e})", file=sys.stderr)
     if done or not holds_rank0:
         return ""
-    line = verdict(_everyone(client, run_id, node, endings, world_size), world_size,
-                   hang_after_s=watch.hang_after_s)
+    line = verdict(_everyone(client, run_id, node, endings + watch.still_running(), world_size),
+                   world_size, hang_after_s=watch.hang_after_s)
     if line and not superseded():  # (the wait for the other nodes' endings took up to 15 s)
         # The verdict is the postmortem's last word: whoever reads the run once it is there
         # finds ddplab.error naming the cause already, not rank 0's view of it a moment before.

@@ -189,6 +189,15 @@ class Watch:
         return [self._ending(b) for b in read(self.directory)
                 if b.phase in ("done", "failed") or not alive(b.pid)]
 
+    def still_running(self) -> list[Ending]:
+        """This node's ranks alive yet when the job's rank 0 has ended (blocked in a collective
+        with it until the launcher stops them): "waits", for the verdict only. They were named
+        "reported nothing (their node lost?)" beside rank 0 on their own node."""
+        if self.hang is not None:
+            return []
+        return [Ending(b.rank, b.step, b.phase, b.time, "waits", "", self.host)
+                for b in read(self.directory) if b.phase not in ("done", "failed") and alive(b.pid)]
+
     def _ending(self, b: Beat) -> Ending:
         if b.phase == "failed":
             try:

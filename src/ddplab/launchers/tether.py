@@ -16,7 +16,6 @@ import os
 import signal
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 launcher_pid: int | None = None
@@ -44,19 +43,13 @@ def launcher_gone(within_s: float = 2.0) -> bool:
     outright may still be ending its other threads, and be this rank's parent, for a moment."""
     if launcher_pid is None:
         return False
+    from ..forensics.watch import alive
+
     deadline = time.monotonic() + within_s
     while True:
-        if os.getppid() != launcher_pid or _state(launcher_pid) in ("", "Z", "X"):
+        if os.getppid() != launcher_pid or not alive(launcher_pid):
             return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
 
-
-def _state(pid: int) -> str:
-    """A process's state letter from /proc ("" when it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[-1].split()[0]
