@@ -416,3 +416,26 @@ def test_diagnose_of_a_run_that_finished_after_a_resume_labels_the_failed_attemp
     assert said[2] == ("stacks, crash dumps and errors of an earlier attempt (this run resumed "
                        "after it; its ending is in resumes/):")
     assert said[3].endswith("forensics/node0/rank-1.error.txt")
+
+
+def test_a_survivors_watcher_leaves_a_run_whose_rank_0_closed_its_spool(store, tmp_path):
+    """A hostile pass: the server down as a job failed; rank 1's watcher ended the run "global
+    rank 0 lost" once the server came back, over rank 0's own ending waiting in its spool (for
+    its delivery, or ``ddplab sync``). A closed spool is rank 0's ending: the watcher leaves
+    the run; without one, rank 0 is lost and the run ends FAILED, as before."""
+    from mlflow import MlflowClient
+
+    from ddplab.agent.orphan import end_orphan
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("x")
+    ended_by_rank0, lost = (client.create_run(exp).info.run_id for _ in range(2))
+    spool_dir = tmp_path / "spool" / "node0"
+    spool_dir.mkdir(parents=True)
+    (spool_dir / spool.CLOSED).write_text("1")
+    assert not end_orphan(store, ended_by_rank0, "RuntimeError: peer", 1.0, spool_dir)
+    assert client.get_run(ended_by_rank0).info.status == "RUNNING"  # (its spool ends it)
+    assert end_orphan(store, lost, "RuntimeError: peer", 1.0, tmp_path / "elsewhere")
+    run = client.get_run(lost)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["ddplab.error"] == "global rank 0 lost; this rank saw: RuntimeError: peer"

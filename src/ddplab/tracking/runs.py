@@ -131,7 +131,8 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
             if run.run_id:
                 from ..agent import orphan
 
-                orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S)
+                orphan.start(run.uri, run.run_id, error.split("\n", 1)[0], orphan.GRACE_S,
+                             spool.spool_dir(spool_root, run.run_id, 0))
         if lost and finished and isinstance(run, MlflowTracker):
             raise SpoolLost(lost)  # the job did not fail otherwise: this is why it failed
 
