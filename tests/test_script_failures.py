@@ -236,6 +236,7 @@ def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path
     error (what the rank wrote in its error file), exit its code; not torchrun's banner."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+    from ddplab.distributed.group import Rank0Error
     from ddplab.training.scriptmode.supervisor import ScriptFailed
 
     a = argparse.Namespace(nproc_per_node=2, experiment=None, module="pkg.train", overrides=[],
@@ -266,6 +267,15 @@ def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path
     assert local.failed(stopped) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ddplab: error: rank 1 failed (exit code 1): ValueError: bad batch"], err
+    # Rank 1 only passed rank 0's failure on, and ended first (CI saw it): the line is rank 0's
+    passed_file = tmp_path / "passed.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(passed_file))
+    cli._tell_torchrun(Rank0Error("rank 0 failed: OSError: disk full"))
+    passed = ChildFailedError("ddplab", {1: ProcessFailure(1, 2, 1, str(passed_file))})
+    assert local.failed(passed) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ddplab: error: rank 0 failed: OSError: disk full; rank 1 stopped after it "
+                   "(exit code 1)"], err
     killed = ChildFailedError("ddplab", {0: ProcessFailure(0, 1, -9, str(tmp_path / "none"))})
     assert local.failed(killed) == 128 + 9
     assert capsys.readouterr().err.strip() == "ddplab: error: rank 0 was killed by SIGKILL"

@@ -312,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
         known = _store_refusal(e)
         if known is not None:  # MLflow's refusal of the store's schema, from any path to it
             logger().error(known)
+            _tell_torchrun(known)  # so `ddplab run`'s last line says it too
             return known.exit_code
         first = first_line(str(e))
         if args.command == "train" and _peer_gone(f"{type(e).__name__}: {first}"):
@@ -339,10 +340,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _store_refusal(e: BaseException, uris: list[str] | None = None) -> TrackingError | None:
     """MLflow's refusal to open a store as it is (tracking/store.py, unusable) where it escaped
-    open_client (a client made elsewhere, the delivery process's answer), as its one line
-    (a StoreUnusable), else None. ``uris``: the stores the command used (the one named is the
-    first that store_problem finds unusable); without them, the environment's, and only a
-    schema refusal (MLflow's own words) is recognised."""
+    open_client (a client made elsewhere, the delivery process's answer), as its one line (a
+    StoreUnusable or StoreUnwritable), else None. ``uris``: the stores the command used (the
+    one named is the first that store_problem finds unusable); without them, the environment's,
+    and only a schema refusal (MLflow's own words) is recognised."""
     from .tracking.store import embedded_store, store_problem, unusable
 
     if not uris:

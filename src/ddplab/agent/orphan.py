@@ -69,15 +69,17 @@ def end_orphan(uri: str, run_id: str, why: str, grace_s: float = GRACE_S,
         return False
     closed = rank0_spool / CLOSED if rank0_spool is not None else None
 
+    def rank0s() -> bool:
+        return closed is not None and closed.exists()
+
     def ended() -> bool:
-        return (closed is not None and closed.exists()) or \
-            client.get_run(run_id).info.status != "RUNNING"
+        return rank0s() or client.get_run(run_id).info.status != "RUNNING"
 
     from mlflow import MlflowClient
 
     try:
         client = MlflowClient(uri)
-        if not poll(ended, grace_s) and not (closed is not None and closed.exists()):
+        if not poll(ended, grace_s) and not rank0s():
             life.end(client, run_id, life.FAILED, f"global rank 0 lost; this rank saw: {why}")
             return True
     except Exception as e:  # noqa: BLE001 - best effort on the way out; never mask the failure

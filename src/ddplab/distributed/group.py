@@ -118,6 +118,9 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+RANK0_FAILED = "rank 0 failed: "  # a Rank0Error's message: this, then rank 0's error
+
+
 class Rank0Error(DdplabError, RuntimeError):
     """Raised on the other ranks when a rank-0-only step failed there."""
 
@@ -137,6 +140,6 @@ def share_from_rank0(produce: Callable[[], T], is_rank0: bool, world_size: int) 
     if error is not None:
         raise error
     if message[1]:
-        raise Rank0Error(f"rank 0 failed: {message[1]}")
+        raise Rank0Error(f"{RANK0_FAILED}{message[1]}")
     result: T = message[0]  # rank 0's produce(), broadcast (pickled) to the others
     return result

@@ -195,9 +195,21 @@ def failed(e: ChildFailedError) -> int:
     alike = sorted({rank, *(r for r, f in e.failures.items()
                             if f.exitcode == code and _said(f) == why)})
     who = f"rank {rank}" if len(alike) == 1 else f"ranks {','.join(map(str, alike))}"
+    origin = _rank0s(why)
+    if origin:  # they only passed rank 0's failure on, and ended before rank 0 did
+        logger().error(f"rank 0 failed: {origin}; {who} stopped after it (exit code {code})")
+        return code
     logger().error(f"{who} {'refused the job' if code == 2 else 'failed'} (exit code "
                    f"{code}){f': {why}' if why else ''}")
     return code
+
+
+def _rank0s(why: str) -> str:
+    """Rank 0's error, where a rank's is only rank 0's passed on (a Rank0Error), else ""."""
+    from ..distributed.group import RANK0_FAILED
+
+    head = f"Rank0Error: {RANK0_FAILED}"
+    return why[len(head):] if why.startswith(head) else ""
 
 
 def _said(failure: ProcessFailure) -> str:

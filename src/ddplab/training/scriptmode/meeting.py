@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ...distributed.group import Rank0Error, rendezvous_store
+from ...distributed.group import RANK0_FAILED, Rank0Error, rendezvous_store
 from ...errors import DdplabError, first_line
 from ...launchers import LaunchEnv
 
@@ -32,7 +32,7 @@ class LauncherGone(DdplabError):
 
 
 def _gone(e: Exception) -> LauncherGone:
-    first = (str(e).strip().splitlines() or [""])[0][:200]
+    first = first_line(str(e))
     return LauncherGone(f"the launcher is gone (the store the ranks meet through, torchrun's "
                         f"agent or rank 0's, no longer answers: {type(e).__name__}: {first}): "
                         "the script was stopped")
@@ -94,7 +94,7 @@ class Meeting:
             return value
         value, error = pickle.loads(self.store.get(key))  # noqa: S301 - rank 0 of this job
         if error:
-            raise Rank0Error(f"rank 0 failed: {error}")
+            raise Rank0Error(f"{RANK0_FAILED}{error}")
         return value
 
     def _set_pickled(self, key: str, obj: object) -> None:
