@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -279,6 +280,24 @@ def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path
     killed = ChildFailedError("ddplab", {0: ProcessFailure(0, 1, -9, str(tmp_path / "none"))})
     assert local.failed(killed) == 128 + 9
     assert capsys.readouterr().err.strip() == "ddplab: error: rank 0 was killed by SIGKILL"
+
+
+@pytest.mark.parametrize("env, ours", [({}, True), ({"PET_LOG_DIR": "{tmp}/mine"}, False),
+                                       ({"PET_TEE": "3"}, False)], ids=["none", "named", "tee"])
+def test_torchruns_log_dir_is_ddplabs_unless_the_user_names_one_or_logs_to_it(
+        tmp_path, monkeypatch, env, ours):
+    """Plain torchrun leaves a /tmp/torchelastic_* a job (287 over a CI run); `ddplab run` gives
+    it a folder of its own to remove, but not one the user named or asked logs to be kept in."""
+    from torch.distributed.run import parse_args
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.format(tmp=tmp_path))
+    config = parse_args(["--standalone", "--nproc-per-node", "2", "t.py"])
+    made = local._log_dir(config)
+    assert bool(made) == ours and (config.log_dir == made if ours else made == "")
+    assert not ours or Path(made).is_dir() and Path(made).name.startswith("ddplab-torchrun-")
+    if ours:
+        Path(made).rmdir()
 
 
 def test_ddplabs_loop_says_its_failed_run_last_too(tmp_path, monkeypatch, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -628,9 +629,12 @@ def test_ddplab_run_refuses_in_one_line_before_torchrun_starts(tmp_path, store, 
 
 @pytest.mark.e2e
 def test_ddplab_run_starts_torchrun_for_a_script_and_its_arguments(tmp_path, store):
+    scratch = tmp_path / "tmp"  # the jobs' TMPDIR: nothing of them is left in it
+    scratch.mkdir()
     out = subprocess.run([str(BIN / "ddplab"), "run", "--nproc-per-node", "2", str(MY_TRAIN),
                           "--", "--epochs", "1", "--samples", "128"], cwd=tmp_path,
-                         env=job_env(store), capture_output=True, text=True, timeout=300)
+                         env=job_env(store, TMPDIR=str(scratch)), capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.launcher"] == "torchrun"
@@ -638,13 +642,19 @@ def test_ddplab_run_starts_torchrun_for_a_script_and_its_arguments(tmp_path, sto
     # A failed job ends on its run too: after torchrun's own report, the run's id and address.
     bad = subprocess.run([str(BIN / "ddplab"), "run", "--nproc-per-node", "2", str(MY_TRAIN),
                           "--", "--epochs", "1", "--samples", "128"], cwd=tmp_path,
-                         env=job_env(store, MY_TRAIN_FAIL_AT_STEP="1"), capture_output=True,
-                         text=True, timeout=300)
+                         env=job_env(store, MY_TRAIN_FAIL_AT_STEP="1", TMPDIR=str(scratch)),
+                         capture_output=True, text=True, timeout=300)
     failed = next(r for r in runs(store) if r.info.status == "FAILED")
-    last = bad.stderr.strip().splitlines()[-1]
+    *_, said, last = bad.stderr.strip().splitlines()
     assert bad.returncode != 0 and last.startswith(f"[ddplab] MLflow run {failed.info.run_id} "
                                                    "FAILED in "), bad.stderr[-3000:]
     assert "done in " not in bad.stdout + bad.stderr
+    # the failed rank's error, read from its torchrun error file before that file's folder went
+    assert re.match(r"ddplab: error: ranks? [0-9,]+ failed \(exit code 1\): \S+", said), said
+    # torchrun's own folder for those files (/tmp/torchelastic_*: left by plain torchrun, 287 a CI
+    # run) and ddplab's run-line and script files; torch's compile cache is a cache, kept
+    left = sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], bad.stderr[-2000:]
 
 
 SCALED = '''

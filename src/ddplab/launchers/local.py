@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -161,8 +162,10 @@ def torchrun_here(args: list[str]) -> int:
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
+    config = parse_args(args)
+    ours = _log_dir(config)
     try:
-        torchrun(parse_args(args))
+        torchrun(config)
     except ChildFailedError as e:
         return failed(e)
     except SignalException as e:  # Ctrl-C or SIGTERM: torchrun stopped the ranks
@@ -173,7 +176,21 @@ def torchrun_here(args: list[str]) -> int:
     except Exception:  # noqa: BLE001 - torchrun's own failure (its rendezvous, ...)
         traceback.print_exc()
         return 1
+    finally:
+        if ours:
+            shutil.rmtree(ours, ignore_errors=True)
     return 0
+
+
+def _log_dir(config: argparse.Namespace) -> str:
+    """A folder of ours for torchrun's log dir, removed when the job ends; "" where the user
+    named one (--log-dir, PET_LOG_DIR) or asked for logs in it (--redirects, --tee). Without
+    one, torchrun makes /tmp/torchelastic_* for the ranks' error files and leaves it: CI's
+    runs left 287 of them."""
+    if config.log_dir or any(str(std or "0") != "0" for std in (config.redirects, config.tee)):
+        return ""
+    config.log_dir = tempfile.mkdtemp(prefix="ddplab-torchrun-")
+    return str(config.log_dir)
 
 
 def failed(e: ChildFailedError) -> int:
