@@ -6,6 +6,7 @@ line, never a traceback. In-process (cli.main) on tmp stores: no job runs."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -139,6 +140,45 @@ def test_when_the_verdict_appears_the_runs_error_names_the_cause_already(run_in)
     assert client.get_run(run_id).data.tags["ddplab.verdict"] == line
 
 
+def test_a_postmortem_the_server_did_not_take_is_kept_and_delivered_once_later(run_in, tmp_path,
+                                                                            monkeypatch):
+    """The server down at the job's end: the node's endings, files and the verdict stay in its
+    spool (postmortem.json) and deliver_kept (what `ddplab sync` runs) puts them in the run;
+    one an attempt started after (its meta.json newer) took the run over from is dropped."""
+    from mlflow import MlflowClient
+
+    client, run_id = run_in
+    monkeypatch.setattr(postmortem, "WAIT_FOR_NODES_S", 0.0)
+    stack = tmp_path / "rank-1.stack.txt"
+    stack.write_text("File faulty.py, line 42")
+    (tmp_path / "meta.json").write_text("{}")
+
+    class OnFile(watch_of(two_rank_failure("ValueError: bad sample 17"))):  # type: ignore[misc]
+        def files(self) -> list[Path]:
+            return [stack]
+
+    down = MlflowClient("http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    line = postmortem.record(down, run_id, OnFile(), "node0", 2, holds_rank0=True, keep=tmp_path)
+    assert line.startswith("rank 1 (host h1) failed (ValueError: bad sample 17)"), line
+    kept = tmp_path / postmortem.KEPT
+    assert kept.is_file() and postmortem.deliver_kept(down, run_id, tmp_path) != ""
+    assert kept.is_file() and "ddplab.verdict" not in client.get_run(run_id).data.tags
+    assert postmortem.deliver_kept(client, run_id, tmp_path) == "" and not kept.exists()
+    tags = client.get_run(run_id).data.tags
+    assert tags["ddplab.verdict"] == line == tags["ddplab.error"], tags
+    assert tags["ddplab.error.rank0"] == "ValueError: bad sample 17"  # rank 0's own, beside it
+    assert len(from_json(tags["ddplab.forensics.node0"])) == 2
+    assert [a.path for a in client.list_artifacts(run_id, "forensics/node0")] == \
+        ["forensics/node0/rank-1.stack.txt"]
+    # kept, then a restarted attempt attached to the run: its end is its own
+    postmortem.record(down, run_id, OnFile(), "node0", 2, holds_rank0=True, keep=tmp_path)
+    client.set_tag(run_id, "ddplab.verdict", "the restarted attempt's")
+    os.utime(tmp_path / "meta.json", (time.time() + 5, time.time() + 5))
+    assert postmortem.deliver_kept(client, run_id, tmp_path) == "" and not kept.exists()
+    assert client.get_run(run_id).data.tags["ddplab.verdict"] == "the restarted attempt's"
+
+
 def test_a_rank_still_blocked_beside_a_failed_rank_0_is_not_a_lost_node(run_in, tmp_path):
     """A hostile pass: rank 0's checkpoint hit a full disk; rank 1, on the same node, alive and
     blocked in its all-reduce until the launcher stopped it, read "rank 1 reported nothing
@@ -224,9 +264,7 @@ def test_an_extra_field_a_newer_ddplab_wrote_is_ignored(run_in, capsys):
     assert code == 0 and "rank 1 (h1, node0): failed at step 7 in forward: OSError: disk" in out
 
 
-def test_the_verdict_reads_the_other_nodes_past_an_unreadable_one(monkeypatch):
-    monkeypatch.setattr(postmortem, "WAIT_FOR_NODES_S", 0.0)
-
+def test_the_verdict_reads_the_other_nodes_past_an_unreadable_one():
     class Client:
         def get_run(self, run_id: str):
             class Data:
@@ -239,7 +277,7 @@ def test_the_verdict_reads_the_other_nodes_past_an_unreadable_one(monkeypatch):
             return Run
 
     mine = [Ending(0, 7, "backward", 101.0, "failed", "DistBackendError: closed", "h0")]
-    everyone = postmortem._everyone(Client(), "r", "node0", mine, 2)
+    everyone = postmortem._everyone(Client(), "r", "node0", mine, 2, wait_s=0.0)
     assert sorted(e.rank for e in everyone) == [0, 1]
 
 

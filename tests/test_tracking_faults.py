@@ -17,7 +17,7 @@ import pytest
 
 from ddplab.tracking import spool
 from tests.conftest import QUICK, REPO, job_env
-from tests.helpers import Server, printed_losses
+from tests.helpers import Server, faulty_experiment, printed_losses
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
@@ -109,6 +109,45 @@ def test_server_killed_mid_run_and_never_back_the_job_ends_and_sync_delivers_all
     assert delivered_losses(server, run_id) == got  # idempotent: nothing twice
     print(f"job exited {exit_after:.1f} s after the server died; "
           f"{len(got)}/{len(printed)} losses delivered by sync")
+
+
+def test_a_job_failing_with_the_server_down_has_its_verdict_and_stacks_delivered_by_sync(
+        tmp_path, server):
+    """A hostile pass: rank 1 fails while the server is down. The run's end waited in the
+    spool for `ddplab sync`, but the ranks' endings, their stacks and the verdict went
+    straight to the server at the job's end and were lost ("the ranks' stacks could not be
+    recorded"). They are kept in the spool now, and sync delivers them after the run's end."""
+    fire = tmp_path / "fire"
+    exp = faulty_experiment(tmp_path)
+    job = subprocess.Popen(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddplab", "train",
+         str(exp), "--set", "train.epochs=100", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+         "--set", "tracking.delivery_timeout_s=3"], cwd=tmp_path,
+        env=job_env(server.uri, FAULT="raise", FAULT_WHEN=str(fire)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    kill_after_first_loss(tmp_path, server)
+    run_id = the_run_id_from_spool(tmp_path)
+    fire.touch()  # rank 1 raises at its next step, the server down
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode != 0, out[-3000:]
+    (spooled,) = (tmp_path / "ck").rglob("spool/node0")
+    assert f"ddplab delivery: the ranks' stacks and the verdict are kept in {spooled} for `ddplab " \
+        "sync`: the server did not take them (" in out, out[-3000:]
+
+    server.start()
+    synced = sync(tmp_path, str(tmp_path / "ck"))
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    assert "delivered the ranks' stacks and endings and the verdict" in synced.stdout, synced.stdout
+    run = server.client().get_run(run_id)
+    tags = run.data.tags
+    assert run.info.status == "FAILED", tags
+    assert tags.get("ddplab.verdict", "").startswith("rank 1 (host "), tags
+    assert "sample broken on purpose" in tags["ddplab.verdict"]
+    assert tags["ddplab.error"] == tags["ddplab.verdict"]  # the cause named, rank 0's beside it
+    assert "ddplab.error.rank0" in tags and "ddplab.forensics.node0" in tags
+    assert {a.path for a in server.client().list_artifacts(run_id, "forensics/node0")}
+    again = sync(tmp_path, str(tmp_path / "ck"))  # delivered once: nothing kept any more
+    assert again.returncode == 0 and "stacks" not in again.stdout, again.stdout + again.stderr
 
 
 def the_run_id_from_spool(tmp_path: Path) -> str:

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     # A restarted attempt (torchrun --max-restarts, an elastic pod) may have taken the run over
     # meanwhile: this attempt's endings must not land on the run it goes on with.
     verdict = postmortem.record(client, meta.run_id, watch, args.node, args.world_size, holds_rank0,
-                                superseded=lambda: _taken_over(args.spool, since))
+                                superseded=lambda: _taken_over(args.spool, since), keep=args.spool)
     if not out.left and not alive.closed.exists() and holds_rank0:
         # Global rank 0's process is gone without closing its spool: killed outright (by the
         # watch, when it saw a hang: the verdict says why, and no peer is left to wait for).

@@ -13,8 +13,11 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from ..files import write_text_atomic
 from ..forensics.watch import Ending, Watch, from_json, to_json, verdict, where
 from ..tracking import schema
 from ..tracking.schema import SCRIPT_RANKS
@@ -23,42 +26,116 @@ WAIT_FOR_NODES_S = 15.0
 """How long rank 0's node waits for the other nodes' endings (theirs end at about the same
 time); a node that never reports is named as such."""
 
+KEPT = "postmortem.json"
+"""In a node's spool: its postmortem that the server did not take at the job's end (down, or
+refusing for a while), for ``ddplab sync`` to deliver (``deliver_kept``) with the rest."""
+
+
+@dataclass
+class Report:
+    """A node's postmortem: its ranks' endings, its files (in its spool's forensics/), and on
+    rank 0's node what the verdict is made of."""
+
+    node: str
+    world_size: int
+    holds_rank0: bool
+    endings: list[Ending]
+    running: list[Ending]  # this node's ranks still alive as the job ended (they wait)
+    files: list[str]
+    hang_after_s: float
+
+    def save(self, path: Path) -> None:
+        fields = {**asdict(self), "endings": to_json(self.endings, sys.maxsize),
+                  "running": to_json(self.running, sys.maxsize)}
+        write_text_atomic(path, json.dumps(fields))
+
+    @staticmethod
+    def load(path: Path) -> Report:
+        fields = json.loads(path.read_text())
+        return Report(**{**fields, "endings": from_json(fields["endings"]),
+                         "running": from_json(fields["running"])})
+
 
 def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
-           holds_rank0: bool, superseded: Callable[[], bool] = lambda: False) -> str:
+           holds_rank0: bool, superseded: Callable[[], bool] = lambda: False,
+           keep: Path | None = None) -> str:
     """This node's endings and files into the run; on rank 0's node, the verdict (returned).
-    Nothing once ``superseded`` says a restarted attempt took the run over (its end is its own)."""
+    Nothing once ``superseded`` says a restarted attempt took the run over (its end is its own).
+    What the server does not take is kept in the spool ``keep``, for ``ddplab sync``."""
     endings = watch.endings()
     if not endings or superseded():
         return ""
     # A node whose ranks all ended well records them too, unless it holds rank 0: rank 0 may
     # yet fail (its own evaluation once this node's ranks are gone), and its verdict would wait
     # for these ranks' endings, then call them lost.
-    done = all(e.what == "done" for e in endings)
-    if done and holds_rank0:
+    if holds_rank0 and all(e.what == "done" for e in endings):
         return ""
-    try:
-        for f in watch.files():
-            client.log_artifact(run_id, str(f), f"forensics/{node}")
-        client.set_tag(run_id, schema.forensics_tag(node), to_json(endings))  # whole, in the limit
-    except Exception as e:  # noqa: BLE001 - the run's ending still comes; say what is missing
-        print(f"ddplab delivery: the ranks' stacks could not be recorded ({e})", file=sys.stderr)
-    if done or not holds_rank0:
-        return ""
-    line = verdict(_everyone(client, run_id, node, endings + watch.still_running(), world_size),
-                   world_size, hang_after_s=watch.hang_after_s)
-    if line and not superseded():  # (the wait for the other nodes' endings took up to 15 s)
-        # The verdict is the postmortem's last word: whoever reads the run once it is there
-        # finds ddplab.error naming the cause already, not rank 0's view of it a moment before.
-        name_the_cause(client, run_id, line)
-        with contextlib.suppress(Exception):  # ended with it anyway (delivery.py)
-            client.set_tag(run_id, schema.VERDICT, line)
+    report = Report(node, world_size, holds_rank0, endings, watch.still_running(),
+                    [str(f) for f in watch.files()], watch.hang_after_s)
+    line, missed = _deliver(client, run_id, report, superseded, WAIT_FOR_NODES_S)
+    if missed:
+        what = f"the ranks' stacks{' and the verdict' if line else ''}"
+        try:
+            if keep is None:
+                raise OSError("no spool")
+            report.save(keep / KEPT)
+            said = f"{what} are kept in {keep} for `ddplab sync`: the server did not take them"
+        except OSError:  # (a full disk)
+            said = f"{what} could not be recorded"
+        print(f"ddplab delivery: {said} ({missed})", file=sys.stderr)
     return line
 
 
+def deliver_kept(client: Any, run_id: str, directory: Path) -> str:
+    """``ddplab sync``: the postmortem kept in this spool (``KEPT``), delivered; the verdict
+    taken again over every node's endings the run holds by now (sync sends the other nodes'
+    first). "" when delivered (or none is kept), else why not (the report stays)."""
+    path = directory / KEPT
+    if not path.is_file():
+        return ""
+    if (directory / "meta.json").stat().st_mtime > path.stat().st_mtime:
+        path.unlink()  # a restarted attempt took the run over since: its end is its own
+        return ""
+    _, missed = _deliver(client, run_id, Report.load(path), lambda: False, 0.0)
+    if not missed:
+        path.unlink()
+    return missed
+
+
+def _deliver(client: Any, run_id: str, report: Report, superseded: Callable[[], bool],
+             wait_s: float) -> tuple[str, str]:
+    """The report into the run: (the verdict, "" or what failed: ``spool.describe``'s line)."""
+    from ..tracking.spool import describe
+
+    missed = ""
+    try:
+        for f in report.files:
+            client.log_artifact(run_id, f, f"forensics/{report.node}")
+        client.set_tag(run_id, schema.forensics_tag(report.node),
+                       to_json(report.endings))  # whole, in the limit
+    except Exception as e:  # noqa: BLE001 - the run's ending still comes; say what is missing
+        missed = describe(e)
+    done = all(e.what == "done" for e in report.endings)
+    if done or not report.holds_rank0:
+        return "", missed
+    everyone = _everyone(client, run_id, report.node, report.endings + report.running,
+                         report.world_size, wait_s)
+    line = verdict(everyone, report.world_size, hang_after_s=report.hang_after_s)
+    if line and not superseded():  # (the wait for the other nodes' endings took up to 15 s)
+        # The verdict is the postmortem's last word: whoever reads the run once it is there
+        # finds ddplab.error naming the cause already, not rank 0's view of it a moment before.
+        for write in (lambda: name_the_cause(client, run_id, line),
+                      lambda: client.set_tag(run_id, schema.VERDICT, line)):
+            try:
+                write()
+            except Exception as e:  # noqa: BLE001 - the run ends anyway (node.py)
+                missed = missed or describe(e)
+    return line, missed
+
+
 def _everyone(client: Any, run_id: str, node: str, mine: list[Ending],
-              world_size: int) -> list[Ending]:
-    deadline = time.monotonic() + WAIT_FOR_NODES_S
+              world_size: int, wait_s: float) -> list[Ending]:
+    deadline = time.monotonic() + wait_s
     while True:
         everyone = list(mine)
         with contextlib.suppress(Exception):
@@ -75,22 +152,19 @@ def _everyone(client: Any, run_id: str, node: str, mine: list[Ending],
 def name_the_cause(client: Any, run_id: str, line: str) -> None:
     """Rank 0 ended the run FAILED with what it saw (a peer's closed connection, the launcher's
     SIGTERM): when the verdict names another rank, that is the run's error; rank 0's stays
-    beside it."""
+    beside it. Raises what the server raised (the report is then kept)."""
     if line.startswith("rank 0 "):
         return
-    try:
-        run = client.get_run(run_id)
-        if run.info.status != "FAILED":
-            return
-        own = run.data.tags.get(schema.ERROR, "")
-        culprit = line.split(")", 1)[0] + ")"  # "rank 1 (host h)"
-        if culprit in own.split("\n", 1)[0]:
-            return  # it already names the same rank, with more (a script's traceback)
-        client.set_tag(run_id, schema.ERROR, line)
-        if own:
-            client.set_tag(run_id, schema.ERROR_RANK0, own[:schema.TAG_LIMIT])
-    except Exception as e:  # noqa: BLE001 - the verdict is in ddplab.verdict regardless
-        print(f"ddplab delivery: could not name the cause in ddplab.error ({e})", file=sys.stderr)
+    run = client.get_run(run_id)
+    if run.info.status != "FAILED":
+        return
+    own = run.data.tags.get(schema.ERROR, "")
+    culprit = line.split(")", 1)[0] + ")"  # "rank 1 (host h)"
+    if culprit in own.split("\n", 1)[0]:
+        return  # it already names the same rank, with more (a script's traceback)
+    client.set_tag(run_id, schema.ERROR, line)
+    if own:
+        client.set_tag(run_id, schema.ERROR_RANK0, own[:schema.TAG_LIMIT])
 
 
 def diagnose(run_id: str) -> int:

@@ -16,8 +16,11 @@ from ..tracking import opening, spool
 from .protocol import DELIVERING, DELIVERY_JSON, QUIET_S
 
 # The client fails fast and this process retries on its own schedule: MLflow's defaults
-# retry one call for minutes, which is how a dead server used to hang a finished job.
-CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# retry one call for minutes, which is how a dead server used to hang a finished job. And no
+# "View run at <tracking URI>" as a run ends: inside compose or a cluster an in-network name no
+# browser opens (the job prints the run's address itself: jobend.where).
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+              "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
 def make_client(uri: str, opened: Any = None) -> Any:
@@ -52,14 +55,48 @@ def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
     if not found:
         print(f"ddplab sync: no tracking spool under {' '.join(paths)}: nothing to deliver")
         return 0
-    still = 0
+    still, delivered = 0, []
     for directory in found:
         try:
-            still += _sync_one(directory, timeout_s, uri)
+            left = _sync_one(directory, timeout_s, uri)
         except (OSError, ValueError, KeyError) as e:  # an unreadable spool: the others go on
             SYNC_LOG.error(f"{directory}: cannot be read ({type(e).__name__}: {e})")
-            still += 1
+            left = 1
+        still += left
+        if not left and job_over(directory):
+            delivered.append(directory)
+    # The postmortems the server did not take at the job's end, once their runs hold the rest
+    # (ended, so the verdict can name the cause): rank 0's node's last, its verdict reading the
+    # other nodes' endings.
+    for directory in sorted(delivered, key=_holds_rank0):
+        still += _sync_postmortem(directory, uri)
     return 1 if still else 0
+
+
+def _holds_rank0(directory: Path) -> bool:
+    return (directory / "records.jsonl").exists()  # (as the node's delivery tells it)
+
+
+def _sync_postmortem(directory: Path, uri: str) -> int:
+    """The postmortem kept in this spool, delivered (postmortem.deliver_kept); 1 if it stays."""
+    from .postmortem import KEPT, deliver_kept
+
+    if not (directory / KEPT).is_file():
+        return 0
+    meta = spool.Meta.read(directory)
+    where = f"run {meta.run_id} ({directory})"
+    try:
+        missed = deliver_kept(make_client(uri or meta.uri), meta.run_id, directory)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        SYNC_LOG.error(f"{where}: {directory / KEPT} cannot be read ({type(e).__name__}: {e})")
+        return 1
+    if missed:
+        SYNC_LOG.warning(f"{where}: the ranks' stacks and the verdict are still not recorded "
+                         f"({missed}); kept in {directory / KEPT}")
+        return 1
+    print(f"{where}: delivered the ranks' stacks and endings"
+          f"{' and the verdict' if _holds_rank0(directory) else ''}, kept since the job's end")
+    return 0
 
 
 def job_over(directory: Path) -> bool:

@@ -1,7 +1,8 @@
 """A user's experiment that goes wrong on purpose, on one rank at one step (tests/test_forensics.py):
-FAULT=sleep|spin|kill|segv|raise at FAULT_STEP (5), or slow (50 ms more every step); FAULT_RANK
-(1), FAULT_WHERE=data|forward. Where no environment reaches the ranks (a compose node), the
-experiment's data.args say it: {fault: sleep, step: 7}."""
+FAULT=sleep|spin|kill|segv|raise at FAULT_STEP (5), or at the first step once the file
+FAULT_WHEN exists, or slow (50 ms more every step); FAULT_RANK (1), FAULT_WHERE=data|forward.
+Where no environment reaches the ranks (a compose node), the experiment's data.args say it:
+{fault: sleep, step: 7}."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def go_wrong(where: str) -> None:
         return
     if FAULT == "slow":  # every step, 50 ms more than the others
         time.sleep(0.05)
-    if current_step() != STEP:
+    when = os.environ.get("FAULT_WHEN")
+    if not os.path.exists(when) if when else current_step() != STEP:
         return
     if FAULT == "sleep":
         time.sleep(3600)
@@ -37,7 +39,7 @@ def go_wrong(where: str) -> None:
     if FAULT == "segv":
         ctypes.string_at(0)
     if FAULT == "raise":
-        raise ValueError(f"sample broken on purpose at step {STEP}")
+        raise ValueError(f"sample broken on purpose at step {current_step()}")
 
 
 class Faulty(Spirals):
