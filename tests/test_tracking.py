@@ -23,14 +23,22 @@ def test_closed_port_is_reported_at_once():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         reason = check_reachable(f"http://127.0.0.1:{port}", timeout_s=2)
-    assert reason and "unreachable" in reason
+    assert reason == f"tracking server http://127.0.0.1:{port} is unreachable (Failed to " \
+        "establish a new connection: [Errno 111] Connection refused)", reason
 
 
-def test_a_server_that_refuses_clients_is_a_problem():
-    """Like MLflow's 403 'Invalid Host header': /health would pass, a real API call does not."""
+@pytest.mark.parametrize("code, says", [
+    (403, "answered HTTP 403 (API request to endpoint /api/2.0/mlflow/experiments/search failed "
+          "with error code 403"),
+    (502, "answered HTTP 502 (Bad Gateway): the server failing, or a proxy in front of it with no "
+          "server behind it"),
+    (500, "answered HTTP 500 (Internal Server Error): the server failing")])
+def test_a_server_that_refuses_clients_is_a_problem(code, says):
+    """Like MLflow's 403 'Invalid Host header': /health would pass, a real API call does not.
+    A 500 or a proxy's 502 read "unreachable", as a server that never answered does."""
     class Refuse(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_error(403, "Invalid Host header")
+            self.send_error(code, "Invalid Host header")
 
         do_POST = do_GET  # noqa: N815 - MLflow's client searches with POST
 
@@ -43,7 +51,8 @@ def test_a_server_that_refuses_clients_is_a_problem():
         reason = check_reachable(f"http://127.0.0.1:{server.server_port}")
     finally:
         server.shutdown()
-    assert reason and "HTTP 403" in reason
+    assert reason and reason.startswith(f"tracking server http://127.0.0.1:{server.server_port} "
+                                        f"{says}"), reason
 
 
 def test_file_stores_need_no_probe():

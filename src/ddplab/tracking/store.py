@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrackingConfig
-from ..errors import DdplabError
+from ..errors import DdplabError, first_line
 
 
 class TrackingError(DdplabError, RuntimeError):
@@ -425,13 +425,9 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
         MlflowClient(uri).search_experiments(max_results=1)
         return None
     except Exception as e:  # noqa: BLE001 - any failure is the one line below
-        status = getattr(e, "get_http_status_code", lambda: 0)()
-        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         from ..logins import mask
 
-        if status and status != 500 and "Max retries" not in text:
-            return mask(f"tracking server {uri} answered HTTP {status} ({text[:200]})")
-        return mask(f"tracking server {uri} is unreachable ({text[:200]})")
+        return mask(_no_answer(uri, e))
     finally:
         for k, v in saved.items():
             if v is None:
@@ -440,6 +436,35 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
                 os.environ[k] = v
 
 
+
+
+def _no_answer(uri: str, e: Exception) -> str:
+    """check_reachable's line for what MLflow's client raised. A status answered every time
+    (urllib3's "too many 502 error responses": a proxy with no server behind it, a server
+    failing) is that status, not "unreachable"; a silent server, urllib3's own cause
+    (``Connection refused``, a name that does not resolve, a timeout), not MLflow's wrapping
+    of it, whose first 200 characters were all the line used to say."""
+    text = first_line(str(e)) or type(e).__name__
+    status = getattr(e, "get_http_status_code", lambda: 0)()
+    answered = re.search(r"too many (\d{3}) error responses", text)
+    if answered:
+        code = int(answered.group(1))
+        return (f"tracking server {uri} answered HTTP {code} ({_phrase(code)}): the server "
+                "failing, or a proxy in front of it with no server behind it (their logs say "
+                "which)")
+    if status and status != 500 and "Max retries" not in text:
+        return f"tracking server {uri} answered HTTP {status} ({text[:200]})"
+    cause = re.search(r"Caused by \w+\((?:.*?: )?(.+?)['\"]?\)+$", text)
+    return f"tracking server {uri} is unreachable ({cause.group(1) if cause else text[:300]})"
+
+
+def _phrase(code: int) -> str:
+    import http
+
+    try:
+        return http.HTTPStatus(code).phrase
+    except ValueError:
+        return "no standard name"
 
 
 def auth_refusal(uri: str) -> str | None:
