@@ -261,6 +261,36 @@ def test_ctrl_c_ends_the_run_killed(tmp_path, store):
     assert proc.returncode != 0 and run.info.status == "KILLED"
 
 
+def test_a_second_job_does_not_resume_the_run_of_one_still_running(tmp_path, store):
+    """A hostile pass: the same command typed in a second terminal resumed the first job's run
+    while it trained: steps 208-288 came twice into one run, both jobs writing its checkpoints.
+    The second is refused in one line a rank, the first trains on untouched; once the first is
+    stopped (Ctrl-C), a rerun at once resumes its run as before."""
+    args = [QUICKSTART, "--set", "train.epochs=5", "--set", "checkpoint.every_steps=4",
+            "--set", "checkpoint.dir=ck"]
+    env = job_env(store)
+    first = _start_torchrun(args, tmp_path, env)
+    _wait_for(lambda: any((tmp_path / "ck").rglob("step-*.pt")), 120, first)
+    second = ddplab(["train", *args], tmp_path, env, nproc=2)
+    assert second.returncode != 0 and first.poll() is None, second.stderr[-3000:]
+    assert re.search(r"\[rank 0\] ddplab: error: checkpoint\.resume: auto found ck/quickstart/\w+, "
+                     r"the run of a job still running on this host \(its rank \d, pid \d+\): "
+                     r"resuming it would record the same steps twice in one run; .* --set "
+                     r"checkpoint\.resume=never\n", second.stderr), second.stderr[-3000:]
+    assert "[rank0]: Traceback" not in second.stderr  # (torchrun's own banner has one)
+    (run,) = runs(store)
+    assert run.info.status == "RUNNING"
+    os.killpg(first.pid, signal.SIGINT)
+    first.wait(timeout=90)
+    at = max(int(p.stem.removeprefix("step-")) for p in (tmp_path / "ck").rglob("step-*.pt"))
+    again = ddplab(["train", *args, "--set", f"train.max_steps={at + 4}"], tmp_path, env, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (resumed,) = runs(store)
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
+    steps = [m.step for m in MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")]
+    assert len(steps) == len(set(steps)), steps  # each step once
+
+
 def test_a_closed_terminal_sighup_ends_the_run_killed_not_running(tmp_path, store):
     proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))
     _wait_for(lambda: _logged_a_loss(store), 120, proc)

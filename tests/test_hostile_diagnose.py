@@ -208,6 +208,36 @@ def test_a_rank_still_blocked_beside_a_failed_rank_0_is_not_a_lost_node(run_in, 
                     "left on device) at step 50 in checkpoint; rank 1 stopped after it"), line
 
 
+def test_a_live_rank_is_one_that_maps_its_heartbeat_not_a_pid_reused_since(tmp_path):
+    """What refuses a resume of a running job's run (agent/protocol.refuse_a_running_job): a
+    rank alive on this host with its heartbeat mapped. A live process that only has the
+    heartbeat's pid (reused since its rank ended) is no such rank."""
+    from ddplab.forensics.heartbeat import RECORD, hb_path
+    from ddplab.forensics.watch import live_in
+
+    code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2)\nheartbeat.beat('forward', 3)\n"
+            "print('up', flush=True)\ntime.sleep(60)\n")
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "up\n"
+        assert other.stdout is not None and other.stdout.readline() == "up\n"
+        found = live_in(tmp_path)
+        assert found is not None and (found.rank, found.pid) == (1, rank.pid)
+        reused = bytearray(hb_path(tmp_path, 1).read_bytes())
+        step, t, phase, _, r, world = RECORD.unpack_from(reused)
+        RECORD.pack_into(reused, 0, step, t, phase, other.pid, r, world)
+        hb_path(tmp_path, 1).unlink()  # a new file: the rank's mapping is of the old one
+        hb_path(tmp_path, 1).write_bytes(bytes(reused))
+        assert live_in(tmp_path) is None
+    finally:
+        for p in (rank, other):
+            p.kill()
+            p.wait()
+
+
 def test_the_error_tag_keeps_its_first_line():
     from ddplab.tracking.tracker import ERROR_LIMIT, error_tag
 

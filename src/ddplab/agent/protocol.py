@@ -52,6 +52,25 @@ def forensics_dir(spool_dir: Path) -> Path:
     return spool_dir / FORENSICS
 
 
+def refuse_a_running_job(run_dir: Path, head: str) -> None:
+    """ConfigError when a job still runs in this run's folder on this host (a rank of it alive:
+    forensics/watch.live_in on each node's heartbeats): resuming its run would record its steps
+    twice into it. A hostile pass: the same `make run` typed in a second terminal resumed the
+    first's run, and steps 208-288 came twice, from two jobs, both writing its checkpoints.
+    (A job's own earlier attempt, restarted by torchrun, has ended before this one starts.)"""
+    from ..config import ConfigError
+    from ..forensics.watch import live_in
+
+    for node in sorted(run_dir.glob("spool/node*")):  # (tracking/spool.spool_dir's folders)
+        b = live_in(forensics_dir(node))
+        if b is not None:
+            raise ConfigError(
+                f"{head} the run of a job still running on this host (its rank {b.rank}, pid "
+                f"{b.pid}): resuming it would record the same steps twice in one run; let that "
+                "job end or stop it, or start a new run beside it with "
+                "--set checkpoint.resume=never")
+
+
 @dataclass(frozen=True)
 class Args:
     """The agent's command line."""

@@ -47,6 +47,7 @@ from .heartbeat import (
     fifo_path,
     flight_path,
     hang_path,
+    hb_path,
     stack_path,
     stopped_path,
 )
@@ -121,6 +122,23 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def live_in(directory: Path) -> Beat | None:
+    """A rank of this folder's heartbeats whose process runs on this host yet: its pid alive
+    and its heartbeat file mapped (a rank maps its own for its whole life; a pid reused since,
+    or a rank on another host, does not). None if none."""
+    for b in read(directory):
+        if b.pid != os.getpid() and alive(b.pid) and _maps(b.pid, hb_path(directory, b.rank)):
+            return b
+    return None
+
+
+def _maps(pid: int, path: Path) -> bool:
+    try:
+        return f" {path.resolve()}\n" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
 
 
 def behind_key(b: Beat | Ending) -> tuple[int, int, float]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..agent.protocol import refuse_a_running_job
 from ..distributed.group import share_from_rank0
 from ..errors import DdplabError, in_chain
 from . import strategy
@@ -270,10 +271,12 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
             path = inside[-1]
         elif not path.is_file():
             raise CheckpointError(f"checkpoint.resume: {path} does not exist")
+        refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
         return path, read(path)
     found = newest_valid(root)
     if found is None or found[1]["final"]:
         return None  # nothing to resume, or the newest job finished: start a new one
+    refuse_a_running_job(found[0].parent, f"checkpoint.resume: auto found {found[0].parent},")
     return found
 
 

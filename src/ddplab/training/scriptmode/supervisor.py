@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ... import config, tracking
-from ...agent.protocol import forensics_dir
+from ...agent.protocol import forensics_dir, refuse_a_running_job
 from ...distributed import host
 from ...errors import DdplabError
 from ...files import finite_json, write_text_atomic
@@ -193,6 +193,7 @@ def resumable_run(cfg: config.ExperimentConfig, identity: dict[str, Any] | None 
     root = (Path(cfg.checkpoint.dir) / cfg.name).resolve()
     if cfg.checkpoint.resume != "auto":
         run_dir = chosen_run(cfg.checkpoint.resume, root)
+        refuse_a_running_job(run_dir, f"checkpoint.resume: {cfg.checkpoint.resume!r} is")
         why = differs(recorded_identity(run_dir), now)
         if why:
             say(f"ddplab: resuming run {run_dir.name} ({_made_by(run_dir)}) as checkpoint.resume "
@@ -214,6 +215,7 @@ def resumable_run(cfg: config.ExperimentConfig, identity: dict[str, Any] | None 
     for _, d in sorted(candidates, reverse=True):
         why = differs(recorded_identity(d), now)
         if not why:
+            refuse_a_running_job(d, f"checkpoint.resume: auto found {d},")
             _adopt_earlier_layout(d)
             return d.name
         others.append((d, why))
