@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     # (The watch ticks with the delivery's cycle, every 3 s: a hang is seen within that.)
     out = spool.deliver(args.spool, client, producing, args.timeout, final=True, meta=meta)
     watch.release_shm()
-    holds_rank0 = (args.spool / "records.jsonl").exists()
+    holds_rank0 = spool.of_rank0(args.spool)
     # A restarted attempt (torchrun --max-restarts, an elastic pod) may have taken the run over
     # meanwhile: this attempt's endings must not land on the run it goes on with.
     verdict = postmortem.record(client, meta.run_id, watch, args.node, args.world_size, holds_rank0,

@@ -21,6 +21,7 @@ from ..files import write_text_atomic
 from ..forensics.watch import Ending, Watch, from_json, to_json, verdict, where
 from ..tracking import schema
 from ..tracking.schema import SCRIPT_RANKS
+from .protocol import META_JSON
 
 WAIT_FOR_NODES_S = 15.0
 """How long rank 0's node waits for the other nodes' endings (theirs end at about the same
@@ -93,7 +94,7 @@ def deliver_kept(client: Any, run_id: str, directory: Path) -> str:
     path = directory / KEPT
     if not path.is_file():
         return ""
-    if (directory / "meta.json").stat().st_mtime > path.stat().st_mtime:
+    if (directory / META_JSON).stat().st_mtime > path.stat().st_mtime:
         path.unlink()  # a restarted attempt took the run over since: its end is its own
         return ""
     _, missed = _deliver(client, run_id, Report.load(path), lambda: False, 0.0)

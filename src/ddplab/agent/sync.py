@@ -68,13 +68,9 @@ def sync(paths: list[str], timeout_s: float, uri: str = "") -> int:
     # The postmortems the server did not take at the job's end, once their runs hold the rest
     # (ended, so the verdict can name the cause): rank 0's node's last, its verdict reading the
     # other nodes' endings.
-    for directory in sorted(delivered, key=_holds_rank0):
+    for directory in sorted(delivered, key=spool.of_rank0):
         still += _sync_postmortem(directory, uri)
     return 1 if still else 0
-
-
-def _holds_rank0(directory: Path) -> bool:
-    return (directory / "records.jsonl").exists()  # (as the node's delivery tells it)
 
 
 def _sync_postmortem(directory: Path, uri: str) -> int:
@@ -95,7 +91,7 @@ def _sync_postmortem(directory: Path, uri: str) -> int:
                          f"({missed}); kept in {directory / KEPT}")
         return 1
     print(f"{where}: delivered the ranks' stacks and endings"
-          f"{' and the verdict' if _holds_rank0(directory) else ''}, kept since the job's end")
+          f"{' and the verdict' if spool.of_rank0(directory) else ''}, kept since the job's end")
     return 0
 
 

@@ -227,6 +227,11 @@ def vanished(directory: Path, records: Stream | None = None) -> bool:
     return not (directory / "meta.json").is_file() or (records is not None and records.unlinked())
 
 
+def of_rank0(directory: Path) -> bool:
+    """The spool of global rank 0's node: only rank 0 writes the records stream."""
+    return Stream(directory, "records").path.exists()
+
+
 def left_in(directory: Path, final: bool = False) -> int:
     return sum(Stream(directory, s).left(final) for s in STREAMS)
 
