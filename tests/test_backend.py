@@ -128,6 +128,13 @@ def test_a_oneccl_failure_at_start_is_not_blamed_on_missing_peers(monkeypatch):
     store = RuntimeError("Timed out after 601 seconds waiting for clients. 1/2 clients joined.")
     said = group.init_failure(store, le, 600)
     assert "waited 600s (dist.timeout_s) for rank 0's store at localhost:43367" in said
+    # Refused within seconds (a peer's stale address): no "waited 600s" it did not wait.
+    refused = RuntimeError("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: "
+                           "SO_ERROR: Connection refused, remote=[127.0.0.1]:55720")
+    said = group.init_failure(refused, le, 600, 4.2)
+    assert said == (f"rank 1 of 2 could not reach rank 0's store at localhost:43367 (MASTER_ADDR:"
+                    f"MASTER_PORT) and the other ranks (RuntimeError: {refused}), after 4s of "
+                    "dist.timeout_s 600s"), said
     # Every rank met at the store, one never joined oneCCL's communicator: not "its store".
     joined = RuntimeError("ccl (ddplab): oneCCL's communicator of 2 ranks was not made within "
                           "600 s: a rank did not join it (it failed or was stopped during set-up)")

@@ -163,6 +163,33 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     assert resumed_at >= 8
 
 
+def test_torchrun_max_restarts_resumes_the_same_run_after_a_killed_rank(tmp_path, store):
+    """torchrun --max-restarts 1, rank 1 killed after the first checkpoint: the restarted
+    attempt's ranks read the killed attempt's gloo addresses from torchrun's agent store, kept
+    across attempts, and failed within seconds ("Connection refused"), the error saying they
+    had waited dist.timeout_s. Each attempt has its keys now: the run goes on, FINISHED."""
+    from tests.helpers import faulty_experiment
+
+    fire = tmp_path / "fire"
+    exp = faulty_experiment(tmp_path)
+    job = subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--max-restarts", "1",
+         "--nproc-per-node=2", "-m", "ddplab", "train", str(exp), "--set", "train.epochs=10",
+         "--set", "checkpoint.every_steps=4", "--set", f"checkpoint.dir={tmp_path / 'ck'}"],
+        cwd=tmp_path,
+        env=job_env(store, FAULT="kill", FAULT_WHEN=str(fire)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: any((tmp_path / "ck").rglob("step-*.pt")), 120, job)
+    fire.touch()  # rank 1 kills itself at its next step, once
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0 and not fire.exists(), out[-4000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and "step-" in run.data.tags["ddplab.resumed_from"], \
+        run.data.tags
+    steps = [m.step for m in MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")]
+    assert max(steps) == 160 and len(steps) == len(set(steps)), steps  # 10 epochs x 1024 / 64
+
+
 def test_sigkill_of_rank0_still_ends_the_run_failed(tmp_path, store):
     """Global rank 0 owns the run and dies without a word; a survivor must end the run."""
     proc = _start_torchrun([QUICKSTART, "--set", "train.epochs=5"], tmp_path, job_env(store))

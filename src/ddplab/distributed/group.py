@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -40,11 +41,12 @@ def _init_process_group(choice: BackendChoice, le: LaunchEnv, device: torch.devi
         return
     store = store or rendezvous_store(le, timeout_s)
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    t0 = time.monotonic()
     try:
         dist.init_process_group(choice.name, store=store, rank=le.rank, world_size=le.world_size,
                                 timeout=timeout, **kwargs)
     except RuntimeError as e:  # oneCCL's transport, a peer gone during the backend's set-up
-        raise BackendError(init_failure(e, le, timeout_s)) from None
+        raise BackendError(init_failure(e, le, timeout_s, time.monotonic() - t0)) from None
 
 
 def rendezvous_store(le: LaunchEnv, timeout_s: int) -> dist.Store:
@@ -57,16 +59,24 @@ def rendezvous_store(le: LaunchEnv, timeout_s: int) -> dist.Store:
         os.environ.setdefault(key, value)
     timeout = datetime.timedelta(seconds=timeout_s)
     store: dist.Store
+    t0 = time.monotonic()
     try:
         store, _, _ = next(dist.rendezvous("env://", le.rank, le.world_size, timeout=timeout))
     except RuntimeError as e:  # DistStoreError, DistNetworkError: a peer or the master is missing
-        raise BackendError(init_failure(e, le, timeout_s)) from None
+        raise BackendError(init_failure(e, le, timeout_s, time.monotonic() - t0)) from None
     store.set_timeout(timeout)
-    return store
+    # torchrun --max-restarts keeps its agent store across attempts, and in it the last
+    # attempt's keys: gloo's restarted ranks read a killed peer's address from them and failed
+    # within seconds ("Connection refused"), as a plain torchrun script does. Each attempt its
+    # own keys.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ddplab/attempt{attempt}/", store) if attempt != "0" else store
 
 
-def init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int) -> str:
-    """One line: why this rank's process group did not start."""
+def init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int,
+                 took_s: float = float("inf")) -> str:
+    """One line: why this rank's process group did not start, ``took_s`` into trying (by
+    default: the whole of dist.timeout_s)."""
     first = (str(e).strip().splitlines() or [""])[0][:200]
     if first.startswith("oneCCL:"):
         # ddplab's ccl failed in oneCCL itself (its transport, say), within seconds: no peer is
@@ -79,6 +89,9 @@ def init_failure(e: RuntimeError, le: LaunchEnv, timeout_s: int) -> str:
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     whom = (f"the other {le.world_size - 1} rank(s) to join its store at {where}" if le.is_rank0
             else f"rank 0's store at {where} (MASTER_ADDR:MASTER_PORT) and the other ranks")
+    if took_s < 0.9 * timeout_s:  # refused, not timed out: say so, not "waited 300s"
+        return (f"rank {le.rank} of {le.world_size} could not reach {whom} ({type(e).__name__}: "
+                f"{first}), after {took_s:.0f}s of dist.timeout_s {timeout_s}s")
     return (f"rank {le.rank} of {le.world_size} waited {timeout_s}s (dist.timeout_s) for {whom}; "
             f"they never came ({type(e).__name__}: {first})")
 

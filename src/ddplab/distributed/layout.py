@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -51,10 +52,11 @@ def plan_layout(cfg: DistConfig, le: LaunchEnv) -> Layout:
     store = None
     if cfg.backend == "auto" and device.type == "cpu" and le.nnodes > 1:
         store = rendezvous_store(le, cfg.timeout_s)  # the process group's own, made early
+        t0 = time.monotonic()
         try:
             choice = agree(choice, le, store)
         except RuntimeError as e:  # DistStoreError: a rank never voted within dist.timeout_s
-            raise BackendError(init_failure(e, le, cfg.timeout_s)) from None
+            raise BackendError(init_failure(e, le, cfg.timeout_s, time.monotonic() - t0)) from None
     if choice.fell_back:
         import warnings
 

@@ -1,8 +1,8 @@
 """A user's experiment that goes wrong on purpose, on one rank at one step (tests/test_forensics.py):
 FAULT=sleep|spin|kill|segv|raise at FAULT_STEP (5), or at the first step once the file
-FAULT_WHEN exists, or slow (50 ms more every step); FAULT_RANK (1), FAULT_WHERE=data|forward.
-Where no environment reaches the ranks (a compose node), the experiment's data.args say it:
-{fault: sleep, step: 7}."""
+FAULT_WHEN exists (removing it: once), or slow (50 ms more every step); FAULT_RANK (1),
+FAULT_WHERE=data|forward. Where no environment reaches the ranks (a compose node), the
+experiment's data.args say it: {fault: sleep, step: 7}."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def go_wrong(where: str) -> None:
     when = os.environ.get("FAULT_WHEN")
     if not os.path.exists(when) if when else current_step() != STEP:
         return
+    if when:
+        os.unlink(when)  # once: a restarted attempt runs on
     if FAULT == "sleep":
         time.sleep(3600)
     if FAULT == "spin":
