@@ -49,6 +49,9 @@ COMMANDS = [["study", "run", str(STUDY)], ["report", "abc"], ["reproduce", "abc"
             ["bench", "collectives"], ["train", QUICKSTART]]
 BAD_URIS = [
     ("garbage://x", "use a tracking server"),
+    ("runs/mlflow.db", "use a tracking server (http://host:5000) or a store URI with one of the "
+     "schemes http, https, sqlite, postgresql, mysql, mssql, file, databricks, databricks-uc, uc; "
+     "for this SQLite file: sqlite:///runs/mlflow.db"),
     ("sqlite://", "an in-memory SQLite store vanishes"),
     ("file:///tmp/nowhere-mlruns", "MLflow 3 refuses the file store"),
     ("postgresql://u:p@127.0.0.1/db", "postgresql needs its driver"),

@@ -95,8 +95,12 @@ def uri_problem(value: str) -> str | None:
     scheme = scheme.lower() if sep else ""
     base, _, driver = scheme.partition("+")
     if base not in TRACKING_SCHEMES:
+        # A bare path to a SQLite file (what MLflow's own docs open as sqlite:///mlflow.db):
+        # the URI it meant, to copy.
+        meant = f"; for this SQLite file: sqlite:///{value}" \
+            if not sep and value.endswith((".db", ".sqlite", ".sqlite3")) else ""
         return (f"use a tracking server (http://host:5000) or a store URI with one of the "
-                f"schemes {', '.join(TRACKING_SCHEMES)}")
+                f"schemes {', '.join(TRACKING_SCHEMES)}{meant}")
     if base == "sqlite" and rest.strip("/") in ("", ":memory:"):
         return ("an in-memory SQLite store vanishes with the process that opened it, before the "
                 "run could be read: give a file, sqlite:///path/mlflow.db")
