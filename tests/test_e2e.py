@@ -291,8 +291,9 @@ def test_ctrl_c_ends_the_run_killed(tmp_path, store):
 def test_a_second_job_does_not_resume_the_run_of_one_still_running(tmp_path, store):
     """A hostile pass: the same command typed in a second terminal resumed the first job's run
     while it trained: steps 208-288 came twice into one run, both jobs writing its checkpoints.
-    The second is refused in one line a rank, the first trains on untouched; once the first is
-    stopped (Ctrl-C), a rerun at once resumes its run as before."""
+    The second is refused in one line a rank (`ddplab run`: one line before any rank starts),
+    the first trains on untouched; once the first is stopped (Ctrl-C), a rerun at once resumes
+    its run as before."""
     args = [QUICKSTART, "--set", "train.epochs=5", "--set", "checkpoint.every_steps=4",
             "--set", "checkpoint.dir=ck"]
     env = job_env(store)
@@ -305,6 +306,14 @@ def test_a_second_job_does_not_resume_the_run_of_one_still_running(tmp_path, sto
                      r"resuming it would record the same steps twice in one run; .* --set "
                      r"checkpoint\.resume=never\n", second.stderr), second.stderr[-3000:]
     assert "[rank0]: Traceback" not in second.stderr  # (torchrun's own banner has one)
+    # What `make run` runs says it before any rank starts: one line, exit 2.
+    typed = subprocess.run([str(Path(sys.executable).parent / "ddplab"), "run",
+                            "--nproc-per-node", "2", *args], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    lines = [x for x in (typed.stdout + typed.stderr).splitlines() if x.strip()]
+    assert typed.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("ddplab: error: checkpoint.resume: auto found ck/quickstart/") and \
+        "the run of a job still running on this host" in lines[0], lines
     (run,) = runs(store)
     assert run.info.status == "RUNNING"
     os.killpg(first.pid, signal.SIGINT)

@@ -98,6 +98,9 @@ def preflight(a: argparse.Namespace) -> None:
         return
     cuda = torch.cuda.is_available()
     checks.preflight(cfg, le, a.summary_out, cuda)
+    from ..training.checkpoint import not_running
+
+    not_running(cfg.checkpoint.resume, Path(cfg.checkpoint.dir) / cfg.name)
     device = resolve_device(cfg.dist.device, n - 1, cfg.dist.backend).type  # the last rank: enough GPUs?
     cores = cores_per_rank(le, os.environ)
     ccl = import_ccl().name if may_take_ccl(cfg.dist.backend, device, cores, n) else None

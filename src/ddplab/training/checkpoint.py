@@ -245,15 +245,34 @@ class Checkpointer:
             old.unlink(missing_ok=True)
 
 
+def newest_first(root: Path) -> list[Path]:
+    """Every checkpoint under ``root`` (all runs), the newest first."""
+    return sorted(root.glob("*/step-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def newest_valid(root: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint under ``root`` (all runs) that loads; corrupt ones are skipped."""
-    candidates = sorted(root.glob("*/step-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in candidates:
+    for path in newest_first(root):
         try:
             return path, read(path)
         except ValueError as e:
             warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
     return None
+
+
+def not_running(resume: str, root: Path) -> None:
+    """``ddplab run``'s preflight: the run a resume would take is not one a job still runs
+    (refuse_a_running_job), asked before the ranks start, without reading a checkpoint: the
+    newest one's run, or the one named. (find_resume asks again, on rank 0, of what it takes.)"""
+    if resume == "auto":
+        newest = newest_first(root)
+        if newest:
+            refuse_a_running_job(newest[0].parent, f"checkpoint.resume: auto found "
+                                                   f"{newest[0].parent},")
+    elif resume != "never":
+        path = Path(resume)
+        refuse_a_running_job(path if path.is_dir() else path.parent,
+                             f"checkpoint.resume: {resume!r} is")
 
 
 def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
