@@ -27,15 +27,17 @@ def test_closed_port_is_reported_at_once():
         "establish a new connection: [Errno 111] Connection refused)", reason
 
 
-@pytest.mark.parametrize("code, says", [
+@pytest.mark.parametrize("code, says, delivery_says", [
     (403, "answered HTTP 403 (API request to endpoint /api/2.0/mlflow/experiments/search failed "
-          "with error code 403"),
+          "with error code 403", "refused with HTTP 403: API request to endpoint"),
     (502, "answered HTTP 502 (Bad Gateway): the server failing, or a proxy in front of it with no "
-          "server behind it"),
-    (500, "answered HTTP 500 (Internal Server Error): the server failing")])
-def test_a_server_that_refuses_clients_is_a_problem(code, says):
+          "server behind it", "answered HTTP 502 (Bad Gateway): the server failing, or a proxy"),
+    (500, "answered HTTP 500 (Internal Server Error): the server failing",
+     "answered HTTP 500 (Internal Server Error): the server failing")])
+def test_a_server_that_refuses_clients_is_a_problem(code, says, delivery_says, monkeypatch):
     """Like MLflow's 403 'Invalid Host header': /health would pass, a real API call does not.
-    A 500 or a proxy's 502 read "unreachable", as a server that never answered does."""
+    A 500 or a proxy's 502 read "unreachable", as a server that never answered does. The
+    delivery (and `ddplab sync`) reads the same failure by the same rule."""
     class Refuse(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_error(code, "Invalid Host header")
@@ -47,12 +49,34 @@ def test_a_server_that_refuses_clients_is_a_problem(code, says):
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_port}"
     try:
-        reason = check_reachable(f"http://127.0.0.1:{server.server_port}")
+        reason = check_reachable(uri)
+        delivery = _delivery_failure(uri, monkeypatch)
     finally:
         server.shutdown()
-    assert reason and reason.startswith(f"tracking server http://127.0.0.1:{server.server_port} "
-                                        f"{says}"), reason
+    assert reason and reason.startswith(f"tracking server {uri} {says}"), reason
+    assert delivery.startswith(delivery_says), delivery
+
+
+def test_a_silent_server_is_said_by_its_cause_in_the_delivery_too(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        said = _delivery_failure(f"http://127.0.0.1:{s.getsockname()[1]}", monkeypatch)
+    assert said == "did not answer (Failed to establish a new connection: [Errno 111] " \
+        "Connection refused)", said
+
+
+def _delivery_failure(uri, monkeypatch):
+    """spool.describe's line for what the delivery's client raises against ``uri``."""
+    from mlflow import MlflowClient
+
+    from ddplab.tracking import spool
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(Exception) as caught:
+        MlflowClient(uri).get_run("0" * 32)
+    return spool.describe(caught.value)
 
 
 def test_file_stores_need_no_probe():

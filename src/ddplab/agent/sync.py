@@ -135,7 +135,7 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
                            f"{meta.uri}); sync to that store, or --tracking-uri the one that "
                            "holds the run")
         else:
-            SYNC_LOG.warning(f"{where}: {target} {_failed(spool.describe(e))}; {todo} records "
+            SYNC_LOG.warning(f"{where}: {target} {spool.describe(e)}; {todo} records "
                              "kept in the spool")
         return max(todo, 1)
     before = spool.rejected_in(directory)
@@ -145,7 +145,7 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
     if todo:
         out = spool.deliver(directory, client, lambda: False, timeout_s, final=over)
         if out.left:
-            SYNC_LOG.warning(f"{where}: {target} {_failed(out.error)} within {timeout_s:.0f} s: "
+            SYNC_LOG.warning(f"{where}: {target} {out.error} within {timeout_s:.0f} s: "
                              f"{out.left} of {todo} records still left in the spool")
         else:
             print(f"{where}: delivered {todo - out.set_aside} records"
@@ -161,11 +161,6 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
     if over and not out.left:
         end_if_abandoned(client, meta, where)
     return out.left + refused
-
-
-def _failed(error: str) -> str:
-    """"refused ..." when the server answered no, "did not answer (...)" when it was silent."""
-    return error if error.startswith("refused") else f"did not answer ({error})"
 
 
 def end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "") -> None:

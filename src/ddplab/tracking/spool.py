@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -280,13 +281,47 @@ def _is_permanent(e: Exception) -> bool:
     return isinstance(e, Invalid) or status_of(e) in RECORD_REFUSALS
 
 
-def describe(e: Exception) -> str:
-    """One line for a delivery failure: refused (with the HTTP status) or no answer."""
+SERVER_FAILING = ("the server failing, or a proxy in front of it with no server behind it (their "
+                  "logs say which)")
+
+
+def heard(e: Exception) -> tuple[int, str]:
+    """What a failed call to the tracking server heard back: (the HTTP status it answered, 0
+    when it was silent; what it said, or why nothing came). The one rule for "answered or
+    silent": MLflow's client wraps both in a status-500 exception once its retries are spent.
+    A status answered every time (urllib3's "too many 502 error responses") is that status;
+    silence is urllib3's own cause (``Connection refused``, a name that does not resolve, a
+    timeout), not MLflow's wrapping of it."""
+    text = first_line(str(e)) or type(e).__name__
+    every = re.search(r"too many (\d{3}) error responses", text)
+    if every:
+        return int(every.group(1)), text
     status = status_of(e)
-    first = first_line(str(e)) or type(e).__name__
-    if status and status != 500:
-        return f"refused with HTTP {status}: {first}"
-    return f"{type(e).__name__}: {first}"
+    if status and status != 500 and "Max retries" not in text:
+        return status, text
+    cause = re.search(r"Caused by \w+\((?:.*?: )?(.+?)['\"]?\)+$", text)
+    return 0, cause.group(1) if cause else f"{type(e).__name__}: {text}"
+
+
+def phrase(code: int) -> str:
+    """HTTP's name for a status ("Bad Gateway")."""
+    import http
+
+    try:
+        return http.HTTPStatus(code).phrase
+    except ValueError:
+        return "no standard name"
+
+
+def describe(e: Exception) -> str:
+    """One line for a delivery failure, as ``heard`` reads it: "refused with HTTP 403 (...)",
+    "answered HTTP 502 (Bad Gateway): ...", or "did not answer (Connection refused)"."""
+    code, said = heard(e)
+    if not code:
+        return f"did not answer ({said})"
+    if code >= 500:
+        return f"answered HTTP {code} ({phrase(code)}): {SERVER_FAILING}"
+    return f"refused with HTTP {code}: {said}"
 
 
 class Sender:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrackingConfig
-from ..errors import DdplabError, first_line
+from ..errors import DdplabError
 
 
 class TrackingError(DdplabError, RuntimeError):
@@ -443,32 +443,16 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
 
 
 def _no_answer(uri: str, e: Exception) -> str:
-    """check_reachable's line for what MLflow's client raised. A status answered every time
-    (urllib3's "too many 502 error responses": a proxy with no server behind it, a server
-    failing) is that status, not "unreachable"; a silent server, urllib3's own cause
-    (``Connection refused``, a name that does not resolve, a timeout), not MLflow's wrapping
-    of it, whose first 200 characters were all the line used to say."""
-    text = first_line(str(e)) or type(e).__name__
-    status = getattr(e, "get_http_status_code", lambda: 0)()
-    answered = re.search(r"too many (\d{3}) error responses", text)
-    if answered:
-        code = int(answered.group(1))
-        return (f"tracking server {uri} answered HTTP {code} ({_phrase(code)}): the server "
-                "failing, or a proxy in front of it with no server behind it (their logs say "
-                "which)")
-    if status and status != 500 and "Max retries" not in text:
-        return f"tracking server {uri} answered HTTP {status} ({text[:200]})"
-    cause = re.search(r"Caused by \w+\((?:.*?: )?(.+?)['\"]?\)+$", text)
-    return f"tracking server {uri} is unreachable ({cause.group(1) if cause else text[:300]})"
+    """check_reachable's line for what MLflow's client raised, by the delivery's rule
+    (``spool.heard``): answered, with its status, or unreachable, with urllib3's cause."""
+    from .spool import SERVER_FAILING, heard, phrase
 
-
-def _phrase(code: int) -> str:
-    import http
-
-    try:
-        return http.HTTPStatus(code).phrase
-    except ValueError:
-        return "no standard name"
+    code, said = heard(e)
+    if not code:
+        return f"tracking server {uri} is unreachable ({said[:300]})"
+    if code >= 500:
+        return f"tracking server {uri} answered HTTP {code} ({phrase(code)}): {SERVER_FAILING}"
+    return f"tracking server {uri} answered HTTP {code} ({said[:200]})"
 
 
 def auth_refusal(uri: str) -> str | None:
