@@ -29,7 +29,7 @@ def test_closed_port_is_reported_at_once():
 
 @pytest.mark.parametrize("code, says, delivery_says", [
     (403, "answered HTTP 403 (API request to endpoint /api/2.0/mlflow/experiments/search failed "
-          "with error code 403", "refused with HTTP 403: API request to endpoint"),
+          "with error code 403", "refused with HTTP 403 (API request to endpoint"),
     (502, "answered HTTP 502 (Bad Gateway): the server failing, or a proxy in front of it with no "
           "server behind it", "answered HTTP 502 (Bad Gateway): the server failing, or a proxy"),
     (500, "answered HTTP 500 (Internal Server Error): the server failing",

@@ -281,7 +281,7 @@ def _is_permanent(e: Exception) -> bool:
     return isinstance(e, Invalid) or status_of(e) in RECORD_REFUSALS
 
 
-SERVER_FAILING = ("the server failing, or a proxy in front of it with no server behind it (their "
+_SERVER_FAILING = ("the server failing, or a proxy in front of it with no server behind it (their "
                   "logs say which)")
 
 
@@ -303,7 +303,7 @@ def heard(e: Exception) -> tuple[int, str]:
     return 0, cause.group(1) if cause else f"{type(e).__name__}: {text}"
 
 
-def phrase(code: int) -> str:
+def _phrase(code: int) -> str:
     """HTTP's name for a status ("Bad Gateway")."""
     import http
 
@@ -313,15 +313,16 @@ def phrase(code: int) -> str:
         return "no standard name"
 
 
-def describe(e: Exception) -> str:
-    """One line for a delivery failure, as ``heard`` reads it: "refused with HTTP 403 (...)",
-    "answered HTTP 502 (Bad Gateway): ...", or "did not answer (Connection refused)"."""
+def describe(e: Exception, silent: str = "did not answer", refused: str = "refused with") -> str:
+    """One line for a failed call to the server, as ``heard`` reads it: "refused with HTTP 403
+    (...)", "answered HTTP 502 (Bad Gateway): ...", or "did not answer (Connection refused)";
+    ``silent`` and ``refused`` are the verbs a caller's sentence needs instead."""
     code, said = heard(e)
     if not code:
-        return f"did not answer ({said})"
+        return f"{silent} ({said[:300]})"
     if code >= 500:
-        return f"answered HTTP {code} ({phrase(code)}): {SERVER_FAILING}"
-    return f"refused with HTTP {code}: {said}"
+        return f"answered HTTP {code} ({_phrase(code)}): {_SERVER_FAILING}"
+    return f"{refused} HTTP {code} ({said[:200]})"
 
 
 class Sender:

@@ -444,15 +444,10 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
 
 def _no_answer(uri: str, e: Exception) -> str:
     """check_reachable's line for what MLflow's client raised, by the delivery's rule
-    (``spool.heard``): answered, with its status, or unreachable, with urllib3's cause."""
-    from .spool import SERVER_FAILING, heard, phrase
+    (``spool.describe``): answered, with its status, or unreachable, with urllib3's cause."""
+    from .spool import describe
 
-    code, said = heard(e)
-    if not code:
-        return f"tracking server {uri} is unreachable ({said[:300]})"
-    if code >= 500:
-        return f"tracking server {uri} answered HTTP {code} ({phrase(code)}): {SERVER_FAILING}"
-    return f"tracking server {uri} answered HTTP {code} ({said[:200]})"
+    return f"tracking server {uri} {describe(e, silent='is unreachable', refused='answered')}"
 
 
 def auth_refusal(uri: str) -> str | None:
