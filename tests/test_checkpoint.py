@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from ddplab.config import ConfigError
 from ddplab.training import checkpoint
 
 
@@ -70,7 +71,7 @@ def test_newest_across_runs_wins(tmp_path):
 def test_explicit_path(tmp_path):
     target = save(tmp_path, 10)
     assert checkpoint.find_resume(str(target), tmp_path)[1]["step"] == 10
-    with pytest.raises(checkpoint.CheckpointError, match="checkpoint.resume: .*missing.pt does not exist"):
+    with pytest.raises(ConfigError, match="checkpoint.resume: got '.*missing.pt'; no such checkpoint"):
         checkpoint.find_resume(str(tmp_path / "missing.pt"), tmp_path)
 
 
@@ -80,7 +81,7 @@ def test_a_runs_folder_resumes_its_newest_and_an_empty_folder_says_so(tmp_path):
     path, p = checkpoint.find_resume(str(newest.parent), tmp_path)
     assert path == newest and p["step"] == 20
     (tmp_path / "empty").mkdir()
-    with pytest.raises(checkpoint.CheckpointError, match="is a folder with no step-"):
+    with pytest.raises(ConfigError, match="a folder with no step-"):
         checkpoint.find_resume(str(tmp_path / "empty"), tmp_path)
 
 

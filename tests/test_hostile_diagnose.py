@@ -188,12 +188,8 @@ def test_a_rank_still_blocked_beside_a_failed_rank_0_is_not_a_lost_node(run_in, 
     from ddplab.forensics.watch import Watch
 
     client, run_id = run_in
-    code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
-            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2)\nheartbeat.beat('backward', 51)\n"
-            "print('up', flush=True)\ntime.sleep(60)\n")
-    blocked = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    blocked = beating_rank(tmp_path, 1, 2, "backward", 51)
     try:
-        assert blocked.stdout is not None and blocked.stdout.readline() == "up\n"
         rank0 = heartbeat.Heartbeat(tmp_path, 0, 2)
         rank0.beat("checkpoint", 50)
         rank0.failed("CheckpointError: could not write step-50.pt: No space left on device")
@@ -215,14 +211,10 @@ def test_a_live_rank_is_one_that_maps_its_heartbeat_not_a_pid_reused_since(tmp_p
     from ddplab.forensics.heartbeat import RECORD, hb_path
     from ddplab.forensics.watch import live_in
 
-    code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
-            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2)\nheartbeat.beat('forward', 3)\n"
-            "print('up', flush=True)\ntime.sleep(60)\n")
-    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    rank = beating_rank(tmp_path, 1, 2, "forward", 3)
     other = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
-        assert rank.stdout is not None and rank.stdout.readline() == "up\n"
         assert other.stdout is not None and other.stdout.readline() == "up\n"
         found = live_in(tmp_path)
         assert found is not None and (found.rank, found.pid) == (1, rank.pid)
@@ -236,6 +228,40 @@ def test_a_live_rank_is_one_that_maps_its_heartbeat_not_a_pid_reused_since(tmp_p
         for p in (rank, other):
             p.kill()
             p.wait()
+
+
+def test_the_preflight_checks_the_run_a_named_folder_resumes_one_level_down(tmp_path):
+    """`ddplab run --set checkpoint.resume=checkpoints/<experiment>` resumes the newest run in
+    it; the preflight (checkpoint.not_running) checked the folder itself, found no spool there,
+    and let a second job start on a live run, refused only later on rank 0."""
+    from ddplab.agent.protocol import forensics_dir
+    from ddplab.config import ConfigError
+    from ddplab.training import checkpoint
+
+    experiment = tmp_path / "quickstart"
+    run = experiment / "run1"
+    run.mkdir(parents=True)
+    (run / "step-00000004.pt").write_bytes(b"never read by the preflight")
+    rank = beating_rank(forensics_dir(run / "spool" / "node0"), 0, 1, "forward", 3)
+    try:
+        for named in (experiment, run, run / "step-00000004.pt"):
+            with pytest.raises(ConfigError, match=f"still running on this host .*pid {rank.pid}"):
+                checkpoint.not_running(str(named), tmp_path)
+    finally:
+        rank.kill()
+        rank.wait()
+    checkpoint.not_running(str(experiment), tmp_path)  # its job ended: resumable
+
+
+def beating_rank(folder: Path, rank: int, world: int, phase: str,
+                 step: int) -> subprocess.Popen[str]:
+    """A real rank's heartbeat, in a process of its own that lives a minute (kill it)."""
+    code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"heartbeat.start(Path({str(folder)!r}), {rank}, {world})\n"
+            f"heartbeat.beat({phase!r}, {step})\nprint('up', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    return proc
 
 
 def test_the_error_tag_keeps_its_first_line():

@@ -270,9 +270,32 @@ def not_running(resume: str, root: Path) -> None:
             refuse_a_running_job(newest[0].parent, f"checkpoint.resume: auto found "
                                                    f"{newest[0].parent},")
     elif resume != "never":
-        path = Path(resume)
-        refuse_a_running_job(path if path.is_dir() else path.parent,
-                             f"checkpoint.resume: {resume!r} is")
+        path = _named(resume)
+        refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
+
+
+def _named(resume: str) -> Path:
+    """The checkpoint file ``checkpoint.resume`` names: the file itself, or in a run's folder
+    (checkpoints/<experiment>/<run id>/, or the experiment's folder above it) the newest."""
+    from ..config import ConfigError
+
+    path = Path(resume)
+    if path.is_dir():
+        newest = newest_file(path, "step-*.pt") or newest_file(path, "*/step-*.pt")
+        if newest is None:
+            raise ConfigError(f"checkpoint.resume: got {resume!r}, a folder with no step-*.pt "
+                              "checkpoint in it; give a checkpoint file or a run's folder")
+        return newest
+    if not path.is_file():
+        raise ConfigError(f"checkpoint.resume: got {resume!r}; no such checkpoint file or "
+                          "folder (auto, never, a checkpoint file or a run's folder)")
+    return path
+
+
+def newest_file(folder: Path, *patterns: str) -> Path | None:
+    """The newest file matching any of ``patterns`` in ``folder`` (a dangling link is none)."""
+    found = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -280,16 +303,7 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
     if resume == "never":
         return None
     if resume != "auto":
-        path = Path(resume)
-        if path.is_dir():  # a run's folder (checkpoints/<experiment>/<run id>/): its newest
-            inside = sorted(list(path.glob("step-*.pt")) or list(path.glob("*/step-*.pt")),
-                            key=lambda p: p.stat().st_mtime)
-            if not inside:
-                raise CheckpointError(f"checkpoint.resume: {path} is a folder with no step-*.pt "
-                                      "checkpoint in it; give a checkpoint file or a run's folder")
-            path = inside[-1]
-        elif not path.is_file():
-            raise CheckpointError(f"checkpoint.resume: {path} does not exist")
+        path = _named(resume)
         refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
         return path, read(path)
     found = newest_valid(root)
@@ -353,13 +367,11 @@ def export(src: str, out: str) -> str:
 
     path = Path(src)
     if path.is_dir():
-        found = sorted((p for p in [*path.glob("step-*.pt"), *path.glob("*/step-*.pt"),
-                                    *path.glob("*/*/step-*.pt")] if p.is_file()),  # no dangling links
-                       key=lambda p: p.stat().st_mtime, reverse=True)
-        if not found:
+        newest = newest_file(path, "step-*.pt", "*/step-*.pt", "*/*/step-*.pt")
+        if newest is None:
             raise ConfigError(f"checkpoint export: got {src!r}; no step-*.pt checkpoint in it "
                               "(nor in its run folders)")
-        path = found[0]
+        path = newest
     elif not path.is_file():
         raise ConfigError(f"checkpoint export: got {src!r}; no such checkpoint file or folder")
     target = Path(out)
