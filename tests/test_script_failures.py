@@ -338,27 +338,31 @@ def test_a_failed_script_ends_ddplab_with_its_own_exit_code(tmp_path, store, end
 @pytest.mark.e2e
 def test_a_script_whose_process_trains_nothing_says_so_at_its_end(tmp_path, store):
     """An mp.spawn script's ranks are not observed: its run had no figure and no word why. (A
-    script that only prints, ``--help``, gets no such note.)"""
-    script = tmp_path / "spawns.py"
-    script.write_text("import torch.multiprocessing as mp\n\n\ndef rank(i):\n"
-                      "    print('rank', i, 'would train here')\n\n\n"
-                      "if __name__ == '__main__':\n    mp.spawn(rank, nprocs=1)\n")
-    out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path,
-                 job_env(store))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "no training seen in the script's process" in out.stdout + out.stderr
-    assert "(torch.multiprocessing.spawn, or torchrun's own main) are not observed" in \
-        out.stdout + out.stderr
+    script that only prints, ``--help``, gets no such note; one that made a process group and
+    trained nothing is not told of ranks it never started: a hostile pass.)"""
+    def said(name, code, *args):
+        (tmp_path / name).write_text(code)
+        out = ddplab(["train", str(tmp_path / name), "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+                      *args], tmp_path, job_env(store))
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "no training seen in the script's process" in out.stdout + out.stderr
+        return out.stdout + out.stderr
+
+    spawns = said("spawns.py", "import torch.multiprocessing as mp\n\n\ndef rank(i):\n"
+                  "    print('rank', i, 'would train here')\n\n\n"
+                  "if __name__ == '__main__':\n    mp.spawn(rank, nprocs=1)\n")
+    assert "(torch.multiprocessing.spawn, or torchrun's own main) are not observed" in spawns
     # A launcher script calling torchrun's main itself: an empty FINISHED run, unsaid
     (tmp_path / "child.py").write_text("print('a rank would train here')\n")
-    launcher = tmp_path / "launch.py"
-    launcher.write_text("import sys\nfrom torch.distributed import run\n"
-                        "run.main(['--standalone', '--nproc-per-node', '1', sys.argv[1]])\n")
-    out = ddplab(["train", str(launcher), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
-                  str(tmp_path / "child.py")], tmp_path, job_env(store))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "a rank would train here" in out.stdout + out.stderr
-    assert "no training seen in the script's process" in out.stdout + out.stderr
+    launches = said("launch.py", "import sys\nfrom torch.distributed import run\n"
+                    "run.main(['--standalone', '--nproc-per-node', '1', sys.argv[1]])\n",
+                    "--", str(tmp_path / "child.py"))
+    assert "a rank would train here" in launches
+    # A process group and no optimizer (no ranks of its own): not told of spawned ranks
+    hello = said("hello.py", "import torch, torch.distributed as dist\n"
+                 "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                 "print('sum', t.item())\ndist.destroy_process_group()\n")
+    assert "spawn" not in hello and "records its own with ddplab.track.log" in hello, hello
 
 
 LEAVES = '''
@@ -419,6 +423,12 @@ def test_a_refusal_on_every_rank_names_every_rank(tmp_path, store):
                   "--epochs", "x"], tmp_path, job_env(store), nproc=2)
     assert out.returncode != 0
     assert "the script failed on ranks 0,1 (host" in out.stderr, out.stderr[-3000:]
+    # argparse's own words, not a bare "SystemExit: 2" (a hostile pass)
+    (run,) = runs(store)
+    assert run.data.tags["ddplab.error"].startswith(
+        "the script failed on ranks 0,1 (host ") and run.data.tags["ddplab.error"].endswith(
+        "): args.py: error: argument --epochs: invalid int value: 'x' (SystemExit: 2)"), \
+        run.data.tags["ddplab.error"]
 
 
 @pytest.mark.e2e

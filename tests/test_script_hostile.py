@@ -219,3 +219,53 @@ def test_a_run_of_the_earlier_layout_is_resumed_by_its_own_job(tmp_path):
     assert (run_dir / "snap.pt").exists()  # not resumed: left as it was
     assert supervisor.resumable_run(cfg, say=said.append) == "old" and len(said) == 1
     assert (run_dir / "script" / "snap.pt").read_text() == "x"  # where the script now looks
+
+
+# Unbuffered (as every script's supervisor runs it), print writes its text and its newline
+# apart; the pause between them is where another rank's line landed.
+SPLIT_PRINTS = '''
+import sys, time
+for word in ("rank 0 sum 3.0", "rank 0 done"):
+    sys.stdout.write(word); sys.stdout.flush(); time.sleep(0.05)
+    sys.stdout.write("\\n"); sys.stdout.flush()
+sys.stdout.write("dots..."); sys.stdout.flush(); time.sleep(1.0)
+sys.stdout.write("\\rprogress 100%"); sys.stdout.flush()
+'''
+
+
+def test_the_console_gets_a_scripts_lines_whole_and_an_open_one_after_a_pause(tmp_path):
+    """Every rank's supervisor writes to the one console: a hostile pass saw "rank 0 sum 3.0rank
+    1 sum 3.0" from a two-rank all_reduce script. Each write to the console is now whole lines;
+    an open line (progress dots) still shows while the script pauses, and the last one at the
+    end. A real process over a real pipe, each write to the console recorded."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    class Console:
+        def __init__(self):
+            self.writes, self.at = [], []
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+            self.at.append(time.monotonic())
+
+        def flush(self):
+            pass
+
+    console = Console()
+    tail = supervisor.Tail(console, 4096)
+    proc = subprocess.Popen([sys.executable, "-c", SPLIT_PRINTS], stdout=subprocess.PIPE)
+    started = time.monotonic()
+    pump = threading.Thread(target=tail.pump, args=(proc.stdout,))
+    pump.start()
+    proc.wait()
+    ended = time.monotonic()
+    pump.join(10)
+    assert b"".join(console.writes) == b"rank 0 sum 3.0\nrank 0 done\ndots...\rprogress 100%"
+    assert console.writes[:2] in ([b"rank 0 sum 3.0\n", b"rank 0 done\n"],
+                                  [b"rank 0 sum 3.0\nrank 0 done\n"]), console.writes
+    dots = console.writes.index(b"dots...")  # shown while the script slept, not at its end
+    assert started < console.at[dots] < ended - 0.5, (console.at, ended)
+    assert tail.text().endswith("progress 100%")

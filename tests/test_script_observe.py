@@ -1037,3 +1037,21 @@ def test_a_failed_scripts_unfinished_epoch_is_not_recorded_as_an_epoch(ended_wel
     obs.finish(ended_well=ended_well)
     assert [(e["epoch"], e["steps"]) for e in obs.totals.epochs] == epochs
     assert obs.totals.steps == 6 and obs.logged_step == 6  # its last steps' log point, either way
+
+
+def test_log_points_fall_every_10_steps_as_the_loops_do_and_at_each_epochs_end():
+    """A hostile pass: with 8 steps an epoch, the count to 10 restarted at each epoch's end, and
+    train/loss came only at steps 8, 16, 24, never at 10 or 20 as ddplab's loop logs them."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs = _observer()
+    obs.outer = model
+    points = []
+    real = obs.log_point
+    obs.log_point = lambda extra=None: (points.append(obs.totals.steps), real(extra))  # type: ignore[method-assign]
+    for epoch in range(3):
+        obs.set_epoch(epoch)
+        for _ in range(8):
+            _train_step(obs, model, opt, 8)
+    obs.finish(ended_well=True)
+    assert sorted(set(points)) == [8, 10, 16, 20, 24], points

@@ -53,7 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                p.add_subparsers(dest="command", required=True))
     overrides: dict[str, Any] = {"action": "append", "default": [], "metavar": "KEY=VALUE",
                                  "help": "override a config value, e.g. --set train.epochs=3 (repeatable)"}
-    t = sub.add_parser("train", help="run an experiment under any launcher (or none)")
+    t = sub.add_parser("train", help="run an experiment under any launcher (or none)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="your own script's arguments go after --, e.g.\n  torchrun "
+                              "--standalone --nproc-per-node 2 -m ddplab train my_train.py -- "
+                              "--epochs 3")
     t.add_argument("experiment", nargs="?", help="experiment YAML file "
                    "(experiments/quickstart.yaml) or your own training script (my_train.py; its "
                    "arguments go after --)")

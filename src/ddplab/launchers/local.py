@@ -36,13 +36,17 @@ if TYPE_CHECKING:
 
 def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="N local ranks via torchrun, after a one-process preflight",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="your own script's arguments go after --, e.g.\n"
+                              "  ddplab run my_train.py --nproc-per-node 2 -- --epochs 3")
     p.add_argument("--nproc-per-node", type=int, default=int(os.environ.get("NPROC", "2")),
                    metavar="N", help="ranks on this machine (default $NPROC or 2)")
     p.add_argument("experiment", nargs="?", help="experiment YAML or your own training "
-                   "script (.py)")
+                   "script (.py; its arguments go after --)")
     p.add_argument("-m", dest="module", default="", metavar="MODULE",
-                   help="a packaged training script, run as python -m runs it")
+                   help="a packaged training script, run as python -m runs it (its arguments "
+                        "go after --)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (repeatable), as for ddplab train")
     p.add_argument("--summary-out", default="", metavar="PATH")

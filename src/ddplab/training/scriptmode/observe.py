@@ -493,7 +493,7 @@ class Observer:
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
         self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
-        if t.steps - self.logged_step >= LOG_EVERY_STEPS:
+        if t.steps % LOG_EVERY_STEPS == 0:  # at 10, 20, ... whatever epochs ended between
             self.log_point()
 
     def _trained_forwards(self) -> None:

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -62,7 +63,13 @@ PEER_CHECK_S = 0.5
 """How often a running script's supervisor asks the meeting store whether a peer failed. The
 script's own end wakes it at once (a thread blocked in waitpid): on a machine whose cores
 the ranks fill, every wake-up here takes a slice of a rank's core."""
+HOLD_S = 0.2
+"""How long a line the script has begun but not ended is held back from the console, so
+that another rank's output does not land inside it."""
 EXIT_GRACE_S = 5.0
+EXIT_SAID_S = 2.0
+"""A script's last stderr line at most this long before its ``sys.exit(N)`` is what it said
+of its exit (argparse's "error: unrecognized arguments")."""
 """How long a script that has reported its own failure is given to exit by itself before a
 stop's signal (it writes its traceback, its libraries shut down)."""
 OWN_ENTRIES = {"spool", FINISHED_MARK, JOB_FILE, SCRIPT_DIR}
@@ -109,15 +116,38 @@ class Tail:
     last_read: float = 0.0  # time.monotonic() of the last bytes
 
     def pump(self, pipe: Any) -> None:
-        for chunk in iter(lambda: _read(pipe), b""):
+        """Pass the script's output on in whole lines: every rank's supervisor writes to the one
+        console, and an unbuffered ``print`` writes its text and its newline apart, so chunks
+        passed on as they came read "rank 0 sum 3.0rank 1 sum 3.0" (a hostile pass). A line
+        still open is passed on once the script pauses (``HOLD_S``): a prompt, progress dots."""
+        held = b""
+        while True:
+            if held and not _readable(pipe, HOLD_S):
+                held = self._show(held)
+            chunk = _read(pipe)
+            if not chunk:
+                break
             self.last_read = time.monotonic()
             self.total += len(chunk)
-            with contextlib.suppress(OSError, ValueError):
-                self.out.write(chunk)
-                self.out.flush()
             self.kept += chunk
             if len(self.kept) > 2 * self.limit:
                 del self.kept[:-self.limit]
+            held += chunk
+            ends = max(held.rfind(b"\n"), held.rfind(b"\r")) + 1  # (\r: a progress bar's line)
+            if len(held) > 65536:
+                ends = len(held)
+            if ends:
+                self._show(held[:ends])
+                held = held[ends:]
+        self._show(held)
+
+    def _show(self, data: bytes) -> bytes:
+        """Write ``data`` to the console at once (b"": nothing); returns b"", what is held now."""
+        if data:
+            with contextlib.suppress(OSError, ValueError):
+                self.out.write(data)
+                self.out.flush()
+        return b""
 
     def text(self) -> str:
         body = bytes(self.kept[-self.limit:]).decode("utf-8", errors="replace")
@@ -564,7 +594,7 @@ class Script:
             out.update(left=True, why=f"exited {code} before the script's end (os._exit, or a "
                                       "library's exit())")
         elif code:
-            out["why"] = seen.get("exception") or self.tails[1].last_line() or f"exit code {code}"
+            out["why"] = self._why(seen, code)
         out["traceback"] = seen.get("traceback", "")[-6000:]
         if out["stopped"] and (where := self.where(out["traceback"])):
             out["where"] = where  # where a stopped rank was (the hang watch's too): its stack
@@ -574,6 +604,17 @@ class Script:
             if self.spool is not None and "File " in self.stack_file.read_text():
                 out["stack"] = f"forensics/rank{self.le.rank}.stack.txt"  # _keep_logs
         return out
+
+    def _why(self, seen: dict[str, Any], code: int) -> str:
+        """A failed script's one line: its exception; for ``sys.exit(N)`` (argparse's refusal
+        is ``SystemExit: 2``), what it wrote to stderr last as it exited, where it did."""
+        said, last = seen.get("exception", ""), self.tails[1].last_line()
+        if said.startswith("SystemExit: ") and last and self.exited_at:
+            # (a line written long before it exited is not why it did)
+            before_exit_s = (time.monotonic() - self.tails[1].last_read) - (time.time() - self.exited_at)
+            if before_exit_s < EXIT_SAID_S:
+                return f"{last} ({said})"
+        return said or last or f"exit code {code}"
 
     def _keep_logs(self) -> None:
         """Both tails into the run (logs/rank<r>.stdout.txt, ...) through the node's spool."""
@@ -698,6 +739,14 @@ def _read(pipe: Any) -> bytes:
         return b""
 
 
+def _readable(pipe: Any, timeout_s: float) -> bool:
+    """The script wrote more within ``timeout_s`` (or its stream ended: a read says so)."""
+    try:
+        return bool(select.select([pipe.fileno()], [], [], timeout_s)[0])
+    except (OSError, ValueError):
+        return True
+
+
 def _unread(pipe: Any) -> int:
     """Bytes waiting in a pipe (0 once it is closed)."""
     try:
@@ -795,10 +844,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                 if seen.line:
                     console.say(seen.line)
                 elif cfg.script.observe and _trains_likely(everyone, script.wall_s):
-                    console.say("no training seen in the script's process (no optimizer step "
-                                "after a forward or backward): ranks it starts itself "
-                                "(torch.multiprocessing.spawn, or torchrun's own main) are not "
-                                "observed; torchrun starting them is")
+                    console.say(_no_training(everyone))
             elif own["failed"]:
                 # Its own failure, the user's traceback in torchrun's error file; a peer's
                 # consequence a second later, so torchrun names the cause first.
@@ -830,6 +876,17 @@ def _trains_likely(outcomes: dict[int, dict[str, Any]], wall_s: float) -> bool:
     what is not observed is for it, not for ``--help``."""
     seen = outcomes.get(0, {}).get("observed", {})
     return "backend" in seen or bool(seen.get("spawned")) or wall_s >= 60
+
+
+def _no_training(outcomes: dict[int, dict[str, Any]]) -> str:
+    """Why a script that looks like it trained has no training figure: the ranks it started
+    itself are not observed, or it trains without a torch.optim step (it may say its own)."""
+    head = "no training seen in the script's process (no optimizer step after a forward or backward)"
+    if outcomes.get(0, {}).get("observed", {}).get("spawned"):
+        return (f"{head}: ranks it starts itself (torch.multiprocessing.spawn, or torchrun's own "
+                "main) are not observed; torchrun starting them is")
+    return (f"{head}: the run has no training figure; a script that trains without a torch.optim "
+            "optimizer records its own with ddplab.track.log (docs/your-own-script.md)")
 
 
 def _summary(path: str, run: tracking.NullTracker, script: Script, outcomes: dict[int, dict[str, Any]],
