@@ -277,6 +277,15 @@ def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ddplab: error: rank 0 failed: OSError: disk full; rank 1 stopped after it "
                    "(exit code 1)"], err
+    # Rank 0's account of the whole job (its script left early, exit 0): said as it is
+    left_file = tmp_path / "left.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(left_file))
+    left = ("the script failed: rank 0 (host h) exited 0 before the job ended, while the others "
+            "still ran; then rank 1 (host h): RuntimeError: Connection closed by peer")
+    cli._tell_torchrun(ScriptFailed(left, ""))
+    assert local.failed(ChildFailedError("ddplab", {0: ProcessFailure(0, 2, 1, str(left_file))})) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ddplab: error: {left}"], err
     killed = ChildFailedError("ddplab", {0: ProcessFailure(0, 1, -9, str(tmp_path / "none"))})
     assert local.failed(killed) == 128 + 9
     assert capsys.readouterr().err.strip() == "ddplab: error: rank 0 was killed by SIGKILL"

@@ -219,6 +219,11 @@ def failed(e: ChildFailedError) -> int:
     alike = sorted({rank, *(r for r, f in e.failures.items()
                             if f.exitcode == code and _said(f) == why)})
     who = f"rank {rank}" if len(alike) == 1 else f"ranks {','.join(map(str, alike))}"
+    if rank == 0 and why.startswith(("the script failed: ", "the job ")):
+        # rank 0's account of the whole job (script mode: a rank that left early, a hang), not
+        # a failure of its own: "rank 0 failed (exit code 1): ... rank 0 exited 0" contradicted it
+        logger().error(why)
+        return code
     origin = _rank0s(why)
     if origin:  # they only passed rank 0's failure on, and ended before rank 0 did
         logger().error(f"rank 0 failed: {origin}; {who} stopped after it (exit code {code})")
