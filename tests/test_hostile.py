@@ -392,6 +392,23 @@ def test_a_study_rerun_with_other_settings_refuses_and_fresh_starts_anew(tmp_pat
     assert sorted(r.data.params["optim.lr"] for r in study_runs(store)) == ["0.01", "0.5"]
 
 
+def test_a_study_rerun_after_its_script_was_edited_refuses_to_mix_the_two(tmp_path, store):
+    """A hostile pass: a study whose experiment file names a script (``script.path``) skipped
+    its FINISHED job after the script was edited and compared it with new jobs of the edited
+    script, unsaid. Only the experiment file itself was in the settings' digest."""
+    (tmp_path / "grid.py").write_text("print('lr', 0.1)\n")
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump({"name": "grid", "script": {"path": "grid.py"}}))
+    path = tiny_study(tmp_path, experiment="exp.yaml", set={}, variants=[{"name": "one", "nproc": 1}])
+    first = ddplab(["study", "run", str(path)], tmp_path, store)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = ddplab(["study", "run", str(path)], tmp_path, store)
+    assert again.returncode == 0 and "already FINISHED" in again.stdout, again.stderr[-2000:]
+    (tmp_path / "grid.py").write_text("print('lr', 0.5)\n")
+    one_line(ddplab(["study", "run", str(path)], tmp_path, store), 2,
+             "the study's scripts changed since its parent run")
+    assert len(study_runs(store)) == 1
+
+
 def test_a_study_variant_that_cannot_run_here_stops_it_before_any_run(tmp_path, store):
     path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1},
                                           {"name": "half", "nproc": 1, "set": {"train.amp": "fp16"}}])

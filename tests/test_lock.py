@@ -87,12 +87,17 @@ def test_a_study_report_warns_when_variants_ran_different_environments():
 
     from ddplab.study.table import environment_warnings
 
-    def child(variant, build, lock="abc"):
-        return SimpleNamespace(data=SimpleNamespace(tags={
+    def child(variant, build, lock="abc", sha="s", status="FINISHED", start=0):
+        return SimpleNamespace(info=SimpleNamespace(status=status, start_time=start),
+                               data=SimpleNamespace(tags={
             "ddplab.variant": variant, "ddplab.torch_build": build, "ddplab.lock": lock,
-            "ddplab.image": "none", "ddplab.git_sha": "s"}))
+            "ddplab.image": "none", "ddplab.git_sha": sha}))
     same = [child("a", "2.14.1+cpu"), child("b", "2.14.1+cpu")]
     assert environment_warnings(same) == []
+    # b failed, then ran again after a commit, as a and c did: the code they count is one
+    rerun = [child("b", "2.14.1+cpu", sha="old", status="FAILED", start=1),
+             child("a", "2.14.1+cpu", sha="new", start=2), child("b", "2.14.1+cpu", sha="new", start=3)]
+    assert environment_warnings(rerun) == []
     mixed = [child("native", "2.14.1+cu130"), child("image", "2.7.1+cpu", lock="def")]
     warned = environment_warnings(mixed)
     assert len(warned) == 2 and "different torch (ddplab.torch_build): 2.14.1+cu130: native; " \

@@ -233,7 +233,23 @@ def settings_digest(study: Study) -> dict[str, str]:
         return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return {"set": digest([study.set, [as_text(o) for o in study.extra]]),
             "variants": digest([(v.name, v.nproc, v.nnodes, v.launcher, v.set) for v in study.variants]),
-            "experiment": digest(study.experiment.read_text(errors="replace"))}
+            "experiment": digest(study.experiment.read_text(errors="replace")),
+            "scripts": digest(_scripts(study))}
+
+
+def _scripts(study: Study) -> list[tuple[str, str]]:
+    """The script each variant runs, by its content (sha256): an experiment file's
+    ``script.path``, or a variant's own, edited since, made the rerun's jobs another script's
+    while its FINISHED ones were skipped (a hostile pass). [] for ddplab's loop."""
+    from ..workload.userparts import sha256
+
+    found = []
+    for v in study.variants:
+        cfg = study.config(v)
+        if cfg.kind == "script":
+            file = cfg.script.file()
+            found.append((str(file), sha256(file)))
+    return sorted(set(found))
 
 
 def cannot_run_here(study: Study, v: Variant) -> str:

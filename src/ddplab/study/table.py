@@ -119,9 +119,11 @@ def environment_warnings(children: list[Any]) -> list[str]:
     """A warning per environment fact the variants do not share: a comparison of two torch
     builds or two code versions is not the comparison the study asked for."""
     said = []
+    counted = [c for runs in latest_per_job(children).values() for c in runs]  # (not an attempt
+    # a rerun replaced: a failed job run again after a commit read "different code")
     for tag, what in ENVIRONMENT_TAGS.items():
         by_value: dict[str, set[str]] = {}
-        for c in children:
+        for c in counted:
             by_value.setdefault(c.data.tags.get(tag, "?"), set()).add(c.data.tags.get(schema.VARIANT, "?"))
         if len(by_value) > 1:
             parts = "; ".join(f"{v}: {', '.join(sorted(names))}" for v, names in sorted(by_value.items()))
