@@ -409,6 +409,28 @@ def test_a_study_rerun_after_its_script_was_edited_refuses_to_mix_the_two(tmp_pa
     assert len(study_runs(store)) == 1
 
 
+def test_a_studys_settings_hold_its_own_modules_by_content_not_an_installed_librarys(tmp_path):
+    """The loop's counterpart of the script above: a model module beside the experiment file
+    (``mymodel:build``), edited, is another study; torchvision's is the environment's."""
+    from ddplab.study import runner, spec
+
+    (tmp_path / "mymodel.py").write_text("def build(**kw):\n    raise NotImplementedError\n")
+    exp = yaml.safe_load(Path(QUICKSTART).read_text())
+    exp["model"] = {"name": "mymodel:build"}
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(exp))
+    path = tiny_study(tmp_path, experiment="exp.yaml", variants=[
+        {"name": "mine", "nproc": 1},
+        {"name": "theirs", "nproc": 1, "set": {"model.name": "torchvision.models:resnet18"}}])
+    before = runner.settings_digest(spec.load_study(path))
+    (tmp_path / "mymodel.py").write_text("def build(**kw):\n    raise ValueError\n")
+    after = runner.settings_digest(spec.load_study(path))
+    assert [k for k in before if before[k] != after[k]] == ["modules"], (before, after)
+    theirs = runner.settings_digest(spec.load_study(tiny_study(tmp_path, experiment="exp.yaml", variants=[
+        {"name": "theirs", "nproc": 1, "set": {"model.name": "torchvision.models:resnet18"}}])))
+    none = runner.settings_digest(spec.load_study(tiny_study(tmp_path)))["modules"]  # quickstart's
+    assert theirs["modules"] == none != after["modules"]
+
+
 def test_a_study_variant_that_cannot_run_here_stops_it_before_any_run(tmp_path, store):
     path = tiny_study(tmp_path, variants=[{"name": "one", "nproc": 1},
                                           {"name": "half", "nproc": 1, "set": {"train.amp": "fp16"}}])

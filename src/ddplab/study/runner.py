@@ -234,22 +234,30 @@ def settings_digest(study: Study) -> dict[str, str]:
     return {"set": digest([study.set, [as_text(o) for o in study.extra]]),
             "variants": digest([(v.name, v.nproc, v.nnodes, v.launcher, v.set) for v in study.variants]),
             "experiment": digest(study.experiment.read_text(errors="replace")),
-            "scripts": digest(_scripts(study))}
+            **{kind: digest(files) for kind, files in _own_code(study).items()}}
 
 
-def _scripts(study: Study) -> list[tuple[str, str]]:
-    """The script each variant runs, by its content (sha256): an experiment file's
-    ``script.path``, or a variant's own, edited since, made the rerun's jobs another script's
-    while its FINISHED ones were skipped (a hostile pass). [] for ddplab's loop."""
-    from ..workload.userparts import sha256
+def _own_code(study: Study) -> dict[str, list[tuple[str, str]]]:
+    """The user's code each variant runs, by content (sha256): the script (an experiment
+    file's ``script.path``, or a variant's own), or the loop's own model, data and loss
+    modules (``package.module:callable``; not an installed library's). Either edited since
+    made a rerun's new jobs run other code than the FINISHED ones it skipped (a hostile pass)."""
+    from ..config import is_import_path
+    from ..workload.userparts import module_file, sha256
 
-    found = []
+    folder = str(study.experiment.resolve().parent)
+    scripts, modules = set(), set()
     for v in study.variants:
         cfg = study.config(v)
         if cfg.kind == "script":
-            file = cfg.script.file()
-            found.append((str(file), sha256(file)))
-    return sorted(set(found))
+            scripts.add(cfg.script.file())
+            continue
+        for part in (cfg.model.name, cfg.data.dataset, cfg.train.loss):
+            file = module_file(part, folder) if is_import_path(part) else None
+            if file is not None and not {"site-packages", "dist-packages"} & set(file.parts):
+                modules.add(file)
+    return {kind: [(str(f), sha256(f)) for f in sorted(files)]
+            for kind, files in (("scripts", scripts), ("modules", modules))}
 
 
 def cannot_run_here(study: Study, v: Variant) -> str:

@@ -220,6 +220,22 @@ def distribution(module: str) -> str:
     return ""
 
 
+def module_file(path: str, folder: str = "") -> Path | None:
+    """The source file an import path's module ("pkg.module:callable") loads from, found as
+    the import would find it (``folder``, the experiment's, first), without importing it;
+    None when there is none (a module that is not there, a compiled one)."""
+    from importlib.machinery import PathFinder
+
+    search, spec = ([folder] if folder else []) + sys.path, None
+    for name in path.partition(":")[0].split("."):
+        spec = PathFinder.find_spec(name, search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
 def sha256(p: Path) -> str:
     try:
         return hashlib.sha256(p.read_bytes()).hexdigest()
