@@ -268,4 +268,5 @@ def test_the_console_gets_a_scripts_lines_whole_and_an_open_one_after_a_pause(tm
                                   [b"rank 0 sum 3.0\nrank 0 done\n"]), console.writes
     dots = console.writes.index(b"dots...")  # shown while the script slept, not at its end
     assert started < console.at[dots] < ended - 0.5, (console.at, ended)
+    assert console.writes[-1] == b"\rprogress 100%"  # a progress bar's update whole
     assert tail.text().endswith("progress 100%")

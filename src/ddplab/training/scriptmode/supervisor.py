@@ -133,7 +133,8 @@ class Tail:
             if len(self.kept) > 2 * self.limit:
                 del self.kept[:-self.limit]
             held += chunk
-            ends = max(held.rfind(b"\n"), held.rfind(b"\r")) + 1  # (\r: a progress bar's line)
+            # A line ends after its \n; a progress bar's update (tqdm's) begins with its \r
+            ends = max(held.rfind(b"\n") + 1, held.rfind(b"\r"), 0)
             if len(held) > 65536:
                 ends = len(held)
             if ends:
