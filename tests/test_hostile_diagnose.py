@@ -533,3 +533,22 @@ def test_a_survivors_watcher_leaves_a_run_whose_rank_0_closed_its_spool(store, t
     run = client.get_run(lost)
     assert run.info.status == "FAILED"
     assert run.data.tags["ddplab.error"] == "global rank 0 lost; this rank saw: RuntimeError: peer"
+
+
+def test_a_survivors_watcher_gives_up_at_once_on_a_silent_server(tmp_path):
+    """A hostile pass: with the server down as rank 0 was SIGKILLed, a survivor's watcher, a
+    real detached process, lived 2 to 4 minutes past the job (MLflow's default retries in each
+    call), not its 20 s grace. Against a port nothing listens on it now ends within seconds."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: refused
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        t0 = time.monotonic()
+        watcher = subprocess.run([sys.executable, "-m", "ddplab.agent.orphan", uri, "0" * 32,
+                                  "RuntimeError: peer", "--grace", "1"], env=env,
+                                 capture_output=True, text=True, timeout=120)
+    assert watcher.returncode == 0, watcher.stderr
+    assert time.monotonic() - t0 < 30, (time.monotonic() - t0, watcher.stderr[-2000:])
+    assert "could not check run" in watcher.stderr, watcher.stderr[-2000:]

@@ -8,8 +8,10 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -301,10 +303,24 @@ def test_torchruns_log_dir_is_ddplabs_unless_the_user_names_one_or_logs_to_it(
 
     for k, v in env.items():
         monkeypatch.setenv(k, v.format(tmp=tmp_path))
+    import socket
+    import tempfile
+
+    # A `ddplab run` killed outright (SIGKILL) left its folder: the next one removes it, not a
+    # live job's, nor another host's (a /tmp shared with a container)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    left = [tmp_path / f"ddplab-torchrun-{host}-{gone}-x1", tmp_path / f"ddplab-torchrun-{host}-"
+            f"{os.getpid()}-x2", tmp_path / f"ddplab-torchrun-elsewhere-{gone}-x3"]
+    for folder in left:
+        (folder / "attempt_0" / "0").mkdir(parents=True)
     config = parse_args(["--standalone", "--nproc-per-node", "2", "t.py"])
     made = local._log_dir(config)
     assert bool(made) == ours and (config.log_dir == made if ours else made == "")
     assert not ours or Path(made).is_dir() and Path(made).name.startswith("ddplab-torchrun-")
+    assert [f.exists() for f in left] == [not ours, True, True]
     if ours:
         Path(made).rmdir()
 

@@ -150,6 +150,36 @@ def test_a_job_failing_with_the_server_down_has_its_verdict_and_stacks_delivered
     assert again.returncode == 0 and "stacks" not in again.stdout, again.stdout + again.stderr
 
 
+def test_rank_0_killed_with_the_server_down_is_ended_by_sync_with_its_reason_and_time(
+        tmp_path, server):
+    """A hostile pass: rank 0 SIGKILLed while the server was down. Its node's delivery process
+    knew why ("global rank 0 lost: its process died ..."), but could not say it; `ddplab sync`
+    later ended the run with its generic line, at the sync's time (minutes of a job that was
+    over). The node's note in the spool now gives sync both."""
+    fire = tmp_path / "fire"
+    job = subprocess.Popen(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddplab", "train",
+         str(faulty_experiment(tmp_path)), "--set", "train.epochs=100", "--set",
+         f"checkpoint.dir={tmp_path / 'ck'}", "--set", "tracking.delivery_timeout_s=3"],
+        cwd=tmp_path, env=job_env(server.uri, FAULT="kill", FAULT_RANK="0", FAULT_WHEN=str(fire)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_after_first_loss(tmp_path, server)
+    run_id = the_run_id_from_spool(tmp_path)
+    fire.touch()  # rank 0 SIGKILLs itself at its next step, the server down
+    out, _ = job.communicate(timeout=300)
+    ended = time.time()
+    assert job.returncode != 0, out[-3000:]
+    time.sleep(3)
+    server.start()
+    synced = sync(tmp_path, str(tmp_path / "ck"))
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    run = server.client().get_run(run_id)
+    assert run.info.status == "FAILED", run.data.tags
+    assert run.data.tags["ddplab.error"].startswith("global rank 0 lost: its process (pid "), \
+        run.data.tags["ddplab.error"]
+    assert run.info.end_time / 1000 <= ended, (run.info.end_time / 1000, ended)
+
+
 def the_run_id_from_spool(tmp_path: Path) -> str:
     deadline = time.monotonic() + 30
     while not list((tmp_path / "ck").rglob("spool/node0/meta.json")):
@@ -204,9 +234,12 @@ def test_a_job_killed_outright_agent_and_all_is_ended_failed_by_sync(tmp_path, s
     assert server.client().get_run(run_id).info.status == "RUNNING"
     for f in spooled.iterdir():  # an hour later
         os.utime(f, (time.time() - 3600, time.time() - 3600))
+    synced_at = time.time()
     later = sync(tmp_path, str(tmp_path / "ck"))
     assert later.returncode == 0 and "ended it FAILED" in later.stdout, later.stdout + later.stderr
     run = server.client().get_run(run_id)
+    # ended when the job last recorded (here: no earlier than its start), not at the sync
+    assert run.info.start_time <= run.info.end_time < synced_at * 1000, run.info
     assert run.info.status == "FAILED" and "killed outright" in run.data.tags["ddplab.error"], \
         run.data.tags
     assert "train/loss" in run.data.metrics  # what the job logged before, delivered

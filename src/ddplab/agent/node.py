@@ -46,7 +46,7 @@ from .protocol import (
     opened_answer,
     read,
 )
-from .sync import end_if_abandoned, make_client
+from .sync import ABANDONED, end_if_abandoned, make_client
 
 
 def preload(uri: str) -> Any:
@@ -229,12 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     alive = Producer(args.spool)
     watch = Watch(forensics_dir(args.spool), args.hang_after_s, socket.gethostname())
 
+    ranks_gone_ms = 0  # when the delivery first saw the ranks gone
+
     def producing() -> bool:
         if sampler:
             sampler.tick()
         watch.tick()
         if alive():
             return True
+        nonlocal ranks_gone_ms
+        ranks_gone_ms = ranks_gone_ms or spool.now_ms()
         yielding.end()  # the ranks are gone: the run's end must not wait behind other work
         return False
 
@@ -255,11 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     # meanwhile: this attempt's endings must not land on the run it goes on with.
     verdict = postmortem.record(client, meta.run_id, watch, args.node, args.world_size, holds_rank0,
                                 superseded=lambda: _taken_over(args.spool, since), keep=args.spool)
-    if not out.left and not alive.closed.exists() and holds_rank0:
+    if not alive.closed.exists() and holds_rank0:
         # Global rank 0's process is gone without closing its spool: killed outright (by the
         # watch, when it saw a hang: the verdict says why, and no peer is left to wait for).
-        _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent, verdict,
-                       stopped=watch.hang is not None)
+        if not out.left:
+            _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent,
+                           verdict, stopped=watch.hang is not None)
+        else:  # the server silent: `ddplab sync` ends it, with this reason and this time
+            with contextlib.suppress(OSError):
+                (args.spool / ABANDONED).write_text(json.dumps(
+                    {"why": _lost(alive.parent, verdict, watch.hang is not None),
+                     "ts": ranks_gone_ms or spool.now_ms()}))
     if verdict:  # the job's last line: after torchrun's report, which blames whoever it saw first
         print(f"ddplab: {verdict} (every rank's stack and error: ddplab diagnose {meta.run_id})",
               file=sys.stderr)
@@ -319,10 +329,14 @@ def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
             if client.get_run(meta.run_id).info.status != "RUNNING":
                 return
         time.sleep(1)
+    if not taken_over():
+        end_if_abandoned(client, meta, "ddplab delivery", why=_lost(pid, verdict, stopped))
+
+
+def _lost(pid: int, verdict: str, stopped: bool) -> str:
+    """Why the run of a job whose global rank 0 died outright ended FAILED."""
     lost = (f"global rank 0 lost: its process (pid {pid}) died without recording the run's end "
             "(killed outright: SIGKILL, or the OOM killer); ended by its node's delivery process")
-    if not taken_over():
-        end_if_abandoned(client, meta, "ddplab delivery", why=verdict if stopped else
-                          f"{lost}; {verdict}" if verdict else lost)
+    return verdict if stopped else f"{lost}; {verdict}" if verdict else lost
 
 

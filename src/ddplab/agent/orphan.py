@@ -22,6 +22,7 @@ from ..poll import poll
 from ..subprocs import python_m
 from ..tracking import life
 from ..tracking.spool import CLOSED
+from .protocol import fail_fast
 
 GRACE_S = 20.0
 """How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    fail_fast()  # a silent server: not minutes of MLflow's retries past the grace
     end_orphan(a.uri, a.run_id, a.why, a.grace, a.rank0_spool)
     return 0
 
@@ -73,7 +75,12 @@ def end_orphan(uri: str, run_id: str, why: str, grace_s: float = GRACE_S,
         return closed is not None and closed.exists()
 
     def ended() -> bool:
-        return rank0s() or client.get_run(run_id).info.status != "RUNNING"
+        if rank0s():
+            return True
+        try:
+            return bool(client.get_run(run_id).info.status != "RUNNING")
+        except Exception:  # noqa: BLE001 - a silent server: asked again within the grace
+            return False
 
     from mlflow import MlflowClient
 

@@ -47,6 +47,24 @@ META_JSON = "meta.json"
 """The run the spool belongs to (spool.Meta); rewritten when a restarted attempt takes it over."""
 
 
+# The client fails fast and the agent's processes retry on their own schedule: MLflow's
+# defaults retry one call for minutes, which is how a dead server used to hang a finished job
+# (and kept a failed job's orphan watcher four minutes past its 20 s grace). And no "View run
+# at <tracking URI>" as a run ends: inside compose or a cluster an in-network name no browser
+# opens (the job prints the run's address itself: jobend.where).
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+              "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
+def fail_fast() -> None:
+    """This process's MLflow clients, made from now on, as ``CLIENT_ENV`` says (unless the
+    user set those variables)."""
+    import os
+
+    for k, v in CLIENT_ENV.items():
+        os.environ.setdefault(k, v)
+
+
 def forensics_dir(spool_dir: Path) -> Path:
     """Where a node's ranks keep their heartbeats and stacks: beside its spool."""
     return spool_dir / FORENSICS

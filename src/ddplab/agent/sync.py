@@ -5,7 +5,6 @@ RUNNING. Idempotent: delivered records are not sent again."""
 from __future__ import annotations
 
 import fcntl
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,21 +12,13 @@ from typing import Any
 
 from ..log import logger
 from ..tracking import opening, spool
-from .protocol import DELIVERING, DELIVERY_JSON, QUIET_S
-
-# The client fails fast and this process retries on its own schedule: MLflow's defaults
-# retry one call for minutes, which is how a dead server used to hang a finished job. And no
-# "View run at <tracking URI>" as a run ends: inside compose or a cluster an in-network name no
-# browser opens (the job prints the run's address itself: jobend.where).
-CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-              "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+from .protocol import DELIVERING, DELIVERY_JSON, QUIET_S, fail_fast
 
 
 def make_client(uri: str, opened: Any = None) -> Any:
     """The delivering client (``opened``: the one that opened the run, reused). Opening the run
     kept MLflow's own retries: the job waits for that answer anyway."""
-    for k, v in CLIENT_ENV.items():
-        os.environ.setdefault(k, v)
+    fail_fast()
     from mlflow import MlflowClient
 
     from ..tracking.store import quiet_store_errors
@@ -95,6 +86,28 @@ def _sync_postmortem(directory: Path, uri: str) -> int:
     return 0
 
 
+ABANDONED = "abandoned.json"
+"""In rank 0's node's spool: why the run's end was never recorded and when (ms), written by
+the node's delivery process when global rank 0 died outright while the server was silent."""
+
+
+def abandoned(directory: Path) -> dict[str, Any]:
+    """What the run's spools say of its abandoned end: the node's note (``ABANDONED``, in any
+    node's spool of the run), else when the job last recorded anything ({"ts": ms})."""
+    import json
+
+    spools = sorted(directory.parent.glob("node*")) or [directory]
+    for folder in spools:
+        try:
+            note = json.loads((folder / ABANDONED).read_text())
+            if isinstance(note, dict) and isinstance(note.get("ts"), int):
+                return note
+        except (OSError, ValueError):
+            continue
+    times = [p.stat().st_mtime for folder in spools for p in folder.glob("*.jsonl")]
+    return {"ts": int(max(times) * 1000)} if times else {}
+
+
 def job_over(directory: Path) -> bool:
     """The job that wrote this spool has ended: it closed the spool, or its delivery process
     finished (it outlives the job, and attach() clears both for a new attempt), or that process
@@ -159,19 +172,25 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
                          f"records, or no records), kept with the reasons in "
                          f"{directory / spool.REJECTED}")
     if over and not out.left:
-        end_if_abandoned(client, meta, where)
+        end_if_abandoned(client, meta, where, directory=directory)
     return out.left + refused
 
 
-def end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "") -> None:
+def end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "",
+                     directory: Path | None = None) -> None:
     """Everything the job recorded is in, the job is over, and the run still says RUNNING: its
-    end was never recorded (killed outright, or its last line torn). End it FAILED, saying so."""
+    end was never recorded (killed outright, or its last line torn). End it FAILED, saying so:
+    ``why``, else what the node's delivery process saw of it (``ABANDONED``), at the time the
+    job ended, not now (a sync minutes later read as minutes more of the job)."""
+    seen = abandoned(directory) if directory is not None else {}
     try:
-        if client.get_run(meta.run_id).info.status != "RUNNING":
+        info = client.get_run(meta.run_id).info
+        if info.status != "RUNNING":
             return
-        opening.end_failed(client, meta.run_id, why or (
+        opening.end_failed(client, meta.run_id, why or seen.get("why") or (
             "the job ended without recording its end (killed outright, or its last record "
-            "torn); ended by ddplab sync"))
+            "torn); ended by ddplab sync"),
+            end_time=max(seen["ts"], info.start_time or 0) if "ts" in seen else None)
     except Exception as e:  # noqa: BLE001
         print(f"{where}: could not end the run ({spool.describe(e)})", file=sys.stderr)
         return

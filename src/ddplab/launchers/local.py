@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import traceback
@@ -196,8 +197,24 @@ def _log_dir(config: argparse.Namespace) -> str:
     runs left 287 of them."""
     if config.log_dir or any(str(std or "0") != "0" for std in (config.redirects, config.tee)):
         return ""
-    config.log_dir = tempfile.mkdtemp(prefix="ddplab-torchrun-")
+    mine = f"{LOG_DIR_PREFIX}{socket.gethostname()}-"
+    _sweep(mine)
+    config.log_dir = tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-")
     return str(config.log_dir)
+
+
+LOG_DIR_PREFIX = "ddplab-torchrun-"
+
+
+def _sweep(mine: str) -> None:
+    """Remove the log dirs of earlier jobs of this host whose launcher is gone without removing
+    its own: a `ddplab run` killed outright (SIGKILL) cannot (a hostile pass)."""
+    from ..forensics.watch import alive
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{mine}*-*"):
+        pid = folder.name[len(mine):].split("-", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def failed(e: ChildFailedError) -> int:

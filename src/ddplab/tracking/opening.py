@@ -178,10 +178,11 @@ def _delete_artifact(artifact_uri: str, path: str) -> None:
                       stacklevel=2)
 
 
-def end_failed(client: Any, run_id: str, why: str) -> None:
+def end_failed(client: Any, run_id: str, why: str, end_time: int | None = None) -> None:
     """End a run FAILED with ``why`` as its ddplab.error (the one way a process other than the
-    job's rank 0 ends a run: a job stopped early, a rank 0 lost, a spool synced late)."""
-    life.end(client, run_id, life.FAILED, why)
+    job's rank 0 ends a run: a job stopped early, a rank 0 lost, a spool synced late), at
+    ``end_time`` (ms; now when None)."""
+    life.end(client, run_id, life.FAILED, why, end_time=end_time)
 
 
 def end_unclaimed(client: Any, opened: Opened | None, status: str = life.FAILED,
