@@ -313,14 +313,15 @@ def test_torchruns_log_dir_is_ddplabs_unless_the_user_names_one_or_logs_to_it(
                           capture_output=True, text=True, check=True).stdout.strip()
     host = socket.gethostname()
     left = [tmp_path / f"ddplab-torchrun-{host}-{gone}-x1", tmp_path / f"ddplab-torchrun-{host}-"
-            f"{os.getpid()}-x2", tmp_path / f"ddplab-torchrun-elsewhere-{gone}-x3"]
+            f"{os.getpid()}-x2", tmp_path / f"ddplab-torchrun-elsewhere-{gone}-x3",
+            tmp_path / f"ddplab-torchrun-{host}-{gone}-{os.getpid()}-x4"]  # host "{host}-{gone}"'s
     for folder in left:
         (folder / "attempt_0" / "0").mkdir(parents=True)
     config = parse_args(["--standalone", "--nproc-per-node", "2", "t.py"])
     made = local._log_dir(config)
     assert bool(made) == ours and (config.log_dir == made if ours else made == "")
     assert not ours or Path(made).is_dir() and Path(made).name.startswith("ddplab-torchrun-")
-    assert [f.exists() for f in left] == [not ours, True, True]
+    assert [f.exists() for f in left] == [not ours, True, True, True]
     if ours:
         Path(made).rmdir()
 

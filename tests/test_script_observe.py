@@ -1055,3 +1055,11 @@ def test_log_points_fall_every_10_steps_as_the_loops_do_and_at_each_epochs_end()
             _train_step(obs, model, opt, 8)
     obs.finish(ended_well=True)
     assert sorted(set(points)) == [8, 10, 16, 20, 24], points
+    # A resumed attempt whose step 0 is the run's step 5: the run's steps 10 and 20
+    resumed, points[:] = _observer(), []
+    resumed.outer, resumed.step_offset = model, 5
+    resumed.log_point = lambda extra=None: points.append(resumed.totals.steps)  # type: ignore[method-assign]
+    resumed.set_epoch(0)
+    for _ in range(16):
+        _train_step(resumed, model, opt, 8)
+    assert points == [5, 15], points

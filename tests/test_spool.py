@@ -299,3 +299,30 @@ def test_system_samples_each_get_a_step_of_their_own_however_late_they_are_colle
         sampler.tick()
     steps = [r["step"] for _, r in stream.pending(True)]
     assert len(set(steps)) == 4 and steps == sorted(steps), steps
+
+
+def test_sync_ends_an_abandoned_run_at_its_nodes_time_not_an_earlier_attempts_nor_its_own(
+        tmp_path):
+    """What `ddplab sync` ends an abandoned run with (agent/sync.abandoned): the note rank 0's
+    node left (its reason, when it saw the ranks gone), not a note an earlier attempt left
+    before a restart took the run over (meta.json rewritten since); without one, when the job
+    last recorded, not sync's own write of set-aside records a moment ago."""
+    import json
+
+    from ddplab.agent.protocol import ABANDONED, META_JSON
+    from ddplab.agent.sync import abandoned
+
+    node0, node1 = tmp_path / "spool" / "node0", tmp_path / "spool" / "node1"
+    for node in (node0, node1):
+        node.mkdir(parents=True)
+        (node / META_JSON).write_text("{}")
+        spool.Stream(node, "records").append({"op": "log", "ts": 1, "step": 0, "metrics": {}})
+    then = os.stat(node1 / "records.jsonl").st_mtime - 3600
+    for node in (node0, node1):
+        os.utime(node / "records.jsonl", (then, then))
+    (node1 / spool.REJECTED).write_text("{}\n")  # sync's own, now
+    assert abandoned(node1) == {"ts": int(then * 1000)}
+    (node0 / ABANDONED).write_text(json.dumps({"why": "global rank 0 lost", "ts": 5}))
+    assert abandoned(node1) == {"why": "global rank 0 lost", "ts": 5}  # any node's spool
+    os.utime(node0 / ABANDONED, (then - 60, then - 60))  # before the restart's meta.json
+    assert abandoned(node1) == {"ts": int(then * 1000)}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ..errors import first_line
 from ..tracking import spool
 from .protocol import (
+    ABANDONED,
     DELIVERY_JSON,
     STARTUP_JSON,
     Args,
@@ -89,6 +90,7 @@ class Delivery:
         spool.Meta(ref.uri, ref.run_id, ref.experiment_id).write(directory)
         (directory / spool.CLOSED).unlink(missing_ok=True)  # an earlier attempt's
         (directory / DELIVERY_JSON).unlink(missing_ok=True)  # (sync reads both: job over)
+        (directory / ABANDONED).unlink(missing_ok=True)
         self._tell(spool_message(directory, ref.start_ms))
 
     def cancel(self, status: str = "FAILED", why: str = "") -> None:

@@ -36,6 +36,7 @@ from ..forensics.watch import Watch
 from ..tracking import opening, spool
 from . import postmortem
 from .protocol import (
+    ABANDONED,
     DELIVERING,
     DELIVERY_JSON,
     META_JSON,
@@ -46,7 +47,7 @@ from .protocol import (
     opened_answer,
     read,
 )
-from .sync import ABANDONED, end_if_abandoned, make_client
+from .sync import end_if_abandoned, make_client
 
 
 def preload(uri: str) -> Any:
@@ -262,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     if not alive.closed.exists() and holds_rank0:
         # Global rank 0's process is gone without closing its spool: killed outright (by the
         # watch, when it saw a hang: the verdict says why, and no peer is left to wait for).
-        if not out.left:
-            _end_if_killed(client, args.spool, meta, since, args.world_size, alive.parent,
-                           verdict, stopped=watch.hang is not None)
-        else:  # the server silent: `ddplab sync` ends it, with this reason and this time
+        stopped = watch.hang is not None
+        ended = not out.left and _end_if_killed(client, args.spool, meta, since, args.world_size,
+                                                alive.parent, verdict, stopped=stopped)
+        if not ended and not _taken_over(args.spool, since):
+            # the server silent: `ddplab sync` ends it, with this reason and this time
             with contextlib.suppress(OSError):
                 (args.spool / ABANDONED).write_text(json.dumps(
-                    {"why": _lost(alive.parent, verdict, watch.hang is not None),
+                    {"why": _lost(alive.parent, verdict, stopped),
                      "ts": ranks_gone_ms or spool.now_ms()}))
     if verdict:  # the job's last line: after torchrun's report, which blames whoever it saw first
         print(f"ddplab: {verdict} (every rank's stack and error: ddplab diagnose {meta.run_id})",
@@ -312,12 +314,13 @@ def _taken_over(directory: Path, since: float) -> bool:
 
 
 def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
-                   world_size: int, pid: int, verdict: str = "", stopped: bool = False) -> None:
+                   world_size: int, pid: int, verdict: str = "", stopped: bool = False) -> bool:
     """Global rank 0's process died outright (SIGKILL, the OOM killer) and nothing recorded the
     run's end. With peers, their watchers get their grace first (orphan.py: their reason is the
     better one); a lone process has none, nor has a job the watch stopped for a hang
     (``stopped``: the ``verdict`` is the reason), so its run is ended at once. Not when a
-    restarted attempt took the run over meanwhile (it rewrote meta.json)."""
+    restarted attempt took the run over meanwhile (it rewrote meta.json). False when the run
+    could not be ended (the server silent)."""
     from .orphan import GRACE_S
 
     def taken_over() -> bool:
@@ -327,10 +330,11 @@ def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
     while time.monotonic() < deadline and not taken_over():
         with contextlib.suppress(Exception):
             if client.get_run(meta.run_id).info.status != "RUNNING":
-                return
+                return True
         time.sleep(1)
-    if not taken_over():
-        end_if_abandoned(client, meta, "ddplab delivery", why=_lost(pid, verdict, stopped))
+    if taken_over():
+        return True  # (the run is the restarted attempt's to end)
+    return end_if_abandoned(client, meta, "ddplab delivery", why=_lost(pid, verdict, stopped))
 
 
 def _lost(pid: int, verdict: str, stopped: bool) -> str:

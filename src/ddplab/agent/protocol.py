@@ -41,6 +41,10 @@ takes its job for over (a file system whose locks one host cannot see: the agent
 another, writes the node's system metrics every few seconds)."""
 STARTUP_JSON = "delivery-startup.json"
 """CPU seconds the agent's start-up took (importing MLflow, opening the store)."""
+ABANDONED = "abandoned.json"
+"""In rank 0's node's spool: why the run's end was never recorded and when (ms), written by
+the node's delivery process when global rank 0 died outright and the run could not be ended
+(the server silent): ``ddplab sync`` ends it with both."""
 FORENSICS = "forensics"
 """The folder of every local rank's heartbeat and stacks, beside the spool (forensics/)."""
 META_JSON = "meta.json"

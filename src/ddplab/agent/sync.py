@@ -4,6 +4,7 @@ RUNNING. Idempotent: delivered records are not sent again."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import sys
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 from ..log import logger
 from ..tracking import opening, spool
-from .protocol import DELIVERING, DELIVERY_JSON, QUIET_S, fail_fast
+from .protocol import ABANDONED, DELIVERING, DELIVERY_JSON, META_JSON, QUIET_S, fail_fast
 
 
 def make_client(uri: str, opened: Any = None) -> Any:
@@ -86,11 +87,6 @@ def _sync_postmortem(directory: Path, uri: str) -> int:
     return 0
 
 
-ABANDONED = "abandoned.json"
-"""In rank 0's node's spool: why the run's end was never recorded and when (ms), written by
-the node's delivery process when global rank 0 died outright while the server was silent."""
-
-
 def abandoned(directory: Path) -> dict[str, Any]:
     """What the run's spools say of its abandoned end: the node's note (``ABANDONED``, in any
     node's spool of the run), else when the job last recorded anything ({"ts": ms})."""
@@ -100,11 +96,16 @@ def abandoned(directory: Path) -> dict[str, Any]:
     for folder in spools:
         try:
             note = json.loads((folder / ABANDONED).read_text())
-            if isinstance(note, dict) and isinstance(note.get("ts"), int):
-                return note
+            fresh = (folder / ABANDONED).stat().st_mtime >= (folder / META_JSON).stat().st_mtime
+            if fresh and isinstance(note, dict) and isinstance(note.get("ts"), int):
+                return note  # (not an earlier attempt's, before a restart took the run over)
         except (OSError, ValueError):
             continue
-    times = [p.stat().st_mtime for folder in spools for p in folder.glob("*.jsonl")]
+    times = []  # the record streams only: sync itself writes rejected.jsonl
+    for folder in spools:
+        for name in spool.STREAMS:
+            with contextlib.suppress(OSError):
+                times.append(spool.Stream(folder, name).path.stat().st_mtime)
     return {"ts": int(max(times) * 1000)} if times else {}
 
 
@@ -177,22 +178,24 @@ def _sync_one(directory: Path, timeout_s: float, uri: str) -> int:
 
 
 def end_if_abandoned(client: Any, meta: spool.Meta, where: str, why: str = "",
-                     directory: Path | None = None) -> None:
+                     directory: Path | None = None) -> bool:
     """Everything the job recorded is in, the job is over, and the run still says RUNNING: its
     end was never recorded (killed outright, or its last line torn). End it FAILED, saying so:
     ``why``, else what the node's delivery process saw of it (``ABANDONED``), at the time the
-    job ended, not now (a sync minutes later read as minutes more of the job)."""
+    job ended, not now (a sync minutes later read as minutes more of the job). False when the
+    server did not take it."""
     seen = abandoned(directory) if directory is not None else {}
     try:
         info = client.get_run(meta.run_id).info
         if info.status != "RUNNING":
-            return
+            return True
         opening.end_failed(client, meta.run_id, why or seen.get("why") or (
             "the job ended without recording its end (killed outright, or its last record "
             "torn); ended by ddplab sync"),
             end_time=max(seen["ts"], info.start_time or 0) if "ts" in seen else None)
     except Exception as e:  # noqa: BLE001
         print(f"{where}: could not end the run ({spool.describe(e)})", file=sys.stderr)
-        return
+        return False
     print(f"{where}: the job had ended without recording the run's end: ended it FAILED")
+    return True
 

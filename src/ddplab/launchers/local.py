@@ -212,8 +212,10 @@ def _sweep(mine: str) -> None:
     from ..forensics.watch import alive
 
     for folder in Path(tempfile.gettempdir()).glob(f"{mine}*-*"):
-        pid = folder.name[len(mine):].split("-", 1)[0]
-        if pid.isdigit() and not alive(int(pid)):
+        # exactly PID-RANDOM (mkdtemp's has no "-"): host node's sweep must not read host
+        # node-12's folder, ddplab-torchrun-node-12-PID-RANDOM, as pid 12's
+        pid, _, rest = folder.name[len(mine):].partition("-")
+        if pid.isdigit() and rest and "-" not in rest and not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -237,7 +237,7 @@ def settings_digest(study: Study) -> dict[str, str]:
             **{kind: digest(files) for kind, files in _own_code(study).items()}}
 
 
-def _own_code(study: Study) -> dict[str, list[tuple[str, str]]]:
+def _own_code(study: Study) -> dict[str, list[str]]:
     """The user's code each variant runs, by content (sha256): the script (an experiment
     file's ``script.path``, or a variant's own), or the loop's own model, data and loss
     modules (``package.module:callable``; not an installed library's). Either edited since
@@ -256,7 +256,9 @@ def _own_code(study: Study) -> dict[str, list[tuple[str, str]]]:
             file = module_file(part, folder) if is_import_path(part) else None
             if file is not None and not {"site-packages", "dist-packages"} & set(file.parts):
                 modules.add(file)
-    return {kind: [(str(f), sha256(f)) for f in sorted(files)]
+    # By content alone: the same code checked out elsewhere, or found from another folder, is
+    # the same study.
+    return {kind: sorted({sha256(f) for f in files})
             for kind, files in (("scripts", scripts), ("modules", modules))}
 
 

@@ -9,6 +9,7 @@ the final checkpoint of a finished job, a new job starts instead (and gets a new
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
@@ -294,8 +295,12 @@ def _named(resume: str) -> Path:
 
 def newest_file(folder: Path, *patterns: str) -> Path | None:
     """The newest file matching any of ``patterns`` in ``folder`` (a dangling link is none)."""
-    found = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+    found: list[tuple[float, Path]] = []
+    for p in (p for pattern in patterns for p in folder.glob(pattern)):
+        with contextlib.suppress(OSError):  # (a running job's rotation may remove one meanwhile)
+            if p.is_file():
+                found.append((p.stat().st_mtime, p))
+    return max(found)[1] if found else None
 
 
 def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:

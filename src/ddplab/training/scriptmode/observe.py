@@ -493,8 +493,8 @@ class Observer:
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
         self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
-        if t.steps % LOG_EVERY_STEPS == 0:  # at 10, 20, ... whatever epochs ended between
-            self.log_point()
+        if (self.step_offset + t.steps) % LOG_EVERY_STEPS == 0:  # the run's steps 10, 20, ...
+            self.log_point()  # (a resumed attempt's too), whatever epochs ended between
 
     def _trained_forwards(self) -> None:
         """The step's samples and start from the forwards a backward reached. One none reached

@@ -67,11 +67,11 @@ HOLD_S = 0.2
 """How long a line the script has begun but not ended is held back from the console, so
 that another rank's output does not land inside it."""
 EXIT_GRACE_S = 5.0
+"""How long a script that has reported its own failure is given to exit by itself before a
+stop's signal (it writes its traceback, its libraries shut down)."""
 EXIT_SAID_S = 2.0
 """A script's last stderr line at most this long before its ``sys.exit(N)`` is what it said
 of its exit (argparse's "error: unrecognized arguments")."""
-"""How long a script that has reported its own failure is given to exit by itself before a
-stop's signal (it writes its traceback, its libraries shut down)."""
 OWN_ENTRIES = {"spool", FINISHED_MARK, JOB_FILE, SCRIPT_DIR}
 """A run's folder, ``<checkpoint.dir>/<name>/<run id>/``: the script's own folder
 (``script/``, its ``DDPLAB_CHECKPOINT_DIR``), the node's spool beside it, the job that made
@@ -119,10 +119,13 @@ class Tail:
         """Pass the script's output on in whole lines: every rank's supervisor writes to the one
         console, and an unbuffered ``print`` writes its text and its newline apart, so chunks
         passed on as they came read "rank 0 sum 3.0rank 1 sum 3.0" (a hostile pass). A line
-        still open is passed on once the script pauses (``HOLD_S``): a prompt, progress dots."""
-        held = b""
+        still open is passed on as it is within ``HOLD_S``: a prompt, progress dots."""
+        held, held_since = b"", 0.0
         while True:
-            if held and not _readable(pipe, HOLD_S):
+            # held at most HOLD_S in all, not HOLD_S after each chunk: dots written faster
+            # than that would wait for a line end for hours
+            wait_s = held_since + HOLD_S - time.monotonic()
+            if held and (wait_s <= 0 or not _readable(pipe, wait_s)):
                 held = self._show(held)
             chunk = _read(pipe)
             if not chunk:
@@ -132,6 +135,8 @@ class Tail:
             self.kept += chunk
             if len(self.kept) > 2 * self.limit:
                 del self.kept[:-self.limit]
+            if not held:
+                held_since = self.last_read
             held += chunk
             # A line ends after its \n; a progress bar's update (tqdm's) begins with its \r
             ends = max(held.rfind(b"\n") + 1, held.rfind(b"\r"), 0)
@@ -140,6 +145,7 @@ class Tail:
             if ends:
                 self._show(held[:ends])
                 held = held[ends:]
+                held_since = self.last_read
         self._show(held)
 
     def _show(self, data: bytes) -> bytes:
