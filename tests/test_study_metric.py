@@ -197,6 +197,12 @@ def test_a_named_loss_without_metric_mode_is_lower_is_better_and_the_best_is_the
     verdict = parent.data.tags["ddplab.study.verdict"]
     assert parent.data.tags["ddplab.study.best"] == "lr0.3"
     assert verdict.startswith("lr0.3 has the lowest val/loss (0.300; lower is better).")
+    # The other variant's runs logged none (they failed): not "the lowest" of one
+    parent, _, _ = build(tmp_path, store, dataclasses.replace(study, name="lr-one"),
+                         {"lr0.01": [None], "lr0.3": [0.3]})
+    assert parent.data.tags["ddplab.study.verdict"].startswith(
+        "only lr0.3 has a val/loss to compare (0.300; lower is better): no other variant's "
+        "finished run logged one"), parent.data.tags["ddplab.study.verdict"]
     assert "lr0.3: -66.7% val/loss vs lr0.01 (0.300 vs 0.900), better (range" in verdict
     assert "val/loss median [min-max], lower is better" in files["report.md"]
     assert "Compared: val/loss, lower is better" in files["report.md"]

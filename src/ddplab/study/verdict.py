@@ -112,7 +112,11 @@ def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict
         pick = min if lowest else max
         top = pick(measured, key=lambda r: r.throughput_median)
         v.best = top.variant
-        if not throughput:
+        if not throughput and len(measured) == 1 < len(rows):  # (not "the highest" of one)
+            v.headline = (f"only {top.variant} has a {top.metric} to compare "
+                          f"({fmt(top.throughput_median)}; {better(top.metric_mode)}): no other "
+                          "variant's finished run logged one (the warnings say why).")
+        elif not throughput:
             v.headline = (f"{top.variant} has the {'lowest' if lowest else 'highest'} "
                           f"{top.metric} ({fmt(top.throughput_median)}; "
                           f"{better(top.metric_mode)}).")
