@@ -111,3 +111,19 @@ def test_lightnings_loss_under_gradient_accumulation_is_what_its_training_step_r
     steps, last = re.search(r"STEPS (\d+) LAST (\S+)", out.stdout).groups()
     assert summary["steps"] == int(steps) == 8 and summary["epoch_steps"] == [4, 4], summary
     assert round(summary["final_loss"], 6) == float(last), (summary, last)
+
+
+@pytest.mark.e2e
+def test_lightning_run_as_one_process_starts_its_own_ranks_as_under_plain_python(tmp_path, store):
+    """A hostile pass: `ddplab train pl_train.py` (one process, no launcher) of a Lightning
+    Trainer(devices=2) hung at "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2": the
+    script's process was given LOCAL_RANK, which Lightning reads as a launcher having started its
+    ranks, so it never started rank 1 (plain `python pl_train.py` trains). One process now gets
+    only what env:// needs for a world of one."""
+    path = tmp_path / "train.py"
+    path.write_text(LIGHTNING.replace('int(os.environ["LOCAL_WORLD_SIZE"])', "2"))
+    out = ddplab(["train", str(path), "--set", "dist.hang_after_s=20"], tmp_path, job_env(store))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert re.search(r"STEPS 8 LAST", out.stdout), out.stdout[-2000:]
+    (run,) = runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["ddplab.world_size"] == "1", run.data.tags

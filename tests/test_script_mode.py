@@ -292,6 +292,11 @@ def test_a_rerun_of_a_failed_script_job_resumes_its_snapshot_in_the_same_run(tmp
                                                           "ddplab.error"))}, run.data.tags
     aside = [a.path for a in client.list_artifacts(run.info.run_id, "resumes")]
     assert any(p.startswith("resumes/error-before-step") for p in aside), aside
+    # Each rank's error file of the failed attempt is kept, beside its error, not as this run's.
+    assert not client.list_artifacts(run.info.run_id, "forensics")
+    (files,) = [p for p in aside if p.startswith("resumes/forensics-before-step")]
+    assert any(a.path.endswith(".error.txt") for node in client.list_artifacts(run.info.run_id, files)
+               for a in client.list_artifacts(run.info.run_id, node.path)), files
     # A rerun lines up with the script's own series, not with ddplab's observed ones, whose step
     # axis went on counting from the failed attempt while the script went back to its epoch 2:
     # reproduce said "differs" on epoch/epoch, every value the script logged being bitwise equal.

@@ -11,6 +11,7 @@ this path in-process only where it has no delivery process to ask (tests that ca
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,8 @@ def _attach(client: Any, req: Request) -> Opened:
 
 def _move_aside_its_end(client: Any, run: Any, through: int) -> None:
     """The earlier attempt's ending, from its tags into ``resumes/error-before-step<N>.txt``
-    (its error first, as it was)."""
+    (its error first, as it was), its nodes' files into ``resumes/forensics-before-step<N>/``."""
+    _move_artifacts(client, run, "forensics", f"resumes/forensics-before-step{through:08d}")
     tags = run.data.tags
     ended = [k for k in (schema.ERROR, schema.ERROR_RANK0, schema.VERDICT, schema.STRAGGLER)
              if k in tags] + sorted(k for k in tags if k.startswith(schema.FORENSICS_PREFIX))
@@ -164,6 +166,18 @@ def _move_aside_its_end(client: Any, run: Any, through: int) -> None:
         client.delete_tag(run.info.run_id, k)
     if error is not None:
         _delete_artifact(run.info.artifact_uri, "error.txt")
+
+
+def _move_artifacts(client: Any, run: Any, path: str, to: str) -> None:
+    """The earlier attempt's files under ``path`` (each node's ranks' errors and stacks) go to
+    ``to``: a run that now finishes keeps them, but not where its own ending would be read."""
+    run_id = run.info.run_id
+    if not client.list_artifacts(run_id, path):
+        return
+    with tempfile.TemporaryDirectory(prefix="ddplab-aside-") as tmp:
+        local = client.download_artifacts(run_id, path, tmp)
+        client.log_artifacts(run_id, local, to)
+    _delete_artifact(run.info.artifact_uri, path)
 
 
 def _delete_artifact(artifact_uri: str, path: str) -> None:

@@ -355,12 +355,17 @@ class Script:
         le, s = self.le, self.cfg.script
         env = {**os.environ, **{k: str(v) for k, v in s.env.items()},
                **self.meeting.child_env()}
-        # What torchrun gives a script, from whichever launcher started this rank.
+        # What torchrun gives a script, from whichever launcher started this rank. One process
+        # (no launcher) gets what env:// needs for a world of one, not LOCAL_RANK: Lightning,
+        # Hugging Face's Trainer and Accelerate read it as "a launcher started my ranks", and
+        # Lightning's devices=2 then waited for a rank nobody started instead of starting it
+        # as it does under plain python.
         for key, value in (("RANK", le.rank), ("WORLD_SIZE", le.world_size),
                            ("LOCAL_RANK", le.local_rank), ("LOCAL_WORLD_SIZE", le.local_world_size),
                            ("GROUP_RANK", le.node_rank), ("MASTER_ADDR", le.master_addr),
                            ("MASTER_PORT", le.master_port)):
-            env.setdefault(key, str(value))
+            if le.launcher != "none" or key not in LAUNCHED_ONLY:
+                env.setdefault(key, str(value))
         if le.launcher == "none" and "MASTER_PORT" not in os.environ:
             env["MASTER_PORT"] = str(_free_port())  # one process: any port its env:// can use
         if self.cfg.dist.threads_per_rank != "auto":
@@ -875,6 +880,10 @@ def _asked(outcomes: dict[int, dict[str, Any]]) -> tuple[str, str] | None:
     status = "FAILED" if any(asked[r] == "FAILED" for r in ranks) else "KILLED"
     return status, (f"the script ended the job's run {status}: mlflow.end_run(status='{status}') "
                     f"on rank(s) {','.join(map(str, ranks))}")
+
+
+LAUNCHED_ONLY = frozenset({"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"})
+"""What a script gets only from a launcher: frameworks take it for ranks started outside them."""
 
 
 def _trains_likely(outcomes: dict[int, dict[str, Any]], wall_s: float) -> bool:
