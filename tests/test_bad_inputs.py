@@ -474,6 +474,24 @@ def test_a_bad_node_count_in_the_environment_is_one_line(monkeypatch, capsys):
     assert cli.main(["config", QUICKSTART]) == 0  # other commands never read it
 
 
+@pytest.mark.parametrize("env, args, says", [
+    ({"NPROC": "abc"}, [], "$NPROC: got 'abc'; must be a whole number of ranks >= 1"),
+    ({}, ["--nproc-per-node", "100000"], "--nproc-per-node: got 100000; must be from 1 to"),
+    ({"NPROC": "0"}, [], "$NPROC: got 0; must be from 1 to"),
+])
+def test_a_bad_rank_count_is_one_line_from_ddplab_run_alone(env, args, says, monkeypatch, capsys):
+    """A hostile pass: NPROC=abc made every command (--help, config, doctor) a ValueError
+    traceback, read as ddplab run's parser was built; --nproc-per-node 100000 on 2 cores started
+    ranks until stopped, and left some running."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["config", QUICKSTART]) == 0  # other commands never read it
+    capsys.readouterr()
+    code = cli.main(["run", *args, QUICKSTART])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("argv, says", [
     (["train", "--sett", "x=1", "t.py"], "ddplab train: error: unrecognized arguments: --sett t.py; "
                                          "did you mean --set? (see ddplab train --help)"),

@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,8 +42,8 @@ def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="your own script's arguments go after --, e.g.\n"
                               "  ddplab run my_train.py --nproc-per-node 2 -- --epochs 3")
-    p.add_argument("--nproc-per-node", type=int, default=int(os.environ.get("NPROC", "2")),
-                   metavar="N", help="ranks on this machine (default $NPROC or 2)")
+    p.add_argument("--nproc-per-node", type=int, default=None,  # $NPROC read by preflight:
+                   metavar="N", help="ranks on this machine (default $NPROC or 2)")  # not here
     p.add_argument("experiment", nargs="?", help="experiment YAML or your own training "
                    "script (.py; its arguments go after --)")
     p.add_argument("-m", dest="module", default="", metavar="MODULE",
@@ -87,16 +88,13 @@ def preflight(a: argparse.Namespace) -> None:
     """Every check one process can make for N ranks here; raises ConfigError or BackendError."""
     import torch
 
-    from ..config import ConfigError
     from ..distributed.choice import import_ccl, may_take_ccl, resolve, resolve_device
     from ..distributed.cpu import cores_per_rank
     from ..training import checks
     from .detect import LaunchEnv
 
-    if a.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node: got {a.nproc_per_node}; must be >= 1")
+    n = a.nproc_per_node = ranks_here(a.nproc_per_node, os.environ)
     cfg = load_job(a.experiment, a.module, a.overrides, a.script_args)
-    n = a.nproc_per_node
     le = LaunchEnv("torchrun", 0, n, 0, n, 0, "127.0.0.1", 29500)
     if cfg.script.named:
         checks.for_script(cfg, le, a.summary_out)
@@ -111,6 +109,28 @@ def preflight(a: argparse.Namespace) -> None:
     ccl = import_ccl().name if may_take_ccl(cfg.dist.backend, device, cores, n) else None
     resolve(cfg.dist.backend, device, cfg.dist.allow_backend_fallback, cores_per_rank=cores,
             ccl_impl=ccl, world_size=n)
+
+
+RANKS_A_CORE = 8
+"""Ranks a core may take here (oversubscribed CPU studies run 2 to 4): beyond it, a typo (100000
+ranks) started torchrun's ranks until the machine ran out, and left some running when stopped."""
+
+
+def ranks_here(given: int | None, env: Mapping[str, str]) -> int:
+    """``--nproc-per-node``, else ``$NPROC``, else 2: a whole number from 1 to RANKS_A_CORE a core."""
+    from ..config import ConfigError
+
+    source, raw = ("--nproc-per-node", str(given)) if given is not None else (
+        "$NPROC", env.get("NPROC", "2"))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ConfigError(f"{source}: got {raw!r}; must be a whole number of ranks >= 1") from None
+    cores = os.cpu_count() or 1
+    if n < 1 or n > RANKS_A_CORE * cores:
+        raise ConfigError(f"{source}: got {n}; must be from 1 to {RANKS_A_CORE * cores} on this "
+                          f"machine ({cores} cores, at most {RANKS_A_CORE} ranks a core)")
+    return n
 
 
 def torchrun_args(a: argparse.Namespace) -> list[str]:
