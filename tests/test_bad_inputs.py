@@ -187,6 +187,11 @@ CASES = [
     ("summary out is a directory", None, [], {}, ["--summary-out", "."], "--summary-out: got '.'"),
     ("summary out under a file", None, [], {}, ["--summary-out", "afile/summary.json"],
      "--summary-out: got 'afile/summary.json'; afile is a file"),
+    # A hostile pass: these three were found only once the job had trained, as a traceback.
+    ("summary out under /proc", None, [], {}, ["--summary-out", "/proc/x.json"],
+     "--summary-out: got '/proc/x.json'; cannot write it"),
+    ("summary out name too long", None, [], {}, ["--summary-out", "s" * 300 + ".json"],
+     "; cannot write it (File name too long)"),
     ("checkpoint dir under a file", None, ["checkpoint.dir=afile/ck"], {}, [],
      "checkpoint.dir: got 'afile/ck'; afile is a file"),
     ("missing experiment", ("missing", None), [], {}, [], "nope.yaml: experiment file not found"),

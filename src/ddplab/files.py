@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .log import logger
+
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Writes ``text`` to ``path`` through a temporary file beside it and a rename, so a reader
@@ -38,3 +40,14 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def save_copy(path: str, text: str) -> None:
+    """``--summary-out``'s file; one that cannot be written now (checked before the job began)
+    is a warning: the run has summary.json, and a local copy lost fails no job."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    except OSError as e:
+        logger().warning(f"--summary-out: could not write {path} ({e.strerror or e}); the "
+                         "run's summary.json has it")

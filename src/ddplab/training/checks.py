@@ -8,6 +8,7 @@ launcher then stops the other ranks, which are still before their first collecti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -393,10 +394,39 @@ def _really_writable(path: Path, key: str) -> None:
 
 
 def _summary_path(path: Path) -> None:
-    if path.is_dir() or str(path).endswith(os.sep):
+    try:
+        directory = path.is_dir()
+    except OSError as e:  # a name too long: is_dir raises, where it says False for most errors
+        raise ConfigError(f"--summary-out: got {str(path)!r}; cannot write it "
+                          f"({e.strerror or e})") from None
+    if directory or str(path).endswith(os.sep):
         raise ConfigError(f"--summary-out: got {str(path)!r}; a directory, give a file path such "
                           "as summary.json")
     _writable_dir(path.parent, "--summary-out", str(path))
+    _file_writable(path, "--summary-out")
+
+
+def _file_writable(path: Path, key: str) -> None:
+    """Open ``path`` as its writer will (its folder made), then take back what was made: a
+    file under /proc, an immutable one, a name too long were found only once the job ended."""
+    made = [p for p in path.parents if not p.exists()]
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: got {str(path)!r}; cannot write it ({e.strerror or e})") \
+            from None
+    finally:
+        if not existed:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        for p in made:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                break
 
 
 def for_script(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str) -> None:

@@ -6,9 +6,9 @@ Rank 0 prints; other ranks hold a silent Console, so no caller asks ``if rank ==
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from ..files import save_copy
 from ..log import logger
 from .loop import percentile
 
@@ -29,8 +29,7 @@ class Console:
 
     def save_summary(self, text: str) -> None:
         if self.active and self.summary_out:
-            Path(self.summary_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.summary_out).write_text(text)
+            save_copy(self.summary_out, text)
 
 
 @dataclass(frozen=True)

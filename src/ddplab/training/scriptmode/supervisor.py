@@ -39,7 +39,7 @@ from ... import config, tracking
 from ...agent.protocol import forensics_dir, refuse_a_running_job
 from ...distributed import host
 from ...errors import DdplabError
-from ...files import finite_json, write_text_atomic
+from ...files import finite_json, save_copy, write_text_atomic
 from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_path
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
@@ -909,7 +909,7 @@ def _summary(path: str, run: tracking.NullTracker, script: Script, outcomes: dic
              seen: Figures) -> None:
     if not path:
         return
-    Path(path).write_text(json.dumps({
+    save_copy(path, json.dumps({
         "run_id": run.run_id, "mode": "script", "wall_s": round(script.wall_s, 3),
         "observed": seen.summary or None,
         "ranks": [{k: v for k, v in o.items() if k != "traceback"}
