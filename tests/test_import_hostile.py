@@ -305,3 +305,20 @@ def test_g_a_damaged_archive_is_one_line(kind, says, tmp_path, migrated_store, s
     code, err, out = ddplab_import(archive, store, capsys)
     assert code in (1, 2) and len(err) == 1 and says in err[0] and out == "", (out, err)
     assert "Traceback" not in err[0] and copies(store) == []
+
+
+def test_h_a_server_that_does_not_answer_is_one_line_at_once(tmp_path, migrated_store, capsys):
+    """A hostile pass: `ddplab import --tracking-uri http://127.0.0.1:<nothing>` was silent for
+    4 minutes 10 seconds (MLflow's retries) before its line. It is now the job's probe's line."""
+    import socket
+    import time
+
+    make_store(tmp_path / "home", migrated_store, runs=1)
+    with socket.socket() as s:  # a port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        t0 = time.monotonic()
+        code, err, out = ddplab_import(tmp_path / "home", f"http://127.0.0.1:{s.getsockname()[1]}",
+                                       capsys)
+        took = time.monotonic() - t0
+    assert code == 1 and len(err) == 1 and "is unreachable" in err[0], err
+    assert "nothing was imported" in err[0] and took < 60, (took, err)

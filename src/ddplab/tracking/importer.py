@@ -45,6 +45,7 @@ from .import_source import (
     stage,
 )
 from .opening import get_or_create_experiment
+from .store import check_reachable
 
 __all__ = ["ArchiveError", "ImportFailed", "import_runs"]
 
@@ -107,6 +108,9 @@ def _copy(source: Source, dest_uri: str, name: str, tmp: Path) -> tuple[int, int
         runs = [r for e in _experiments(src) for r in _all_runs(src, e.experiment_id)]
     except Exception as e:  # noqa: BLE001 - a store MLflow cannot read, in one line
         raise ArchiveError(f"{shown(name)}: its store cannot be read ({first_line(e)})") from None
+    unreachable = check_reachable(dest_uri)  # at once, not after MLflow's minutes of retries
+    if unreachable:
+        raise DdplabError(f"{unreachable}; nothing was imported")
     try:
         dst = MlflowClient(dest_uri)
         here = [r for e in _experiments(dst) for r in _all_runs(dst, e.experiment_id)]
