@@ -136,6 +136,10 @@ CASES = [
     ("keep zero", None, ["checkpoint.keep=0"], {}, [], "checkpoint.keep: got 0"),
     ("every steps negative", None, ["checkpoint.every_steps=-1"], {}, [], "checkpoint.every_steps: got -1"),
     ("resume empty", None, ["checkpoint.resume="], {}, [], "checkpoint.resume: got ''"),
+    # A hostile pass: a file that is not ddplab's checkpoint was a failed job (exit 1) with
+    # torch's weights_only refusal, its lines long, the key unnamed.
+    ("resume not a checkpoint", None, ["checkpoint.resume=afile"], {}, [],
+     "checkpoint.resume: got 'afile'; not a checkpoint ddplab wrote (torch.load cannot read it)"),
     ("flops negative", None, ["model.flops_per_sample=-1"], {}, [],
      "model.flops_per_sample: got -1.0; must be in [0, inf)"),
     ("mfu not a bool", None, ["train.mfu=maybe"], {}, [], "train.mfu: got 'maybe'; expected true or false"),

@@ -166,3 +166,16 @@ def test_export_of_a_dangling_link_or_a_forged_file_is_one_line(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "step-00000001.pt: unreadable" in err and "Traceback" not in err
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_state_dict_named_to_resume_is_bad_input_before_the_ranks_and_on_rank_0(tmp_path):
+    """A hostile pass: `checkpoint.resume=out.pt`, what `ddplab checkpoint export` wrote, started
+    `ddplab run`'s ranks, then failed the job (exit 1): "missing fields [...]"."""
+    from ddplab.training.checkpoint import find_resume, not_running
+
+    exported = tmp_path / "out.pt"
+    torch.save({"fc.weight": torch.zeros(2, 2)}, exported)
+    for check in (not_running, find_resume):  # ddplab run's preflight; rank 0
+        with pytest.raises(ConfigError, match=r"checkpoint.resume: got '.*out.pt'; not a "
+                           r"checkpoint ddplab wrote \(a file without its model"):
+            check(str(exported), tmp_path / "checkpoints")

@@ -215,12 +215,14 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
-def read(path: Path) -> dict[str, Any]:
-    """Load and check one checkpoint; raises CorruptCheckpoint when it is partial or corrupt."""
+def read(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Load and check one checkpoint; raises CorruptCheckpoint when it is partial or corrupt.
+    ``mmap``: its tensors mapped, not read (a check of what it is, before the ranks start)."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any unreadable file is "corrupt"
-        raise CorruptCheckpoint(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+        said = str(e).split(". ", 1)[0][:200]  # (torch's weights_only refusal runs on for lines)
+        raise CorruptCheckpoint(f"{path}: unreadable ({type(e).__name__}: {said})") from None
     missing = [k for k in REQUIRED if not isinstance(payload, dict) or k not in payload]
     if missing:
         raise CorruptCheckpoint(f"{path}: missing fields {missing}")
@@ -273,6 +275,23 @@ def not_running(resume: str, root: Path) -> None:
     elif resume != "never":
         path = _named(resume)
         refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
+        _read_named(path, resume, mmap=True)
+
+
+def _read_named(path: Path, resume: str, mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint the user named; one that is not ddplab's is bad input (exit 2), not a
+    failed job: a state_dict ``ddplab checkpoint export`` wrote, a YAML file, a partial copy."""
+    from ..config import ConfigError
+
+    try:
+        return read(path, mmap=mmap)
+    except CorruptCheckpoint as e:
+        what = ("a file without its model, optimizer and step" if "missing fields" in str(e) else
+                "torch.load cannot read it")
+        raise ConfigError(f"checkpoint.resume: got {resume!r}; not a checkpoint ddplab wrote "
+                          f"({what}): give a step-*.pt from checkpoints/<experiment>/<run id>/ (a "
+                          "state_dict from `ddplab checkpoint export` loads into a model; it does "
+                          "not resume)") from None
 
 
 def _named(resume: str) -> Path:
@@ -310,7 +329,7 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
     if resume != "auto":
         path = _named(resume)
         refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
-        return path, read(path)
+        return path, _read_named(path, resume)
     found = newest_valid(root)
     if found is None or found[1]["final"]:
         return None  # nothing to resume, or the newest job finished: start a new one
