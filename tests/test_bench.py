@@ -140,10 +140,13 @@ def test_the_issue_command_as_typed(tmp_path, store):
     (["--sizes", "12Q"], "--sizes: '12Q' is not a size"),
     (["--iters", "0"], "--iters: got 0"),
     (["--page", "My Page"], "--page: got 'My Page'"),
+    # A hostile pass: a file given as --out failed the benchmark at its end (FileExistsError).
+    (["--out", "results.txt"], "--out: got 'results.txt'; results.txt is a file"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, store, args, needle):
     if "nccl" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: nccl can run")
+    (tmp_path / "results.txt").write_text("a file, not a folder")
     out = ddplab(["bench", "collectives", *args], tmp_path, job_env(store, **NO_CCL))
     assert out.returncode == 2
     assert needle in out.stderr and "Traceback" not in out.stderr

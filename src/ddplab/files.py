@@ -51,3 +51,14 @@ def save_copy(path: str, text: str) -> None:
     except OSError as e:
         logger().warning(f"--summary-out: could not write {path} ({e.strerror or e}); the "
                          "run's summary.json has it")
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a folder this user writes into (made where missing: its nearest
+    existing ancestor must be one), else None."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None

@@ -82,6 +82,20 @@ def _page(name: str) -> Any:
         raise BenchError(str(e)) from None
 
 
+def _out_folder(out: str) -> None:
+    """--out is a folder the results go into: checked before any process group (a file given
+    there failed the benchmark at its end, its measurements lost)."""
+    if not out:
+        return
+    from pathlib import Path
+
+    from ..files import folder_problem
+
+    problem = folder_problem(Path(out))
+    if problem:
+        raise BenchError(f"--out: got {out!r}; {problem} (give a folder for the results)")
+
+
 def usable_backends(plan: Plan, explicit: bool) -> list[str]:
     """The plan's backends that can run here; an explicitly named one that cannot is an error."""
     import torch
@@ -112,6 +126,7 @@ def collectives(a: argparse.Namespace) -> int:
 
     plan = plan_from(a)
     a.page_path = _page(a.page)
+    _out_folder(a.out)
     if not a.no_tracking:  # a bad URI is one line before any process group, as for train
         from ..tracking import validated_uri
 

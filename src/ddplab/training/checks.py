@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ExperimentConfig, is_import_path
+from ..files import folder_problem
 from ..launchers import LaunchEnv
 from ..tracking import resolve_uri, uri_problem
 from ..workload import batches, data, models, textdata, userparts
@@ -364,12 +365,9 @@ def _run_to_attach(uri: str) -> None:
 def _writable_dir(path: Path, key: str, given: str = "") -> None:
     """``path`` exists as a writable directory, or can be made: its nearest existing ancestor
     is one. ``given`` is what the user wrote, when that is not ``path`` itself."""
-    given = given or str(path)
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    if not existing.is_dir():
-        raise ConfigError(f"{key}: got {given!r}; {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: got {given!r}; {existing} is not writable by this user")
+    problem = folder_problem(path)
+    if problem:
+        raise ConfigError(f"{key}: got {given or str(path)!r}; {problem}")
 
 
 def _really_writable(path: Path, key: str) -> None:
