@@ -473,6 +473,31 @@ def test_the_real_program_exits_2_without_a_traceback(tmp_path, store, sets, env
     assert not Path(store.removeprefix("sqlite:///")).exists() or runs(store) == []
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["launch", "--", "nosuch.yaml"], "nosuch.yaml: experiment file not found"),
+    (["launch", "--", QUICKSTART, "--set", "trian.x=1"], "trian: unknown key"),
+    (["mpi", "launch", "--", QUICKSTART, "--set", "train.epochs=abc"], "train.epochs: got 'abc'"),
+    (["launch"], "give the experiment after --"),
+    (["launch", "--rdzv-port", "99999", "--", QUICKSTART], "'99999' is not a TCP port"),
+])
+def test_a_node_launcher_refuses_a_bad_job_before_waiting_for_its_peers(argv, says, monkeypatch,
+                                                                          capsys):
+    """A hostile pass: `ddplab launch -- nosuch.yaml` said only "timed out after 180s waiting for
+    2 addresses" (exit 1); with its peers there, each rank refused in torchrun's banner."""
+    import time
+
+    monkeypatch.setenv("DDPLAB_WAIT_TIMEOUT", "20")
+    monkeypatch.setenv("DDPLAB_PEERS", "ddplab-no-such-peer.invalid")
+    t0 = time.monotonic()
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert time.monotonic() - t0 < 15  # not after waiting for the peers
+
+
 def test_a_bad_node_count_in_the_environment_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv("NNODES", "abc")
     with pytest.raises(SystemExit) as e:

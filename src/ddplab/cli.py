@@ -514,10 +514,22 @@ def _launch(args: argparse.Namespace) -> int:
     from .launchers import LaunchError, mpi, rendezvous
 
     try:
+        if args.command == "launch" or getattr(args, "mpi_command", "") == "launch":
+            _loads(rendezvous.train_args(args.train_args))
         return mpi.main(args) if args.command == "mpi" else rendezvous.launch(args)
     except (LaunchError, OSError, subprocess.CalledProcessError) as e:
         logger(args.command).error(e)
         return EXIT_ERROR
+
+
+def _loads(train_argv: list[str]) -> None:
+    """``ddplab launch``'s job loads (the experiment, its ``--set``, the script) before the node
+    waits for its peers: a typo was "timed out waiting for 2 addresses" after 180 s, or, with
+    peers there, one refusal per rank in torchrun's banner. Raises ConfigError (exit 2)."""
+    from .launchers.local import load_job
+
+    job = parse(["train", *train_argv])
+    load_job(job.experiment, job.module, job.overrides, job.script_args)
 
 
 def _train(experiment: str | None, overrides: list[str], summary_out: str,

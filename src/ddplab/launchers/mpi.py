@@ -52,7 +52,16 @@ from ..credentials import CREDENTIALS
 from ..log import logger
 from ..poll import poll
 from .detect import LaunchError
-from .rendezvous import from_env, local_addresses, plan, port_answers, train_args, wait_for, wait_for_peers
+from .rendezvous import (
+    from_env,
+    local_addresses,
+    plan,
+    port,
+    port_answers,
+    train_args,
+    wait_for,
+    wait_for_peers,
+)
 
 # What ranks on the workers need from the launcher's environment (ssh sessions start clean).
 FORWARD = ("PATH", "LD_PRELOAD", "HOME", "PYTHONUNBUFFERED", "DDPLAB_IMAGE", "DDPLAB_GIT_SHA",
@@ -382,7 +391,7 @@ def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     launch_p.add_argument("--hostfile",
                           default=e.get("OMPI_MCA_orte_default_hostfile", "/etc/mpi/hostfile"),
                           help="with --ssh-auth: the operator's hostfile")
-    launch_p.add_argument("--master-port", type=int, default=29500)
+    launch_p.add_argument("--master-port", type=port, default=29500)
     launch_p.add_argument("train_args", nargs=argparse.REMAINDER,
                           help="-- EXPERIMENT.yaml [--set key=value ...]")
 

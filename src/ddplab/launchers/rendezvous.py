@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ..errors import BadInput
 from ..log import logger
 from ..poll import poll
 from .detect import LaunchError
@@ -161,6 +162,13 @@ def from_env(kind: type[int] | type[float], env_name: str) -> Callable[[str], in
     return convert
 
 
+def port(text: str) -> int:
+    """A TCP port a node can listen on (argparse's type: a bad one is one usage line, exit 2)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
+
+
 def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = os.environ
     p = sub.add_parser("launch", help="multi-node: wait for peers, then torchrun this node's ranks",
@@ -172,7 +180,7 @@ def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="ranks on this node (default $NPROC_PER_NODE or 1)")
     p.add_argument("--peers", default=e.get("DDPLAB_PEERS", "node"),
                    help="DNS name that resolves to every node (default $DDPLAB_PEERS or 'node')")
-    p.add_argument("--rdzv-port", type=int, default=29400)
+    p.add_argument("--rdzv-port", type=port, default=29400)
     p.add_argument("--rdzv-id", default=e.get("DDPLAB_JOB_ID", "ddplab"))
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--wait-timeout", type=from_env(float, "DDPLAB_WAIT_TIMEOUT"),
@@ -186,7 +194,8 @@ def train_args(argv: list[str]) -> list[str]:
     """What follows ``--``: the arguments of ``ddplab train`` (an experiment is required)."""
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv:
-        raise LaunchError("give the experiment after --, e.g. -- experiments/quickstart.yaml")
+        raise BadInput("give the experiment after --, e.g. -- "
+                       "experiments/quickstart.yaml")
     return argv
 
 
