@@ -83,3 +83,21 @@ def test_first_line_is_what_happened_not_a_librarys_note_and_is_cut_visibly():
     assert first_line("\n  one\ntwo") == "one" and first_line("") == ""
     long = first_line("x" * 700 + " Start it, or set tracking.enabled=false")
     assert len(long) == 600 and long.endswith("...")
+
+
+def test_a_long_traceback_keeps_its_header_the_scripts_frames_and_where_it_was_raised():
+    """A hostile pass: a Lightning script's failure in its 40-frame stack was kept as its last
+    6000 characters, cut mid-line (", in run"), its Traceback header and the script's own
+    frame (`t.fit(...)` in pl_train.py) gone, and nothing said that text was left out."""
+    from ddplab.errors import keep_ends
+
+    frames = "".join(f'  File "/site-packages/lightning/f{i}.py", line {i}, in f{i}\n    call()\n'
+                     for i in range(300))
+    tb = ("Traceback (most recent call last):\n  File \"pl_train.py\", line 46, in <module>\n"
+          "    t.fit(M(), dl)\n" + frames + "ValueError: bad batch at step 10\n")
+    kept = keep_ends(tb, 6000)
+    assert len(kept) <= 6000 and kept.startswith("Traceback (most recent call last):\n")
+    assert '"pl_train.py", line 46' in kept and kept.endswith("ValueError: bad batch at step 10\n")
+    assert "lines left out ...]" in kept and all(line.startswith(("  ", "Traceback", "Value"))
+                                                for line in kept.splitlines())
+    assert keep_ends("short\n", 6000) == "short\n"

@@ -39,6 +39,24 @@ def first_line(text: str, limit: int = 600) -> str:
     return first if len(first) <= limit else first[:limit - 3] + "..."
 
 
+def keep_ends(text: str, limit: int) -> str:
+    """``text`` within about ``limit`` characters, in whole lines: its first quarter (a
+    traceback's header and the script's own frames, where a deep library's stack would push them
+    out of a tail) and its end (where it was raised), the lines between said to be left out."""
+    if len(text) <= limit:
+        return text
+    lines = text.splitlines(keepends=True)
+    head: list[str] = []
+    while lines and sum(map(len, head)) + len(lines[0]) <= limit // 4:
+        head.append(lines.pop(0))
+    tail: list[str] = []
+    while lines and sum(map(len, tail)) + len(lines[-1]) <= limit - limit // 4:
+        tail.insert(0, lines.pop())
+    if not lines:
+        return "".join(head + tail)
+    return "".join(head) + f"  [... {len(lines)} lines left out ...]\n" + "".join(tail)
+
+
 def chain(e: BaseException) -> list[BaseException]:
     """``e``, then what it was raised from or while handling, and so on, as python's traceback
     shows them: the reasons under a wrapper's error (``__cause__``; else ``__context__``, unless

@@ -36,6 +36,7 @@ from types import CodeType
 from typing import Any, NoReturn, cast
 
 from ...ccl.handlers import crash_handlers_kept
+from ...errors import keep_ends
 from ...forensics import heartbeat
 from . import mlflow_join
 from .env import BOOT, STACKS_ENV, T0_ENV, report
@@ -267,7 +268,7 @@ def failed(e: BaseException) -> int:
     _hide_our_frames(e, tb or e.__traceback__)
     text = "".join(traceback.format_exception(e))
     last = one_line(e)[:500]
-    report({"exception": last, "traceback": text[-8000:], "t": time.time()})
+    report({"exception": last, "traceback": keep_ends(text, 8000), "t": time.time()})
     heartbeat.failed(last)
     if sys.excepthook is sys.__excepthook__:
         sys.stderr.write(text)

@@ -38,7 +38,7 @@ import yaml
 from ... import config, tracking
 from ...agent.protocol import forensics_dir, refuse_a_running_job
 from ...distributed import host
-from ...errors import DdplabError
+from ...errors import DdplabError, keep_ends
 from ...files import finite_json, save_copy, write_text_atomic
 from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_path
 from ...forensics.watch import is_secondary
@@ -607,7 +607,7 @@ class Script:
                                       "library's exit())")
         elif code:
             out["why"] = self._why(seen, code)
-        out["traceback"] = seen.get("traceback", "")[-6000:]
+        out["traceback"] = keep_ends(seen.get("traceback", ""), 6000)
         if out["stopped"] and (where := self.where(out["traceback"])):
             out["where"] = where  # where a stopped rank was (the hang watch's too): its stack
         elif code and (where := self.raised_at(out["traceback"])):
