@@ -127,3 +127,56 @@ def test_lightning_run_as_one_process_starts_its_own_ranks_as_under_plain_python
     assert re.search(r"STEPS 8 LAST", out.stdout), out.stdout[-2000:]
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.world_size"] == "1", run.data.tags
+
+
+# Hugging Face's Trainer with gradient accumulation: under transformers 5 the model, given
+# num_items_in_batch, divides each micro-batch's summed loss by the whole step's token count, and
+# the Trainer logs the step's loss as the sum of its micro-batches'. The script prints each
+# logged loss with its step.
+HF_ACCUMULATING = '''
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+
+class Ids(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class Said(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            print(f"HF STEP {state.global_step} LOSS {float(logs['loss']):.6f}", flush=True)
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16,
+                                   bos_token_id=0, eos_token_id=0))
+args = TrainingArguments(output_dir="out", report_to="none", max_steps=10, logging_steps=1,
+                         per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         save_strategy="no", use_cpu=True, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[Said()]).train()
+'''
+
+
+@pytest.mark.e2e
+def test_hugging_faces_loss_under_gradient_accumulation_is_the_one_its_trainer_logs(tmp_path, store):
+    """A hostile pass: with gradient_accumulation_steps=2, train/loss was half the loss the
+    Trainer logged (4.707 logged, 2.355 recorded): the model's loss, divided by the whole step's
+    token count, is each micro-batch's share of the step's loss, not the step's."""
+    path = tmp_path / "hf_train.py"
+    path.write_text(HF_ACCUMULATING)
+    out = ddplab(["train", str(path)], tmp_path, job_env(store, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    said = {int(s): float(v) for s, v in re.findall(r"HF STEP (\d+) LOSS (\S+)", out.stdout)}
+    (run,) = runs(store)
+    loss = {m.step: m.value for m in MlflowClient(store).get_metric_history(run.info.run_id,
+                                                                              "train/loss")}
+    assert {4, 8, 10} <= set(loss) and len(said) == 10, (loss, said)
+    for step in (4, 8, 10):
+        assert loss[step] == pytest.approx(said[step], rel=1e-3), (step, loss, said)

@@ -219,6 +219,11 @@ class Observer:
         self.returned: torch.Tensor | None = None
         self.given: torch.Tensor | None = None
         self.step_loss: torch.Tensor | None = None  # the last backward's before the last step
+        # A Hugging Face model given num_items_in_batch (its Trainer's gradient accumulation)
+        # divides each micro-batch's summed loss by the whole step's item count: each backward's
+        # loss is a share of the step's, which the Trainer logs as their sum (``summed``).
+        self.per_item = False
+        self.summed: torch.Tensor | None = None
         # a forward of the model in eval mode with gradients on (model.eval() without
         # torch.no_grad()): its time, device mark and samples, a training step's start only if
         # a backward follows it (a script that trains in eval mode), else an evaluation's
@@ -309,6 +314,8 @@ class Observer:
             if not self.t_forward:
                 self._beat("evaluation", None)
             return
+        if kwargs.get("num_items_in_batch") is not None:
+            self.per_item = True
         if self.held is not None:  # an evaluation's forwards: no backward came
             if not self.t_forward and self.step_end:
                 self.evaluated = self.held[3:]
@@ -402,7 +409,10 @@ class Observer:
             if ref() is loss:  # GradScaler.scale(loss).backward(): the loss, not x 65536
                 loss = unscaled
                 break
-        self.loss = _undivided(loss, [t for t in known if t is not None]).detach()
+        loss = _undivided(loss, [t for t in known if t is not None]).detach()
+        if self.per_item:  # (a share of the step's loss: the step's is their sum)
+            loss = self.summed = loss if self.summed is None else self.summed + loss
+        self.loss = loss
 
     def _begin(self, at: float, mark: Any) -> None:
         """A training step's first forward, at ``at``: its data wait starts at the last
@@ -490,6 +500,7 @@ class Observer:
         # The loss of the step's leading optimizer, at every log point: a GAN's generator
         # backward after it (DCGAN's order) is not the step's loss at the epoch's end only.
         self.step_loss, self.held, self.evaluated = self.loss, None, None
+        self.per_item, self.summed = False, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
         self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
