@@ -24,7 +24,8 @@ from .store import TrackingError, _experiment_refused, _permission_denied, check
 THROUGHPUT_NOTE = (
     "Throughput: quote `perf/samples_per_s`, the steady rate of the whole job (samples over "
     "time in the epochs after the first, so start-up is not counted; with one epoch, its log "
-    "intervals after the first; a script job's: its steps after the first). "
+    "intervals after the first; a script job's: the script's own where it logs "
+    "`perf/samples_per_s`, else its observed steps after the first). "
     "`train/samples_per_s` is each log interval's rate, for the curve over steps; "
     "`train/rank<r>_samples_per_s` is one rank's share.")
 
@@ -44,6 +45,9 @@ class Request:
     """Attach to this run (a resumed checkpoint's, or $MLFLOW_RUN_ID); "" creates one."""
     wait_s: float = 0.0
     spool_root: str = "checkpoints"
+    start_ms: int = 0
+    """When the job began (ms; rank 0's process start): a new run starts then, so the UI's
+    duration is the job's, its start-up included, not from its run's opening on (0: now)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
     tags = {"mlflow.note.content": f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
     try:
         exp_id = experiment_id(client, req.experiment)
-        run = life.create(client, exp_id, req.run_name, tags)
+        run = life.create(client, exp_id, req.run_name, tags, start_time=req.start_ms or None)
     except Exception as e:
         if _permission_denied(e):
             raise _experiment_refused(req.experiment, e) from None

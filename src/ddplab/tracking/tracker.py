@@ -171,12 +171,22 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str, resume_r
     req = Request(uri=resolve_uri(cfg), experiment=cfg.experiment or name,
                   run_name=cfg.run_name or run_name, description=description,
                   run_id=resume_run_id or os.environ.get("MLFLOW_RUN_ID", ""),
-                  wait_s=cfg.wait_s, spool_root=str(spool_root))
+                  wait_s=cfg.wait_s, spool_root=str(spool_root), start_ms=_began_ms())
     if opener is not None:
         opened = opener(req)
         if opened is not None:
             return MlflowTracker(opened)
     return MlflowTracker(*open_run(req))
+
+
+def _began_ms() -> int:
+    """When this process started (ms since the epoch; 0 when it cannot be told)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().create_time() * 1000)
+    except Exception:  # noqa: BLE001 - the run then starts when it is opened, as before
+        return 0
 
 
 @dataclass(frozen=True)
