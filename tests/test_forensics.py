@@ -518,3 +518,19 @@ def test_an_attempt_with_fewer_ranks_forgets_the_earlier_attempts_other_ranks(tm
     endings = Watch(tmp_path, 300.0, "h").endings()
     assert [(e.rank, e.what) for e in endings] == [(0, "done")]
     assert not list(tmp_path.glob("rank-1.*"))
+
+
+def test_a_failed_attempt_that_torchrun_restarts_says_so_on_its_last_line(monkeypatch):
+    """A hostile pass: under `torchrun --max-restarts 1` the first attempt's last line said the
+    run FAILED; the next attempt resumed it and said FINISHED, of the same run."""
+    from ddplab.tracking.tracker import NullTracker
+    from ddplab.training.jobend import where
+
+    run = NullTracker()
+    run.run_id, run.uri = "abc", "sqlite:///x.db"
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert "abc FAILED for now: torchrun starts attempt 2 (--max-restarts 1)" in where(run, "FAILED")
+    assert "for now" not in where(run, "FINISHED")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the last attempt: its end is the run's
+    assert "abc FAILED" in where(run, "FAILED") and "for now" not in where(run, "FAILED")

@@ -178,8 +178,23 @@ def where(tracker: tracking.NullTracker, status: str = "FINISHED") -> str:
     """A job's last line: its run, how it ended and where a browser shows it."""
     if not tracker.run_id:
         return "tracking was off: ddplab recorded no run (what your own code logs goes where it sends it)"
+    status += _restarting(status)
     if tracker.left:
         return (f"MLflow run {tracker.run_id} {status}: not all delivered yet (see the warning "
                 "above)")
     return f"MLflow run {tracker.run_id} {status}" + tracking.ui_address(
         tracker.uri, tracker.experiment_id, tracker.run_id)
+
+
+def _restarting(status: str) -> str:
+    """What follows a failed attempt's status when torchrun starts another (--max-restarts):
+    the console said FAILED, then FINISHED, of one run."""
+    try:
+        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return ""
+    if status == "FINISHED" or done >= most:
+        return ""
+    return (f" for now: torchrun starts attempt {done + 2} (--max-restarts {most}), which "
+            "resumes this run where it can")
