@@ -102,6 +102,11 @@ def test_a_study_report_warns_when_variants_ran_different_environments():
     warned = environment_warnings(mixed)
     assert len(warned) == 2 and "different torch (ddplab.torch_build): 2.14.1+cu130: native; " \
         "2.7.1+cpu: image" in warned[0]
+    # A hostile pass: a job that failed before recording what it ran on gave four warnings
+    # ("different torch ...: ?: r1"): an unknown environment is no difference.
+    untold = SimpleNamespace(info=SimpleNamespace(status="FAILED", start_time=0),
+                             data=SimpleNamespace(tags={"ddplab.variant": "c"}))
+    assert environment_warnings([*same, untold]) == []
 
 
 

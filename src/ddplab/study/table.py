@@ -123,8 +123,9 @@ def environment_warnings(children: list[Any]) -> list[str]:
     # a rerun replaced: a failed job run again after a commit read "different code")
     for tag, what in ENVIRONMENT_TAGS.items():
         by_value: dict[str, set[str]] = {}
-        for c in counted:
-            by_value.setdefault(c.data.tags.get(tag, "?"), set()).add(c.data.tags.get(schema.VARIANT, "?"))
+        for c in counted:  # (a job that failed before it said what it ran on contradicts none)
+            if tag in c.data.tags:
+                by_value.setdefault(c.data.tags[tag], set()).add(c.data.tags.get(schema.VARIANT, "?"))
         if len(by_value) > 1:
             parts = "; ".join(f"{v}: {', '.join(sorted(names))}" for v, names in sorted(by_value.items()))
             said.append(f"WARNING: the variants ran different {what} ({tag}): {parts}.")
