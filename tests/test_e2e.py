@@ -72,6 +72,7 @@ def test_make_run_gives_one_finished_run_with_everything(tmp_path):
     summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json",
                                                         str(tmp_path))).read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 288
+    assert summary["attempt_began_at_step"] == 0
     # What tracking cost, in CPU seconds of all processes: the delivery process and rank 0's
     # opening of the run are part of the job; start-up is part of tracking.
     assert summary["job_cpu_s"] > summary["process_cpu_s"] > 0
@@ -164,6 +165,10 @@ def test_killed_rank_fails_the_run_and_resume_continues_it(tmp_path, store):
     steps = [m.step for m in history]
     assert max(steps) == 96 and len(steps) == len(set(steps))  # 3 epochs x 2048 / 64, once each
     assert resumed_at >= 8
+    # Its wall time and epochs are the resumed attempt's, and summary.json says from which step.
+    path = client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path))
+    summary = json.loads(Path(path).read_text())
+    assert summary["steps"] == 96 and summary["attempt_began_at_step"] == resumed_at, summary
 
 
 def test_torchrun_max_restarts_resumes_the_same_run_after_a_killed_rank(tmp_path, store):

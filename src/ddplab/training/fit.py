@@ -200,6 +200,9 @@ def finish(job: Job) -> dict[str, Any]:
         global_batch=job.cfg.global_batch(le.world_size), steps=job.state.step,
         checkpoint=str(job.ckpt.last) if job.ckpt.last else None, tracking_busy_s=job.run.busy_s,
         cpu=_cpu(job))
+    # A resumed attempt's wall time, epochs and rates are its own, its steps the run's: which
+    # step it began at says so (128 steps in 9 s were 84 of them, after a resume at step 44).
+    summary["attempt_began_at_step"] = job.resume.step if job.resume.run_id else 0
     memory = strategy.memory(job.state.model, job.state.optimizer, job.layout.device)
     summary["memory"] = memory
     summary["mfu"] = _mfu(job, summary["samples_per_s_steady"])
