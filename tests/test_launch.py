@@ -189,3 +189,28 @@ def test_outlive_on_a_terminal_only_runs_the_command(tmp_path):
         os.close(main)
         os.close(terminal)
     assert proc.returncode == 0 and int((tmp_path / "pid").read_text()) == proc.pid
+
+
+@pytest.mark.parametrize("launcher, survives", [("parent", True), ("gone", False), ("", True)])
+def test_a_rank_whose_launcher_died_before_it_tethered_stops(launcher, survives):
+    """A hostile pass: `ddplab run --nproc-per-node 100000`, stopped while torchrun was still
+    starting ranks, left 20 of them asleep 24 minutes later: each had been reparented before it
+    asked for its launcher's death signal, so it tethered itself to init. A real process: its
+    parent is this test (DDPLAB_LAUNCHER_PID as `ddplab run` sets it), or a pid that is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "t"}
+    env.pop("DDPLAB_LAUNCHER_PID", None)
+    if launcher:
+        env["DDPLAB_LAUNCHER_PID"] = str(os.getpid() if launcher == "parent" else 2 ** 22 + 1)
+    code = ("import time; from ddplab.launchers import tether; import os; "
+            "tether.to_launcher(os.environ); time.sleep(0.5); print('trained on')")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    if survives:
+        assert out.returncode == 0 and "trained on" in out.stdout, out.stderr
+    else:
+        assert out.returncode == -signal.SIGHUP and "trained on" not in out.stdout, out

@@ -190,8 +190,11 @@ def torchrun_here(args: list[str]) -> int:
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
+    from .tether import LAUNCHER_ENV
+
     config = parse_args(args)
     ours = _log_dir(config)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks' parent: torchrun's agent is here
     try:
         torchrun(config)
     except ChildFailedError as e:
@@ -205,6 +208,7 @@ def torchrun_here(args: list[str]) -> int:
         traceback.print_exc()
         return 1
     finally:
+        os.environ.pop(LAUNCHER_ENV, None)
         if ours:
             shutil.rmtree(ours, ignore_errors=True)
     return 0
