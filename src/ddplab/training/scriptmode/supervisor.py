@@ -802,8 +802,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
         # Before the meeting: a checkpoint.resume naming no run is one line, as checks are.
         resume = resumable_run(cfg, identity) if le.is_rank0 else ""
         meeting = Meeting(le, cfg.dist.timeout_s)
-        name = cfg.tracking.run_name or f"{cfg.name} script {le.nnodes}n x " \
-                                        f"{le.local_world_size}r {le.launcher}"
+        name = cfg.tracking.run_name or script_run_name(cfg.name, le)
         with tracking.job_run(cfg, le, None, resume, signals, share=meeting.share_from_rank0,
                               run_name=name, beats=False) as run:
             signals.attach(run)  # a failed job names its run last too (cli.py)
@@ -1042,6 +1041,14 @@ def ranks_tag(outcomes: dict[int, dict[str, Any]], world: int,
         entries.pop()
 
 
+def script_run_name(name: str, le: LaunchEnv, backend: str = "", threads: Any = "") -> str:
+    """The loop's vocabulary (tracking/runs.py layout_name) with "script" after the name; the
+    backend and threads once the script's own init_process_group said them (the run is named
+    again at its end), e.g. "my_train script gloo 1n x 2r x 1t torchrun"."""
+    layout = f"{le.nnodes}n x {le.local_world_size}r" + (f" x {threads}t" if threads else "")
+    return " ".join(p for p in (name, "script", backend, layout, le.launcher) if p)
+
+
 def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, dict[str, Any]]) -> Figures:
     """What the script's own init_process_group chose (observed on rank 0), the hosts, times,
     and what its training did (observe.py, figures.py): returned for the console."""
@@ -1059,10 +1066,15 @@ def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, d
                      schema.SCRIPT_WORLD_SIZE: seen.get("world_size", "")})
         if stand_in:
             tags[schema.CCL_IMPL] = "ddplab (standing in for oneccl_bindings_for_pytorch)"
+        if not script.cfg.tracking.run_name:  # (the user's own name stays as given)
+            tags["mlflow.runName"] = script_run_name(script.cfg.name, script.le, backend,
+                                                     seen.get("threads", ""))
     else:
         tags[schema.BACKEND] = "none (the script made no process group)"
     run.set_tags(tags)
-    metrics = {"perf/wall_s": round(script.wall_s, 3)}
+    # perf/wall_time_s is the loop's name, for one column in the UI; perf/wall_s stays, as
+    # script runs have always had it (studies of scripts and their files read it).
+    metrics = {"perf/wall_s": round(script.wall_s, 3), "perf/wall_time_s": round(script.wall_s, 3)}
     for key, name in (("process_group_s", "perf/time_to_process_group_s"),
                       ("first_collective_s", "perf/time_to_first_collective_s")):
         if key in seen:
