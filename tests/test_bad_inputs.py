@@ -473,6 +473,20 @@ def test_the_real_program_exits_2_without_a_traceback(tmp_path, store, sets, env
     assert not Path(store.removeprefix("sqlite:///")).exists() or runs(store) == []
 
 
+def test_ddplab_run_imports_the_users_parts_before_it_starts_the_ranks(clean_env, tmp_path, capsys):
+    """A hostile pass: `ddplab run --set model.name=badmods:fn` (a module raising at import)
+    started both ranks, each refusing in its own line inside torchrun's, where `ddplab train`
+    refused it in one line before anything started."""
+    (tmp_path / "badmods.py").write_text("raise RuntimeError('no GPU driver here')\n")
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(Path(QUICKSTART).read_text())
+    code = cli.main(["run", "--nproc-per-node", "2", str(exp), "--set", "model.name=badmods:fn"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.name: got 'badmods:fn'; importing badmods raised RuntimeError: " \
+        "no GPU driver here" in err, err
+    assert len(err.strip().splitlines()) == 1 and "[rank" not in err, err
+
+
 @pytest.mark.parametrize("argv, says", [
     (["launch", "--", "nosuch.yaml"], "nosuch.yaml: experiment file not found"),
     (["launch", "--", QUICKSTART, "--set", "trian.x=1"], "trian: unknown key"),

@@ -100,7 +100,7 @@ def preflight(a: argparse.Namespace) -> None:
         checks.for_script(cfg, le, a.summary_out)
         return
     cuda = torch.cuda.is_available()
-    checks.preflight(cfg, le, a.summary_out, cuda)
+    checks.preflight(cfg, le, a.summary_out, cuda, a.experiment)
     from ..training.checkpoint import not_running
 
     not_running(cfg.checkpoint.resume, Path(cfg.checkpoint.dir) / cfg.name)

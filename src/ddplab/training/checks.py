@@ -38,15 +38,27 @@ def before_start(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
 
 
 def preflight(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str,
-              cuda_available: bool) -> None:
+              cuda_available: bool, experiment: str | Path | None = None) -> None:
     """``ddplab run``'s checks in one process for the ranks it will start: before_start's,
-    except building the user's parts (each rank does, with its own imports and data)."""
+    except building the user's parts (each rank does, with its own imports and data): they
+    are imported, so a path that does not import is one line before the ranks start."""
     cfg.global_batch(le.world_size)
     _layout(cfg, cuda_available)
     _strategy(cfg, cuda_available, le.world_size)
     _data(cfg)
     _optimizer(cfg, trains_here=False)
+    _importable(cfg, experiment)
     _store_and_folders(cfg, le, summary_out)
+
+
+def _importable(cfg: ExperimentConfig, experiment: str | Path | None) -> None:
+    """The user's parts by import path import and name a callable (built by each rank)."""
+    userparts.add_search_path(experiment)
+    for key, path in (("model.name", cfg.model.name), ("train.loss", cfg.train.loss),
+                      ("data.dataset", cfg.data.dataset),
+                      *((f"train.metrics[{i}].fn", m.fn) for i, m in enumerate(cfg.train.metrics))):
+        if is_import_path(path):
+            userparts.load_callable(key, path)
 
 
 def for_variant(cfg: ExperimentConfig, world_size: int, on_this_host: bool,
