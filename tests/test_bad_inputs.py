@@ -596,3 +596,12 @@ def test_the_launchers_optimizer_check_refuses_bad_args_without_importing_dynamo
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused them" in out.stdout and "beta" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("timeout", ["-1", "nan", "0"])
+def test_sync_refuses_a_timeout_that_tries_nothing(timeout, tmp_path, monkeypatch, capsys):
+    """A hostile pass: `ddplab sync --timeout -1` was accepted."""
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["sync", "--timeout", timeout])
+    err = capsys.readouterr().err
+    assert code == 2 and "--timeout: got" in err and "must be seconds in (0, 86400]" in err, err

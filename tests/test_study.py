@@ -150,6 +150,9 @@ def test_variants_runs_only_those_and_a_name_it_lacks_is_one_line(tmp_path, stor
     bad = cli(["study", "run", str(path), "--variants", "tow"], tmp_path, store)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "--variants: got 'tow'" in bad.stderr and runs(store) == []
+    # A hostile pass: --variants "" (an unset shell variable) ran every variant.
+    empty = cli(["study", "run", str(path), "--dry-run", "--variants", ""], tmp_path, store)
+    assert empty.returncode == 2 and "--variants: got ''; must name variants" in empty.stderr
 
 
 def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, store):

@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     sr.add_argument("--repeats", type=int, default=0, metavar="N",
                     help="run each variant N times instead of the file's repeats (a quick look; 0, "
                          "the default: the file's)")
-    sr.add_argument("--variants", default="", metavar="A,B",
+    sr.add_argument("--variants", default=None, metavar="A,B",
                     help="run only these variants, by name (the baseline stays if among them)")
     rp = sub.add_parser("report", help="rebuild a study's report from its parent run")
     rp.add_argument("parent_run_id")
@@ -404,6 +404,10 @@ def _sync(args: argparse.Namespace) -> int:
     from .tracking import validated_uri
     from .tracking.store import StoreUnusable, store_problem
 
+    if not 0 < args.timeout <= 86400:  # (-1 or nan was a sync that tried nothing)
+        from .errors import BadInput
+
+        raise BadInput(f"--timeout: got {args.timeout}; must be seconds in (0, 86400]")
     uri = validated_uri(args.tracking_uri) if args.tracking_uri else ""
     stores = [uri] if uri else _spool_uris(args.paths)
     for target in stores:  # before MLflow retries a store it cannot open for minutes

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="N local ranks via torchrun, after a one-process preflight",
-                       description=__doc__.split("\n\n")[0],
+                       description=__doc__.split("\n\n")[0].replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="your own script's arguments go after --, e.g.\n"
                               "  ddplab run my_train.py --nproc-per-node 2 -- --epochs 3")
@@ -51,7 +51,8 @@ def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "go after --)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (repeatable), as for ddplab train")
-    p.add_argument("--summary-out", default="", metavar="PATH")
+    p.add_argument("--summary-out", default="", metavar="PATH",
+                   help="also write summary.json here (rank 0), as ddplab train does")
 
 
 def load_job(experiment: str | None, module: str, overrides: list[str],

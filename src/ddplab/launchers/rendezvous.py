@@ -172,7 +172,7 @@ def port(text: str) -> int:
 def parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = os.environ
     p = sub.add_parser("launch", help="multi-node: wait for peers, then torchrun this node's ranks",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--nnodes", type=from_env(int, "NNODES"), default=e.get("NNODES", "2"),
                    help="nodes in the job (default $NNODES or 2)")
     p.add_argument("--nproc-per-node", type=from_env(int, "NPROC_PER_NODE"),

@@ -11,7 +11,7 @@ from ..tracking import schema
 
 
 def run_study(path: str, overrides: list[str], fresh: bool, dry_run: bool, repeats: int = 0,
-              variants: str = "") -> int:
+              variants: str | None = None) -> int:
     # MLflow prints "View run at <tracking URI>" when a run ends: on a cluster an in-network
     # name the browser cannot open. The study prints each address itself (DDPLAB_UI_URL).
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -34,7 +34,7 @@ def run_study(path: str, overrides: list[str], fresh: bool, dry_run: bool, repea
                           f"{spec.MAX_REPEATS}] (0, the default: the file's repeats)")
     if repeats:
         study = dataclasses.replace(study, repeats=repeats)
-    if variants:
+    if variants is not None:  # (given empty: refused, not every variant)
         study = spec.only(study, variants)
     resolved = yaml.safe_dump({
         "name": study.name, "description": study.description,
