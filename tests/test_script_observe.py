@@ -766,6 +766,15 @@ def test_the_closing_line_and_summary_keep_the_observed_figures_beside_the_scrip
     assert "perf/samples_per_s" not in fig.metrics and "observed samples/s" in fig.line, fig.line
     assert fig.mixed == ["perf/samples_per_s", "train/loss"]
     assert fig.tags["ddplab.observed_mixed"] == "perf/samples_per_s,train/loss"
+    # A hostile pass: a script that failed at its first step (no step after it to time) logged
+    # perf/samples_per_s 0.0 and each rank's 0.0, read as measurements.
+    first = outcomes([])
+    for r in (0, 1):
+        first[r]["observed"]["observe"].update(steps=1, samples_per_s=None, steady_steps=0,
+                                               flops_per_sample=1e6, peak_flops_s=1e12)
+    fig = figures(first, 3.0)
+    assert not {k for k in fig.metrics if "samples_per_s" in k or k == "perf/mfu"}, fig.metrics
+    assert "samples/s" not in fig.line and fig.summary["samples_per_s_steady"] is None, fig.line
 
 
 def test_a_model_the_flop_counter_cannot_count_says_why_in_whole_words_and_which_key_to_give():

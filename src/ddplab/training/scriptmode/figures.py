@@ -54,10 +54,14 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     if 0 not in ranks:
         return Figures()
     zero = ranks[0]
-    total = sum(float(o.get("samples_per_s") or 0.0) for o in ranks.values())
-    metrics: dict[str, float] = {SAMPLES_PER_S: round(total, 3)}
+    # A rate only where a rank timed steps after its first (a script that failed at its first
+    # step logged 0.0 samples/s, which reads as a measurement).
+    rates = {r: float(o["samples_per_s"]) for r, o in ranks.items() if o.get("samples_per_s")}
+    total = sum(rates.values())
+    metrics: dict[str, float] = {SAMPLES_PER_S: round(total, 3)} if rates else {}
     for r, o in sorted(ranks.items()):
-        metrics[f"train/rank{r}_samples_per_s"] = float(o.get("samples_per_s") or 0.0)
+        if r in rates:
+            metrics[f"train/rank{r}_samples_per_s"] = rates[r]
         metrics[f"train/rank{r}_busy_s"] = float(o.get("busy_s") or 0.0)
     memory = {name: max(float(o[key]) for o in ranks.values() if key in o)
               for name, key in (("memory/peak_rss_mb", "peak_rss_mb"),
@@ -86,14 +90,14 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     fig.straggler = _straggler(ranks, outcomes)
     if fig.straggler:
         fig.tags[schema.STRAGGLER] = fig.straggler
-    fig.summary = _summary(ranks, {**metrics, SAMPLES_PER_S: round(total, 3),
+    fig.summary = _summary(ranks, {**metrics, SAMPLES_PER_S: round(total, 3) if rates else None,
                                    **({MFU: float(f"{mfu:.6g}")} if mfu is not None else {})},
                            wall_s, fig.straggler)
-    fig.line = _line(zero, wall_s, total, mfu, own)
+    fig.line = _line(zero, wall_s, total if rates else None, mfu, own)
     return fig
 
 
-def _line(zero: dict[str, Any], wall_s: float, total: float, mfu: float | None,
+def _line(zero: dict[str, Any], wall_s: float, total: float | None, mfu: float | None,
           own: set[str]) -> str:
     """The closing console line, the observed figures; under a name the script logs itself
     (whose value in the run is the script's), a plain word, not the name."""
@@ -105,7 +109,8 @@ def _line(zero: dict[str, Any], wall_s: float, total: float, mfu: float | None,
     if isinstance(loss, (int, float)):
         shown = f"{loss:.4f}"  # a loss that is 0 (pytorch/examples' one-class toy) read -0.0000
         parts.append(f"{name(TRAIN_LOSS, 'loss')} {shown.removeprefix('-') if float(shown) == 0 else shown}")
-    parts.append(f"{total:.0f} {'observed ' if SAMPLES_PER_S in own else ''}samples/s")
+    if total is not None:
+        parts.append(f"{total:.0f} {'observed ' if SAMPLES_PER_S in own else ''}samples/s")
     if mfu is not None:
         parts.append(f"{name(MFU, 'MFU')} {mfu:.4g}")  # (a CPU's tiny model: 1.1e-05, not 0)
     return ", ".join(parts)
@@ -126,7 +131,7 @@ def _mfu(ranks: dict[int, dict[str, Any]], samples_per_s: float
     peaks = {o.get("peak_where", r): float(o.get("peak_flops_s") or 0.0) for r, o in ranks.items()}
     peak = sum(peaks.values())
     tags = {schema.MFU_FLOPS_SOURCE: str(zero.get("flops_source", "not counted"))}
-    if not flops or not peak:
+    if not flops or not peak or not samples_per_s:  # (no rate: no MFU, not an MFU of 0)
         return None, tags
     tags.update({schema.MFU_FLOPS_PER_SAMPLE: f"{flops:.4g}",
                  schema.MFU_PEAK_TFLOPS: f"{peak / 1e12:.4g}",
@@ -156,7 +161,7 @@ def _straggler(ranks: dict[int, dict[str, Any]], outcomes: dict[int, dict[str, A
                                f"(the median of its {steps} steady steps)", phases)
 
 
-def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float], wall_s: float,
+def _summary(ranks: dict[int, dict[str, Any]], metrics: dict[str, float | None], wall_s: float,
              straggler: str) -> dict[str, Any]:
     zero = ranks[0]
     epochs = zero.get("epochs") or []
