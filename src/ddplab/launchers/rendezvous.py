@@ -31,6 +31,7 @@ from ..errors import BadInput
 from ..log import logger
 from ..poll import poll
 from .detect import LaunchError
+from .tether import LAUNCHER_ENV
 
 T = TypeVar("T")
 
@@ -222,5 +223,6 @@ def launch(a: argparse.Namespace) -> int:
     say(f"node {p.me} on {p.iface}; rendezvous {p.host}:{a.rdzv_port} "
         f"({'hosted here' if p.is_host else 'answers'})")
     argv = torchrun_argv(a, p)
+    os.environ.pop(LAUNCHER_ENV, None)  # (torchrun is the ranks' parent here, not a ddplab run)
     os.execv(argv[0], argv)
     return 0  # not reached

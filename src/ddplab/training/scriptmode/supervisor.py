@@ -44,6 +44,7 @@ from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_
 from ...forensics.watch import is_secondary
 from ...launchers import LaunchEnv
 from ...launchers.outlive import exit_code, subreaper
+from ...launchers.tether import LAUNCHER_ENV
 from ...subprocs import python_file
 from ...tracking import capsule, schema, spool
 from .env import BOOT, FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
@@ -380,6 +381,7 @@ class Script:
             env.pop("DDPLAB_SPOOL", None)
         env.pop(OBSERVE_ENV, None)
         env.pop(FORENSICS_ENV, None)
+        env.pop(LAUNCHER_ENV, None)  # this rank's launcher, not of a torchrun the script starts
         env[STEP_OFFSET_ENV] = str(self.step_offset)
         if s.observe:
             env[OBSERVE_ENV] = str(s.flops_per_sample)
