@@ -565,6 +565,28 @@ def test_track_records_survive_a_server_down_for_the_whole_script_and_sync_deliv
 
 
 @pytest.mark.e2e
+def test_one_process_is_a_world_of_one_without_local_rank_for_the_stand_in_and_the_script(
+        tmp_path, store):
+    """One process (no launcher) gives the script RANK=0 and WORLD_SIZE=1, not LOCAL_RANK (as
+    plain python gives none; Lightning read it as its ranks started outside it). A review: the
+    oneCCL stand-in then refused to import ("RANK=0, WORLD_SIZE=1 set but LOCAL_RANK not"); and a
+    script that reads LOCAL_RANK is told why it is not there."""
+    from ddplab import ccl
+
+    if ccl.missing():
+        pytest.skip(f"ddplab's ccl is not built here ({ccl.missing()}); make test builds it")
+    (tmp_path / "cc.py").write_text(
+        "import oneccl_bindings_for_pytorch  # noqa: F401\nimport torch.distributed as dist\n"
+        "dist.init_process_group('ccl')\nprint('CCL WORLD', dist.get_world_size())\n")
+    res = ddplab(["train", str(tmp_path / "cc.py")], tmp_path, job_env(store))
+    assert res.returncode == 0 and "CCL WORLD 1" in res.stdout, res.stderr[-3000:]
+    (tmp_path / "lr.py").write_text("import os\nprint(int(os.environ['LOCAL_RANK']))\n")
+    res = ddplab(["train", str(tmp_path / "lr.py")], tmp_path, job_env(store))
+    assert res.returncode == 1 and "KeyError: 'LOCAL_RANK' (one process, no launcher: nothing " \
+        "gave it GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.e2e
 def test_the_books_oneccl_script_runs_on_ddplabs_ccl_standing_in(tmp_path, store):
     from ddplab import ccl
 

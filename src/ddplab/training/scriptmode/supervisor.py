@@ -628,6 +628,11 @@ class Script:
             before_exit_s = (time.monotonic() - self.tails[1].last_read) - (time.time() - self.exited_at)
             if before_exit_s < EXIT_SAID_S:
                 return f"{last} ({said})"
+        if self.le.launcher == "none" and said.startswith("KeyError: ") and any(
+                f"'{k}'" in said for k in LAUNCHED_ONLY):
+            return (f"{said} (one process, no launcher: nothing gave it {', '.join(sorted(LAUNCHED_ONLY))}, "
+                    "as under plain python; start its ranks with ddplab run --nproc-per-node N or "
+                    "torchrun -m ddplab train)")
         return said or last or f"exit code {code}"
 
     def _keep_logs(self) -> None:

@@ -27,7 +27,10 @@ if not _ok:
 # CCL_PROCESS_LAUNCHER=torch is Intel's bindings' setting).
 from ddplab.distributed.oneccl import ccl_env_defaults as _defaults  # noqa: E402
 
-_env = _defaults(_LaunchEnv.from_environ(os.environ), None, {})
+# (one process, no launcher: a world of one without LOCAL_RANK, supervisor.py's env())
+_seen = {**({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} if os.environ.get("WORLD_SIZE") == "1"
+            else {}), **os.environ}
+_env = _defaults(_LaunchEnv.from_environ(_seen), None, {})
 os.environ.update({k: v for k, v in _env.items()
                    if k == "CCL_PROCESS_LAUNCHER" or k not in os.environ})
 os.environ["DDPLAB_CCL_STAND_IN"] = "1"
