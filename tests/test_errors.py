@@ -101,3 +101,9 @@ def test_a_long_traceback_keeps_its_header_the_scripts_frames_and_where_it_was_r
     assert "lines left out ...]" in kept and all(line.startswith(("  ", "Traceback", "Value"))
                                                 for line in kept.splitlines())
     assert keep_ends("short\n", 6000) == "short\n"
+    # A review: an exception line longer than the tail's room (load_state_dict's "Missing
+    # key(s)" with 600 keys) was left out whole; its start is kept.
+    huge = tb.replace("ValueError: bad batch at step 10", "RuntimeError: Missing key(s): " +
+                      ", ".join(f'"layer{i}.weight"' for i in range(600)))
+    kept = keep_ends(huge, 6000)
+    assert "RuntimeError: Missing key(s): \"layer0.weight\"" in kept and len(kept) <= 6100, kept[-300:]

@@ -518,7 +518,7 @@ def _launch(args: argparse.Namespace) -> int:
     from .launchers import LaunchError, mpi, rendezvous
 
     try:
-        if args.command == "launch" or getattr(args, "mpi_command", "") == "launch":
+        if args.command == "launch":  # (not mpi launch: its workers may hold files it lacks)
             _loads(rendezvous.train_args(args.train_args))
         return mpi.main(args) if args.command == "mpi" else rendezvous.launch(args)
     except (LaunchError, OSError, subprocess.CalledProcessError) as e:

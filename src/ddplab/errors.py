@@ -52,6 +52,9 @@ def keep_ends(text: str, limit: int) -> str:
     tail: list[str] = []
     while lines and sum(map(len, tail)) + len(lines[-1]) <= limit - limit // 4:
         tail.insert(0, lines.pop())
+    if not tail and lines:  # the exception's own line, longer than the rest: its start, always
+        last = lines.pop()
+        tail = [last[:limit // 2] + f" [... {len(last) - limit // 2} characters left out ...]\n"]
     if not lines:
         return "".join(head + tail)
     return "".join(head) + f"  [... {len(lines)} lines left out ...]\n" + "".join(tail)

@@ -127,7 +127,7 @@ def ranks_here(given: int | None, env: Mapping[str, str]) -> int:
         n = int(raw)
     except ValueError:
         raise ConfigError(f"{source}: got {raw!r}; must be a whole number of ranks >= 1") from None
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if n < 1 or n > RANKS_A_CORE * cores:
         raise ConfigError(f"{source}: got {n}; must be from 1 to {RANKS_A_CORE * cores} on this "
                           f"machine ({cores} cores, at most {RANKS_A_CORE} ranks a core)")

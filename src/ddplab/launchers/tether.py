@@ -30,13 +30,14 @@ def to_launcher(env: Mapping[str, str]) -> None:
     """Under torchrun (its workers have TORCHELASTIC_RUN_ID): SIGHUP when the launcher dies.
     (Other launchers stop their ranks themselves: mpirun's daemons, srun's slurmstepd.)"""
     global launcher_pid
+    expected = os.environ.pop(LAUNCHER_ENV, "")  # this rank's: nothing it starts inherits it
     if not env.get("TORCHELASTIC_RUN_ID"):
         return
     parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):  # not Linux: no tether
         if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGHUP) != 0:
             return
-        expected = env.get(LAUNCHER_ENV, "")
+        expected = expected or env.get(LAUNCHER_ENV, "")
         launcher_pid = int(expected) if expected.isdigit() else parent
         if os.getppid() != launcher_pid:  # it died before the tether held, or before this rank
             os.kill(os.getpid(), signal.SIGHUP)  # got here at all

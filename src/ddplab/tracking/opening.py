@@ -149,14 +149,14 @@ def _attach(client: Any, req: Request) -> Opened:
     client.update_run(req.run_id, status="RUNNING")
     history = client.get_metric_history(req.run_id, "train/loss")
     through = max((m.step for m in history), default=-1)
-    _move_aside_its_end(client, run, through)
+    _move_aside_its_end(client, run, through, req.uri)
     return _opened(run, req.uri, through)
 
 
-def _move_aside_its_end(client: Any, run: Any, through: int) -> None:
+def _move_aside_its_end(client: Any, run: Any, through: int, uri: str) -> None:
     """The earlier attempt's ending, from its tags into ``resumes/error-before-step<N>.txt``
     (its error first, as it was), its nodes' files into ``resumes/forensics-before-step<N>/``."""
-    _move_artifacts(client, run, "forensics", f"resumes/forensics-before-step{through:08d}")
+    _move_artifacts(client, run, uri, "forensics", f"resumes/forensics-before-step{through:08d}")
     tags = run.data.tags
     ended = [k for k in (schema.ERROR, schema.ERROR_RANK0, schema.VERDICT, schema.STRAGGLER)
              if k in tags] + sorted(k for k in tags if k.startswith(schema.FORENSICS_PREFIX))
@@ -169,26 +169,39 @@ def _move_aside_its_end(client: Any, run: Any, through: int) -> None:
     for k in ended:
         client.delete_tag(run.info.run_id, k)
     if error is not None:
-        _delete_artifact(run.info.artifact_uri, "error.txt")
+        _delete_artifact(run.info.artifact_uri, uri, "error.txt")
 
 
-def _move_artifacts(client: Any, run: Any, path: str, to: str) -> None:
+def _move_artifacts(client: Any, run: Any, uri: str, path: str, to: str) -> None:
     """The earlier attempt's files under ``path`` (each node's ranks' errors and stacks) go to
-    ``to``: a run that now finishes keeps them, but not where its own ending would be read."""
+    ``to`` (``to-2``, ... after an attempt that failed at the same step): a run that now finishes
+    keeps them, but not where its own ending would be read. A store that cannot move them
+    leaves them, said once: the resumed job goes on."""
     run_id = run.info.run_id
-    if not client.list_artifacts(run_id, path):
+    try:
+        if not client.list_artifacts(run_id, path):
+            return
+        taken = {a.path for a in client.list_artifacts(run_id, str(Path(to).parent))}
+        aside = next(f"{to}-{n}" if n > 1 else to for n in range(1, 1000)
+                     if (f"{to}-{n}" if n > 1 else to) not in taken)
+        with tempfile.TemporaryDirectory(prefix="ddplab-aside-") as tmp:
+            local = client.download_artifacts(run_id, path, tmp)
+            client.log_artifacts(run_id, local, aside)
+    except Exception as e:  # noqa: BLE001 - an artifact store's failure, said, not the job's
+        import warnings
+
+        warnings.warn(f"could not move the earlier attempt's {path}/ aside ({spool.describe(e)})",
+                      stacklevel=2)
         return
-    with tempfile.TemporaryDirectory(prefix="ddplab-aside-") as tmp:
-        local = client.download_artifacts(run_id, path, tmp)
-        client.log_artifacts(run_id, local, to)
-    _delete_artifact(run.info.artifact_uri, path)
+    _delete_artifact(run.info.artifact_uri, uri, path)
 
 
-def _delete_artifact(artifact_uri: str, path: str) -> None:
+def _delete_artifact(artifact_uri: str, uri: str, path: str) -> None:
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     try:
-        get_artifact_repository(artifact_uri).delete_artifacts(path)
+        # (the tracking URI: an mlflow-artifacts:/ location resolves through it)
+        get_artifact_repository(artifact_uri, tracking_uri=uri).delete_artifacts(path)
     except Exception as e:  # noqa: BLE001 - some stores cannot delete; the copy stays, said once
         import warnings
 

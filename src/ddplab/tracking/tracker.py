@@ -184,9 +184,11 @@ def _began_ms() -> int:
     try:
         import psutil
 
-        return int(psutil.Process().create_time() * 1000)
+        began = psutil.Process().create_time()
     except Exception:  # noqa: BLE001 - the run then starts when it is opened, as before
         return 0
+    # (a clock stepped since, or a start in the future: the run starts when it is opened)
+    return int(began * 1000) if 0 <= time.time() - began < 86400 else 0
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def _restarting(status: str) -> str:
         most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     except ValueError:
         return ""
-    if status == "FINISHED" or done >= most:
+    if status != "FAILED" or done >= most:  # (KILLED: Ctrl-C or a launcher gone, no restart)
         return ""
-    return (f" for now: torchrun starts attempt {done + 2} (--max-restarts {most}), which "
-            "resumes this run where it can")
+    return (f" for now: torchrun starts attempt {done + 2} (--max-restarts {most}) unless it was "
+            "stopped itself, and that attempt resumes this run where it can")

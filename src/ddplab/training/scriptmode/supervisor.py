@@ -1073,7 +1073,9 @@ def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, d
                      schema.SCRIPT_WORLD_SIZE: seen.get("world_size", "")})
         if stand_in:
             tags[schema.CCL_IMPL] = "ddplab (standing in for oneccl_bindings_for_pytorch)"
-        if not script.cfg.tracking.run_name:  # (the user's own name stays as given)
+        # (a name the user gave stays, and so does a run the job was given: MLFLOW_RUN_ID,
+        # `ddplab reproduce`'s)
+        if not script.cfg.tracking.run_name and not os.environ.get("MLFLOW_RUN_ID"):
             tags["mlflow.runName"] = script_run_name(script.cfg.name, script.le, backend,
                                                      seen.get("threads", ""))
     else:
