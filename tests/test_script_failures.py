@@ -324,6 +324,14 @@ def test_torchruns_log_dir_is_ddplabs_unless_the_user_names_one_or_logs_to_it(
     assert [f.exists() for f in left] == [not ours, True, True, True]
     if ours:
         Path(made).rmdir()
+    # The file `ddplab run` keeps its rank 0's last line in goes the same way (three were left in
+    # /tmp by `ddplab run`s killed outright).
+    lines = [tmp_path / f"ddplab-run-line-{host}-{gone}-y1", tmp_path / f"ddplab-run-line-{host}-"
+             f"{os.getpid()}-y2"]
+    for f in lines:
+        f.write_text("")
+    local._sweep(f"ddplab-run-line-{host}-")
+    assert [f.exists() for f in lines] == [False, True]
 
 
 def test_ddplabs_loop_says_its_failed_run_last_too(tmp_path, monkeypatch, capsys):

@@ -160,7 +160,10 @@ def run(a: argparse.Namespace) -> int:
 
     # Rank 0 leaves its last line (the run's address) here: said again after torchrun's own
     # output when the job failed, so the console ends on the run, as a finished job's does.
-    fd, last = tempfile.mkstemp(prefix="ddplab-run-line-")
+    # (named by host and pid as the log dir is, so the next job sweeps one a killed job left)
+    mine = f"ddplab-run-line-{socket.gethostname()}-"
+    _sweep(mine)
+    fd, last = tempfile.mkstemp(prefix=f"{mine}{os.getpid()}-")
     os.close(fd)
     os.environ[RUN_LINE_ENV] = last
     try:
@@ -232,16 +235,20 @@ LOG_DIR_PREFIX = "ddplab-torchrun-"
 
 
 def _sweep(mine: str) -> None:
-    """Remove the log dirs of earlier jobs of this host whose launcher is gone without removing
-    its own: a `ddplab run` killed outright (SIGKILL) cannot (a hostile pass)."""
+    """Remove the log dirs (and last-line files) of earlier jobs of this host whose launcher is
+    gone without removing its own: a `ddplab run` killed outright (SIGKILL) cannot (a hostile
+    pass)."""
     from ..forensics.watch import alive
 
-    for folder in Path(tempfile.gettempdir()).glob(f"{mine}*-*"):
+    for left in Path(tempfile.gettempdir()).glob(f"{mine}*-*"):
         # exactly PID-RANDOM (mkdtemp's has no "-"): host node's sweep must not read host
         # node-12's folder, ddplab-torchrun-node-12-PID-RANDOM, as pid 12's
-        pid, _, rest = folder.name[len(mine):].partition("-")
+        pid, _, rest = left.name[len(mine):].partition("-")
         if pid.isdigit() and rest and "-" not in rest and not alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
+            if left.is_dir():
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                left.unlink(missing_ok=True)
 
 
 def failed(e: ChildFailedError) -> int:
