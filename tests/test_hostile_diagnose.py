@@ -241,7 +241,11 @@ def test_the_preflight_checks_the_run_a_named_folder_resumes_one_level_down(tmp_
     experiment = tmp_path / "quickstart"
     run = experiment / "run1"
     run.mkdir(parents=True)
-    (run / "step-00000004.pt").write_bytes(b"never read by the preflight")
+    import torch
+
+    # (the preflight reads what a checkpoint is, not its tensors: a file that is not one is
+    # refused there too, test_checkpoint.py)
+    torch.save({k: None for k in checkpoint.REQUIRED}, run / "step-00000004.pt")
     rank = beating_rank(forensics_dir(run / "spool" / "node0"), 0, 1, "forward", 3)
     try:
         for named in (experiment, run, run / "step-00000004.pt"):

@@ -351,6 +351,7 @@ class Script:
         self.stop_at = float("inf")  # when this supervisor signalled the script to stop
         self.stopped_why = f"{PEER_FAILED}: its supervisor stopped the script"
         self.readers: list[Any] = []  # the script's stdout and stderr, as read here
+        self.given_run = False  # the job was given its run (MLFLOW_RUN_ID, reproduce): its name stays
 
     def env(self) -> dict[str, str]:
         le, s = self.le, self.cfg.script
@@ -802,6 +803,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
     from ..summary import Console
 
     t0 = time.time()
+    given_run = bool(os.environ.get("MLFLOW_RUN_ID"))  # (before the job's run sets it here)
     le = LaunchEnv.from_environ(os.environ)
     checks.for_script(cfg, le, summary_out)
     identity = job_identity(cfg) if le.is_rank0 else {}
@@ -814,6 +816,7 @@ def train(cfg: config.ExperimentConfig, summary_out: str = "") -> str:
                               run_name=name, beats=False) as run:
             signals.attach(run)  # a failed job names its run last too (cli.py)
             script = Script(cfg, le, run, meeting, t0, signals)
+            script.given_run = given_run
             if le.is_rank0:
                 if run.run_id:
                     write_identity(script.run_dir, identity, run.run_id)
@@ -1075,7 +1078,7 @@ def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, d
             tags[schema.CCL_IMPL] = "ddplab (standing in for oneccl_bindings_for_pytorch)"
         # (a name the user gave stays, and so does a run the job was given: MLFLOW_RUN_ID,
         # `ddplab reproduce`'s)
-        if not script.cfg.tracking.run_name and not os.environ.get("MLFLOW_RUN_ID"):
+        if not script.cfg.tracking.run_name and not script.given_run:
             tags["mlflow.runName"] = script_run_name(script.cfg.name, script.le, backend,
                                                      seen.get("threads", ""))
     else:
