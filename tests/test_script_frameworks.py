@@ -11,6 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from .conftest import ddplab, job_env, runs
+from .test_script_mlflow import HF_IDS
 
 # Accelerate's loaders read a batch ahead (so Hugging Face's Trainer's, built on them): the
 # torch iterator runs out before the epoch's last step. Its backward divides the loss by
@@ -133,20 +134,7 @@ def test_lightning_run_as_one_process_starts_its_own_ranks_as_under_plain_python
 # num_items_in_batch, divides each micro-batch's summed loss by the whole step's token count, and
 # the Trainer logs the step's loss as the sum of its micro-batches'. The script prints each
 # logged loss with its step.
-HF_ACCUMULATING = '''
-import torch
-from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
-
-class Ids(Dataset):
-    def __len__(self):
-        return 32
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids.clone()}
-
+HF_ACCUMULATING = HF_IDS + '''
 
 class Said(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):

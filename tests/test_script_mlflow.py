@@ -118,10 +118,12 @@ trainer.fit(Net(), DataLoader(data, batch_size=16))
 
 # Hugging Face's Trainer on a tiny GPT-2 built from its config (nothing downloaded); under
 # transformers 5 it reports to MLflow only when asked (report_to's default is now "none").
-HF_TRAINER = '''
+# HF_IDS: its data, 32 sequences of 16 token ids, the labels the inputs (test_script_frameworks
+# trains on it too).
+HF_IDS = '''
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 
 class Ids(Dataset):
@@ -131,7 +133,8 @@ class Ids(Dataset):
     def __getitem__(self, i):
         ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids.clone()}
-
+'''
+HF_TRAINER = HF_IDS + '''
 
 def train_tiny_gpt2(out):
     torch.manual_seed(0)

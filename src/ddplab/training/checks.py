@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -387,18 +388,25 @@ def _really_writable(path: Path, key: str) -> None:
     tell (root passes os.access on /proc, read-only mounts, full disks), trying does."""
     import tempfile
 
-    made = [p for p in (path, *path.parents) if not p.exists()]
-    try:
+    with _tried(path, key, "cannot write there"):
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".ddplab-probe-"):
             pass
+
+
+@contextlib.contextmanager
+def _tried(path: Path, key: str, what: str) -> Iterator[None]:
+    """A write tried at ``path``: its OSError as the key's one line; the folders the try made
+    (``path``'s missing ancestors, and ``path`` itself) taken back, deepest first."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        yield
     except OSError as e:
-        raise ConfigError(f"{key}: got {str(path)!r}; cannot write there ({e.strerror or e})") \
-            from None
+        raise ConfigError(f"{key}: got {str(path)!r}; {what} ({e.strerror or e})") from None
     finally:
-        for p in made:  # deepest first
+        for p in made:
             try:
-                p.rmdir()
+                p.rmdir() if p.is_dir() else p.unlink()
             except OSError:
                 break
 
@@ -419,24 +427,10 @@ def _summary_path(path: Path) -> None:
 def _file_writable(path: Path, key: str) -> None:
     """Open ``path`` as its writer will (its folder made), then take back what was made: a
     file under /proc, an immutable one, a name too long were found only once the job ended."""
-    made = [p for p in path.parents if not p.exists()]
-    existed = path.exists()
-    try:
+    with _tried(path, key, "cannot write it"):
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a"):
             pass
-    except OSError as e:
-        raise ConfigError(f"{key}: got {str(path)!r}; cannot write it ({e.strerror or e})") \
-            from None
-    finally:
-        if not existed:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        for p in made:  # deepest first
-            try:
-                p.rmdir()
-            except OSError:
-                break
 
 
 def for_script(cfg: ExperimentConfig, le: LaunchEnv, summary_out: str) -> None:
