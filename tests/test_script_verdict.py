@@ -36,10 +36,30 @@ def test_ranks_that_each_failed_the_same_way_are_all_the_cause_in_both_verdicts(
                for r in (0, 1)]
     assert watch.verdict(endings, 2) == \
         "ranks 0,1 (host vm) each failed (SystemExit: 3) at step 17 in data loading"
-    # One of them failing differently: the earliest own failure, the other after it.
+    # One of them failing differently: the earliest own failure, then the other's own error,
+    # which it raised by itself (it did not stop "after" the first).
     outcomes[0] = _o(0, 10.1, 1, "ValueError: bad batch")
-    assert str(supervisor._verdict(outcomes, 2, None)).startswith(
-        "the script failed on rank 1 (host h1): SystemExit: 3; then rank(s) 0 failed")
+    assert str(supervisor._verdict(outcomes, 2, None)) == (
+        "the script failed on rank 1 (host h1): SystemExit: 3; rank 0 (host h0): ValueError: "
+        "bad batch also failed by itself")
+
+
+def test_ranks_raising_their_own_errors_at_once_are_each_named_not_stopped_after_it():
+    """Two ranks that each raised at once ("boom on rank 0", "boom on rank 1"): both verdicts
+    said the second "stopped after" (or "failed or were stopped" after) the first."""
+    endings = [watch.Ending(r, 3, "forward", 10.0 + r / 100, "failed",
+                            f"RuntimeError: boom on rank {r}\n\ntrace", "vm") for r in (0, 1)]
+    endings.append(watch.Ending(2, 3, "backward", 10.5, "failed", "killed by SIGTERM", "vm"))
+    assert watch.verdict(endings, 3) == (
+        "rank 0 (host vm) failed (RuntimeError: boom on rank 0) at step 3 in forward; rank 1 "
+        "(host vm) also failed (RuntimeError: boom on rank 1) at step 3 in forward; rank 2 "
+        "stopped after it")
+    outcomes = {r: _o(r, 10.0 + r / 100, 1, f"RuntimeError: boom on rank {r}") for r in (0, 1)}
+    outcomes[2] = _o(2, 10.5, -15, "killed by SIGTERM")
+    assert str(supervisor._verdict(outcomes, 3, None)) == (
+        "the script failed on rank 0 (host h0): RuntimeError: boom on rank 0; rank 1 (host h1): "
+        "RuntimeError: boom on rank 1 also failed by itself; then rank(s) 2 failed or were "
+        "stopped")
 
 
 def test_both_kinds_of_job_take_the_same_errors_for_consequences():

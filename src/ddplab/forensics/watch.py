@@ -359,11 +359,16 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     # Every rank that failed the same way by itself (a bug that meets all of them: a NameError,
     # argparse's refusal) is a cause: none of them "stopped after" another.
     alike = [e for e in causes if _how(e) == _how(first)]
-    after = sorted(e.rank for e in failed + hung if e not in alike)
+    # A rank that raised an error of its own, another than the first's, failed by itself too:
+    # it did not stop after the first ("boom on rank 1" beside "boom on rank 0").
+    also = sorted((e for e in causes if e not in alike and e.what == "failed"),
+                  key=lambda e: e.rank)
+    after = sorted(e.rank for e in failed + hung if e not in alike and e not in also)
     who = (f"rank {first.rank} (host {first.host})" if len(alike) == 1 else
            f"{_ranks(sorted(e.rank for e in alike))} (host "
            f"{','.join(sorted({e.host for e in alike}))}) each")
-    line = f"{who} {_how(first)} {where(first)}"
+    line = f"{who} {_how(first)} {where(first)}" + "".join(
+        f"; rank {e.rank} (host {e.host}) also {_how(e)} {where(e)}" for e in also)
     if after:
         line += f"; {_ranks(after)} stopped after it"
     return line + (f"; {lost}" if missing else "")

@@ -971,11 +971,16 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
         if len(alike) > 1:
             hosts = sorted({o["host"] for o in own if o["rank"] in alike})
             first = {**first, "rank": ",".join(map(str, alike)), "host": ",".join(hosts)}
-        others = [r for r in sorted(outcomes) if r not in alike and outcomes[r]["failed"]]
+        # A rank that raised an error of its own, another than the first's, failed by itself
+        # too: it did not stop because of the first ("boom on rank 1" beside "boom on rank 0").
+        also = [o for o in own if o["rank"] not in alike and not _secondary(o)]
+        others = [r for r in sorted(outcomes) if r not in alike and outcomes[r]["failed"]
+                  and all(r != o["rank"] for o in also)]
         waited = "; ".join(f"rank {r} at {outcomes[r]['where']}" for r in others
                            if outcomes[r].get("where"))
-        tail = (f"; then rank(s) {','.join(map(str, others))} failed or were stopped"
-                f"{f' ({waited}; stacks in forensics/)' if waited else ''}" if others else "")
+        tail = "".join(f"; {_line(o)} also failed by itself" for o in also) + (
+            f"; then rank(s) {','.join(map(str, others))} failed or were stopped"
+            f"{f' ({waited}; stacks in forensics/)' if waited else ''}" if others else "")
         # torchrun names the rank whose error file is oldest: this (rank 0's) one only when
         # rank 0 is the cause.
         t = first["t"] if 0 in alike else max(time.time(), first["t"] + 1.0)
