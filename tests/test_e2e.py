@@ -3,6 +3,7 @@ checked through the real MLflow store they write."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -56,6 +57,10 @@ def test_make_run_gives_one_finished_run_with_everything(tmp_path):
     assert (tags["ddplab.world_size"], tags["ddplab.nproc_per_node"], tags["ddplab.nnodes"]) == (
         "2", "2", "1")
     assert tags["ddplab.launcher"] == "torchrun" and tags["ddplab.backend"] == "gloo"
+    # The UI's "Created by" and "Source" (empty before): who ran it, and rank 0's command.
+    assert tags["mlflow.user"] == getpass.getuser(), tags
+    assert tags["mlflow.source.name"].startswith("ddplab train ") and \
+        "quickstart.yaml" in tags["mlflow.source.name"], tags
     assert all(m in metrics for m in REQUIRED_METRICS), set(REQUIRED_METRICS) - set(metrics)
     assert metrics["eval/accuracy"] > 0.5  # chance is 0.1
     # The UI's duration is the job's, start-up included (it was from the run's opening on, which

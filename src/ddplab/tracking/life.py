@@ -10,6 +10,8 @@ that failed says why in one place (``ddplab.error``, MLflow's 8000-character tag
 
 from __future__ import annotations
 
+import getpass
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,9 +23,24 @@ FINISHED, FAILED, KILLED, RUNNING = "FINISHED", "FAILED", "KILLED", "RUNNING"
 
 def create(client: Any, experiment_id: str, name: str, tags: Mapping[str, str] | None = None,
            start_time: int | None = None) -> Any:
-    """A new run of ``experiment_id``, RUNNING, named ``name``: MLflow's Run (``.info.run_id``)."""
-    return client.create_run(experiment_id, start_time=start_time, tags=dict(tags or {}),
-                             run_name=name)
+    """A new run of ``experiment_id``, RUNNING, named ``name``: MLflow's Run (``.info.run_id``).
+    Who made it is its ``mlflow.user`` (the UI's "Created by"), unless ``tags`` say."""
+    tags = dict(tags or {})
+    if USER not in tags and (who := user()):
+        tags[USER] = who
+    return client.create_run(experiment_id, start_time=start_time, tags=tags, run_name=name)
+
+
+USER = "mlflow.user"
+
+
+def user() -> str:
+    """Who runs this: the team server's login (MLFLOW_TRACKING_USERNAME), else the account; ""
+    when neither can be told (a container's uid without a passwd entry, no $USER)."""
+    try:
+        return os.environ.get("MLFLOW_TRACKING_USERNAME") or getpass.getuser()
+    except Exception:  # noqa: BLE001 - getpass raises KeyError or OSError by Python version
+        return ""
 
 
 def end(client: Any, run_id: str, status: str, reason: str = "",

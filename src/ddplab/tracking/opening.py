@@ -48,6 +48,8 @@ class Request:
     start_ms: int = 0
     """When the job began (ms; rank 0's process start): a new run starts then, so the UI's
     duration is the job's, its start-up included, not from its run's opening on (0: now)."""
+    source: str = ""
+    """The command rank 0 runs (``ddplab train experiments/quickstart.yaml``): the UI's Source."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
     if req.run_id:
         return _attach(client, req), client
     tags = {"mlflow.note.content": f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
+    if req.source:
+        tags.update({"mlflow.source.name": req.source[:schema.TAG_LIMIT], "mlflow.source.type": "JOB"})
     try:
         exp_id = experiment_id(client, req.experiment)
         run = life.create(client, exp_id, req.run_name, tags, start_time=req.start_ms or None)
