@@ -104,6 +104,11 @@ def test_config_with_ddplab_set_and_set_prints_no_password(tmp_path, clean_env, 
     out = capsys.readouterr()
     assert not leaks(out.out + out.err), out
     assert "uri: http://h:5000" in out.out and "uri: https://h2" in out.out
+    # Any other URL in the config (a database named in the description) is masked in print.
+    assert cli.main(["config", QUICKSTART, "--set", f"description=db postgresql://d:{PASSWORD}@db/x"]
+                    ) == 0
+    out = capsys.readouterr()
+    assert not leaks(out.out) and "postgresql://d:***@db/x" in out.out, out.out
     # The bad value of a --set is echoed back in its one line: masked too.
     assert cli.main(["config", QUICKSTART, "--set", f"train.epochs=http://u:{PASSWORD}@h"]) == 2
     err = capsys.readouterr().err
@@ -183,6 +188,7 @@ def test_a_real_job_records_and_prints_no_password(tmp_path, store):
                                     f"'data.root=https://d:{PASSWORD}@data.example/x'")
     out = ddplab(["train", QUICKSTART, *QUICK, "--set", f"tracking.uri={store}",
                   "--set", f"data.root=https://e:{PASSWORD}@data.example/y",
+                  "--set", f"description=db at postgresql://d:{PASSWORD}@db/x",
                   "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=0",
                   "--set", "checkpoint.every_epochs=0"], tmp_path, env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -198,5 +204,7 @@ def test_a_real_job_records_and_prints_no_password(tmp_path, store):
     recorded = json.dumps([run.data.params, run.data.tags])
     assert not leaks(recorded), leaks(recorded)
     assert run.data.params["data.root"] == "https://e:***@data.example/y"
+    # The description is the UI's (mlflow.note.content): it showed the password.
+    assert run.data.tags["mlflow.note.content"].startswith("db at postgresql://d:***@db/x")
     spooled = [p for p in (tmp_path / "checkpoints").rglob("spool/**/*") if p.is_file()]
     assert spooled and not [p for p in spooled if leaks(p.read_text(errors="replace"))]

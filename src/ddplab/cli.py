@@ -394,8 +394,9 @@ def _raised_in_user_code(e: BaseException) -> str:
 
 def _config(args: argparse.Namespace) -> int:
     from .config import load
+    from .logins import mask
 
-    print(load(args.experiment, args.overrides, environ=os.environ).to_yaml(), end="")
+    print(mask(load(args.experiment, args.overrides, environ=os.environ).to_yaml()), end="")
     return 0
 
 

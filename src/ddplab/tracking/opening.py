@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..logins import mask
 from ..poll import poll
 from . import life, schema, spool
 from .store import TrackingError, _experiment_refused, _permission_denied, check_reachable, open_client
@@ -117,7 +118,7 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
     client = client or open_client(req.uri)
     if req.run_id:
         return _attach(client, req), client
-    tags = {"mlflow.note.content": f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
+    tags = {"mlflow.note.content": mask(f"{req.description}\n\n{THROUGHPUT_NOTE}".strip())}
     if req.source:
         tags.update({"mlflow.source.name": req.source[:schema.TAG_LIMIT], "mlflow.source.type": "JOB"})
     try:
