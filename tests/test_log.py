@@ -1,5 +1,5 @@
-"""Unit: ddplab's logger keeps the console format, names the rank, and lets only rank 0 print
-progress."""
+"""Unit (and one real job): ddplab's logger keeps the console format, names the rank, and lets
+only rank 0 print progress."""
 
 import pytest
 
@@ -48,3 +48,16 @@ def test_an_unknown_log_level_is_said_in_one_line_and_info_kept():
     assert out.stderr.splitlines() == [
         "ddplab: warning: DDPLAB_LOG_LEVEL: got 'loud'; allowed: debug, info, warning, error "
         "(info used)", "[ddplab] epoch 1"]
+
+
+@pytest.mark.e2e
+def test_a_bad_log_level_is_said_once_a_job_not_by_each_of_its_processes(tmp_path, store):
+    """A real 2-rank job: the warning came from every process that logs (`ddplab train`, its
+    delivery process, each rank under torchrun)."""
+    from tests.conftest import QUICK, REPO, ddplab, job_env
+
+    env = job_env(store, DDPLAB_LOG_LEVEL="loud")
+    out = ddplab(["train", str(REPO / "experiments" / "quickstart.yaml"), *QUICK,
+                  "--set", "train.max_steps=2"], tmp_path, env, nproc=2)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.count("DDPLAB_LOG_LEVEL: got 'loud'") == 1, out.stderr

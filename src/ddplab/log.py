@@ -74,6 +74,10 @@ class _Rank0Progress(logging.Filter):
         return record.levelno >= logging.WARNING or rank() in (None, 0)
 
 
+LEVEL_SAID = "DDPLAB_LOGLEVEL_SAID"
+"""Set once a bad DDPLAB_LOG_LEVEL was said: the processes the job starts inherit it."""
+
+
 def _configure() -> logging.Logger:
     root = logging.getLogger("ddplab")
     if not root.handlers:
@@ -85,7 +89,10 @@ def _configure() -> logging.Logger:
         level = os.environ.get("DDPLAB_LOG_LEVEL", "info").upper()
         known = level in ("DEBUG", "INFO", "WARNING", "ERROR")
         root.setLevel(level if known else "INFO")
-        if not known:  # (a typo's silence read as the level working)
+        # (a typo's silence read as the level working; said once a job: by rank 0, or the
+        # process before any rank, not again by the processes it starts)
+        if not known and rank() in (None, 0) and not os.environ.get(LEVEL_SAID):
+            os.environ[LEVEL_SAID] = "1"
             root.warning(f"DDPLAB_LOG_LEVEL: got {os.environ['DDPLAB_LOG_LEVEL']!r}; allowed: debug, "
                          "info, warning, error (info used)")
     return root

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import first_line
+from ..log import LEVEL_SAID
 from ..tracking import spool
 from .protocol import (
     ABANDONED,
@@ -52,7 +53,8 @@ class Delivery:
                     resolve_uri(cfg, env or os.environ), world_size, hang_after_s)
         self.proc = subprocess.Popen(
             args.argv(),
-            env=env,
+            # (a bad DDPLAB_LOG_LEVEL is said by the job's own process, not again by this one)
+            env={**(env if env is not None else os.environ), LEVEL_SAID: "1"},
             # Its own session: the signals meant for the ranks (Ctrl-C, torchrun's killpg of a
             # failed job) must not stop it before the run's ending is delivered. It ends on
             # its own: closed, or its parent gone, then within its timeout.
