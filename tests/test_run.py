@@ -193,6 +193,12 @@ def test_training_on_from_a_final_checkpoint_trains_the_rest_of_the_epoch_in_a_n
     assert (after.info.status, after.info.end_time, after.data.tags) == (
         "FINISHED", before.info.end_time, before.data.tags)
     assert client.get_run(longer).data.tags["ddplab.continues_run"] == first
+    # Its run id names its folder too, as for a script job (the loop refused it: no such file).
+    by_id = run.train(quick, [*sets, "train.max_steps=6", f"checkpoint.resume={first}",
+                              "checkpoint.dir=a"])
+    assert sorted(losses(by_id)) == [5, 6] and client.get_run(by_id).data.tags[
+        "ddplab.continues_run"] == first
+    assert losses(by_id)[6] == pytest.approx(losses(whole)[6], rel=1e-5)
 
 
 def test_a_resume_across_an_optimizer_or_model_change_is_never_a_key_error(tmp_path, monkeypatch):

@@ -97,7 +97,9 @@ class DataConfig:
     """Keyword arguments for your own dataset callable (only with an import path)."""
     root: str = "data"
     """Where the data lives: CIFAR-10's folder (``cifar-10-batches-py`` goes inside), the
-    ImageFolder tree, or the text (a file or a folder) for ``tokens``."""
+    ImageFolder tree, or the text (a file or a folder, every text file under it) for
+    ``tokens``. A relative path is from the directory the job runs in, not the experiment
+    file's."""
     download: bool = False
     """Let torchvision download CIFAR-10 into ``root`` (local rank 0 only, then a barrier)."""
     train_samples: int = 8192

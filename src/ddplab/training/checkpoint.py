@@ -273,7 +273,7 @@ def not_running(resume: str, root: Path) -> None:
             refuse_a_running_job(newest[0].parent, f"checkpoint.resume: auto found "
                                                    f"{newest[0].parent},")
     elif resume != "never":
-        path = _named(resume)
+        path = _named(resume, root)
         refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
         _read_named(path, resume, mmap=True)
 
@@ -294,12 +294,15 @@ def _read_named(path: Path, resume: str, mmap: bool = False) -> dict[str, Any]:
                           "not resume)") from None
 
 
-def _named(resume: str) -> Path:
+def _named(resume: str, root: Path) -> Path:
     """The checkpoint file ``checkpoint.resume`` names: the file itself, or in a run's folder
-    (checkpoints/<experiment>/<run id>/, or the experiment's folder above it) the newest."""
+    (checkpoints/<experiment>/<run id>/, or the experiment's folder above it) the newest; a
+    bare run id is its folder in this experiment's (``root``), as a script job takes one."""
     from ..config import ConfigError
 
     path = Path(resume)
+    if not path.exists() and (root / resume).is_dir():
+        path = root / resume
     if path.is_dir():
         newest = newest_file(path, "step-*.pt") or newest_file(path, "*/step-*.pt")
         if newest is None:
@@ -308,7 +311,8 @@ def _named(resume: str) -> Path:
         return newest
     if not path.is_file():
         raise ConfigError(f"checkpoint.resume: got {resume!r}; no such checkpoint file or "
-                          "folder (auto, never, a checkpoint file or a run's folder)")
+                          f"folder, nor a run with checkpoints in {root} (auto, never, a "
+                          "checkpoint file, a run's folder or its run id)")
     return path
 
 
@@ -327,7 +331,7 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
     if resume == "never":
         return None
     if resume != "auto":
-        path = _named(resume)
+        path = _named(resume, root)
         refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
         return path, _read_named(path, resume)
     found = newest_valid(root)
