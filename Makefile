@@ -202,8 +202,11 @@ clean-images: ## Remove ddplab images of other revisions (keeps :latest and :IMA
 	docker image prune -f
 	docker builder prune -f --keep-storage $(BUILD_CACHE_KEEP)
 
-slurm-up: ## Start the one-host Slurm cluster (compose/slurm.yml) and run its sbatch job
-	docker compose -f compose/slurm.yml up --exit-code-from submit
+slurm-up: ## Start the one-host Slurm cluster (compose/slurm.yml), follow its sbatch job, exit with its code (slurm-down)
+	docker compose -f compose/slurm.yml up -d
+	docker compose -f compose/slurm.yml logs -f submit
+	@docker compose -f compose/slurm.yml ps -a --format '{{.Service}} {{.ExitCode}}' submit | \
+	  awk '$$2 != 0 {bad = 1; print "the sbatch job exited with " $$2} END {exit bad}'
 
 slurm-down: ## Stop the Slurm cluster and delete its volumes
 	docker compose -f compose/slurm.yml down -v
@@ -220,19 +223,23 @@ run-cuda-nccl: ## Run EXPERIMENT with NPROC GPUs via torchrun in the CUDA image,
 	$(DOCKER_RUN) --gpus all $(CUDA_IMAGE):latest torchrun --standalone --nproc-per-node $(NPROC) \
 	  -m ddplab train $(EXPERIMENT) --set dist.backend=nccl --set dist.device=cuda $(ARGS)
 
-run-multinode: ## Simulate NNODES nodes with compose; the MLflow UI stays up on localhost:5000
+# An attached `up` returns only once every container stopped, and the MLflow server does not:
+# `up -d`, then the job's own containers followed until they end, then their exit codes.
+# (`--exit-code-from` would stop everything at the first one-shot service's exit.)
+run-multinode: ## Simulate NNODES nodes with compose, exit with the nodes' code; the MLflow UI stays up on localhost:5000 (multinode-down)
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
-	NNODES=$(NNODES) $(COMPOSE) up
-	@# compose's `up` exits 0 whatever the containers did: the nodes' exit codes decide.
+	NNODES=$(NNODES) $(COMPOSE) up -d
+	$(COMPOSE) logs -f node
 	@$(COMPOSE) ps -a --format '{{.Service}} {{.ExitCode}}' node | \
 	  awk '$$2 != 0 {bad = 1; print "node exited with " $$2} END {exit bad}'
 
 multinode-down: ## Stop the compose simulation and delete its volumes
 	$(COMPOSE) down -v
 
-run-mpi-multinode: ## mpirun across NNODES worker containers x SLOTS ranks (compose/mpi.yml)
+run-mpi-multinode: ## mpirun across NNODES worker containers x SLOTS ranks (compose/mpi.yml), exit with the launcher's code (mpi-down)
 	@docker image inspect $(MPI_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mpi
-	NNODES=$(NNODES) SLOTS=$(SLOTS) $(COMPOSE_MPI) up
+	NNODES=$(NNODES) SLOTS=$(SLOTS) $(COMPOSE_MPI) up -d
+	$(COMPOSE_MPI) logs -f launcher
 	@$(COMPOSE_MPI) ps -a --format '{{.Service}} {{.ExitCode}}' launcher | \
 	  awk '$$2 != 0 {bad = 1; print "launcher exited with " $$2} END {exit bad}'
 
