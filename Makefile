@@ -128,6 +128,7 @@ clean-runs: ## Delete the local MLflow store, artifacts and checkpoints (asks fi
 
 # ---- containers (docs/containers.md) ----
 REGISTRY        ?= ddplab
+K8S_DIR         ?= k8s
 IMAGE_TAG       ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
 GIT_SHA         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 WITH_ONECCL     ?= 0
@@ -253,8 +254,8 @@ lint-docker: $(STAMP) ## Lint every Dockerfile (hadolint) and the compose files
 	docker compose -f compose/slurm.yml config --quiet
 
 # ---- Kubernetes (docs/kubernetes.md) ----
-k8s-apply: ## Apply k8s/ for the operator the cluster runs: Kubeflow Trainer v2 (k8s/trainer-v2/) or v1 (k8s/), saying which
-	@bash tools/k8s_apply.sh
+k8s-apply: ## Apply k8s/ (K8S_DIR=build/k8s: k8s-render's copy) for the operator the cluster runs: Trainer v2 (trainer-v2/) or v1, saying which
+	@K8S_DIR=$(K8S_DIR) bash tools/k8s_apply.sh
 
 k8s-validate: $(STAMP) ## Validate k8s/ against the real CRDs and Kubernetes' schema (no cluster)
 	$(BIN)/pytest tests/test_k8s.py $(PYTEST_ARGS)
@@ -283,4 +284,4 @@ k8s-secrets: ## The namespace and the tracking server's generated Secrets, once 
 k8s-render: ## Copy k8s/ to build/k8s/ with images from REGISTRY and IMAGE_TAG
 	@rm -rf build/k8s && mkdir -p build && cp -r k8s build/k8s
 	find build/k8s -name '*.yaml' -exec sed -i 's#image: ddplab/\([a-z-]*\):latest#image: $(REGISTRY)/\1:$(IMAGE_TAG)#' {} +
-	@echo "rendered build/k8s/ with $(REGISTRY)/*:$(IMAGE_TAG); kubectl apply -f build/k8s/"
+	@echo "rendered build/k8s/ with $(REGISTRY)/*:$(IMAGE_TAG); make k8s-apply K8S_DIR=build/k8s"

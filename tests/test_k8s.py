@@ -12,6 +12,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -352,3 +353,34 @@ esac
         return
     assert out.returncode == 0, out.stderr
     assert [a for a in applied if a in applies] == applies and applied[-1] == applies[-1]
+
+
+def test_make_k8s_apply_applies_a_rendered_copy_with_a_stand_in_kubectl(tmp_path):
+    """`make k8s-render`'s copy (images from your registry) applied as `make k8s-apply` applies
+    k8s/: its v2 part too (`kubectl apply -f build/k8s/`, which it once said, applies only
+    the v1 set; a v2-only cluster refuses its PyTorchJob). A stand-in kubectl, as above."""
+    rendered = tmp_path / "rendered"
+    shutil.copytree(REPO / "k8s", rendered)
+    fake = tmp_path / "bin" / "kubectl"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {tmp_path}/calls
+case "$*" in
+  "get crd trainjobs.trainer.kubeflow.org") exit 0 ;;
+  "get crd "*) exit 1 ;;
+  "apply -f "*) exit 0 ;;
+  *) exit 9 ;;
+esac
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["make", "-s", "k8s-apply", f"K8S_DIR={rendered}"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    applied = [a for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("apply")
+               for a in c.split()[1:] if a != "-f"]
+    assert applied == [f"{rendered}/{f}" for f in ("00-namespace.yaml", "10-mlflow.yaml",
+                                                  "20-experiment.yaml", "trainer-v2/")], applied
+    missing = subprocess.run(["make", "-s", "k8s-apply", f"K8S_DIR={tmp_path / 'none'}"], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "has no 00-namespace.yaml" in missing.stderr

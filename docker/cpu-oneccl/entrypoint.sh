@@ -20,10 +20,12 @@ load_oneccl_env
 export CCL_ATL_TRANSPORT="${CCL_ATL_TRANSPORT:-ofi}"
 export CCL_WORKER_COUNT="${CCL_WORKER_COUNT:-1}"
 export CCL_ATL_SHM="${CCL_ATL_SHM:-1}"
-# As the container's first process, the command runs under ddplab.launchers.outlive: when it
-# ends, what it left running (this node's tracking delivery, recording the run's end after a
-# rank was killed) still finishes instead of being killed with the container.
-if [ "$$" = 1 ]; then
+# As the container's first process, or the first under its init (`docker run --init`, as
+# `make run-cpu-oneccl` runs it: tini is PID 1 and ends the container when its child ends),
+# the command runs under ddplab.launchers.outlive: when it ends, what it left running (this
+# node's tracking delivery, recording the run's end after a rank was killed) still finishes
+# instead of being killed with the container.
+if [ "$$" = 1 ] || [ "$PPID" = 1 ]; then
   exec python -m ddplab.launchers.outlive "$@"
 fi
 exec "$@"

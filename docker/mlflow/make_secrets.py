@@ -5,7 +5,7 @@ the database password. Standard library only (it runs in the server image and on
     make_secrets.py DIR            write each missing one into DIR as a file (mode 0400);
                                    compose/tracking.yml's `tracking-secrets` runs this first
     make_secrets.py --k8s [NS]     print them as the Kubernetes Secrets k8s/ reads:
-                                   `make k8s-secrets` pipes this into `kubectl apply -f -`
+                                   `make k8s-secrets` pipes this into `kubectl create -f -`
 
 Existing files are kept: the admin exists in the database from the first start, and a new
 password in the file would no longer match it (change it with MLflow's update-password API, then
@@ -39,8 +39,11 @@ def write_missing(d: Path) -> None:
             out.write(value + "\n")
         made.append(name)
     print(f"tracking secrets in {d}: " + (f"made {', '.join(made)}" if made else "kept (all present)"))
+    # Each compose file is its own project (ddplab, ddplab-mpi, ...): the one this runs in.
+    project = os.environ.get("DDPLAB_COMPOSE_PROJECT", "")
+    where = f"-p {project}" if project else "-f compose/<the file you ran>.yml"
     print(f"MLflow login: user {(d / 'admin-username').read_text().strip()}, password: "
-          f"docker compose -f compose/multinode.yml exec mlflow cat {d}/admin-password")
+          f"docker compose {where} exec mlflow cat {d}/admin-password")
 
 
 def secret(name: str, namespace: str, data: dict[str, str]) -> dict:
