@@ -371,3 +371,39 @@ def test_early_stopping_on_a_torchmetrics_f1_stops_when_it_stops_improving(tmp_p
     assert r.data.tags["ddplab.user.metric.f1"] == "torchmetrics.classification:MulticlassF1Score"
     assert r.data.tags["ddplab.user.metric.f1.git"].startswith("installed")
     assert r.data.tags["ddplab.stopped_early"] == summary["stopped_early"]
+
+
+def test_a_resume_at_the_last_steps_checkpoint_still_records_its_evaluation(tmp_path, monkeypatch):
+    """A job that died after its last step's checkpoint, before its evaluation: the rerun
+    resumed that step and evaluated, but recorded none of it (no eval/*, epoch/*, memory/*,
+    perf/wall_time_s): the steps already in the run were skipped whole, not metric by metric.
+    And its perf/samples_per_s was 0.0 for an attempt that timed no step."""
+    from mlflow import MlflowClient
+
+    from ddplab.training import fit
+
+    store = lone_job(tmp_path, monkeypatch)
+    client = MlflowClient(store)
+    quick = str(REPO / "experiments" / "quickstart.yaml")
+    sets = ["data.train_samples=256", "data.eval_samples=64", "data.image_size=8",
+            "train.epochs=1", "train.log_every=2", "tracking.system_metrics=false",
+            "checkpoint.every_steps=8", "checkpoint.every_epochs=0"]
+
+    def died(job):
+        raise RuntimeError("killed before its evaluation")
+
+    with monkeypatch.context() as m:
+        m.setattr(fit, "_evaluate", died)
+        with pytest.raises(RuntimeError, match="killed before its evaluation"):
+            run.train(quick, sets)
+    (first,) = runs(store)
+    assert "eval/loss" not in first.data.metrics
+    again = run.train(quick, sets)
+    assert again == first.info.run_id  # resumed at step 8, the last
+    done = client.get_run(again)
+    assert done.info.status == "FINISHED"
+    history = {k: [m.step for m in client.get_metric_history(again, k)]
+               for k in ("eval/loss", "train/loss", "epoch/time_s", "perf/wall_time_s")}
+    assert history == {"eval/loss": [8], "train/loss": [2, 4, 6, 8], "epoch/time_s": [8],
+                       "perf/wall_time_s": [8]}, history
+    assert "perf/samples_per_s" not in done.data.metrics  # no step of this attempt was timed

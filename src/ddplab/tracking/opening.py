@@ -67,6 +67,10 @@ class Opened:
     last_step: int = -1
     """The highest step any of the run's metrics is at (system metrics, whose steps are
     seconds, left out): a resumed script's figures go after it (scriptmode's step offset)."""
+    latest_steps: dict[str, int] = field(default_factory=dict)
+    """Each metric's latest step in the run (a resumed attempt's): one value per step in each
+    metric's history, but a metric the earlier attempt never reached at a step (its eval and
+    throughput, when it died after its last step's checkpoint) is logged there now."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,15 +136,16 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
 
 
 def _opened(run: Any, uri: str, logged_through: int = -1) -> Opened:
+    latest = _latest_steps(run)
     return Opened(run.info.run_id, run.info.experiment_id, uri,
                   run.info.start_time or spool.now_ms(), dict(run.data.params), logged_through,
-                  _last_step(run, logged_through))
+                  max([logged_through, *latest.values()]), latest)
 
 
-def _last_step(run: Any, logged_through: int) -> int:
+def _latest_steps(run: Any) -> dict[str, int]:
     # Each metric's latest value comes with its step (MLflow's RunData keeps them whole).
     latest = getattr(run.data, "_metric_objs", None) or []
-    return max([logged_through, *(int(m.step) for m in latest if not m.key.startswith("system/"))])
+    return {m.key: int(m.step) for m in latest if not m.key.startswith("system/")}
 
 
 def _attach(client: Any, req: Request) -> Opened:

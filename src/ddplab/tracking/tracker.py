@@ -87,6 +87,7 @@ class MlflowTracker(NullTracker):
         self.records: spool.Stream | None = None
         self.finished = False
         self.logged_through, self.last_step = opened.logged_through, opened.last_step
+        self.latest_steps = dict(opened.latest_steps)
 
     @property
     def client(self) -> Any:
@@ -121,9 +122,10 @@ class MlflowTracker(NullTracker):
             self._append({"op": "log", "tags": dict(items[i:i + spool.BATCH_TAGS])})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if step > self.logged_through:
-            self._append({"op": "log", "step": step,
-                          "metrics": {k: float(v) for k, v in metrics.items()}})
+        # (a resumed run: each metric's steps already in it are not logged again)
+        new = {k: float(v) for k, v in metrics.items() if step > self.latest_steps.get(k, -1)}
+        if new:
+            self._append({"op": "log", "step": step, "metrics": new})
 
     def log_text(self, text: str, name: str) -> None:
         self._append({"op": "text", "name": name, "text": text})

@@ -205,8 +205,9 @@ def finish(job: Job) -> dict[str, Any]:
     summary["attempt_began_at_step"] = job.resume.step if job.resume.run_id else 0
     memory = strategy.memory(job.state.model, job.state.optimizer, job.layout.device)
     summary["memory"] = memory
-    summary["mfu"] = _mfu(job, summary["samples_per_s_steady"])
-    job.run.log_metrics({"perf/samples_per_s": summary["samples_per_s_steady"],
+    rate = summary["samples_per_s_steady"]
+    summary["mfu"] = _mfu(job, rate or 0.0)
+    job.run.log_metrics({**({"perf/samples_per_s": rate} if rate is not None else {}),
                          "perf/wall_time_s": summary["wall_time_s"], **memory,
                          **({"perf/mfu": summary["mfu"]} if summary["mfu"] is not None else {})},
                         job.state.step)

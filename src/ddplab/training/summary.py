@@ -90,14 +90,15 @@ class RunStats:
     straggler: str = ""
     """The straggler named in the run ("" = none)."""
 
-    def steady_samples_per_s(self) -> float:
+    def steady_samples_per_s(self) -> float | None:
         """Throughput once started: the epochs after the first (start-up, compilation and the
         first data loading are not counted); with one epoch, its log intervals after the
-        first."""
+        first. None when no step was timed (an attempt resumed at its last step trains none):
+        0.0 would read as a measurement."""
         if len(self.epoch_times) > 1 and sum(self.epoch_times[1:]) > 0:
             return sum(self.epoch_samples[1:]) / sum(self.epoch_times[1:])
         rest = self.samples_per_s[1:] or self.samples_per_s
-        return sum(rest) / len(rest) if rest else 0.0
+        return sum(rest) / len(rest) if rest else None
 
     def end_epoch(self, seconds: float, samples: int, steps: int, cpu_s: float = 0.0) -> None:
         self.epoch_times.append(seconds)
