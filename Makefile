@@ -204,8 +204,8 @@ clean-images: ## Remove ddplab images of other revisions (keeps :latest and :IMA
 	docker builder prune -f --keep-storage $(BUILD_CACHE_KEEP)
 
 slurm-up: ## Start the one-host Slurm cluster (compose/slurm.yml), follow its sbatch job, exit with its code (slurm-down)
-	docker compose -f compose/slurm.yml up -d
-	docker compose -f compose/slurm.yml logs -f submit
+	docker compose -f compose/slurm.yml up submit
+	$(call login_hint,docker compose -f compose/slurm.yml)
 	@docker compose -f compose/slurm.yml ps -a --format '{{.Service}} {{.ExitCode}}' submit | \
 	  awk '$$2 != 0 {bad = 1; print "the sbatch job exited with " $$2} END {exit bad}'
 
@@ -224,13 +224,15 @@ run-cuda-nccl: ## Run EXPERIMENT with NPROC GPUs via torchrun in the CUDA image,
 	$(DOCKER_RUN) --gpus all $(CUDA_IMAGE):latest torchrun --standalone --nproc-per-node $(NPROC) \
 	  -m ddplab train $(EXPERIMENT) --set dist.backend=nccl --set dist.device=cuda $(ARGS)
 
-# An attached `up` returns only once every container stopped, and the MLflow server does not:
-# `up -d`, then the job's own containers followed until they end, then their exit codes.
-# (`--exit-code-from` would stop everything at the first one-shot service's exit.)
+# A bare `up` returns only once every container stopped, and the MLflow server does not;
+# `--exit-code-from` stops everything at the first one-shot service's exit. `up SERVICE` starts
+# what it needs, shows the job's own containers and returns when they end (Ctrl-C stops them,
+# MLflow stays up); then their exit codes, and the UI's login.
+login_hint = @$(1) logs --no-log-prefix tracking-secrets 2>/dev/null | grep "MLflow login" || true
 run-multinode: ## Simulate NNODES nodes with compose, exit with the nodes' code; the MLflow UI stays up on localhost:5000 (multinode-down)
 	@docker image inspect $(CPU_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-cpu
-	NNODES=$(NNODES) $(COMPOSE) up -d
-	$(COMPOSE) logs -f node
+	NNODES=$(NNODES) $(COMPOSE) up node
+	$(call login_hint,$(COMPOSE))
 	@$(COMPOSE) ps -a --format '{{.Service}} {{.ExitCode}}' node | \
 	  awk '$$2 != 0 {bad = 1; print "node exited with " $$2} END {exit bad}'
 
@@ -239,8 +241,8 @@ multinode-down: ## Stop the compose simulation and delete its volumes
 
 run-mpi-multinode: ## mpirun across NNODES worker containers x SLOTS ranks (compose/mpi.yml), exit with the launcher's code (mpi-down)
 	@docker image inspect $(MPI_IMAGE):latest >/dev/null 2>&1 || $(MAKE) image-mpi
-	NNODES=$(NNODES) SLOTS=$(SLOTS) $(COMPOSE_MPI) up -d
-	$(COMPOSE_MPI) logs -f launcher
+	NNODES=$(NNODES) SLOTS=$(SLOTS) $(COMPOSE_MPI) up launcher
+	$(call login_hint,$(COMPOSE_MPI))
 	@$(COMPOSE_MPI) ps -a --format '{{.Service}} {{.ExitCode}}' launcher | \
 	  awk '$$2 != 0 {bad = 1; print "launcher exited with " $$2} END {exit bad}'
 

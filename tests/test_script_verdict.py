@@ -54,12 +54,20 @@ def test_ranks_raising_their_own_errors_at_once_are_each_named_not_stopped_after
         "rank 0 (host vm) failed (RuntimeError: boom on rank 0) at step 3 in forward; rank 1 "
         "(host vm) also failed (RuntimeError: boom on rank 1) at step 3 in forward; rank 2 "
         "stopped after it")
+    # A rank whose error came out of a collective (a peer's end in words the list of
+    # consequences does not know, a script's own re-raise of it) still stopped after it.
+    gloo = "RuntimeError: [enforce fail at ../gloo/transport/tcp/pair.cc:446] op.preamble.length"
+    trace = f'  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", line 9\n{gloo}'
+    endings[1] = watch.Ending(1, 3, "backward", 10.01, "failed", f"{gloo}\n\n{trace}", "vm")
+    assert watch.verdict(endings, 3).endswith("; ranks 1,2 stopped after it")
     outcomes = {r: _o(r, 10.0 + r / 100, 1, f"RuntimeError: boom on rank {r}") for r in (0, 1)}
     outcomes[2] = _o(2, 10.5, -15, "killed by SIGTERM")
     assert str(supervisor._verdict(outcomes, 3, None)) == (
         "the script failed on rank 0 (host h0): RuntimeError: boom on rank 0; rank 1 (host h1): "
         "RuntimeError: boom on rank 1 also failed by itself; then rank(s) 2 failed or were "
         "stopped")
+    outcomes[1] = {**_o(1, 10.01, 1, gloo), "traceback": trace}
+    assert str(supervisor._verdict(outcomes, 3, None)).endswith("then rank(s) 1,2 failed or were stopped")
 
 
 def test_both_kinds_of_job_take_the_same_errors_for_consequences():

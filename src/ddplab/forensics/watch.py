@@ -316,6 +316,13 @@ def is_secondary(error: str) -> bool:
     return any(s in first for s in SECONDARY)
 
 
+def raised_in_a_collective(traceback: str) -> bool:
+    """Whether a traceback passes through torch.distributed: a peer's end, in words SECONDARY
+    does not know (a transport's, gloo's enforce, a script's own re-raise of it), not an error
+    a rank met by itself."""
+    return "torch/distributed/" in traceback.replace("\\", "/")
+
+
 def verdict(endings: list[Ending], world_size: int, now: float | None = None,
             hang_after_s: float = 0.0) -> str:
     """The one line: who stopped or failed first, where, and what the others did. "" when no
@@ -361,8 +368,8 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     alike = [e for e in causes if _how(e) == _how(first)]
     # A rank that raised an error of its own, another than the first's, failed by itself too:
     # it did not stop after the first ("boom on rank 1" beside "boom on rank 0").
-    also = sorted((e for e in causes if e not in alike and e.what == "failed"),
-                  key=lambda e: e.rank)
+    also = sorted((e for e in causes if e not in alike and e.what == "failed"
+                   and not raised_in_a_collective(e.detail)), key=lambda e: e.rank)
     after = sorted(e.rank for e in failed + hung if e not in alike and e not in also)
     who = (f"rank {first.rank} (host {first.host})" if len(alike) == 1 else
            f"{_ranks(sorted(e.rank for e in alike))} (host "

@@ -41,7 +41,7 @@ from ...distributed import host
 from ...errors import DdplabError, keep_ends
 from ...files import finite_json, save_copy, write_text_atomic
 from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_path
-from ...forensics.watch import is_secondary
+from ...forensics.watch import is_secondary, raised_in_a_collective
 from ...launchers import LaunchEnv
 from ...launchers.outlive import exit_code, subreaper
 from ...launchers.tether import LAUNCHER_ENV
@@ -973,7 +973,8 @@ def _verdict(outcomes: dict[int, dict[str, Any]], world: int, signal_e: BaseExce
             first = {**first, "rank": ",".join(map(str, alike)), "host": ",".join(hosts)}
         # A rank that raised an error of its own, another than the first's, failed by itself
         # too: it did not stop because of the first ("boom on rank 1" beside "boom on rank 0").
-        also = [o for o in own if o["rank"] not in alike and not _secondary(o)]
+        also = [o for o in own if o["rank"] not in alike and not _secondary(o)
+                and not raised_in_a_collective(str(o.get("traceback", "")))]
         others = [r for r in sorted(outcomes) if r not in alike and outcomes[r]["failed"]
                   and all(r != o["rank"] for o in also)]
         waited = "; ".join(f"rank {r} at {outcomes[r]['where']}" for r in others
