@@ -59,8 +59,9 @@ def test_make_run_gives_one_finished_run_with_everything(tmp_path):
     assert tags["ddplab.launcher"] == "torchrun" and tags["ddplab.backend"] == "gloo"
     # The UI's "Created by" and "Source" (empty before): who ran it, and rank 0's command.
     assert tags["mlflow.user"] == getpass.getuser(), tags
-    assert tags["mlflow.source.name"].startswith("ddplab train ") and \
-        "quickstart.yaml" in tags["mlflow.source.name"], tags
+    assert tags["mlflow.source.name"].startswith("DDPLAB_SET='checkpoint.keep=2 ") and \
+        "ddplab train " in tags["mlflow.source.name"] and "quickstart.yaml" in tags[
+            "mlflow.source.name"], tags
     assert all(m in metrics for m in REQUIRED_METRICS), set(REQUIRED_METRICS) - set(metrics)
     assert metrics["eval/accuracy"] > 0.5  # chance is 0.1
     # The UI's duration is the job's, start-up included (it was from the run's opening on, which

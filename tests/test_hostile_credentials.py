@@ -152,6 +152,7 @@ def test_the_study_file_recorded_in_the_parent_run_is_masked(tmp_path, clean_env
 
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump({"name": "leak", "experiment": QUICKSTART,
+                                    "description": f"against postgresql://d:{PASSWORD}@db/x",
                                     "set": {"description": f"postgresql://d:{PASSWORD}@db/x"},
                                     "variants": [{"name": "a"}]}))
     study = spec.load_study(path)
@@ -176,6 +177,7 @@ def test_the_study_file_recorded_in_the_parent_run_is_masked(tmp_path, clean_env
     tracker.parent(fresh=True, resolved=yaml.safe_dump({"set": study.set}))
     assert "postgresql://d:***@db/x" in logged["study.yaml"]
     assert not leaks(logged["study.yaml"] + json.dumps(logged["tags"])), logged
+    assert logged["tags"]["mlflow.note.content"] == "against postgresql://d:***@db/x"  # the UI's
 
 
 @pytest.mark.e2e

@@ -237,6 +237,9 @@ def test_e_reimporting_or_importing_a_store_into_itself_adds_nothing(tmp_path, m
     assert "2 run(s) into" in ddplab_import(tmp_path / "b", stores["C"], capsys)[2]
     assert "2 already there" in ddplab_import(a, stores["C"], capsys)[2]
     assert [len(copies(stores[n])) for n in "BC"] == [2, 2]
+    # A copy is not the importer's run: made without a user (a plain client's), it names none
+    # (it was credited to whoever imported it, the UI's "Created by").
+    assert all("mlflow.user" not in r.data.tags for r in copies(stores["C"]))
 
 
 def test_f_no_run_comes_in_running_and_the_shipped_archive_holds_none(tmp_path, store, migrated_store,

@@ -156,6 +156,9 @@ def entry() -> None:
     2 bad input, 130 interrupted).
     """
     args = parse(sys.argv[1:])
+    from .log import logger
+
+    logger()  # (said here, a bad DDPLAB_LOG_LEVEL is not said again by what this starts)
     if args.command == "train":
         from .launchers import tether
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..tracking import life, schema
+from ..tracking.naming import typed_command
 from .spec import Study, Variant, as_text
 
 PARENT, CHILD = "parent", "job"
@@ -211,16 +212,6 @@ def check_variants(study: Study) -> None:
                                cuda, study.experiment)
         except ConfigError as e:
             raise ConfigError(f"{study.path}: variant {v.name}: {e}") from None
-
-
-def typed_command() -> str:
-    """The command that ran the study, as typed (with the DDPLAB_SET it read): a results page
-    made from the study names it, so the figures can be measured again."""
-    from ..logins import mask
-
-    ddplab_set = os.environ.get("DDPLAB_SET", "")
-    return mask((f"DDPLAB_SET={shlex.quote(ddplab_set)} " if ddplab_set else "") +
-                shlex.join(["ddplab", *sys.argv[1:]]))
 
 
 def settings_digest(study: Study) -> dict[str, str]:

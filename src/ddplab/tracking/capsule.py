@@ -49,9 +49,11 @@ def _ddplab_ccl() -> str:
 
 
 def launcher_env(env: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, str]:
+    from ..log import LEVEL_SAID
     from ..logins import mask
 
-    return {k: mask(v) for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
+    return {k: mask(v) for k, v in sorted(env.items())
+            if k.startswith(ENV_PREFIXES) and k != LEVEL_SAID}
 
 
 def scheduler_tags(env: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -234,7 +234,7 @@ def _copy_run(src: Any, dst: Any, run: Any, known: dict[str, str], source: Sourc
     ours = {MARK: run.info.run_id, ORIGIN: run.data.tags.get(ORIGIN) or run.data.tags.get(MARK)
             or run.info.run_id, INCOMPLETE: "an import is copying this run; ddplab import replaces it"}
     new: str = life.create(dst, experiments[experiment], run.info.run_name, ours,
-                           start_time=run.info.start_time).info.run_id
+                           start_time=run.info.start_time, made_here=False).info.run_id
     try:
         _fill(src, dst, run, new, known, source, tmp, tally)
     except BaseException:

@@ -15,23 +15,25 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .schema import ERROR, TAG_LIMIT
+from ..logins import mask
+from .schema import ERROR, MLFLOW_NOTE, MLFLOW_USER, TAG_LIMIT
 
 #: How MLflow names a run's end states.
 FINISHED, FAILED, KILLED, RUNNING = "FINISHED", "FAILED", "KILLED", "RUNNING"
 
 
 def create(client: Any, experiment_id: str, name: str, tags: Mapping[str, str] | None = None,
-           start_time: int | None = None) -> Any:
+           start_time: int | None = None, made_here: bool = True) -> Any:
     """A new run of ``experiment_id``, RUNNING, named ``name``: MLflow's Run (``.info.run_id``).
-    Who made it is its ``mlflow.user`` (the UI's "Created by"), unless ``tags`` say."""
+    Who made it is its ``mlflow.user`` (the UI's "Created by"), unless ``tags`` say or it is a
+    copy of a run made elsewhere (``made_here`` False: an import keeps the source's, or none).
+    Its description (a study's, a job's) is masked: a URL's password never reaches the UI."""
     tags = dict(tags or {})
-    if USER not in tags and (who := user()):
-        tags[USER] = who
+    if made_here and MLFLOW_USER not in tags and (who := user()):
+        tags[MLFLOW_USER] = who
+    if MLFLOW_NOTE in tags:
+        tags[MLFLOW_NOTE] = mask(tags[MLFLOW_NOTE])
     return client.create_run(experiment_id, start_time=start_time, tags=tags, run_name=name)
-
-
-USER = "mlflow.user"
 
 
 def user() -> str:

@@ -4,8 +4,13 @@ script's own process (script mode's MLflow patches, ``ddplab.track``)."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import sys
+from pathlib import Path
 
+from ..logins import mask
 from .schema import PREFIX
 
 _VARIES = re.compile(r"^(perf|system|memory)/|runtime|throughput|duration|_per_sec(ond)?$"
@@ -34,3 +39,17 @@ def users_tag(key: str, own: tuple[str, ...] = ()) -> str:
     if not key.startswith(PREFIX) or key in own or key.removesuffix("s") in own:
         return key
     return f"user.{key}"
+
+
+def typed_command() -> str:
+    """The command this process runs, as typed, with the DDPLAB_SET it read and every URL's
+    password masked (``DDPLAB_SET='train.epochs=1' ddplab train x.yaml --set ...``): a run's
+    Source in the UI, a study's command on its results page. torchrun's ``-m ddplab`` gives the
+    process ``.../ddplab/__main__.py`` for its name: it is ``ddplab`` here."""
+    argv = sys.argv or [""]
+    head = Path(argv[0])
+    name = "ddplab" if head.name == "ddplab" or head.parts[-2:] == ("ddplab", "__main__.py") \
+        else head.name
+    ddplab_set = os.environ.get("DDPLAB_SET", "")
+    return mask((f"DDPLAB_SET={shlex.quote(ddplab_set)} " if ddplab_set else "") +
+                shlex.join([name, *argv[1:]]))

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..logins import mask
 from ..poll import poll
 from . import life, schema, spool
 from .store import TrackingError, _experiment_refused, _permission_denied, check_reachable, open_client
@@ -122,9 +121,10 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
     client = client or open_client(req.uri)
     if req.run_id:
         return _attach(client, req), client
-    tags = {"mlflow.note.content": mask(f"{req.description}\n\n{THROUGHPUT_NOTE}".strip())}
+    tags = {schema.MLFLOW_NOTE: f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
     if req.source:
-        tags.update({"mlflow.source.name": req.source[:schema.TAG_LIMIT], "mlflow.source.type": "JOB"})
+        tags.update({schema.MLFLOW_SOURCE_NAME: req.source[:schema.TAG_LIMIT],
+                     schema.MLFLOW_SOURCE_TYPE: "JOB"})
     try:
         exp_id = experiment_id(client, req.experiment)
         run = life.create(client, exp_id, req.run_name, tags, start_time=req.start_ms or None)

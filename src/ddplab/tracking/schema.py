@@ -26,6 +26,14 @@ TAG_LIMIT = 8000
 BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100
 """What one ``log_batch`` call takes at most: metrics, params, tags."""
 
+# --- MLflow's own tags that ddplab writes (mlflow/utils/mlflow_tags.py names them) ----------
+MLFLOW_USER = "mlflow.user"
+"""The UI's "Created by": who ran the job (tracking/life.py)."""
+MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE = "mlflow.source.name", "mlflow.source.type"
+"""The UI's "Source": the command rank 0 runs (tracking/naming.py's typed_command)."""
+MLFLOW_NOTE = "mlflow.note.content"
+"""The UI's description."""
+
 # --- Identity: where and what ran (training/job.py and script mode, both by identity_tags) ---
 WORLD_SIZE = "ddplab.world_size"
 NNODES = "ddplab.nnodes"

@@ -4,8 +4,6 @@ NullTracker; creating the run, or attaching to a resumed or given one, and telli
 from __future__ import annotations
 
 import os
-import shlex
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,8 +14,8 @@ from ..config import TrackingConfig
 from ..distributed.group import share_from_rank0
 from ..launchers import LaunchEnv
 from ..log import logger
-from ..logins import mask
 from . import life, schema, spool
+from .naming import typed_command
 from .opening import Opened, Request, open_run
 from .store import open_client, resolve_uri
 
@@ -177,20 +175,12 @@ def _create_or_attach(cfg: TrackingConfig, name: str, description: str, resume_r
                   run_name=cfg.run_name or run_name, description=description,
                   run_id=resume_run_id or os.environ.get("MLFLOW_RUN_ID", ""),
                   wait_s=cfg.wait_s, spool_root=str(spool_root), start_ms=_began_ms(),
-                  source=_command())
+                  source=typed_command())
     if opener is not None:
         opened = opener(req)
         if opened is not None:
             return MlflowTracker(opened)
     return MlflowTracker(*open_run(req))
-
-
-def _command() -> str:
-    """The command this process runs, as typed for ddplab (``ddplab train x.yaml --set ...``:
-    torchrun's ``-m ddplab`` gives it ``.../ddplab/__main__.py`` for its name)."""
-    head = Path(sys.argv[0])
-    name = "ddplab" if head.name == "ddplab" or head.parent.name == "ddplab" else head.name
-    return mask(shlex.join([name, *sys.argv[1:]])) if sys.argv and sys.argv[0] else ""
 
 
 def _began_ms() -> int:
