@@ -337,6 +337,7 @@ echo "$*" >> {tmp_path}/calls
 case "$*" in
   "get crd "*) for c in {have}; do [ "$3" = "$c" ] && exit 0; done; exit 1 ;;
   "apply -f "*) exit 0 ;;
+  "label namespace ddplab pod-security.kubernetes.io/enforce=restricted --overwrite") exit 0 ;;
   *) exit 9 ;;
 esac
 """)
@@ -353,6 +354,10 @@ esac
         return
     assert out.returncode == 0, out.stderr
     assert [a for a in applied if a in applies] == applies and applied[-1] == applies[-1]
+    # Trainer v2's pods meet the restricted profile: enforced on its namespace (baseline stays
+    # for the v1 operator, whose init container does not meet it).
+    assert any(c.startswith("label namespace ddplab") for c in calls) == ("Trainer v2" in says
+                                                                          or "v1 is" in says)
 
 
 def test_make_k8s_apply_applies_a_rendered_copy_with_a_stand_in_kubectl(tmp_path):
@@ -369,6 +374,7 @@ case "$*" in
   "get crd trainjobs.trainer.kubeflow.org") exit 0 ;;
   "get crd "*) exit 1 ;;
   "apply -f "*) exit 0 ;;
+  "label "*) exit 0 ;;
   *) exit 9 ;;
 esac
 """)

@@ -13,9 +13,12 @@ d=${K8S_DIR:-k8s}
 has() { kubectl get crd "$1" >/dev/null 2>&1; }
 if has trainjobs.trainer.kubeflow.org; then
   why="CRD trainjobs.trainer.kubeflow.org found"
-  has pytorchjobs.kubeflow.org && why="$why (pytorchjobs.kubeflow.org too: v1 is in maintenance; \`kubectl apply -f k8s/\` applies it)"
+  has pytorchjobs.kubeflow.org && why="$why (pytorchjobs.kubeflow.org too: v1 is in maintenance; \`kubectl apply -f $d/\` applies it)"
   echo "k8s-apply: Kubeflow Trainer v2: $why: applying $d/00-20 and $d/trainer-v2/"
   kubectl apply -f "$d/00-namespace.yaml" -f "$d/10-mlflow.yaml" -f "$d/20-experiment.yaml"
+  # Trainer v2's pods meet the restricted profile (the namespace enforces baseline for the v1
+  # operator's init container): enforced here.
+  kubectl label namespace ddplab pod-security.kubernetes.io/enforce=restricted --overwrite
   kubectl apply -f "$d/trainer-v2/"
 elif has pytorchjobs.kubeflow.org; then
   echo "k8s-apply: the v1 training operator: CRD pytorchjobs.kubeflow.org found, trainjobs.trainer.kubeflow.org not: applying $d/"

@@ -62,3 +62,10 @@ def folder_problem(path: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user"
     return None
+
+
+def named_or_id(given: str, root: Path) -> Path:
+    """What ``checkpoint.resume`` names, one rule for both kinds of job: the path given (``~``
+    expanded) where it exists, else a run id's folder in the experiment's (``root``)."""
+    path = Path(given).expanduser()
+    return path if path.exists() else root / given

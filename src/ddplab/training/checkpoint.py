@@ -22,6 +22,7 @@ import torch
 from ..agent.protocol import refuse_a_running_job
 from ..distributed.group import share_from_rank0
 from ..errors import DdplabError, in_chain
+from ..files import named_or_id
 from . import strategy
 from .jobend import Terminated
 from .loop import TrainState
@@ -300,9 +301,7 @@ def _named(resume: str, root: Path) -> Path:
     bare run id is its folder in this experiment's (``root``), as a script job takes one."""
     from ..config import ConfigError
 
-    path = Path(resume)
-    if not path.exists() and (root / resume).is_dir():
-        path = root / resume
+    path = named_or_id(resume, root)
     if path.is_dir():
         newest = newest_file(path, "step-*.pt") or newest_file(path, "*/step-*.pt")
         if newest is None:

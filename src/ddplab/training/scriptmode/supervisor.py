@@ -39,7 +39,7 @@ from ... import config, tracking
 from ...agent.protocol import forensics_dir, refuse_a_running_job
 from ...distributed import host
 from ...errors import DdplabError, keep_ends
-from ...files import finite_json, save_copy, write_text_atomic
+from ...files import finite_json, named_or_id, save_copy, write_text_atomic
 from ...forensics.heartbeat import STACK_SIGNAL, hang_path, stack_path, stopped_path
 from ...forensics.watch import is_secondary, raised_in_a_collective
 from ...launchers import LaunchEnv
@@ -271,8 +271,7 @@ def _made_by(run_dir: Path) -> str:
 
 def chosen_run(resume: str, root: Path) -> Path:
     """``checkpoint.resume`` naming a run of this experiment: its folder, or its id."""
-    given = Path(resume).expanduser()
-    run_dir = given if given.is_dir() else root / resume
+    run_dir = named_or_id(resume, root)
     if not run_dir.is_dir() or run_dir.resolve().parent != root.resolve():
         raise config.ConfigError(
             f"checkpoint.resume: {resume!r} is no run of {root} (a script's run is resumed by "
