@@ -227,19 +227,7 @@ class RefusingProxy:
                     self.end_headers()
                     self.wfile.write(payload)
                     return
-                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = f"127.0.0.1:{upstream_port}"
-                conn.request(self.command, self.path, body=body or None, headers=headers)
-                r = conn.getresponse()
-                data = r.read()
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                _relay(self, upstream_port, body)
 
             do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _any  # noqa: N815
 
@@ -252,6 +240,73 @@ class RefusingProxy:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+def _relay(handler: http.server.BaseHTTPRequestHandler, upstream_port: int, body: bytes,
+           answer: bool = True) -> None:
+    """The request to the real server, and (``answer``) its answer back to the client; without
+    one, the connection closes unanswered: the server did the work, the client never hears."""
+    conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+    headers = {k: v for k, v in handler.headers.items() if k.lower() != "host"}
+    headers["Host"] = f"127.0.0.1:{upstream_port}"
+    conn.request(handler.command, handler.path, body=body or None, headers=headers)
+    r = conn.getresponse()
+    data = r.read()
+    if not answer:
+        handler.close_connection = True
+        return
+    handler.send_response(r.status)
+    for k, v in r.getheaders():
+        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+            handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def test_a_lost_answer_to_a_runs_creation_leaves_one_run_not_a_running_twin(tmp_path):
+    """The server made the run, its answer never came, and MLflow's client sent the create
+    again (it retries every request): two runs of one job, the unanswered one RUNNING for ever,
+    with nothing in it. A real server behind a proxy that swallows the first create's answer."""
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    from ddplab.tracking import life
+
+    server = Server(tmp_path)
+    server.start()
+    creates: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _any(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            first = "runs/create" in self.path and not creates
+            if "runs/create" in self.path:
+                creates.append(self.path)
+            _relay(self, server.port, body, answer=not first)
+
+        do_GET = do_POST = _any  # noqa: N815
+
+        def log_message(self, *a):
+            pass
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        client = MlflowClient(f"http://127.0.0.1:{proxy.server_port}")
+        exp = client.create_experiment("lost-answer")
+        run = life.create(client, exp, "the job")
+    finally:
+        proxy.shutdown()
+    assert len(creates) >= 2, f"the client did not send the create again: {creates}"
+    direct = server.client()
+    alive = direct.search_runs([exp])
+    assert [r.info.run_id for r in alive] == [run.info.run_id], alive
+    assert alive[0].info.status == "RUNNING"  # the job's own, still to end
+    everything = direct.search_runs([exp], run_view_type=ViewType.ALL)  # the deleted twin too
+    twins = [r for r in everything if r.info.run_id != run.info.run_id]
+    assert twins and all(r.info.status == "FAILED" for r in twins), everything
+    server.kill()
 
 
 def test_a_refusal_window_mid_job_loses_no_metric_param_or_tag(tmp_path):

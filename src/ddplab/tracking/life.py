@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import getpass
 import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from ..logins import mask
-from .schema import ERROR, MLFLOW_NOTE, MLFLOW_USER, TAG_LIMIT
+from .schema import CREATED_AS, ERROR, MLFLOW_NOTE, MLFLOW_USER, TAG_LIMIT
 
 #: How MLflow names a run's end states.
 FINISHED, FAILED, KILLED, RUNNING = "FINISHED", "FAILED", "KILLED", "RUNNING"
@@ -28,12 +29,45 @@ def create(client: Any, experiment_id: str, name: str, tags: Mapping[str, str] |
     Who made it is its ``mlflow.user`` (the UI's "Created by"), unless ``tags`` say or it is a
     copy of a run made elsewhere (``made_here`` False: an import keeps the source's, or none).
     Its description (a study's, a job's) is masked: a URL's password never reaches the UI."""
-    tags = dict(tags or {})
+    tags = {**(tags or {}), CREATED_AS: uuid.uuid4().hex}
     if made_here and MLFLOW_USER not in tags and (who := user()):
         tags[MLFLOW_USER] = who
     if MLFLOW_NOTE in tags:
         tags[MLFLOW_NOTE] = mask(tags[MLFLOW_NOTE])
-    return client.create_run(experiment_id, start_time=start_time, tags=tags, run_name=name)
+    try:
+        run = client.create_run(experiment_id, start_time=start_time, tags=tags, run_name=name)
+    except Exception:
+        # The server may have made it, its answer lost once MLflow's retries were spent.
+        made = _made_as(client, experiment_id, tags[CREATED_AS])
+        if not made:
+            raise
+        run = made[0]
+    _end_twins(client, run, experiment_id, tags[CREATED_AS])
+    return run
+
+
+def _made_as(client: Any, experiment_id: str, token: str) -> list[Any]:
+    """The runs created with ``token``, the first made first ([] where the store cannot say)."""
+    try:
+        found = client.search_runs([experiment_id], f"tags.`{CREATED_AS}` = '{token}'",
+                                   max_results=10)
+    except Exception:  # noqa: BLE001 - a store that cannot search: nothing more is known
+        return []
+    return sorted(found, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+
+
+def _end_twins(client: Any, run: Any, experiment_id: str, token: str) -> None:
+    """A create whose answer was lost, sent again by MLflow's client (it retries every request):
+    the server made two runs. The one answered is the job's; the other, which nothing would
+    ever end (RUNNING for ever, a second run of one job), is ended and deleted."""
+    for twin in _made_as(client, experiment_id, token):
+        if twin.info.run_id != run.info.run_id:
+            try:
+                end(client, twin.info.run_id, FAILED, f"a second copy of run {run.info.run_id}, "
+                    "made when the server's answer to its creation was lost: deleted")
+                client.delete_run(twin.info.run_id)
+            except Exception:  # noqa: BLE001 - a twin left is untidy, not the job's failure
+                pass
 
 
 def user() -> str:

@@ -115,6 +115,9 @@ JOB_RUN_ID = "ddplab.job_run_id"
 JOB_TRACKING_URI = "ddplab.job_tracking_uri"
 
 # --- A failure: the error and the forensics (tracking/tracker.py, postmortem.py, ...) --------
+CREATED_AS = "ddplab.created_as"
+"""A token each run is created with (tracking/life.py): a create whose answer was lost and that
+MLflow's client sent again made two runs, found and made one by it."""
 ERROR = "ddplab.error"
 ERROR_RANK0 = "ddplab.error.rank0"  # rank 0's own error, when ERROR names another rank
 VERDICT = "ddplab.verdict"
