@@ -534,3 +534,19 @@ def test_a_failed_attempt_that_torchrun_restarts_says_so_on_its_last_line(monkey
     assert "for now" not in where(run, "FINISHED") and "for now" not in where(run, "KILLED")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the last attempt: its end is the run's
     assert "abc FAILED" in where(run, "FAILED") and "for now" not in where(run, "FAILED")
+
+
+def test_one_rank_stopped_from_outside_is_named_not_what_its_peer_saw():
+    """`kill -TERM` of rank 1's process alone: rank 0 raised "Connection closed by peer" and
+    the run's error was that, with no verdict; the stop of the whole job (every rank SIGTERMed,
+    scancel) still has none: the run says it itself."""
+    stop = "Terminated: terminated by SIGTERM (a peer rank failed, or the job was stopped)"
+    endings = [Ending(0, 9, "backward", 10.2, "failed",
+                      "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                      "Connection closed by peer [127.0.0.1]:5000\n\ntrace", "a"),
+               Ending(1, 9, "forward", 10.0, "failed", f"{stop}\n\ntrace", "a")]
+    assert verdict(endings, 2) == (
+        f"rank 1 (host a) was stopped ({stop}) at step 9 in forward while no rank had failed; "
+        "rank 0 stopped after it")
+    everyone = [Ending(r, 9, "forward", 10.0 + r, "failed", f"{stop}\n\ntrace", "a") for r in (0, 1)]
+    assert verdict(everyone, 2) == ""

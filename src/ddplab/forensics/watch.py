@@ -358,10 +358,12 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
         # (no watch acted: every raise; a crash is both)
         causes = list(dict.fromkeys(raised + [e for e in failed if e.what == "died"]))
     if not causes:
-        # Only what ranks see of a peer's end: a node gone (its container killed), else a stop
-        # from outside (Ctrl-C, scancel's SIGTERM), which the run says itself.
-        return f"{lost}; {_ranks(sorted(e.rank for e in failed))} stopped after it" \
-            if missing and failed else ""
+        # Only what ranks see of a peer's end: a node gone (its container killed), one rank
+        # stopped from outside (a `kill` of its process), else a stop of the whole job
+        # (Ctrl-C, scancel's SIGTERM to every rank), which the run says itself.
+        if missing and failed:
+            return f"{lost}; {_ranks(sorted(e.rank for e in failed))} stopped after it"
+        return _one_stopped(failed)
     first = min(causes, key=_cause_order)
     # Every rank that failed the same way by itself (a bug that meets all of them: a NameError,
     # argparse's refusal) is a cause: none of them "stopped after" another.
@@ -379,6 +381,20 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
     if after:
         line += f"; {_ranks(after)} stopped after it"
     return line + (f"; {lost}" if missing else "")
+
+
+def _one_stopped(failed: list[Ending]) -> str:
+    """Some ranks stopped by a signal from outside (not the launcher's stop of them all), the
+    others only saw them go: the first one stopped is what ended the job (its peers' closed
+    connections said nothing of it). "" when every rank was stopped."""
+    signalled = [e for e in failed if e.detail.startswith(("Terminated:", "terminated by SIG"))]
+    if not signalled or len(signalled) == len(failed):
+        return ""
+    first = min(signalled, key=lambda e: e.time)
+    after = sorted(e.rank for e in failed if e is not first)
+    return (f"rank {first.rank} (host {first.host}) was stopped "
+            f"({first.detail.splitlines()[0][:300]}) {where(first)} while no rank had failed; "
+            f"{_ranks(after)} stopped after it")
 
 
 def _cause_order(e: Ending) -> tuple[bool, float]:
