@@ -159,15 +159,20 @@ def entry() -> None:
     from .log import logger
 
     logger()  # (said here, a bad DDPLAB_LOG_LEVEL is not said again by what this starts)
-    if args.command == "train":
-        from .launchers import tether
-
-        tether.to_launcher(os.environ)  # (torchrun killed outright: its ranks end with it)
-        _delivery_first(args)
     try:
+        if args.command == "train":
+            from .launchers import tether
+
+            tether.to_launcher(os.environ)  # (torchrun killed outright: its ranks end with it)
+            _delivery_first(args)
         # Under torchrun, an unexpected exception lands in the rank's error file as well
         # (torch.distributed.elastic's @record), so the launcher's summary names it.
         code = (_recorded(run) if os.environ.get("TORCHELASTIC_ERROR_FILE") else run)(args)
+    except KeyboardInterrupt:
+        # Ctrl-C before the job's own handling began (importing torch takes seconds): Python's
+        # traceback from inside torch's imports said nothing more than this.
+        logger().error("interrupted (Ctrl-C) before the job started")
+        code = 130
     finally:
         from . import ccl
 
