@@ -240,6 +240,9 @@ def open_client(uri: str) -> Any:
     from mlflow import MlflowClient
 
     quiet_store_errors()
+    # ddplab's own few files (a resumed run's forensics moved aside, a reproduction's config):
+    # no progress bar of MLflow's between the job's lines
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
     try:
         with store_lock(uri):
