@@ -1072,3 +1072,24 @@ def test_log_points_fall_every_10_steps_as_the_loops_do_and_at_each_epochs_end()
     for _ in range(16):
         _train_step(resumed, model, opt, 8)
     assert points == [5, 15], points
+
+
+def test_a_log_point_in_the_spool_and_still_pending_in_the_state_carries_one_time():
+    """Rank 0 spools a log point as the next one comes, then saves its state: stopped between
+    the two (torchrun's SIGTERM after a peer's SIGKILL), the state still holds it pending and
+    the supervisor wrote it again, at its own time: step 40 twice in train/loss (the store keeps
+    a record sent twice once only when its time is the same)."""
+    import json
+
+    written: list[dict] = []
+    spooled: list[dict] = []
+    obs = observe.Observer(0, 1, 1.0e6, lambda r: written.append(json.loads(json.dumps(r))),
+                           spooled.append, lambda p, s: None)
+    obs.loss, obs.totals.steps = torch.tensor(2.5), 40
+    obs.log_point()
+    replayed = written[-1]["observe"]["pending"]  # what the supervisor writes if stopped now
+    obs.loss, obs.totals.steps = torch.tensor(2.0), 44
+    obs.log_point()
+    (record,) = spooled
+    assert (record["step"], record["metrics"]["train/loss"]) == (40, 2.5)
+    assert record["ts"] == replayed["ts"] and record["step"] == replayed["step"], (record, replayed)

@@ -66,7 +66,7 @@ class NullTracker:
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int, ts: int = 0) -> None: ...
     def log_text(self, text: str, name: str) -> None: ...
     def log_file(self, path: str, artifact_dir: str) -> None: ...
     def finish(self, status: str, error: str = "") -> None: ...
@@ -119,11 +119,13 @@ class MlflowTracker(NullTracker):
         for i in range(0, len(items), spool.BATCH_TAGS):
             self._append({"op": "log", "tags": dict(items[i:i + spool.BATCH_TAGS])})
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, ts: int = 0) -> None:
+        """``ts``: the record's own time (ms), where it may be in the spool already (a script's
+        last log point, written again by its supervisor): the store keeps it once."""
         # (a resumed run: each metric's steps already in it are not logged again)
         new = {k: float(v) for k, v in metrics.items() if step > self.latest_steps.get(k, -1)}
         if new:
-            self._append({"op": "log", "step": step, "metrics": new})
+            self._append({"op": "log", "step": step, "metrics": new, **({"ts": ts} if ts else {})})
 
     def log_text(self, text: str, name: str) -> None:
         self._append({"op": "text", "name": name, "text": text})

@@ -86,7 +86,8 @@ def figures(outcomes: dict[int, dict[str, Any]], wall_s: float) -> Figures:
     pending = zero.get("pending")
     if isinstance(pending, dict) and isinstance(pending.get("metrics"), dict):
         kept = {k: v for k, v in pending["metrics"].items() if k not in own}
-        fig.last_log = {"step": int(pending.get("step") or 0), "metrics": kept} if kept else None
+        fig.last_log = {"step": int(pending.get("step") or 0), "metrics": kept,
+                        "ts": int(pending.get("ts") or 0)} if kept else None
     fig.straggler = _straggler(ranks, outcomes)
     if fig.straggler:
         fig.tags[schema.STRAGGLER] = fig.straggler

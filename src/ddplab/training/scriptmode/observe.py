@@ -751,7 +751,10 @@ class Observer:
                 self.pending["metrics"].update(metrics)
             else:
                 self.flush()
-                self.pending = {"op": "log", "step": at, "metrics": metrics}
+                # (its time now, kept: a rank stopped between the spool's write of it and the
+                # state's says it pending still, and its supervisor's copy must land once)
+                self.pending = {"op": "log", "ts": int(time.time() * 1000), "step": at,
+                                "metrics": metrics}
         self.save()
 
     def flush(self) -> None:

@@ -1099,7 +1099,7 @@ def _record_end(run: tracking.NullTracker, script: Script, outcomes: dict[int, d
     run.log_metrics(metrics, script.step_offset)
     fig = figures(outcomes, script.wall_s)
     if fig.last_log:
-        run.log_metrics(fig.last_log["metrics"], fig.last_log["step"])
+        run.log_metrics(fig.last_log["metrics"], fig.last_log["step"], fig.last_log["ts"])
     if fig.metrics:
         run.log_metrics(fig.metrics, script.step_offset + fig.step)
         run.set_tags(fig.tags)
