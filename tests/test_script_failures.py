@@ -290,7 +290,9 @@ def test_ddplab_run_passes_dash_m_on_and_says_a_failed_rank_in_one_line(tmp_path
     assert err == [f"ddplab: error: {left}"], err
     killed = ChildFailedError("ddplab", {0: ProcessFailure(0, 1, -9, str(tmp_path / "none"))})
     assert local.failed(killed) == 128 + 9
-    assert capsys.readouterr().err.strip() == "ddplab: error: rank 0 was killed by SIGKILL"
+    assert capsys.readouterr().err.strip() == (
+        "ddplab: error: rank 0 was killed by SIGKILL (ddplab's hang watch stops a hung job's ranks "
+        "so: a verdict line above names the rank waited for; else the OOM killer or a kill -9)")
 
 
 @pytest.mark.parametrize("env, ours", [({}, True), ({"PET_LOG_DIR": "{tmp}/mine"}, False),

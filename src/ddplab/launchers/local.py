@@ -262,7 +262,12 @@ def failed(e: ChildFailedError) -> int:
     why = _said(first)
     if code < 0:
         name = first.signal_name()
-        logger().error(f"rank {rank} was killed by {name}{f' ({why})' if why and name not in why else ''}")
+        # (a hang's verdict, printed by the delivery process, names the rank the others waited
+        # for; this line, after it, read as blaming the rank the watch killed first)
+        hint = " (ddplab's hang watch stops a hung job's ranks so: a verdict line above names " \
+            "the rank waited for; else the OOM killer or a kill -9)" if name == "SIGKILL" else ""
+        logger().error(f"rank {rank} was killed by {name}"
+                       f"{f' ({why})' if why and name not in why else hint}")
         return 128 - code
     # Every rank that failed alike, as the verdict above it says ("ranks 0,1 ... each failed"),
     # not only the one torchrun saw first; not one that exited with the same code for another
