@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ddplab import cli
+from ddplab import cli, subprocs
 from ddplab.launchers import local
 
 from .conftest import REPO, ddplab, job_env, runs
@@ -330,10 +330,18 @@ def test_torchruns_log_dir_is_ddplabs_unless_the_user_names_one_or_logs_to_it(
     # /tmp by `ddplab run`s killed outright).
     lines = [tmp_path / f"ddplab-run-line-{host}-{gone}-y1", tmp_path / f"ddplab-run-line-{host}-"
              f"{os.getpid()}-y2"]
-    for f in lines:
+    # and a script rank's report and stacks, which its supervisor killed outright left
+    reports = [tmp_path / f"ddplab-script-{host}-{gone}-z1.rank1.json",
+               tmp_path / f"ddplab-script-{host}-{gone}-z1.rank1.stack.txt",
+               tmp_path / f"ddplab-script-{host}-{os.getpid()}-z2.rank0.json"]
+    for f in lines + reports:
         f.write_text("")
-    local._sweep(f"ddplab-run-line-{host}-")
-    assert [f.exists() for f in lines] == [False, True]
+    made_line = subprocs.own_temp("run-line")
+    assert [f.exists() for f in lines + reports] == [False, True, True, True, True]
+    made_report = subprocs.own_temp("script", suffix=".rank0.json")
+    assert [f.exists() for f in reports] == [False, False, True]
+    assert made_line.parent == made_report.parent == tmp_path
+    assert made_report.name.endswith(".rank0.json")
 
 
 def test_ddplabs_loop_says_its_failed_run_last_too(tmp_path, monkeypatch, capsys):

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..subprocs import alive
 from ..tracking import schema
 from .heartbeat import (
     AFTER_TRAINING,
@@ -113,15 +114,6 @@ def read(directory: Path) -> list[Beat]:
 
 EXIT_WAIT_S = 10.0
 """How long the ranks a watch stopped get to finish exiting before their shm is released."""
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped by its launcher, is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def live_in(directory: Path) -> Beat | None:

@@ -20,15 +20,14 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import sys
-import tempfile
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import first_line
+from ..subprocs import own_temp
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -161,16 +160,13 @@ def run(a: argparse.Namespace) -> int:
     # Rank 0 leaves its last line (the run's address) here: said again after torchrun's own
     # output when the job failed, so the console ends on the run, as a finished job's does.
     # (named by host and pid as the log dir is, so the next job sweeps one a killed job left)
-    mine = f"ddplab-run-line-{socket.gethostname()}-"
-    _sweep(mine)
-    fd, last = tempfile.mkstemp(prefix=f"{mine}{os.getpid()}-")
-    os.close(fd)
-    os.environ[RUN_LINE_ENV] = last
+    last = own_temp("run-line")
+    os.environ[RUN_LINE_ENV] = str(last)
     try:
         code = _torchrun(a)
         if code:
             with contextlib.suppress(OSError):
-                line = Path(last).read_text().strip()
+                line = last.read_text().strip()
                 if line:
                     from ..log import logger
 
@@ -178,7 +174,7 @@ def run(a: argparse.Namespace) -> int:
         return code
     finally:
         os.environ.pop(RUN_LINE_ENV, None)
-        Path(last).unlink(missing_ok=True)
+        last.unlink(missing_ok=True)
 
 
 def _torchrun(a: argparse.Namespace) -> int:
@@ -225,30 +221,9 @@ def _log_dir(config: argparse.Namespace) -> str:
     runs left 287 of them."""
     if config.log_dir or any(str(std or "0") != "0" for std in (config.redirects, config.tee)):
         return ""
-    mine = f"{LOG_DIR_PREFIX}{socket.gethostname()}-"
-    _sweep(mine)
-    config.log_dir = tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-")
-    return str(config.log_dir)
-
-
-LOG_DIR_PREFIX = "ddplab-torchrun-"
-
-
-def _sweep(mine: str) -> None:
-    """Remove the log dirs (and last-line files) of earlier jobs of this host whose launcher is
-    gone without removing its own: a `ddplab run` killed outright (SIGKILL) cannot (a hostile
-    pass)."""
-    from ..forensics.watch import alive
-
-    for left in Path(tempfile.gettempdir()).glob(f"{mine}*-*"):
-        # exactly PID-RANDOM (mkdtemp's has no "-"): host node's sweep must not read host
-        # node-12's folder, ddplab-torchrun-node-12-PID-RANDOM, as pid 12's
-        pid, _, rest = left.name[len(mine):].partition("-")
-        if pid.isdigit() and rest and "-" not in rest and not alive(int(pid)):
-            if left.is_dir():
-                shutil.rmtree(left, ignore_errors=True)
-            else:
-                left.unlink(missing_ok=True)
+    ours = str(own_temp("torchrun", folder=True))
+    config.log_dir = ours
+    return ours
 
 
 def failed(e: ChildFailedError) -> int:

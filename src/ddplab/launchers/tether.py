@@ -49,7 +49,7 @@ def launcher_gone(within_s: float = 2.0) -> bool:
     outright may still be ending its other threads, and be this rank's parent, for a moment."""
     if launcher_pid is None:
         return False
-    from ..forensics.watch import alive
+    from ..subprocs import alive
 
     deadline = time.monotonic() + within_s
     while True:

@@ -25,7 +25,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import termios
 import threading
 import time
@@ -45,7 +44,7 @@ from ...forensics.watch import is_secondary, raised_in_a_collective
 from ...launchers import LaunchEnv
 from ...launchers.outlive import exit_code, subreaper
 from ...launchers.tether import LAUNCHER_ENV
-from ...subprocs import python_file
+from ...subprocs import own_temp, python_file
 from ...tracking import capsule, schema, spool
 from .env import BOOT, FORENSICS_ENV, OBSERVE_ENV, REPORT_ENV, STACKS_ENV, STEP_OFFSET_ENV, T0_ENV
 from .figures import Figures, figures
@@ -393,9 +392,8 @@ class Script:
         """Start the script, pass its output through, and wait for its end, a peer's failure
         or a signal (raised here by run.Signals: the script is then stopped the same way)."""
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        fd, report = tempfile.mkstemp(prefix=f"ddplab-script-rank{self.le.rank}-", suffix=".json")
-        os.close(fd)
-        self.report_file = Path(report)
+        # (named by host and pid: a supervisor killed outright leaves it to the next one's sweep)
+        self.report_file = own_temp("script", suffix=f".rank{self.le.rank}.json")
         self.stack_file = self.report_file.with_suffix(".stack.txt")
         if self.forensics is not None:
             # The node's hang watch asks the observed script for its stacks here
