@@ -5,7 +5,7 @@ Accelerate (benchmarks/peers/peer_job.py), and ddplab with tracking on and off (
 a GPU, with data.pin_memory off: ``--only ...,ddplab-unpinned``). Rounds are
 interleaved (each round runs every tool once, in a rotated order) and medians reported:
 
-- steady samples/s: the epochs after the first (ddplab's perf/samples_per_s, counted the same);
+- steady samples/s: the epochs after the first, by each tool's epoch wall time (one clock for all);
 - rank 0's CPU ms per step over those epochs (its process, every thread);
 - the whole job's CPU seconds (every process the launcher started: ranks, torchrun, ddplab's
   tracking delivery) from the launcher's children's rusage;

@@ -13,18 +13,15 @@ from ddplab.tracking import spool
 from ddplab.training.summary import RunStats
 
 
-def test_steady_throughput_skips_the_first_epoch_and_weighs_epochs_by_their_time():
-    stats = RunStats()
-    for seconds, samples in ((10.0, 1000), (2.0, 1000), (3.0, 2000)):  # a slow first epoch
-        stats.end_epoch(seconds, samples, 10)
-    assert stats.steady_samples_per_s() == pytest.approx(3000 / 5.0)
+def test_steady_throughput_pools_the_log_intervals_after_the_first():
+    """All samples over all step time, not a mean of the intervals' rates: a 2-sample
+    interval at an epoch's end (rate 50) weighed as much as a 128-sample one (427)."""
+    stats = RunStats(intervals=[(100.0, 10.0), (128.0, 0.3), (2.0, 0.04)])  # a slow first
+    assert stats.steady_samples_per_s() == pytest.approx(130 / 0.34)
 
 
-def test_one_epoch_takes_its_log_intervals_after_the_first_and_none_gives_zero():
-    stats = RunStats(samples_per_s=[50.0, 100.0, 200.0])
-    stats.end_epoch(9.0, 900, 30)
-    assert stats.steady_samples_per_s() == pytest.approx(150.0)
-    assert RunStats(samples_per_s=[80.0]).steady_samples_per_s() == 80.0
+def test_one_interval_is_its_own_figure_and_none_gives_no_rate():
+    assert RunStats(intervals=[(80.0, 1.0)]).steady_samples_per_s() == 80.0
     assert RunStats().steady_samples_per_s() is None  # no step timed: no rate, not 0.0
 
 

@@ -314,6 +314,40 @@ def test_an_optimizer_by_import_path_with_its_own_arguments_trains(tmp_path, mon
     assert r.info.status == "FINISHED" and r.data.params["optim.name"] == "torch.optim:RMSprop"
 
 
+def test_perf_samples_per_s_is_the_steps_rate_not_their_evaluations_and_lr_the_steps_own(
+        tmp_path, monkeypatch):
+    """perf/samples_per_s counts the steps' time: a job evaluating every 2 steps (each
+    evaluation 0.5 s, a metric of the user's) read 20x slower than without them, its epochs'
+    wall time taken as the steps' (a hostile pass). And train/lr is the rate the step trained
+    with: with 4 warm-up steps to lr 0.01 and no schedule after, step 2 trains at 0.005 (the
+    scheduler's last rate after a step is the next step's: 0.0075 was recorded)."""
+    store = lone_job(tmp_path, monkeypatch)
+    (tmp_path / "slow_metric.py").write_text(
+        "import time\n"
+        "class Slow:\n"
+        "    def __init__(self, **kw): self.n = 0\n"
+        "    def update(self, preds, target): time.sleep(0.5); self.n += len(target)\n"
+        "    def compute(self): return float(self.n)\n"
+        "    def reset(self): self.n = 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run.train(str(REPO / "experiments" / "quickstart.yaml"),
+              ["data.train_samples=128", "data.eval_samples=16", "data.batch_size=16",
+               "data.image_size=8", "train.epochs=2", "train.log_every=2",
+               "train.eval_every_steps=2", "optim.warmup_steps=4", "optim.scheduler=none",
+               "optim.lr=0.01", "train.metrics=[{name: slow, fn: 'slow_metric:Slow'}]",
+               "tracking.system_metrics=false"], "summary.json")
+    (r,) = runs(store)
+    from mlflow import MlflowClient
+
+    lr = {m.step: m.value for m in MlflowClient(store).get_metric_history(r.info.run_id, "train/lr")}
+    assert lr[2] == pytest.approx(0.005) and lr[4] == pytest.approx(0.01) == lr[16], lr
+    # 8 evaluations in 16 steps: 4 s; 256 samples over the epochs' wall time read < 64/s
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sum(summary["epoch_time_s"]) > 4.0
+    assert r.data.metrics["perf/samples_per_s"] > 200, r.data.metrics
+    assert r.data.metrics["perf/samples_per_s"] == pytest.approx(summary["samples_per_s_steady"])
+
+
 def test_onecycle_by_import_path_shapes_the_lr_and_training_on_follows_its_schedule(
         tmp_path, monkeypatch):
     """optim.scheduler torch.optim.lr_scheduler:OneCycleLR gets max_lr (optim.lr) and

@@ -54,8 +54,7 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
                  metric, mode)
     title = f"study {tags.get(schema.STUDY, parent_id)}"
     single = _single_epoch(children)
-    steady = ("its log intervals after the first (one epoch)" if single
-              else "the epochs after the first")
+    steady = "the steps of its log intervals after the first"
     if is_throughput(metric):
         notes = [f"Baseline: {baseline}. Throughput: perf/samples_per_s of each finished run "
                  f"({steady}), {better(mode)}; speedup = median / the baseline's median; "

@@ -137,7 +137,7 @@ def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict
                           "it); run repeats >= 3, interleaved, to trust faster or slower")
     if single_epoch and throughput:
         v.warnings.append("one epoch only: throughput comes from its log intervals after the "
-                          "first, not from whole steady epochs; run train.epochs >= 2 to trust it")
+                          "first, a short job's mostly warm-up; run train.epochs >= 2 to trust it")
     return v
 
 

@@ -23,8 +23,8 @@ from .store import TrackingError, _experiment_refused, _permission_denied, check
 # Every run's description says which of its two throughputs to quote (docs/tracking.md, "Metrics").
 THROUGHPUT_NOTE = (
     "Throughput: quote `perf/samples_per_s`, the steady rate of the whole job (samples over "
-    "time in the epochs after the first, so start-up is not counted; with one epoch, its log "
-    "intervals after the first; a script job's: the script's own where it logs "
+    "the steps' time in the log intervals after the first, so neither start-up nor "
+    "evaluations and checkpoints are counted; a script job's: the script's own where it logs "
     "`perf/samples_per_s`, else its observed steps after the first). "
     "`train/samples_per_s` is each log interval's rate, for the curve over steps; "
     "`train/rank<r>_samples_per_s` is one rank's share.")

@@ -110,12 +110,13 @@ def _log_interval(job: Job) -> None:
     job.meter = loop.Meter()
     metrics = {"train/loss": s["loss"], "train/samples_per_s": s["samples_per_s"],
                "train/step_time_s": s["step_time_s"], "train/data_wait_frac": s["data_wait_frac"],
-               "train/lr": float(job.state.scheduler.get_last_lr()[0])}  # ddplab's lr: never a tensor
+               "train/lr": float(job.state.lr)}  # the interval's last step's: never a tensor
     metrics |= {f"train/rank{r}_samples_per_s": v for r, v in enumerate(s["per_rank_samples_per_s"])}
     metrics |= {f"train/rank{r}_busy_s": v for r, v in enumerate(s["per_rank_busy_s"])}
     job.run.log_metrics(metrics, job.state.step)
     _stragglers(job, s["per_rank_busy_s"])
     job.stats.samples_per_s.append(s["samples_per_s"])
+    job.stats.intervals.append((s["samples"], s["slowest_s"]))
     job.stats.last.update(metrics)
     job.console.say(f"epoch {job.state.epoch + 1}/{job.cfg.train.epochs} step {job.state.step}/"
                     f"{job.total_steps} loss {s['loss']:.4f} {s['samples_per_s']:.0f} samples/s")

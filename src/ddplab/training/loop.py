@@ -64,6 +64,8 @@ class TrainState:
     """train.sync_debug: torch's sync debug mode around the steady steps (StepClock.steady)."""
     steps_run: int = 0
     """Optimizer steps this process has taken (not saved: a resumed process starts again)."""
+    lr: float = 0.0
+    """The learning rate the last step trained with (the scheduler's last is the next step's)."""
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         dtype = AMP_DTYPES[self.amp]
@@ -174,6 +176,7 @@ def optimizer_step(state: TrainState) -> None:
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
+    state.lr = state.optimizer.param_groups[0]["lr"]  # (ddplab's lr is a float: no device read)
     if not state.scheduler_per_epoch:
         state.scheduler.step()
     state.step += 1
@@ -286,6 +289,10 @@ class Interval(TypedDict):
     """reduce_interval's figures, the same on every rank."""
 
     loss: float
+    samples: float
+    """All ranks' samples in the interval."""
+    slowest_s: float
+    """The slowest rank's step time in it."""
     samples_per_s: float
     per_rank_samples_per_s: list[float]
     per_rank_busy_s: list[float]
@@ -311,6 +318,8 @@ def reduce_interval(meter: Meter, device: torch.device) -> Interval:
     slowest = rows[:, 2].max().item()
     return {
         "loss": loss_sum / max(samples, 1),
+        "samples": samples,
+        "slowest_s": slowest,
         "samples_per_s": samples / slowest if slowest > 0 else 0.0,
         "per_rank_samples_per_s": per_rank,
         "per_rank_busy_s": rows[:, 3].tolist(),

@@ -66,6 +66,8 @@ class RunStats:
     step_times: list[float] = field(default_factory=list)
     data_time: float = 0.0
     samples_per_s: list[float] = field(default_factory=list)
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    """Each log interval's samples (all ranks) and the slowest rank's step time."""
     time_to_first_step_s: float | None = None
     first_step_at: float | None = None
     """Wall-clock time (Unix) of the first step's end: a launcher's clock can compare it."""
@@ -91,14 +93,17 @@ class RunStats:
     """The straggler named in the run ("" = none)."""
 
     def steady_samples_per_s(self) -> float | None:
-        """Throughput once started: the epochs after the first (start-up, compilation and the
-        first data loading are not counted); with one epoch, its log intervals after the
-        first. None when no step was timed (an attempt resumed at its last step trains none):
-        0.0 would read as a measurement."""
-        if len(self.epoch_times) > 1 and sum(self.epoch_times[1:]) > 0:
-            return sum(self.epoch_samples[1:]) / sum(self.epoch_times[1:])
-        rest = self.samples_per_s[1:] or self.samples_per_s
-        return sum(rest) / len(rest) if rest else None
+        """Throughput once started: all samples over the slowest rank's step time in the log
+        intervals after the first (its first step holds start-up, compilation and the first
+        data loading), pooled, not a mean of rates (a 2-sample interval at an epoch's end
+        weighed as much as a full one). Evaluations, checkpoints and logging between steps are
+        not step time: the same job evaluating every 2 steps read 20x slower (a hostile pass);
+        nor is a short last epoch alone the figure (one step past an epoch's end read 2x).
+        None when no step was timed (an attempt resumed at its last step trains none): 0.0
+        would read as a measurement."""
+        rest = self.intervals[1:] or self.intervals
+        seconds = sum(t for _, t in rest)
+        return sum(n for n, _ in rest) / seconds if seconds > 0 else None
 
     def end_epoch(self, seconds: float, samples: int, steps: int, cpu_s: float = 0.0) -> None:
         self.epoch_times.append(seconds)
