@@ -407,6 +407,12 @@ def test_a_script_whose_process_trains_nothing_says_so_at_its_end(tmp_path, stor
                  "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
                  "print('sum', t.item())\ndist.destroy_process_group()\n")
     assert "spawn" not in hello and "records its own with ddplab.track.log" in hello, hello
+    # One process, its own updates of tensors that are no nn.Module's ("What is torch.nn
+    # really?"'s first part): its backwards say it trained, and it is told (it was not)
+    scratch = said("scratch.py", "import torch\nw = torch.zeros(3, requires_grad=True)\n"
+                   "for _ in range(3):\n    ((w - 1) ** 2).sum().backward()\n"
+                   "    with torch.no_grad():\n        w -= 0.1 * w.grad\n        w.grad.zero_()\n")
+    assert "records its own with ddplab.track.log" in scratch, scratch
 
 
 LEAVES = '''

@@ -582,6 +582,100 @@ print(obs.totals.steps, obs.lead() is zero)
     assert zero == "7 True", out.stdout
 
 
+def test_a_script_updating_its_parameters_itself_has_its_steps_seen_and_sams_are_not_doubled():
+    """No torch.optim optimizer: the loop of PyTorch's "What is torch.nn really?" (``p -= lr *
+    p.grad`` under no_grad, then ``model.zero_grad()``) had no step, no loss, no epoch: its run
+    no training figure. A step is a backward, then the parameters changed in place, ended when
+    the data loader's next() begins (its batch's 30 ms are the next step's data wait); two
+    micro-batches' backwards without a change between are one step. A script that made an
+    optimizer keeps its steps only: SAM perturbs the parameters before its second forward."""
+    code = """
+import time, torch
+from torch.utils.data import DataLoader
+from ddplab.training.scriptmode import observe
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+torch.manual_seed(0)
+data = [(torch.randn(4), torch.randn(1)) for _ in range(16)]
+def slow(batch):
+    time.sleep(0.03)
+    return torch.utils.data.default_collate(batch)
+model = torch.nn.Linear(4, 1)
+losses = []
+for epoch in range(3):
+    for i, (x, y) in enumerate(DataLoader(data, batch_size=2, collate_fn=slow)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if i % 2 == 1:  # two micro-batches a step
+            losses.append(loss.item())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            model.zero_grad()
+obs.finish()
+t = obs.totals
+steady = len(t.busy)
+print(t.steps, [e["steps"] for e in t.epochs], round(t.loss, 6), round(losses[-1], 6),
+      t.samples, round(t.wait_s / steady, 3), round(t.backward_s / steady, 3))
+sam = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(sam)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in DataLoader(data, batch_size=4):
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with torch.no_grad():  # SAM's first step: climb to the worst point nearby
+        for p in model.parameters():
+            p += 0.05 * p.grad
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+print(sam.totals.steps)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    manual, sam = out.stdout.split("\n")[:2]
+    steps, epochs, *rest = manual.split(" ", 1)[0], *manual.split(" ", 1)[1].rsplit("] ", 1)
+    loss, printed, samples, wait, backward = rest[0].split()
+    assert steps == "12" and epochs == "[4, 4, 4" and loss == printed and samples == "48", manual
+    # each step's first batch (30 ms) is its data wait, not the step before's backward (its
+    # second micro-batch's is in its own backward phase: from the step's first backward on)
+    assert float(wait) >= 0.025 and float(backward) < 0.05, manual
+    assert sam == "4", out.stdout
+
+
+def test_a_compiled_ddp_models_bf16_autocast_is_its_mfus_precision_after_the_flop_count(tmp_path):
+    """torch.compile(DDP(model)) under CPU bf16 autocast: the hook reading the dtype inside the
+    model first ran in the FLOP count's own eager forward, after the script, outside its
+    autocast, and the peak was fp32's (MFU 5.5x too high against bf16's, a hostile pass)."""
+    code = f"""
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddplab.training.scriptmode import observe
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+model = torch.compile(DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(8, 16)).float().pow(2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+obs.finish()
+print(obs.dtype, obs.flops["peak_source"])
+dist.destroy_process_group()
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0].startswith("torch.bfloat16 CPU bf16 matmul"), out.stdout
+
+
 SEQUENCE_FIRST = """
 import sys, torch, torch.nn as nn
 from ddplab.training import mfu

@@ -159,6 +159,8 @@ class Totals:
     loss: float | None = None
     observe_s: float = 0.0
     """Time spent in the observation's own hooks during the steady steps: what it costs."""
+    backwards: int = 0
+    """Backwards seen: a script with some and no step trained without a step ddplab sees."""
 
     def report(self) -> dict[str, Any]:
         steady = self.steady_samples / self.steady_s if self.steady_s > 0 else 0.0
@@ -171,7 +173,7 @@ class Totals:
                 "backward_s": round(self.backward_s, 4), "epochs": self.epochs,
                 "observe_s": round(self.observe_s, 6), "steady_s": round(self.steady_s, 4),
                 "steady_steps": len(self.busy), "loader_s": round(self.loader_s, 4),
-                "loaders": self.loaders,
+                "loaders": self.loaders, "backwards": self.backwards,
                 "loss": self.loss}
 
 
@@ -253,6 +255,12 @@ class Observer:
         self.choose: Callable[[torch.nn.Module], Any] | None = None  # hooks another model
         self.wrapped = False  # inside the call of the compiled wrapper of the model
         self.lead: weakref.ref[torch.optim.Optimizer] | None = None  # whose step ends a step
+        # Without an optimizer: the model's parameters' versions at the last backward (a step
+        # ends once they change: _by_hand)
+        self.versions: int | None = None
+        # a torch.optim optimizer was made: its steps are the steps, never an in-place change
+        # (SAM's first step perturbs the parameters before its second forward)
+        self.optimizer_made = False
         self.other: torch.optim.Optimizer | None = None  # another that stepped since the lead's
         self.other_steps = 0
         self.epoch, self.epoch_start, self.epoch_steps = -1, 0.0, 0
@@ -283,6 +291,8 @@ class Observer:
         """A forward pre-hook: the outermost module's, or (no DDP/FSDP) every module's."""
         if self.outer is not None and module is not self.outer or self.wrapped:
             return
+        if self.versions is not None:
+            self._by_hand(time.perf_counter())
         if not torch.is_grad_enabled():
             if self.outer is not None or not self.t_forward:
                 self._beat("evaluation", None)
@@ -366,6 +376,8 @@ class Observer:
             if torch.compiler.is_compiling():
                 return  # compiled after the first forward: read again in its next eager call
             handle.remove()
+            if self.ended:  # the FLOP count's own forward, outside the script's autocast: a
+                return  # compiled model's layer is first called eagerly there (bf16 read fp32)
             with contextlib.suppress(Exception):  # (never the script's failure)
                 self.dtype = _compute_dtype(layer, device)
 
@@ -398,6 +410,9 @@ class Observer:
             self._rows(samples)
             self.held = None
         self.backwards += 1
+        self.totals.backwards += 1
+        if not self.optimizer_made and self.outer is not None:
+            self.versions = _versions(self.outer)
         if not self.t_backward:
             self.t_backward = time.perf_counter()
             self.m_backward = self._mark()
@@ -459,13 +474,26 @@ class Observer:
         self.other_steps += 1
         return False
 
-    def optimizer_step(self) -> None:
+    def _by_hand(self, now: float) -> None:
+        """No torch.optim optimizer was made, and the model's parameters changed in place since
+        the last backward (``p -= lr * p.grad`` under ``torch.no_grad()``, as PyTorch's "What
+        is torch.nn really?" trains): the script updates them itself, and that was a step, ended
+        ``now``: at the data loader's next ``next()`` (its batch is the next step's data wait),
+        else the next forward. Gradient accumulation's micro-batches change no parameter between
+        their backwards."""
+        if self.optimizer_made or self.outer is None or self.versions is None \
+                or _versions(self.outer) == self.versions:
+            return
+        self.optimizer_step(now)
+
+    def optimizer_step(self, at: float | None = None) -> None:
         """After an optimizer's step: the step's end, if a forward or backward came since the
         last one (a backward through ``torch.autograd.grad`` is not seen: the step's end
-        stands in for its start)."""
+        stands in for its start); ``at``: when a step without an optimizer ended (_by_hand)."""
+        self.versions = None
         if not (self.t_backward or self.t_forward):
             return
-        now = time.perf_counter()
+        now = at if at is not None else time.perf_counter()
         end = self._mark()
         self.t_backward = self.t_backward or now
         self._trained_forwards()
@@ -503,7 +531,8 @@ class Observer:
         self.per_item, self.summed = False, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
-        self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
+        if not self.ended:  # (the script's last step by hand, seen at its end: it is "done")
+            self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
         if (self.step_offset + t.steps) % LOG_EVERY_STEPS == 0:  # the run's steps 10, 20, ...
             self.log_point()  # (a resumed attempt's too), whatever epochs ended between
 
@@ -613,6 +642,8 @@ class Observer:
                 marks.seconds(backward, end))
 
     def set_epoch(self, epoch: int) -> None:
+        if self.versions is not None:
+            self._by_hand(time.perf_counter())
         self.sampler_epochs = True
         if epoch == self.epoch:
             return  # the other samplers of the same epoch (validation's)
@@ -678,6 +709,8 @@ class Observer:
         """A data loader's ``next()`` begins (``inside``) or has returned, between training
         steps: the heartbeat says "data loading" only while it runs (not for the first step's,
         still set-up's; not in an evaluation)."""
+        if inside and self.versions is not None:
+            self._by_hand(time.perf_counter())
         if self.totals.steps and not (self.t_forward or self.t_backward or self.past_training) \
                 and self.evaluated is None and self.held is None:
             self._beat("data loading" if inside else OUTSIDE_LOADER, self.totals.steps + 1)
@@ -783,6 +816,8 @@ class Observer:
         ended well, its last epoch and its FLOPs per sample (a failed script's epoch did not
         end, and no MFU is said of it)."""
         self.ended = True
+        if self.versions is not None:
+            self._by_hand(time.perf_counter())  # (the last step by hand: no forward after it)
         self._read(FINISH_PATIENCE_S)
         if self.unread:  # the device never passed the last steps: their loss is not read (it
             self.loss = self.step_loss = None  # may never be); the last one read stays
@@ -876,6 +911,12 @@ def _inside_another_step(code: Any) -> bool:
                 return True
         frame = frame.f_back
     return False
+
+
+def _versions(model: torch.nn.Module) -> int:
+    """The sum of the model's parameters' version counters: each in-place change adds one
+    (``p -= lr * p.grad``; not ``p.data -= ...``, whose tensor counts its own)."""
+    return sum(p._version for p in model.parameters())
 
 
 def _in_eval_mode(module: torch.nn.Module) -> bool:
@@ -1213,6 +1254,14 @@ def _hooks(obs: Observer) -> None:
             obs.optimizer_step()
 
     register_optimizer_step_post_hook(stepped)
+    made_optimizer = torch.optim.Optimizer.__init__
+
+    @functools.wraps(made_optimizer)
+    def optimizer_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        obs.optimizer_made = True  # (its steps end the steps: Observer._by_hand is off)
+        made_optimizer(self, *args, **kwargs)
+
+    torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign]
 
     def model(module: torch.nn.Module) -> Any:
         """The script's model from now on: the samples, the forward's start and the FLOPs are

@@ -894,10 +894,11 @@ LAUNCHED_ONLY = frozenset({"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"})
 
 def _trains_likely(outcomes: dict[int, dict[str, Any]], wall_s: float) -> bool:
     """Whether a script with no training seen looks like one that trained (it made a process
-    group, started processes with torch.multiprocessing.spawn, or ran a minute): the note on
-    what is not observed is for it, not for ``--help``."""
+    group, started processes with torch.multiprocessing.spawn, ran a minute, or a backward was
+    seen): the note on what is not observed is for it, not for ``--help``."""
     seen = outcomes.get(0, {}).get("observed", {})
-    return "backend" in seen or bool(seen.get("spawned")) or wall_s >= 60
+    return "backend" in seen or bool(seen.get("spawned")) or wall_s >= 60 or \
+        bool(seen.get("observe", {}).get("backwards"))  # (one process, its own updates)
 
 
 def _no_training(outcomes: dict[int, dict[str, Any]]) -> str:
@@ -907,8 +908,9 @@ def _no_training(outcomes: dict[int, dict[str, Any]]) -> str:
     if outcomes.get(0, {}).get("observed", {}).get("spawned"):
         return (f"{head}: ranks it starts itself (torch.multiprocessing.spawn, or torchrun's own "
                 "main) are not observed; torchrun starting them is")
-    return (f"{head}: the run has no training figure; a script that trains without a torch.optim "
-            "optimizer records its own with ddplab.track.log (docs/your-own-script.md)")
+    return (f"{head}: the run has no training figure; a script whose steps are not seen (its "
+            "own updates through p.data, a model without an nn.Module) records its own with "
+            "ddplab.track.log (docs/your-own-script.md)")
 
 
 def _summary(path: str, run: tracking.NullTracker, script: Script, outcomes: dict[int, dict[str, Any]],
