@@ -676,6 +676,61 @@ dist.destroy_process_group()
     assert out.stdout.split("\n")[0].startswith("torch.bfloat16 CPU bf16 matmul"), out.stdout
 
 
+def test_an_lbfgs_closure_is_one_batch_and_an_accumulated_loss_is_the_scripts_undivided():
+    """L-BFGS's step calls its closure up to max_iter times on one batch: each forward counted
+    as a micro-batch (5x the samples/s), and the loss was the last call's, not the first one's
+    the step returns. ``(loss / 4).backward()`` on each of 4 micro-batches recorded the loss
+    4x lower than the script computes and prints (a hostile pass); not a loss halved once
+    for a step of its own (``loss * 0.5``)."""
+    code = """
+import torch
+from ddplab.training.scriptmode import observe
+def watched():
+    obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+    observe._hooks(obs)
+    return obs
+torch.manual_seed(0)
+x, y = torch.randn(32, 4), torch.randn(32, 1)
+model = torch.nn.Linear(4, 1)
+obs = watched()
+opt = torch.optim.LBFGS(model.parameters(), max_iter=4, history_size=4)
+def closure():
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+for _ in range(3):
+    first = opt.step(closure)
+obs.log_point()
+print(obs.totals.steps, obs.totals.samples, round(obs.totals.loss, 6), round(first.item(), 6))
+for divide in (lambda l: l / 4, lambda l: l * 0.5):
+    obs = watched()
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = 4 if divide(torch.tensor(4.0)) == 1 else 1
+    for i in range(14):  # 3 steps of 4 micro-batches, then one of 2 at the data's end
+        raw = torch.nn.functional.mse_loss(model(x[i:i + 2]), y[i:i + 2])
+        divide(raw).backward()
+        if (i + 1) % micro == 0 or i == 13:
+            opt.step(); opt.zero_grad()
+            obs.log_point()
+            print(obs.totals.steps, round(obs.totals.loss, 6), round(raw.item(), 6),
+                  round(divide(raw).item(), 6))
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().split("\n")
+    steps, samples, loss, first = lines[0].split()
+    assert (steps, samples) == ("3", "96") and loss == first, lines[0]
+    accumulated, halved = lines[1:5], lines[5:]
+    assert [line.split()[0] for line in accumulated] == ["1", "2", "3", "4"], lines
+    assert all(line.split()[1] == line.split()[2] for line in accumulated), accumulated
+    assert len(halved) == 14 and all(line.split()[1] == line.split()[3] for line in halved), halved
+
+
 SEQUENCE_FIRST = """
 import sys, torch, torch.nn as nn
 from ddplab.training import mfu

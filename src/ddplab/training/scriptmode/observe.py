@@ -5,11 +5,14 @@ script is edited and nothing waits on the device inside its step:
 
 - a **step** is an optimizer step (``register_optimizer_step_post_hook``) after a backward,
   of the first optimizer that stepped (a GAN's second one is not another step: Observer.leads);
+  without any torch.optim optimizer, a backward then the model's parameters changed in place
+  (Observer._by_hand);
 - the **loss** is the tensor a backward starts from (``loss.backward()`` or
   ``torch.autograd.backward(loss)``; under a ``GradScaler`` or FSDP's ``ShardedGradScaler``,
   the tensor it scaled, not the scaled one), the last before the step's optimizer step (a
-  GAN's: its discriminator's last, also at an epoch's end), kept detached and read
-  (``.item()``) only at log points;
+  GAN's: its discriminator's last, also at an epoch's end; undivided where each of the step's N
+  backwards divided it by N: Observer._accumulated; an L-BFGS closure's first), kept detached
+  and read (``.item()``) only at log points;
 - **samples** per step: the first dimension of the first tensor fed to the outermost
   DDP/FSDP module (of several, the one the leading optimizer steps; a forward pre-hook
   attached when the script builds it; its compiled wrapper's under
@@ -221,6 +224,16 @@ class Observer:
         self.returned: torch.Tensor | None = None
         self.given: torch.Tensor | None = None
         self.step_loss: torch.Tensor | None = None  # the last backward's before the last step
+        # Each backward's loss's constant divisor in this step (``(loss / N).backward()``: N;
+        # else 1), the step loss's (N where each of the step's N backwards divided by N: the
+        # loss the script computed, not its Nth), and the N of the last step that had one
+        self.divisors: list[float] = []
+        self.step_scale = 1.0
+        self.accumulates = 1.0
+        self.step_code: Any = None  # the optimizers' step wrapper's code (_again)
+        # the optimizer step call (its wrapper frame's id) whose closure made a forward, and
+        # one that made a backward: a later one in the same call evaluates the batch again
+        self.closure_forward = self.closure_backward = 0
         # A Hugging Face model given num_items_in_batch (its Trainer's gradient accumulation)
         # divides each micro-batch's summed loss by the whole step's item count: each backward's
         # loss is a share of the step's, which the Trainer logs as their sum (``summed``).
@@ -336,6 +349,8 @@ class Observer:
             mark = self.m_forward
         else:  # (a mark only before the step's first backward: where an evaluation may end)
             mark = self._mark() if not self.t_backward else None
+        if self._again("closure_forward"):
+            return  # the step's closure again (L-BFGS's up to max_iter calls): the same batch
         rows = _batch_size(args, kwargs)
         self._rows(rows)
         self.forwards.append(Forward(rows, now, mark, self.loaded))
@@ -418,13 +433,15 @@ class Observer:
             self.m_backward = self._mark()
             self._beat("backward", None)
         known, self.returned, self.given = (self.given, self.returned), None, None
-        if loss is None or loss.numel() != 1:
-            return
+        if loss is None or loss.numel() != 1 or self._again("closure_backward"):
+            return  # (a closure's later backwards: L-BFGS's step returns its first one's loss)
         for ref, unscaled in self.scaled:
             if ref() is loss:  # GradScaler.scale(loss).backward(): the loss, not x 65536
                 loss = unscaled
                 break
-        loss = _undivided(loss, [t for t in known if t is not None]).detach()
+        loss = _undivided(loss, [t for t in known if t is not None])
+        self.divisors.append(1.0 if self.per_item else _divisor(loss))
+        loss = loss.detach()
         if self.per_item:  # (a share of the step's loss: the step's is their sum)
             loss = self.summed = loss if self.summed is None else self.summed + loss
         self.loss = loss
@@ -528,6 +545,7 @@ class Observer:
         # The loss of the step's leading optimizer, at every log point: a GAN's generator
         # backward after it (DCGAN's order) is not the step's loss at the epoch's end only.
         self.step_loss, self.held, self.evaluated = self.loss, None, None
+        self.step_scale = self._accumulated()
         self.per_item, self.summed = False, None
         self.m_end, self.m_forward, self.m_backward = end, None, None
         self.own_s = 0.0
@@ -535,6 +553,36 @@ class Observer:
             self._beat(OUTSIDE_LOADER if t.loaders else BETWEEN_STEPS, t.steps + 1)
         if (self.step_offset + t.steps) % LOG_EVERY_STEPS == 0:  # the run's steps 10, 20, ...
             self.log_point()  # (a resumed attempt's too), whatever epochs ended between
+
+    def _again(self, seen: str) -> bool:
+        """Inside an optimizer step's call whose closure made a forward (``seen``:
+        "closure_forward") or a backward ("closure_backward") already: L-BFGS evaluating the
+        same batch again. Its first is the step's (Lightning's closure: a step's only one, the
+        last micro-batch's under gradient accumulation)."""
+        call = _step_call(self.step_code)
+        if not call:
+            return False
+        if getattr(self, seen) == call:
+            return True
+        setattr(self, seen, call)
+        return False
+
+    def stepped(self) -> None:
+        """After any optimizer's step: its call's closure is over."""
+        self.closure_forward = self.closure_backward = 0
+
+    def _accumulated(self) -> float:
+        """N, where each of the step's N backwards was from its loss divided by N (gradient
+        accumulation's ``(loss / N).backward()``; fewer at an epoch's end, after steps of N):
+        the step's loss is then the last micro-batch's undivided, as the script computes and
+        prints it, not its Nth (a study over N compared N's, not losses); else 1."""
+        divisors, self.divisors = self.divisors, []
+        n = divisors[0] if divisors else 1.0
+        if n <= 1 or any(d != n for d in divisors) or len(divisors) > n or \
+                len(divisors) < n and self.accumulates != n:
+            return 1.0
+        self.accumulates = n
+        return n
 
     def _trained_forwards(self) -> None:
         """The step's samples and start from the forwards a backward reached. One none reached
@@ -765,7 +813,8 @@ class Observer:
         loss = self.step_loss if self.step_loss is not None else self.loss
         if loss is not None and not marks.capturing():
             with contextlib.suppress(RuntimeError):  # a failed device: the last loss read stays
-                self.totals.loss = float(loss.item())
+                self.totals.loss = float(loss.item()) * (
+                    self.step_scale if loss is self.step_loss else 1.0)
         self._read()  # after the loss's read, which the device's work up to it had to pass
         w, self.window = self.window, Window()
         metrics: dict[str, float] = dict(extra or {})
@@ -900,17 +949,50 @@ def _step_code() -> Any:
 def _inside_another_step(code: Any) -> bool:
     """Whether the optimizer step whose post-hook runs now was called by another one's step
     (two frames of the step wrapper on the stack: its own and the outer one's)."""
+    return _steps_on_stack(code) > 1
+
+
+def _steps_on_stack(code: Any) -> int:
+    """Frames of the optimizers' step wrapper (``code``) on the stack, up to 2."""
     if code is None:
-        return False
+        return 0
     frame: FrameType | None = sys._getframe(1)
     seen = 0
-    while frame is not None:
+    while frame is not None and seen < 2:
         if frame.f_code is code:
             seen += 1
-            if seen > 1:
-                return True
         frame = frame.f_back
-    return False
+    return seen
+
+
+def _step_call(code: Any) -> int:
+    """The id of the innermost optimizer step call on the stack (its wrapper's frame), 0 if none."""
+    frame: FrameType | None = sys._getframe(1) if code is not None else None
+    while frame is not None:
+        if frame.f_code is code:
+            return id(frame)
+        frame = frame.f_back
+    return 0
+
+
+def _divisor(loss: torch.Tensor) -> float:
+    """N where ``loss`` is a loss divided by the constant N right before its backward
+    (``loss / N``, ``loss * (1 / N)``; N a whole number >= 2), else 1. Read from its autograd
+    node's saved operand, a host scalar: no device read."""
+    fn = loss.grad_fn
+    kind = type(fn).__name__
+    if kind not in ("DivBackward0", "MulBackward0"):
+        return 1.0
+    try:
+        other = fn._saved_other  # type: ignore[union-attr]
+    except RuntimeError:  # (freed: a graph backed before)
+        return 1.0
+    if not isinstance(other, torch.Tensor) or other.dim() or other.device.type != "cpu" \
+            or other.requires_grad or not other.is_floating_point() and other.dtype == torch.bool:
+        return 1.0
+    value = float(other)
+    n = value if kind == "DivBackward0" else 1 / value if value else 0.0
+    return float(round(n)) if n >= 2 and abs(n - round(n)) < 1e-6 else 1.0
 
 
 def _versions(model: torch.nn.Module) -> int:
@@ -1243,13 +1325,14 @@ def _hooks(obs: Observer) -> None:
     sequence_batch = timed(lambda module, args: obs.sequence_batch(args))
     scale_hook, loaded, loader_done = timed(obs.scale), timed(obs.batch), timed(obs.loader_done)
     inside, outside = timed(lambda: obs.loading(True)), timed(lambda: obs.loading(False))
-    stepping = _step_code()
+    stepping = obs.step_code = _step_code()
 
     @timed
     def stepped(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # An optimizer stepped by another's step (ZeroRedundancyOptimizer's local Adam, a
         # Lookahead's inner one) is not the step: the outer one's end is (ZeRO's parameter
         # broadcast after the inner step read as the next step's data wait: 0.58-0.71 of it).
+        obs.stepped()
         if not _inside_another_step(stepping) and obs.leads(opt):
             obs.optimizer_step()
 
