@@ -567,7 +567,7 @@ class Observer:
         setattr(self, seen, call)
         return False
 
-    def stepped(self) -> None:
+    def closure_over(self) -> None:
         """After any optimizer's step: its call's closure is over."""
         self.closure_forward = self.closure_backward = 0
 
@@ -988,7 +988,7 @@ def _divisor(loss: torch.Tensor) -> float:
     except RuntimeError:  # (freed: a graph backed before)
         return 1.0
     if not isinstance(other, torch.Tensor) or other.dim() or other.device.type != "cpu" \
-            or other.requires_grad or not other.is_floating_point() and other.dtype == torch.bool:
+            or other.requires_grad or other.dtype == torch.bool:
         return 1.0
     value = float(other)
     n = value if kind == "DivBackward0" else 1 / value if value else 0.0
@@ -1332,7 +1332,7 @@ def _hooks(obs: Observer) -> None:
         # An optimizer stepped by another's step (ZeroRedundancyOptimizer's local Adam, a
         # Lookahead's inner one) is not the step: the outer one's end is (ZeRO's parameter
         # broadcast after the inner step read as the next step's data wait: 0.58-0.71 of it).
-        obs.stepped()
+        obs.closure_over()
         if not _inside_another_step(stepping) and obs.leads(opt):
             obs.optimizer_step()
 
