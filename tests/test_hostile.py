@@ -410,6 +410,32 @@ def test_a_store_on_a_full_disk_is_one_line_not_pages_of_tracebacks(tmp_path, st
     assert "SQLAlchemy database error" not in later.stderr, later.stderr[-3000:]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only mount needs root (CI runs as root)")
+def test_a_store_on_a_read_only_mount_is_refused_before_the_ranks_start_in_one_line(tmp_path):
+    """A hostile pass: a SQLite store on a read-only mount failed once the run was opened, on
+    rank 0, after the ranks had started: exit 1 and four tracebacks ("attempt to write a
+    readonly database"). Refused before any rank, as bad input: one line, exit 2."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    subprocess.run([sys.executable, "-c", "import sys\nfrom ddplab.tracking.store import open_client"
+                    "\nopen_client(sys.argv[1]).search_experiments()", uri], check=True,
+                   capture_output=True, timeout=120)
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        out = subprocess.run([str(BIN / "ddplab"), "run", "--nproc-per-node", "2", QUICKSTART, *QUICK],
+                             cwd=tmp_path, env=job_env(uri), capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+    said = (out.stdout + out.stderr).strip()
+    assert out.returncode == 2 and "Traceback" not in said, said[-4000:]
+    assert said.splitlines()[-1].startswith("ddplab: error: the MLflow store "), said[-4000:]
+    assert f"cannot be written: {folder / 'mlflow.db'} is read-only here" in said, said[-4000:]
+    assert "[rank" not in said, said[-4000:]  # no rank started
+
+
 # ---- classes 2, 4, 6: studies ----
 
 TINY = {"data.train_samples": 256, "data.eval_samples": 128, "train.epochs": 1,

@@ -257,6 +257,36 @@ def test_the_preflight_checks_the_run_a_named_folder_resumes_one_level_down(tmp_
     checkpoint.not_running(str(experiment), tmp_path)  # its job ended: resumable
 
 
+def test_two_jobs_resuming_one_run_at_once_the_second_is_refused_while_the_first_lives(tmp_path):
+    """Two identical reruns started together both passed the live-rank check (neither's rank
+    had a heartbeat yet), and the second attached to the run the first was taking (a hostile
+    pass, 3 of 3). The rank 0 that takes a run locks its folder for its process's life; a job's
+    end lets it go (release_runs), and so does its process's death."""
+    from ddplab.agent import protocol
+    from ddplab.config import ConfigError
+
+    run = tmp_path / "run1"
+    run.mkdir()
+    code = ("import sys, time\nfrom pathlib import Path\nfrom ddplab.agent import protocol\n"
+            "protocol.refuse_a_running_job(Path(sys.argv[1]), 'x', hold=True)\n"
+            "print('held', flush=True)\ntime.sleep(60)\n")
+    first = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match="a job starting or running on this host .*resume.lock"):
+            protocol.refuse_a_running_job(run, "checkpoint.resume: auto found run1,", hold=True)
+    finally:
+        first.kill()
+        first.wait()
+    protocol.refuse_a_running_job(run, "checkpoint.resume: auto found run1,", hold=True)
+    protocol.refuse_a_running_job(run, "again, in the same process", hold=True)
+    protocol.release_runs()
+    second = subprocess.run([sys.executable, "-c", code.replace("time.sleep(60)", ""), str(run)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.stdout == "held\n", second.stderr[-2000:]
+
+
 def beating_rank(folder: Path, rank: int, world: int, phase: str,
                  step: int) -> subprocess.Popen[str]:
     """A real rank's heartbeat, in a process of its own that lives a minute (kill it)."""

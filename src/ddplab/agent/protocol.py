@@ -74,23 +74,65 @@ def forensics_dir(spool_dir: Path) -> Path:
     return spool_dir / FORENSICS
 
 
-def refuse_a_running_job(run_dir: Path, head: str) -> None:
+RESUME_LOCK = ".resume.lock"
+"""In a run's folder: locked by the rank 0 that resumes the run, while its process lives."""
+_HELD: dict[Path, Any] = {}  # the run folders' locks this process holds (their open files)
+
+
+def refuse_a_running_job(run_dir: Path, head: str, hold: bool = False) -> None:
     """ConfigError when a job still runs in this run's folder on this host (a rank of it alive:
     forensics/watch.live_in on each node's heartbeats): resuming its run would record its steps
     twice into it. A hostile pass: the same `make run` typed in a second terminal resumed the
     first's run, and steps 208-288 came twice, from two jobs, both writing its checkpoints.
-    (A job's own earlier attempt, restarted by torchrun, has ended before this one starts.)"""
+    (A job's own earlier attempt, restarted by torchrun, has ended before this one starts.)
+    ``hold``: rank 0, taking the run: it locks the folder for its process's life too (two
+    jobs started together both passed, neither's rank having a heartbeat yet)."""
     from ..config import ConfigError
     from ..forensics.watch import live_in
 
+    tail = ("resuming it would record the same steps twice in one run; let that job end or stop "
+            "it, or start a new run beside it with --set checkpoint.resume=never")
     for node in sorted(run_dir.glob("spool/node*")):  # (tracking/spool.spool_dir's folders)
         b = live_in(forensics_dir(node))
         if b is not None:
-            raise ConfigError(
-                f"{head} the run of a job still running on this host (its rank {b.rank}, pid "
-                f"{b.pid}): resuming it would record the same steps twice in one run; let that "
-                "job end or stop it, or start a new run beside it with "
-                "--set checkpoint.resume=never")
+            raise ConfigError(f"{head} the run of a job still running on this host (its rank "
+                              f"{b.rank}, pid {b.pid}): {tail}")
+    if hold and not _lock(run_dir):
+        raise ConfigError(f"{head} the run of a job starting or running on this host (it holds "
+                          f"{run_dir / RESUME_LOCK}): {tail}")
+
+
+def release_runs() -> None:
+    """This process's jobs have ended their runs: their folders' locks go (a process that runs
+    jobs one after another, in-process)."""
+    while _HELD:
+        _, f = _HELD.popitem()
+        f.close()
+
+
+def _lock(run_dir: Path) -> bool:
+    """This process's exclusive lock on the run's folder (flock: gone with the process);
+    False when another process holds it. A folder that cannot take one (read-only, a
+    filesystem without locks) is left to the heartbeats' check."""
+    import fcntl
+
+    key = run_dir.resolve()
+    if key in _HELD:
+        return True
+    try:
+        f = open(key / RESUME_LOCK, "a")  # noqa: SIM115 - held open for the process's life
+    except OSError:
+        return True
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return False
+    except OSError:
+        f.close()
+        return True
+    _HELD[key] = f
+    return True
 
 
 @dataclass(frozen=True)

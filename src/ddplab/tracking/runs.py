@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..agent.handle import start_delivery
-from ..agent.protocol import forensics_dir
+from ..agent.protocol import forensics_dir, release_runs
 from ..distributed.group import flight_records
 from ..errors import DdplabError
 from ..forensics import heartbeat
@@ -121,6 +121,7 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
         elif lost:  # another node's spool: rank 0 decides the run's status
             logger().error(lost)
         run.finish(status, error)
+        release_runs()  # (the run's folder: another job may resume it now)
         run.left = delivery.close()
         if run.left:
             _say_left(run.left, ref.uri, delivery.directory)

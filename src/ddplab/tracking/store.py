@@ -352,7 +352,14 @@ def store_problem(uri: str) -> str | None:
     job's rank 0 does not import it), under store_lock (a job beside it may be making the
     store's schema); any doubt is None: opening the store says what it is."""
     db = sqlite_path(uri)
-    if db is None or not db.exists():
+    if db is None:
+        return None
+    # SQLite writes the file and, beside it, its journal: a read-only file or folder failed
+    # only once the run was opened, on rank 0, with tracebacks (a hostile pass)
+    for path in (db, db.parent) if db.exists() else (db.parent,):
+        if path.exists() and not os.access(path, os.W_OK):
+            return _unwritable(uri, f"{path} is read-only here")
+    if not db.exists():
         return None
     with store_lock(uri):
         return _store_problem(uri)

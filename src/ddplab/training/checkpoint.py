@@ -331,12 +331,13 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
         return None
     if resume != "auto":
         path = _named(resume, root)
-        refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is")
+        refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is", hold=True)
         return path, _read_named(path, resume)
     found = newest_valid(root)
     if found is None or found[1]["final"]:
         return None  # nothing to resume, or the newest job finished: start a new one
-    refuse_a_running_job(found[0].parent, f"checkpoint.resume: auto found {found[0].parent},")
+    refuse_a_running_job(found[0].parent, f"checkpoint.resume: auto found {found[0].parent},",
+                         hold=True)
     return found
 
 

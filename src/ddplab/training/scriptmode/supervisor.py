@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ... import config, tracking
-from ...agent.protocol import forensics_dir, refuse_a_running_job
+from ...agent.protocol import RESUME_LOCK, forensics_dir, refuse_a_running_job
 from ...distributed import host
 from ...errors import DdplabError, keep_ends
 from ...files import finite_json, named_or_id, save_copy, write_text_atomic
@@ -72,7 +72,7 @@ stop's signal (it writes its traceback, its libraries shut down)."""
 EXIT_SAID_S = 2.0
 """A script's last stderr line at most this long before its ``sys.exit(N)`` is what it said
 of its exit (argparse's "error: unrecognized arguments")."""
-OWN_ENTRIES = {"spool", FINISHED_MARK, JOB_FILE, SCRIPT_DIR}
+OWN_ENTRIES = {"spool", FINISHED_MARK, JOB_FILE, SCRIPT_DIR, RESUME_LOCK}
 """A run's folder, ``<checkpoint.dir>/<name>/<run id>/``: the script's own folder
 (``script/``, its ``DDPLAB_CHECKPOINT_DIR``), the node's spool beside it, the job that made
 the run (``job.json``: what a rerun must match to resume it) and, once it finished, the mark.
@@ -230,7 +230,7 @@ def resumable_run(cfg: config.ExperimentConfig, identity: dict[str, Any] | None 
     root = (Path(cfg.checkpoint.dir) / cfg.name).resolve()
     if cfg.checkpoint.resume != "auto":
         run_dir = chosen_run(cfg.checkpoint.resume, root)
-        refuse_a_running_job(run_dir, f"checkpoint.resume: {cfg.checkpoint.resume!r} is")
+        refuse_a_running_job(run_dir, f"checkpoint.resume: {cfg.checkpoint.resume!r} is", hold=True)
         why = differs(recorded_identity(run_dir), now)
         if why:
             say(f"ddplab: resuming run {run_dir.name} ({_made_by(run_dir)}) as checkpoint.resume "
@@ -252,7 +252,7 @@ def resumable_run(cfg: config.ExperimentConfig, identity: dict[str, Any] | None 
     for _, d in sorted(candidates, reverse=True):
         why = differs(recorded_identity(d), now)
         if not why:
-            refuse_a_running_job(d, f"checkpoint.resume: auto found {d},")
+            refuse_a_running_job(d, f"checkpoint.resume: auto found {d},", hold=True)
             _adopt_earlier_layout(d)
             return d.name
         others.append((d, why))
