@@ -348,6 +348,37 @@ def test_perf_samples_per_s_is_the_steps_rate_not_their_evaluations_and_lr_the_s
     assert r.data.metrics["perf/samples_per_s"] == pytest.approx(summary["samples_per_s_steady"])
 
 
+def test_resuming_a_run_against_another_store_names_the_store_it_was_recorded_in(
+        tmp_path, monkeypatch):
+    """A rerun with another MLFLOW_TRACKING_URI resumed its checkpoint's run there: "Run with
+    id=... not found", two tracebacks (a hostile pass). One line, naming the store its spool
+    was made for, and nothing made in the other store's experiment."""
+    from ddplab.tracking.store import TrackingError
+
+    first = lone_job(tmp_path, monkeypatch)
+    (tmp_path / "dies.py").write_text(
+        "import torch\ncalls = 0\ndef loss(outputs, targets):\n    global calls\n"
+        "    calls += 1\n    if calls == 5:\n"
+        "        raise RuntimeError('the job dies after its step-2 checkpoint')\n"
+        "    return torch.nn.functional.cross_entropy(outputs, targets)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sets = ["data.train_samples=64", "data.eval_samples=32", "data.image_size=8",
+            "data.batch_size=8", "checkpoint.every_steps=2", "train.loss=dies:loss",
+            "tracking.system_metrics=false"]
+    with pytest.raises(RuntimeError, match="the job dies"):
+        run.train(str(REPO / "experiments" / "quickstart.yaml"), sets)
+    (died,) = runs(first)
+    run_id = died.info.run_id
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
+    with pytest.raises(TrackingError) as e:  # (checkpoint.resume: auto, its step-2 checkpoint)
+        run.train(str(REPO / "experiments" / "quickstart.yaml"), sets)
+    said = str(e.value)
+    assert "\n" not in said and said.startswith(f"checkpoint.resume: the run {run_id} "), said
+    assert f"is not in the store {other}; it was recorded in {first}" in said, said
+    assert [r.info.run_id for r in runs(first)] == [run_id] and runs(other) == []
+
+
 def test_onecycle_by_import_path_shapes_the_lr_and_training_on_follows_its_schedule(
         tmp_path, monkeypatch):
     """optim.scheduler torch.optim.lr_scheduler:OneCycleLR gets max_lr (optim.lr) and

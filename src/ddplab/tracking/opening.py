@@ -153,6 +153,7 @@ def _attach(client: Any, req: Request) -> Opened:
     (its error and end included), then the steps it logged stay as they are (one value per
     step), and what it said of its end moves aside (its error, the verdict, each node's ranks'
     endings, a straggler), so a run that now finishes does not still say it failed."""
+    _in_this_store(client, req)
     for left in spool.find([Path(req.spool_root) / req.run_id]):
         spool.deliver(left, client, lambda: False, timeout_s=30.0, final=True)
     run = client.get_run(req.run_id)
@@ -161,6 +162,32 @@ def _attach(client: Any, req: Request) -> Opened:
     through = max((m.step for m in history), default=-1)
     _move_aside_its_end(client, run, through, req.uri)
     return _opened(run, req.uri, through)
+
+
+def _in_this_store(client: Any, req: Request) -> None:
+    """The run a checkpoint resumes is in this store; else one line naming the store its spool
+    was made for (a rerun with another MLFLOW_TRACKING_URI failed on rank 0 with "Run ... not
+    found" and two tracebacks, a hostile pass)."""
+    from ..logins import mask
+
+    try:
+        client.get_run(req.run_id)
+        return
+    except Exception as e:
+        if getattr(e, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+    folder = Path(req.spool_root) / req.run_id
+    made = set()
+    for node in sorted(folder.glob("spool/node*")):
+        try:
+            made.add(spool.Meta.read(node).uri)
+        except (OSError, ValueError):
+            continue
+    there = f"; it was recorded in {', '.join(sorted(mask(u) for u in made))}" if made - {req.uri} else ""
+    raise TrackingError(
+        f"checkpoint.resume: the run {req.run_id} this job resumes (its checkpoints in {folder}) "
+        f"is not in the store {mask(req.uri)}{there}: point MLFLOW_TRACKING_URI at its store, or "
+        "start a new run with --set checkpoint.resume=never")
 
 
 def _move_aside_its_end(client: Any, run: Any, through: int, uri: str) -> None:
