@@ -363,6 +363,29 @@ def test_a_full_disk_ends_the_run_failed_with_its_reason_and_leaves_no_partial_f
     assert leftovers == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_a_checkpoint_folder_full_at_the_start_is_one_line_and_the_runs_error(tmp_path, store):
+    """Out of inodes before the first step (the spool's meta could not be written): a
+    traceback on the console, and the run's error only "see the job's console" (a hostile
+    pass). One line, exit 1, and the run FAILED with the reason."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=6", "tmpfs", str(small)],
+                   check=True)
+    try:
+        out = subprocess.run([str(BIN / "ddplab"), "train", QUICKSTART, *QUICK, "--set",
+                              f"checkpoint.dir={small / 'ck'}"], cwd=tmp_path, env=job_env(store),
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in said, said[-4000:]
+    assert f"ddplab: error: checkpoint.dir {small / 'ck'}: No space left on device (" in said, said
+    (run,) = runs(store)
+    assert run.info.status == "FAILED", run.info
+    assert run.data.tags["ddplab.error"].startswith(f"checkpoint.dir {small / 'ck'}: No space left")
+
+
 FILLED = """
 import subprocess, sys
 from ddplab.tracking.store import open_client

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import time
@@ -82,6 +83,12 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
         # Nothing to deliver: it must not outlive the job. A stop (Ctrl-C) ends its run KILLED.
         if signals.status() == "KILLED":
             delivery.cancel("KILLED", _stopped_by(signals.cause(e)))
+        elif isinstance(e, OSError) and e.errno in FULL_OR_LOCKED:
+            # (the spool's folder, in checkpoint.dir: a full disk there at the start was a
+            # traceback, and the run's error only "see the job's console", a hostile pass)
+            said = f"checkpoint.dir {cfg.checkpoint.dir}: {e.strerror} ({e.filename})"
+            delivery.cancel("FAILED", said)
+            raise FolderUnwritable(said) from None
         else:
             delivery.cancel()
         raise
@@ -141,6 +148,14 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
 def _stopped_by(e: BaseException) -> str:
     """A stopped job's error: what stopped it (Ctrl-C, a closed terminal, its launcher's end)."""
     return "interrupted (SIGINT / Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e)
+
+
+FULL_OR_LOCKED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+"""The errors of a folder that cannot take a file: full, over quota, read-only, not ours."""
+
+
+class FolderUnwritable(DdplabError):
+    """The run's spool could not be written where the job keeps it (checkpoint.dir)."""
 
 
 class SpoolLost(DdplabError):
