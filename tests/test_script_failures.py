@@ -693,7 +693,8 @@ import subprocess, sys, torch
 from torch.utils.data import DataLoader
 kept = subprocess.Popen(["sleep", "300"])  # started and forgotten
 daemon = subprocess.Popen(["sleep", "301"], start_new_session=True)  # detached on purpose
-print("pids", kept.pid, daemon.pid, flush=True)
+grouped = subprocess.Popen(["sleep", "302"], preexec_fn=lambda: __import__("os").setpgid(0, 0))
+print("pids", kept.pid, daemon.pid, grouped.pid, flush=True)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for x in DataLoader(torch.randn(32, 4), batch_size=8):
@@ -707,8 +708,8 @@ if sys.argv[1] == "fail":
 @pytest.mark.parametrize("ending", ["ok", "fail"])
 def test_what_a_script_started_and_left_running_ends_with_its_job(tmp_path, store, ending):
     """``Popen(["sleep", "300"])`` outlived the job, after a failure and a success alike (a
-    DataLoader worker stuck in a hang did too); one started in a session of its own is a
-    daemon on purpose, and stays."""
+    DataLoader worker stuck in a hang did too), and so did one in a process group of its own
+    (a hostile pass); one started in a session of its own is a daemon on purpose, and stays."""
     import os
     import signal
 
@@ -717,12 +718,14 @@ def test_what_a_script_started_and_left_running_ends_with_its_job(tmp_path, stor
     out = ddplab(["train", str(script), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--",
                   ending], tmp_path, job_env(store))
     assert out.returncode == (0 if ending == "ok" else 1), out.stderr[-3000:]
-    kept, daemon = (int(p) for p in re.search(r"pids (\d+) (\d+)", out.stdout).groups())
+    kept, daemon, grouped = (int(p) for p in re.search(r"pids (\d+) (\d+) (\d+)",
+                                                        out.stdout).groups())
     try:
         assert not _running(kept), "the forgotten process outlived the job"
+        assert not _running(grouped), "the process in a group of its own outlived the job"
         assert _running(daemon), "the daemon started in a session of its own was stopped"
     finally:
-        for pid in (kept, daemon):
+        for pid in (kept, daemon, grouped):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 

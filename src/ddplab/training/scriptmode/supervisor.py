@@ -671,8 +671,9 @@ def _innermost(stack: str, script: Path, last_first: bool, own: bool = False) ->
 
 
 def _end_leftovers(grace_s: float = 2.0) -> None:
-    """The processes the ended script left running in this rank's process group (its own
-    children's, reparented here: subreaper): SIGTERM, then SIGKILL after ``grace_s``, reaped.
+    """The processes the ended script left running in this rank's session (its own children's,
+    reparented here: subreaper; one in a process group of its own, ``Popen(process_group=0)``,
+    too: it outlived the job, a hostile pass): SIGTERM, then SIGKILL after ``grace_s``, reaped.
     One started in a session of its own (``start_new_session=True``: a daemon on purpose) is
     left alone, as is every process of ddplab's own (the delivery process, in its session)."""
     deadline = time.monotonic() + grace_s
@@ -692,16 +693,17 @@ def _end_leftovers(grace_s: float = 2.0) -> None:
 
 
 def _leftovers() -> list[int]:
-    """Children of this process in its process group, alive (not zombies)."""
-    me, group, found = os.getpid(), os.getpgrp(), []
+    """Children of this process in its session, alive (not zombies)."""
+    me, session, found = os.getpid(), os.getsid(0), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            state, ppid, pgid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            state, ppid, sid = fields[0], int(fields[1]), int(fields[3])
+        except (OSError, ValueError, IndexError):
             continue
-        if int(ppid) == me and int(pgid) == group and state not in ("Z", "X"):
+        if ppid == me and sid == session and state not in ("Z", "X"):
             found.append(int(entry))
     return found
 
