@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,6 +210,33 @@ def test_a_job_stopped_after_its_run_opened_ends_it_killed_saying_how(store, mon
     assert run.info.status == "KILLED", run.data.tags
     assert run.data.tags["ddplab.error"] == ("interrupted (SIGINT / Ctrl-C), after its run was "
                                              "opened, before it started training")
+
+
+def test_sync_leaves_a_spool_its_jobs_delivery_process_still_delivers(store, tmp_path, capsys):
+    """`ddplab sync` during a job sent its spool beside the job's own delivery process, the two
+    racing on the delivered-offset file (a hostile pass): it says so and sends nothing; once
+    that process is gone (its lock with it), it delivers."""
+    from ddplab import cli
+    from ddplab.agent.protocol import DELIVERING
+
+    client, run_id, d = store
+    spool.Stream(d, "records").append({"op": "log", "ts": 1000, "step": 1, "metrics": {"m": 1.0}})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\nf = open(sys.argv[1], 'a')\n"
+         "fcntl.flock(f, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)\n",
+         str(d / DELIVERING)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert cli.main(["sync", str(d), "--timeout", "5"]) == 0
+        said = capsys.readouterr().out
+        assert "being delivered by its job's delivery process (1 records to go)" in said, said
+        assert client.get_metric_history(run_id, "m") == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.main(["sync", str(d), "--timeout", "5"]) == 0
+    assert "delivered 1 records" in capsys.readouterr().out
+    assert [m.value for m in client.get_metric_history(run_id, "m")] == [1.0]
 
 
 @pytest.mark.parametrize("meta", ["null", "[1, 2]", '{"uri": "sqlite:///x.db"}',
