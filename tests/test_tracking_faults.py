@@ -245,6 +245,34 @@ def test_a_job_killed_outright_agent_and_all_is_ended_failed_by_sync(tmp_path, s
     assert "train/loss" in run.data.metrics  # what the job logged before, delivered
 
 
+def test_a_frozen_delivery_process_is_killed_and_its_spool_delivered_by_the_job(tmp_path, server):
+    """The delivery process SIGSTOPped mid-job: the job waited its whole bound (75 s), said the
+    server had not taken 45 records, and left the run RUNNING with no loss in the store (a
+    hostile pass). It is killed once found stopped, and rank 0 delivers its spool: FINISHED,
+    every loss in, the job's end not held by the bound (delivery_timeout_s 60 here)."""
+    import os
+    import signal
+
+    import psutil
+
+    job = start_job(tmp_path, server, epochs=3, delivery_timeout_s=60)
+    wait_for_first_loss(tmp_path)
+    run_id = the_run_id_from_spool(tmp_path)
+    (agent,) = [p for p in psutil.Process(job.pid).children(recursive=True)
+                if "ddplab.agent" in " ".join(p.cmdline())]
+    os.kill(agent.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, out[-3000:]
+    assert time.monotonic() - stopped_at < 60, out[-3000:]
+    assert f"delivery process (pid {agent.pid}) was stopped (SIGSTOP" in out, out[-3000:]
+    assert "did not take" not in out, out[-3000:]  # the store is not blamed
+    run = server.client().get_run(run_id)
+    assert run.info.status == "FINISHED", run.data.tags
+    assert [s for s, _ in delivered_losses(server, run_id)] == list(range(2, 49, 2))  # 16 an epoch
+    assert not psutil.pid_exists(agent.pid) or agent.status() == psutil.STATUS_ZOMBIE
+
+
 def _process(pid: int):
     import psutil
 

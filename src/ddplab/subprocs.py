@@ -29,13 +29,17 @@ def python_file(path: str) -> list[str]:
     return [sys.executable, *SAFE_PATH, path]
 
 
+def state(pid: int) -> str:
+    """A process's state letter (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), "" once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped by its launcher, is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    return state(pid) not in ("", "Z", "X")
 
 
 def own_temp(kind: str, *, folder: bool = False, suffix: str = "") -> Path:

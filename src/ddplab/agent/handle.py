@@ -8,11 +8,13 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import first_line
 from ..log import LEVEL_SAID
+from ..subprocs import state
 from ..tracking import spool
 from .protocol import (
     ABANDONED,
@@ -135,26 +137,49 @@ class Delivery:
         with contextlib.suppress(OSError):  # a full disk: the delivery also ends when we do
             (self.directory / spool.CLOSED).write_text(str(spool.now_ms()))
         try:
-            self.proc.wait(timeout=self.timeout_s + 15)  # its own bound, plus its start-up
+            frozen = self._wait(self.timeout_s + 15)  # its own bound, plus its start-up
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+            return spool.left_in(self.directory) + spool.rejected_in(self.directory)
+        if frozen:
+            self._deliver_here("was stopped (SIGSTOP: frozen, not delivering); killed")
             return spool.left_in(self.directory) + spool.rejected_in(self.directory)
         # Killed during the job, it may still have been exiting a moment ago (a big process's
         # exit takes a while on a busy machine: poll() said None then); told to end, it exits 0.
         code = died if died is not None else self.proc.returncode
         if (died is not None or code) and not (self.directory / DELIVERY_JSON).exists():
-            self._deliver_here(code)
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            self._deliver_here(f"ended during the job ({how})")
         return spool.left_in(self.directory) + spool.rejected_in(self.directory)
 
-    def _deliver_here(self, code: int) -> None:
-        """The delivery process died during the job (killed, out of memory): this process
-        delivers what it left, instead of the job blaming the store for records it never sent."""
+    def _wait(self, bound_s: float) -> bool:
+        """Wait for the delivery process to end; True once it has been found stopped (SIGSTOP,
+        its state T) twice a second apart, then killed: a frozen process delivers nothing, and
+        the job waited its whole bound, then blamed the store and left the run RUNNING (a
+        hostile pass)."""
+        deadline, stopped = time.monotonic() + bound_s, 0
+        while True:
+            try:
+                self.proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                return False
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise
+            stopped = stopped + 1 if state(self.proc.pid) in ("T", "t") else 0
+            if stopped >= 2:
+                self.proc.kill()
+                self.proc.wait()
+                return True
+
+    def _deliver_here(self, what: str) -> None:
+        """The delivery process died during the job (killed, out of memory) or froze: this
+        process delivers what it left, instead of the job blaming the store for records it
+        never sent."""
         from ..log import logger
 
-        how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        logger().warning(f"this node's tracking delivery process (pid {self.proc.pid}) ended "
-                         f"during the job ({how}); delivering its spool from here")
+        logger().warning(f"this node's tracking delivery process (pid {self.proc.pid}) {what}; "
+                         "delivering its spool from here")
         try:
             meta = spool.Meta.read(self.directory)
             from .sync import make_client
