@@ -54,6 +54,8 @@ BAD_URIS = [
      "for this SQLite file: sqlite:///runs/mlflow.db"),
     ("sqlite://", "an in-memory SQLite store vanishes"),
     ("file:///tmp/nowhere-mlruns", "MLflow 3 refuses the file store"),
+    ("http://[::1", "not a URL (Invalid IPv6 URL): http://host:5000"),  # (it passed, a hostile
+    ("http://mlflow:port", "not a URL (Port could not be cast"),  # pass: unreachable, in the ranks)
     ("postgresql://u:p@127.0.0.1/db", "postgresql needs its driver"),
 ]
 

@@ -107,6 +107,16 @@ def uri_problem(value: str) -> str | None:
     if base == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
         return ("MLflow 3 refuses the file store unless MLFLOW_ALLOW_FILE_STORE=true; use "
                 "sqlite:///path/mlflow.db (the default) or a server")
+    if base in ("http", "https"):
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises on a port that is not a number
+        except ValueError as e:  # ("http://[::1": it failed inside the ranks, "unreachable")
+            return f"not a URL ({e}): http://host:5000"
+        if not parts.hostname:
+            return "no host in it: http://host:5000"
     if base in DB_DRIVERS:
         module, package = (driver, DRIVER_MODULES.get(driver, driver)) if driver else DB_DRIVERS[base]
         if importlib.util.find_spec(module.lower() if module != "MySQLdb" else module) is None:

@@ -19,7 +19,7 @@ from typing import Any
 from ..config import ConfigError, ExperimentConfig, is_import_path
 from ..files import folder_problem
 from ..launchers import LaunchEnv
-from ..tracking import resolve_uri, uri_problem
+from ..tracking import resolve_uri, validated_uri
 from ..workload import batches, data, models, textdata, userparts
 from ..workload.userparts import Parts
 
@@ -338,13 +338,7 @@ def _run(prefix: str, fn: Any) -> Any:
 
 
 def _tracking_uri(uri: str) -> None:
-    source, value = ("tracking.uri", uri) if uri else (
-        "MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))
-    if not value:
-        return  # the embedded default store
-    problem = uri_problem(value)
-    if problem:
-        raise ConfigError(f"{source}: got {value!r}; {problem}")
+    validated_uri(uri, "tracking.uri")  # (a URL's password masked in its line)
 
 
 def _credentials(uri: str) -> None:
