@@ -966,3 +966,33 @@ def test_uneven_batches_per_rank_are_named_as_the_hangs_cause(tmp_path, store):
     assert "rank 1 waits in a torch.distributed call of its own" in out.stderr, out.stderr[-3000:]
     assert "uneven data? rank 1 left its training steps while rank 0 still waits in one" in \
         out.stderr, out.stderr[-3000:]
+
+
+DEAF = '''
+import signal, time, torch, torch.distributed as dist
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank deaf to the stop
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+dist.barrier()
+if rank == 1:
+    raise RuntimeError("rank 1 boom")
+while True:
+    time.sleep(1)
+'''
+
+
+@pytest.mark.e2e
+def test_a_rank_deaf_to_the_stop_is_stopped_not_failed_by_itself(tmp_path, store):
+    """Rank 1 raised; rank 0 ignored the SIGTERM its supervisor sent and ended by the SIGKILL
+    after it: the verdict named it "killed by SIGKILL also failed by itself", a second cause
+    (a hostile pass). It was stopped after rank 1."""
+    (tmp_path / "deaf.py").write_text(DEAF)
+    out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
+                          "ddplab", "train", str(tmp_path / "deaf.py"), "--set",
+                          f"checkpoint.dir={tmp_path / 'ck'}"], cwd=tmp_path, env=job_env(store),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    (run,) = runs(store)
+    error = run.data.tags["ddplab.error"].split("\n")[0]
+    assert error.startswith("the script failed on rank 1 (host ") and "rank 1 boom" in error, error
+    assert "also failed by itself" not in error and "then rank(s) 0 failed or were stopped" in error

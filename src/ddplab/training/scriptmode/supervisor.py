@@ -587,7 +587,9 @@ class Script:
 
     def outcome(self, code: int, stopped: str) -> dict[str, Any]:
         seen = self.observed()
-        if stopped == PEER_FAILED and code != -signal.SIGTERM and (code < 0 or "exception" in seen):
+        # (a script deaf to that SIGTERM ends by the SIGKILL after it: stopped, not its failure)
+        ours = code in (-signal.SIGTERM, -signal.SIGKILL) and self.exited_at >= self.stop_at
+        if stopped == PEER_FAILED and not ours and (code < 0 or "exception" in seen):
             stopped = ""  # it failed by itself just before our SIGTERM reached it
         elif stopped not in ("", "KeyboardInterrupt") and seen.get("t", self.stop_at) < self.stop_at:
             stopped = ""  # it had failed by itself (argparse's refusal) when the stop began
