@@ -355,3 +355,19 @@ def test_sync_ends_an_abandoned_run_at_its_nodes_time_not_an_earlier_attempts_no
     assert abandoned(node1) == {"why": "global rank 0 lost", "ts": 5}  # any node's spool
     os.utime(node0 / ABANDONED, (then - 60, then - 60))  # before the restart's meta.json
     assert abandoned(node1) == {"ts": int(then * 1000)}
+
+
+def test_a_local_stores_own_database_error_is_said_as_its_own_not_a_servers_503(tmp_path):
+    """The store's file moved away mid-job: its delivery said "answered HTTP 503 (Service
+    Unavailable): the server failing, or a proxy in front of it", of a SQLite file (a hostile
+    pass; MLflow names the database's error a 503)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    run = client.create_run(client.create_experiment("x"))
+    (tmp_path / "m.db").rename(tmp_path / "moved.db")
+    with pytest.raises(Exception) as e:
+        client.log_metric(run.info.run_id, "m", 1.0)
+    said = spool.describe(e.value)
+    assert said.startswith("failed: (sqlite3.OperationalError) "), said
+    assert "HTTP" not in said and "proxy" not in said, said

@@ -313,10 +313,17 @@ def _phrase(code: int) -> str:
         return "no standard name"
 
 
+DATABASE_ERRORS = ("(sqlite3.", "(psycopg", "(pymysql.", "(MySQLdb.", "(pymssql.")
+"""How SQLAlchemy starts a database driver's error: a store's own, not a server's answer."""
+
+
 def describe(e: Exception, silent: str = "did not answer", refused: str = "refused with") -> str:
     """One line for a failed call to the server, as ``heard`` reads it: "refused with HTTP 403
     (...)", "answered HTTP 502 (Bad Gateway): ...", or "did not answer (Connection refused)";
     ``silent`` and ``refused`` are the verbs a caller's sentence needs instead."""
+    text = first_line(str(e))
+    if text.startswith(DATABASE_ERRORS):  # a store's own database (MLflow calls it a 503)
+        return f"failed: {text[:300]}"
     code, said = heard(e)
     if not code:
         return f"{silent} ({said[:300]})"
