@@ -166,8 +166,8 @@ def gpt_sets(a: argparse.Namespace) -> list[str]:
                 f"train.max_steps={a.gpt_steps}",
                 "train.epochs=100", "train.log_every=25", "train.eval_every_steps=0",
                 "train.eval_every_epochs=100", "optim.warmup_steps=50", "optim.lr=0.0006",
-                # 5 steps profiled once compiled (profile_page.py: kernels and gaps), inside the
-                # first epoch (~120 steps), which the steady throughput and MFU leave out: the
+                # 5 steps profiled once compiled (profile_page.py: kernels and gaps), in a log
+                # interval the steady throughput and MFU leave out (fit._profiled): the
                 # profiler's steps and its trace's export cost nothing in perf/mfu
                 "profile.enabled=true", "profile.wait=30", "profile.warmup=2", "profile.active=5",
                 # max-autotune benchmarks kernels inside the first step for minutes: not a hang

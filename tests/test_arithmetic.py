@@ -16,12 +16,17 @@ from ddplab.training.summary import RunStats
 def test_steady_throughput_pools_the_log_intervals_after_the_first():
     """All samples over all step time, not a mean of the intervals' rates: a 2-sample
     interval at an epoch's end (rate 50) weighed as much as a 128-sample one (427)."""
-    stats = RunStats(intervals=[(100.0, 10.0), (128.0, 0.3), (2.0, 0.04)])  # a slow first
-    assert stats.steady_samples_per_s() == pytest.approx(130 / 0.34)
+    stats = RunStats(intervals=[(100.0, 10.0, True), (128.0, 0.3, True), (2.0, 0.04, True)])
+    assert stats.steady_samples_per_s() == pytest.approx(130 / 0.34)  # (a slow first left out)
+    # the profiler's steps (slower) are not the job's pace, unless there is nothing else
+    profiled = RunStats(intervals=[(100.0, 10.0, True), (128.0, 3.0, False), (128.0, 0.3, True)])
+    assert profiled.steady_samples_per_s() == pytest.approx(128 / 0.3)
+    assert RunStats(intervals=[(1.0, 9.0, True), (128.0, 3.0, False)]).steady_samples_per_s() \
+        == pytest.approx(128 / 3.0)
 
 
 def test_one_interval_is_its_own_figure_and_none_gives_no_rate():
-    assert RunStats(intervals=[(80.0, 1.0)]).steady_samples_per_s() == 80.0
+    assert RunStats(intervals=[(80.0, 1.0, True)]).steady_samples_per_s() == 80.0
     assert RunStats().steady_samples_per_s() is None  # no step timed: no rate, not 0.0
 
 

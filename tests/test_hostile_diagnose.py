@@ -285,6 +285,31 @@ def test_two_jobs_resuming_one_run_at_once_the_second_is_refused_while_the_first
     second = subprocess.run([sys.executable, "-c", code.replace("time.sleep(60)", ""), str(run)],
                             capture_output=True, text=True, timeout=60)
     assert second.stdout == "held\n", second.stderr[-2000:]
+    # A rank 0 gone while its forked children (DataLoader workers) live: its lock went with it
+    # (a copy of the lock's file in a child held it, and refused the job's own restart)
+    forks = code.replace("time.sleep(60)", "import os\nif os.fork() == 0:\n    os.close(1)\n"
+                         "    os.close(2)\n    time.sleep(60)\n")
+    orphaned = subprocess.run([sys.executable, "-c", forks, str(run)], capture_output=True,
+                              text=True, timeout=60)
+    assert orphaned.stdout.startswith("held\n"), orphaned.stderr[-2000:]
+    protocol.refuse_a_running_job(run, "checkpoint.resume: auto found run1,", hold=True)
+    protocol.release_runs()
+    # A finished run's checkpoint, named: the job starts a new run from it, so two fine-tunes
+    # of it may start together (each was refused as "the same steps twice in one run")
+    import torch
+
+    from ddplab.training import checkpoint
+
+    torch.save({**{k: None for k in checkpoint.REQUIRED}, "final": True}, run / "step-00000004.pt")
+    first = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "held\n"
+        path, payload = checkpoint.find_resume(str(run / "step-00000004.pt"), tmp_path)
+        assert payload["final"] and path == run / "step-00000004.pt"
+    finally:
+        first.kill()
+        first.wait()
 
 
 def beating_rank(folder: Path, rank: int, world: int, phase: str,

@@ -106,3 +106,22 @@ def test_a_job_shorter_than_the_window_says_so(tmp_path, store):
     assert "profile: nothing recorded: the job took 2 steps" in out.stderr
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and not any(k.startswith("profile/") for k in run.data.metrics)
+
+
+def test_the_profilers_steps_are_not_the_steady_pace():
+    """gpu_proof's GPT profiles steps 31-37 (wait 30, warmup 2, active 5) and logs every 25:
+    the interval of steps 26-50 runs under the profiler, slower, and is left out of
+    perf/samples_per_s and perf/mfu (fit._profiled); 1-25 and 51-75 are not."""
+    from types import SimpleNamespace
+
+    from ddplab.training import fit
+
+    def job(steps_run: int, enabled: bool = True) -> SimpleNamespace:
+        profile = SimpleNamespace(enabled=enabled, wait=30, warmup=2, active=5)
+        return SimpleNamespace(cfg=SimpleNamespace(profile=profile),
+                               state=SimpleNamespace(steps_run=steps_run))
+
+    assert [fit._profiled(job(n), 25) for n in (25, 50, 75)] == [False, True, False]
+    assert fit._profiled(job(31), 1) and fit._profiled(job(37), 1)
+    assert not fit._profiled(job(30), 1) and not fit._profiled(job(38), 1)
+    assert not fit._profiled(job(50, enabled=False), 25)

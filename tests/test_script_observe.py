@@ -703,6 +703,17 @@ for _ in range(3):
     first = opt.step(closure)
 obs.log_point()
 print(obs.totals.steps, obs.totals.samples, round(obs.totals.loss, 6), round(first.item(), 6))
+def halves():  # a closure looping over its batch's two halves: both are the step's samples
+    opt.zero_grad()
+    for part in (slice(0, 16), slice(16, 32)):
+        loss = torch.nn.functional.mse_loss(model(x[part]), y[part]) / 2
+        loss.backward()
+    return loss
+obs = watched()
+opt = torch.optim.LBFGS(model.parameters(), max_iter=4, history_size=4)
+for _ in range(2):
+    opt.step(closure=halves)
+print(obs.totals.steps, obs.totals.samples)
 for divide in (lambda l: l / 4, lambda l: l * 0.5):
     obs = watched()
     model = torch.nn.Linear(4, 1)
@@ -725,7 +736,8 @@ for divide in (lambda l: l / 4, lambda l: l * 0.5):
     lines = out.stdout.strip().split("\n")
     steps, samples, loss, first = lines[0].split()
     assert (steps, samples) == ("3", "96") and loss == first, lines[0]
-    accumulated, halved = lines[1:5], lines[5:]
+    assert lines[1] == "2 64", lines[1]
+    accumulated, halved = lines[2:6], lines[6:]
     assert [line.split()[0] for line in accumulated] == ["1", "2", "3", "4"], lines
     assert all(line.split()[1] == line.split()[2] for line in accumulated), accumulated
     assert len(halved) == 14 and all(line.split()[1] == line.split()[3] for line in halved), halved

@@ -18,7 +18,9 @@ The agent's life, as the messages go (handle.Delivery is the training process's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,18 @@ def forensics_dir(spool_dir: Path) -> Path:
 RESUME_LOCK = ".resume.lock"
 """In a run's folder: locked by the rank 0 that resumes the run, while its process lives."""
 _HELD: dict[Path, Any] = {}  # the run folders' locks this process holds (their open files)
+
+
+def _not_in_children() -> None:
+    """A forked child (a DataLoader worker) closes its copy of the locks' files: a flock held
+    through a copy outlived rank 0 in its orphaned workers and refused the job's own restart."""
+    for f in _HELD.values():
+        with contextlib.suppress(OSError):
+            f.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_not_in_children)
 
 
 def refuse_a_running_job(run_dir: Path, head: str, hold: bool = False) -> None:

@@ -83,7 +83,8 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
         # Nothing to deliver: it must not outlive the job. A stop (Ctrl-C) ends its run KILLED.
         if signals.status() == "KILLED":
             delivery.cancel("KILLED", _stopped_by(signals.cause(e)))
-        elif isinstance(e, OSError) and e.errno in FULL_OR_LOCKED:
+        elif isinstance(e, OSError) and e.errno in FULL_OR_LOCKED and e.filename and \
+                Path(str(e.filename)).resolve().is_relative_to(spool_root.resolve()):
             # (the spool's folder, in checkpoint.dir: a full disk there at the start was a
             # traceback, and the run's error only "see the job's console", a hostile pass)
             said = f"checkpoint.dir {cfg.checkpoint.dir}: {e.strerror} ({e.filename})"
@@ -91,6 +92,7 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
             raise FolderUnwritable(said) from None
         else:
             delivery.cancel()
+        release_runs()
         raise
     if isinstance(run, MlflowTracker):
         run.open_spool(delivery.directory)

@@ -331,8 +331,11 @@ def find_resume(resume: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
         return None
     if resume != "auto":
         path = _named(resume, root)
-        refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is", hold=True)
-        return path, _read_named(path, resume)
+        payload = _read_named(path, resume)
+        # (a finished run's checkpoint starts a new run: two fine-tunes of it may run at once)
+        refuse_a_running_job(path.parent, f"checkpoint.resume: {resume!r} is",
+                             hold=not payload["final"])
+        return path, payload
     found = newest_valid(root)
     if found is None or found[1]["final"]:
         return None  # nothing to resume, or the newest job finished: start a new one

@@ -107,6 +107,7 @@ def _log_interval(job: Job) -> None:
     if not job.meter.step_times:
         return
     s = loop.reduce_interval(job.meter, job.layout.device)
+    steady = not _profiled(job, len(job.meter.step_times))
     job.meter = loop.Meter()
     metrics = {"train/loss": s["loss"], "train/samples_per_s": s["samples_per_s"],
                "train/step_time_s": s["step_time_s"], "train/data_wait_frac": s["data_wait_frac"],
@@ -116,12 +117,20 @@ def _log_interval(job: Job) -> None:
     job.run.log_metrics(metrics, job.state.step)
     _stragglers(job, s["per_rank_busy_s"])
     job.stats.samples_per_s.append(s["samples_per_s"])
-    job.stats.intervals.append((s["samples"], s["slowest_s"]))
+    job.stats.intervals.append((s["samples"], s["slowest_s"], steady))
     job.stats.last.update(metrics)
     job.console.say(f"epoch {job.state.epoch + 1}/{job.cfg.train.epochs} step {job.state.step}/"
                     f"{job.total_steps} loss {s['loss']:.4f} {s['samples_per_s']:.0f} samples/s")
     if not math.isfinite(s["loss"]):
         _nonfinite(job, s["loss"])
+
+
+def _profiled(job: Job, steps: int) -> bool:
+    """Whether torch.profiler ran in the last ``steps`` steps (its warm-up and active steps,
+    counted from this process's first: steps_run): they are slower, not the job's pace."""
+    p = job.cfg.profile
+    first, last = job.state.steps_run - steps + 1, job.state.steps_run
+    return p.enabled and first <= p.wait + p.warmup + p.active and last > p.wait
 
 
 def _stragglers(job: Job, busy: list[float]) -> None:

@@ -66,8 +66,9 @@ class RunStats:
     step_times: list[float] = field(default_factory=list)
     data_time: float = 0.0
     samples_per_s: list[float] = field(default_factory=list)
-    intervals: list[tuple[float, float]] = field(default_factory=list)
-    """Each log interval's samples (all ranks) and the slowest rank's step time."""
+    intervals: list[tuple[float, float, bool]] = field(default_factory=list)
+    """Each log interval's samples (all ranks), the slowest rank's step time, and whether it is
+    steady (not the profiler's: its steps run slower)."""
     time_to_first_step_s: float | None = None
     first_step_at: float | None = None
     """Wall-clock time (Unix) of the first step's end: a launcher's clock can compare it."""
@@ -95,15 +96,16 @@ class RunStats:
     def steady_samples_per_s(self) -> float | None:
         """Throughput once started: all samples over the slowest rank's step time in the log
         intervals after the first (its first step holds start-up, compilation and the first
-        data loading), pooled, not a mean of rates (a 2-sample interval at an epoch's end
-        weighed as much as a full one). Evaluations, checkpoints and logging between steps are
+        data loading) but those the profiler ran in, pooled, not a mean of rates (a 2-sample
+        interval at an epoch's end weighed as much as a full one). Evaluations, checkpoints
+        and logging between steps are
         not step time: the same job evaluating every 2 steps read 20x slower (a hostile pass);
         nor is a short last epoch alone the figure (one step past an epoch's end read 2x).
         None when no step was timed (an attempt resumed at its last step trains none): 0.0
         would read as a measurement."""
-        rest = self.intervals[1:] or self.intervals
-        seconds = sum(t for _, t in rest)
-        return sum(n for n, _ in rest) / seconds if seconds > 0 else None
+        rest = [i for i in self.intervals[1:] if i[2]] or self.intervals[1:] or self.intervals
+        seconds = sum(t for _, t, _ in rest)
+        return sum(n for n, _, _ in rest) / seconds if seconds > 0 else None
 
     def end_epoch(self, seconds: float, samples: int, steps: int, cpu_s: float = 0.0) -> None:
         self.epoch_times.append(seconds)

@@ -230,10 +230,9 @@ class Observer:
         self.divisors: list[float] = []
         self.step_scale = 1.0
         self.accumulates = 1.0
-        self.step_code: Any = None  # the optimizers' step wrapper's code (_again)
-        # the optimizer step call (its wrapper frame's id) whose closure made a forward, and
-        # one that made a backward: a later one in the same call evaluates the batch again
-        self.closure_forward = self.closure_backward = 0
+        # the optimizer step's closure: its calls in this step, and which one runs now (0:
+        # none): from its second call on it evaluates the step's batch again (L-BFGS)
+        self.closure_calls = self.closure_now = 0
         # A Hugging Face model given num_items_in_batch (its Trainer's gradient accumulation)
         # divides each micro-batch's summed loss by the whole step's item count: each backward's
         # loss is a share of the step's, which the Trainer logs as their sum (``summed``).
@@ -349,7 +348,7 @@ class Observer:
             mark = self.m_forward
         else:  # (a mark only before the step's first backward: where an evaluation may end)
             mark = self._mark() if not self.t_backward else None
-        if self._again("closure_forward"):
+        if self.closure_now > 1:
             return  # the step's closure again (L-BFGS's up to max_iter calls): the same batch
         rows = _batch_size(args, kwargs)
         self._rows(rows)
@@ -433,14 +432,15 @@ class Observer:
             self.m_backward = self._mark()
             self._beat("backward", None)
         known, self.returned, self.given = (self.given, self.returned), None, None
-        if loss is None or loss.numel() != 1 or self._again("closure_backward"):
+        if loss is None or loss.numel() != 1 or self.closure_now > 1:
             return  # (a closure's later backwards: L-BFGS's step returns its first one's loss)
         for ref, unscaled in self.scaled:
             if ref() is loss:  # GradScaler.scale(loss).backward(): the loss, not x 65536
                 loss = unscaled
                 break
         loss = _undivided(loss, [t for t in known if t is not None])
-        self.divisors.append(1.0 if self.per_item else _divisor(loss))
+        if len(self.divisors) < MAX_DIVISORS:  # (bounded: a script whose steps go unseen)
+            self.divisors.append(1.0 if self.per_item else _divisor(loss))
         loss = loss.detach()
         if self.per_item:  # (a share of the step's loss: the step's is their sum)
             loss = self.summed = loss if self.summed is None else self.summed + loss
@@ -554,22 +554,21 @@ class Observer:
         if (self.step_offset + t.steps) % LOG_EVERY_STEPS == 0:  # the run's steps 10, 20, ...
             self.log_point()  # (a resumed attempt's too), whatever epochs ended between
 
-    def _again(self, seen: str) -> bool:
-        """Inside an optimizer step's call whose closure made a forward (``seen``:
-        "closure_forward") or a backward ("closure_backward") already: L-BFGS evaluating the
-        same batch again. Its first is the step's (Lightning's closure: a step's only one, the
-        last micro-batch's under gradient accumulation)."""
-        call = _step_call(self.step_code)
-        if not call:
-            return False
-        if getattr(self, seen) == call:
-            return True
-        setattr(self, seen, call)
-        return False
-
-    def closure_over(self) -> None:
-        """After any optimizer's step: its call's closure is over."""
-        self.closure_forward = self.closure_backward = 0
+    def counted(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """An optimizer step's closure, its calls counted: the first is the step's (Lightning's
+        closure, a step's only call: the last micro-batch's under gradient accumulation; a
+        closure looping over micro-batches counts them all), the later ones (L-BFGS's, up to
+        ``max_iter``) evaluate the same batch again."""
+        @functools.wraps(closure)
+        def call() -> Any:
+            self.closure_calls += 1
+            outer, self.closure_now = self.closure_now, self.closure_calls
+            try:
+                return closure()
+            finally:
+                self.closure_now = outer
+        call.__dict__[COUNTED] = True
+        return call
 
     def _accumulated(self) -> float:
         """N, where each of the step's N backwards was from its loss divided by N (gradient
@@ -952,6 +951,10 @@ def _inside_another_step(code: Any) -> bool:
     return _steps_on_stack(code) > 1
 
 
+COUNTED = "__ddplab_counted__"
+"""Set on a closure Observer.counted wraps."""
+
+
 def _steps_on_stack(code: Any) -> int:
     """Frames of the optimizers' step wrapper (``code``) on the stack, up to 2."""
     if code is None:
@@ -965,14 +968,10 @@ def _steps_on_stack(code: Any) -> int:
     return seen
 
 
-def _step_call(code: Any) -> int:
-    """The id of the innermost optimizer step call on the stack (its wrapper's frame), 0 if none."""
-    frame: FrameType | None = sys._getframe(1) if code is not None else None
-    while frame is not None:
-        if frame.f_code is code:
-            return id(frame)
-        frame = frame.f_back
-    return 0
+
+
+MAX_DIVISORS = 4096
+"""Backwards a step's divisors are kept for (more: no step has more micro-batches)."""
 
 
 def _divisor(loss: torch.Tensor) -> float:
@@ -1300,7 +1299,10 @@ def _heartbeat(rank: int, world: int) -> Callable[[str, int | None], None]:
 
 def _hooks(obs: Observer) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
     from torch.utils.data.distributed import DistributedSampler
 
     def timed(hook: Callable[..., None]) -> Callable[..., None]:
@@ -1325,22 +1327,42 @@ def _hooks(obs: Observer) -> None:
     sequence_batch = timed(lambda module, args: obs.sequence_batch(args))
     scale_hook, loaded, loader_done = timed(obs.scale), timed(obs.batch), timed(obs.loader_done)
     inside, outside = timed(lambda: obs.loading(True)), timed(lambda: obs.loading(False))
-    stepping = obs.step_code = _step_code()
+    stepping = _step_code()
 
     @timed
     def stepped(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # An optimizer stepped by another's step (ZeroRedundancyOptimizer's local Adam, a
         # Lookahead's inner one) is not the step: the outer one's end is (ZeRO's parameter
         # broadcast after the inner step read as the next step's data wait: 0.58-0.71 of it).
-        obs.closure_over()
         if not _inside_another_step(stepping) and obs.leads(opt):
             obs.optimizer_step()
 
     register_optimizer_step_post_hook(stepped)
+
+    def closure_in(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A step given a closure: it is called through Observer.counted (not twice, by an
+        optimizer stepped inside another's: ZeRO's, a Lookahead's)."""
+        if obs.ended or torch.compiler.is_compiling():
+            return None
+        # (``args`` holds the optimizer first: the step's own arguments follow it)
+        given = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(given) or getattr(given, COUNTED, False):
+            return None
+        obs.closure_calls = 0
+        wrapped = obs.counted(given)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    register_optimizer_step_pre_hook(closure_in)
     made_optimizer = torch.optim.Optimizer.__init__
 
     @functools.wraps(made_optimizer)
     def optimizer_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if obs.versions is not None and not obs.ended:  # (a last step by hand before it)
+            with contextlib.suppress(Exception):  # (never the script's failure)
+                obs._by_hand(time.perf_counter())
         obs.optimizer_made = True  # (its steps end the steps: Observer._by_hand is off)
         made_optimizer(self, *args, **kwargs)
 
