@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the names as the type checker sees them; at run time __geta
     from .store import TrackingError as TrackingError
     from .store import auth_refusal as auth_refusal
     from .store import check_reachable as check_reachable
+    from .store import check_uri as check_uri
     from .store import embedded_store as embedded_store
     from .store import open_client as open_client
     from .store import reachable_client as reachable_client
@@ -51,7 +52,7 @@ _HOME = {
     "TrackingError": "store", "embedded_store": "store", "resolve_uri": "store",
     "ui_address": "store", "uri_problem": "store", "validated_uri": "store",
     "reachable_client": "store", "open_client": "store", "check_reachable": "store",
-    "auth_refusal": "store", "recorded_run": "store",
+    "auth_refusal": "store", "recorded_run": "store", "check_uri": "store",
     "NullTracker": "tracker", "MlflowTracker": "tracker", "RunRef": "tracker",
     "open_tracker": "tracker", "experiment_id": "opening",
     "job_run": "runs", "layout_name": "runs",

@@ -145,17 +145,25 @@ def absolute_store(uri: str, cwd: str | None = None) -> str:
 def validated_uri(explicit: str = "", source: str = "--tracking-uri") -> str:
     """The tracking URI a command uses (``explicit``, else $MLFLOW_TRACKING_URI, else the
     embedded store here), or one ConfigError line naming where the bad one came from."""
-    from ..config import ConfigError
-    from ..logins import mask, take_login
+    from ..logins import take_login
 
     value, where = (explicit, source) if explicit else (
         os.environ.get("MLFLOW_TRACKING_URI", ""), "MLFLOW_TRACKING_URI")
     if not value:
         return embedded_store()
+    check_uri(value, where)
+    return take_login(value)
+
+
+def check_uri(value: str, where: str) -> None:
+    """One ConfigError line for a tracking URI MLflow's client could not use (uri_problem),
+    naming where it came from, a URL's password masked."""
+    from ..config import ConfigError
+    from ..logins import mask
+
     problem = uri_problem(value)
     if problem:
         raise ConfigError(f"{where}: got {mask(value)!r}; {problem}")
-    return take_login(value)
 
 
 def reachable_client(uri: str) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 from ..config import ConfigError, ExperimentConfig, is_import_path
 from ..files import folder_problem
 from ..launchers import LaunchEnv
-from ..tracking import resolve_uri, validated_uri
+from ..tracking import check_uri, resolve_uri
 from ..workload import batches, data, models, textdata, userparts
 from ..workload.userparts import Parts
 
@@ -338,7 +338,10 @@ def _run(prefix: str, fn: Any) -> Any:
 
 
 def _tracking_uri(uri: str) -> None:
-    validated_uri(uri, "tracking.uri")  # (a URL's password masked in its line)
+    source, value = ("tracking.uri", uri) if uri else (
+        "MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))
+    if value:  # (else the embedded default store)
+        check_uri(value, source)  # (a URL's password masked in its line)
 
 
 def _credentials(uri: str) -> None:
