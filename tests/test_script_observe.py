@@ -646,6 +646,57 @@ print(sam.totals.steps)
     assert sam == "4", out.stdout
 
 
+def test_a_model_saved_whole_or_copied_keeps_the_scripts_hooks_not_ours(tmp_path):
+    """``torch.save(model)`` (pytorch/examples' word_language_model saves its best model so)
+    failed under ddplab on our hooks ("Can't pickle local object"), and ``copy.deepcopy``'s
+    copy (an EMA, a best model) carried them: its forwards ran them as the model's (a hostile
+    pass). The saved and the copied module have the script's own hook only; the model keeps
+    ours: its later steps are seen, the copy's forwards are not samples."""
+    code = f"""
+import copy, torch
+from ddplab.training.scriptmode import observe
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+observe._unhooked(obs)
+class Net(torch.nn.Module):  # sequence-first: ddplab hooks the encoder layer too
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.out = torch.nn.Linear(8, 1)
+    def forward(self, x):
+        return self.out(self.enc(x))
+def mine(module, args, output):  # the script's own hook (a module-level function pickles)
+    return None
+model = Net()
+model.register_forward_hook(mine)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def step():
+    loss = model(torch.randn(5, 4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+for _ in range(3):
+    step()
+torch.save(model, "{tmp_path / 'whole.pt'}")
+saved = torch.load("{tmp_path / 'whole.pt'}", weights_only=False)
+ema = copy.deepcopy(model)
+with torch.no_grad():
+    ema.train()(torch.randn(5, 4, 8))
+for _ in range(2):
+    step()
+hooks = lambda m: sum(len(x._forward_pre_hooks) + len(x._forward_hooks) for x in m.modules())
+obs.finish()
+print(hooks(model), hooks(saved), hooks(ema), obs.totals.steps, obs.totals.samples)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ours, saved, copied, steps, samples = out.stdout.split()
+    assert int(ours) > 1 and saved == copied == "1", out.stdout  # the script's own hook only
+    assert (steps, samples) == ("5", "20"), out.stdout  # 4 sequences a step, the copy's unseen
+
+
 def test_a_compiled_ddp_models_bf16_autocast_is_its_mfus_precision_after_the_flop_count(tmp_path):
     """torch.compile(DDP(model)) under CPU bf16 autocast: the hook reading the dtype inside the
     model first ran in the FLOP count's own eager forward, after the script, outside its

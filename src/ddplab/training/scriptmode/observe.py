@@ -260,6 +260,7 @@ class Observer:
         # the pre-hook on the model's first sequence-first module (an LSTM, a Transformer
         # layer without batch_first): its input's second dimension is the batch
         self.seq_hook: Any = None
+        self.own_hooks: set[int] = set()  # the ids of the hooks on the script's modules: _unhooked
         # this forward's rows by its first dimension (and its arguments, at the first forward,
         # for the FLOP count's sample), until the sequence-first module says the batch
         self.seq_pending: tuple[int, Any] | None = None
@@ -396,6 +397,7 @@ class Observer:
                 self.dtype = _compute_dtype(layer, device)
 
         handle = layers[0].register_forward_pre_hook(once)
+        self.own_hooks.add(handle.id)
 
     def sequence_batch(self, args: tuple[Any, ...]) -> None:
         """The pre-hook of the model's sequence-first module (its input: sequence, batch,
@@ -1275,8 +1277,43 @@ def install(rank: int, world: int, report: Callable[[dict[str, Any]], None]) -> 
     with contextlib.suppress(ValueError):
         obs.step_offset = int(os.environ.get(STEP_OFFSET_ENV) or 0)
     _hooks(obs)
+    _unhooked(obs)
     after_import("mlflow", _watch_mlflow)
     return obs
+
+
+#: Where nn.Module keeps its forward hooks (and their flags), by the hooks' ids.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _own(obs: Observer, handle: Any) -> Any:
+    """``handle``, a hook of ours on one of the script's modules: left out of its copies."""
+    obs.own_hooks.add(handle.id)
+    return handle
+
+
+def _unhooked(obs: Observer) -> None:
+    """The script's modules pickle and copy without our hooks, as under plain torchrun:
+    ``torch.save(model)`` (pytorch/examples' word_language_model saves its best model so)
+    failed on them (local functions: "Can't pickle local object"), and the copy of
+    ``copy.deepcopy(model)`` (an EMA's, a best model's) ran them, its forwards seen as the
+    model's. ``Module.__getstate__`` is what pickle, torch.save and deepcopy all read."""
+    getstate = torch.nn.Module.__getstate__
+
+    @functools.wraps(getstate)
+    def unhooked(self: torch.nn.Module) -> Any:
+        state = getstate(self)
+        ours = obs.own_hooks
+        if ours and isinstance(state, dict):
+            for key in _HOOK_DICTS:
+                hooks = state.get(key)
+                if isinstance(hooks, dict) and not ours.isdisjoint(hooks):
+                    state[key] = collections.OrderedDict(
+                        (k, v) for k, v in hooks.items() if k not in ours)
+        return state
+
+    torch.nn.Module.__getstate__ = unhooked  # type: ignore[method-assign]
 
 
 def _heartbeat(rank: int, world: int) -> Callable[[str, int | None], None]:
@@ -1376,12 +1413,13 @@ def _hooks(obs: Observer) -> None:
             if hook is not None:  # in DDP; or the first DDP built, not the one the lead
                 hook.remove()  # optimizer steps
         obs.outer = module
-        obs.hooked = module.register_forward_pre_hook(forward, with_kwargs=True)
-        obs.done = module.register_forward_hook(forward_done)
+        obs.hooked = _own(obs, module.register_forward_pre_hook(forward, with_kwargs=True))
+        obs.done = _own(obs, module.register_forward_hook(forward_done))
         if obs.seq_hook is not None:
             obs.seq_hook.remove()
         seq = _sequence_first(module)
-        obs.seq_hook = seq.register_forward_pre_hook(sequence_batch) if seq is not None else None
+        obs.seq_hook = _own(obs, seq.register_forward_pre_hook(sequence_batch)) \
+            if seq is not None else None
         return obs.hooked
 
     obs.choose = model
@@ -1520,8 +1558,8 @@ def _hooks(obs: Observer) -> None:
             elif obs.outer is not None and getattr(self, "_orig_mod", None) is obs.outer:
                 # torch.compile(DDP(model)): DDP's own hook runs inside the compiled code,
                 # where it does nothing (timed); the compiled wrapper's call is the model's.
-                self.register_forward_pre_hook(wrapper_call, with_kwargs=True)
-                self.register_forward_hook(wrapper_done, always_call=True)
+                _own(obs, self.register_forward_pre_hook(wrapper_call, with_kwargs=True))
+                _own(obs, self.register_forward_hook(wrapper_done, always_call=True))
 
         eval_frame.OptimizedModule.__init__ = observed_init
 
