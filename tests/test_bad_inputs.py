@@ -473,6 +473,25 @@ def test_the_real_program_exits_2_without_a_traceback(tmp_path, store, sets, env
     assert not Path(store.removeprefix("sqlite:///")).exists() or runs(store) == []
 
 
+@pytest.mark.e2e
+def test_a_resume_refused_by_every_rank_alike_is_said_once_not_once_per_rank(tmp_path, store):
+    """A resume's checks run in the ranks (rank 0 reads the checkpoint and sends it): their
+    refusal came once per rank (a hostile pass: N copies on N ranks), then `ddplab run`'s own
+    line. Once from local rank 0, once from ddplab run; the exit 2 and no new run stand."""
+    sets = [*QUICK, "--set", "data.train_samples=256", "--set", "train.max_steps=2"]
+    first = ddplab(["run", "--nproc-per-node", "2", QUICKSTART, *sets], tmp_path, job_env(store))
+    assert first.returncode == 0, first.stderr[-2000:]
+    (final,) = (tmp_path / "checkpoints").rglob("step-00000002.pt")
+    out = ddplab(["run", "--nproc-per-node", "2", QUICKSTART, *sets, "--set",
+                  f"checkpoint.resume={final}"], tmp_path, job_env(store))
+    says = "nothing is left to train; to train it longer, raise train.max_steps above 2"
+    said = [line for line in out.stderr.splitlines() if says in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert len(said) == 2 and said[0].startswith("[rank 0] ddplab: error: checkpoint.resume: ") \
+        and said[1].startswith("ddplab: error: ranks 0,1 refused the job (exit code 2)"), said
+    assert len(runs(store)) == 1
+
+
 def test_ddplab_run_imports_the_users_parts_before_it_starts_the_ranks(clean_env, tmp_path, capsys):
     """A hostile pass: `ddplab run --set model.name=badmods:fn` (a module raising at import)
     started both ranks, each refusing in its own line inside torchrun's, where `ddplab train`

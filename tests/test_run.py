@@ -8,6 +8,7 @@ import json
 import pytest
 import yaml
 
+from ddplab.config import ConfigError
 from ddplab.training import run
 from tests.conftest import REPO, runs
 
@@ -193,6 +194,14 @@ def test_training_on_from_a_final_checkpoint_trains_the_rest_of_the_epoch_in_a_n
     assert (after.info.status, after.info.end_time, after.data.tags) == (
         "FINISHED", before.info.end_time, before.data.tags)
     assert client.get_run(longer).data.tags["ddplab.continues_run"] == first
+    # Not raised past its step (the docs' example value, typed against a longer job): refused,
+    # not a new run that trained nothing (a hostile pass: an empty run, "done: 40 steps").
+    with pytest.raises(ConfigError, match=r"final checkpoint of a finished job \(step 4, 0 "
+                       r"epoch\(s\) done\).*nothing is left to train; to train it longer, raise "
+                       r"train.max_steps above 4 \(0: no cap\)$"):
+        run.train(quick, [*sets, "train.max_steps=3", f"checkpoint.resume={final}",
+                          "checkpoint.dir=a"])
+    assert len(runs(store)) == 3
     # Its run id names its folder too, as for a script job (the loop refused it: no such file).
     by_id = run.train(quick, [*sets, "train.max_steps=6", f"checkpoint.resume={first}",
                               "checkpoint.dir=a"])

@@ -646,25 +646,77 @@ print(sam.totals.steps)
     assert sam == "4", out.stdout
 
 
+def test_updates_through_p_data_are_steps_ended_by_the_models_zero_grad_in_train_mode_only():
+    """pytorch/examples' word_language_model updates its parameters through ``p.data`` (their
+    version counters do not move) and calls ``model.zero_grad()`` before each batch: its run
+    had no step, no loss ("no training seen"). Where no optimizer was made, the model in train
+    mode clearing its gradients after a backward ends a step, the script's last one at its end;
+    an adversarial example's input gradient (the model in eval mode, FGSM) trains nothing."""
+    code = """
+import torch
+from ddplab.training.scriptmode import observe
+obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(obs)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+x, y = torch.randn(6, 4), torch.randn(6, 1)
+losses = []
+for epoch in range(2):
+    model.train()
+    for i in range(5):
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        model(x)
+obs.finish()
+print(obs.totals.steps, obs.totals.samples, round(obs.totals.loss, 6), round(losses[-1], 6))
+fgsm = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
+observe._hooks(fgsm)
+attacked = torch.nn.Linear(4, 1).eval()
+for _ in range(3):
+    image = x.clone().requires_grad_(True)
+    loss = attacked(image).sum()
+    attacked.zero_grad()
+    loss.backward()
+fgsm.finish()
+print(fgsm.totals.steps)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    steps, samples, loss, printed, fgsm = out.stdout.split()
+    assert (steps, samples, loss) == ("10", "60", printed), out.stdout
+    assert fgsm == "0", out.stdout
+
+
 def test_a_model_saved_whole_or_copied_keeps_the_scripts_hooks_not_ours(tmp_path):
     """``torch.save(model)`` (pytorch/examples' word_language_model saves its best model so)
     failed under ddplab on our hooks ("Can't pickle local object"), and ``copy.deepcopy``'s
     copy (an EMA, a best model) carried them: its forwards ran them as the model's (a hostile
-    pass). The saved and the copied module have the script's own hook only; the model keeps
-    ours: its later steps are seen, the copy's forwards are not samples."""
+    pass). The saved and the copied module have the script's own hook only (also a torch RNN's,
+    which writes its own ``__getstate__``); the model keeps ours: its later steps are seen,
+    the copy's forwards are not samples."""
     code = f"""
 import copy, torch
 from ddplab.training.scriptmode import observe
 obs = observe.Observer(0, 1, 0.0, lambda r: None, lambda r: None, lambda p, s: None)
 observe._hooks(obs)
 observe._unhooked(obs)
-class Net(torch.nn.Module):  # sequence-first: ddplab hooks the encoder layer too
+class Net(torch.nn.Module):  # sequence-first: ddplab hooks the GRU too (its own __getstate__)
     def __init__(self):
         super().__init__()
-        self.enc = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.rnn = torch.nn.GRU(8, 8)
         self.out = torch.nn.Linear(8, 1)
     def forward(self, x):
-        return self.out(self.enc(x))
+        return self.out(self.rnn(x)[0])
 def mine(module, args, output):  # the script's own hook (a module-level function pickles)
     return None
 model = Net()

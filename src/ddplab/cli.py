@@ -565,8 +565,10 @@ def _train(experiment: str | None, overrides: list[str], summary_out: str,
         return 0
     except DdplabError as e:
         # Its one line (the run, if any, records the traceback), then where the run is; under
-        # torchrun it goes to the rank's error file too (torchrun's failure summary).
-        logger().error(e)
+        # torchrun it goes to the rank's error file too (torchrun's failure summary). A refusal
+        # every rank makes alike (a resume's checks) is said once per node, not once per rank.
+        if not getattr(e, "collective", False) or os.environ.get("LOCAL_RANK", "0") == "0":
+            logger().error(e)
         _tell_torchrun(e)
         _say_run(e)
         return e.exit_code

@@ -104,6 +104,11 @@ def uri_problem(value: str) -> str | None:
     if base == "sqlite" and rest.strip("/") in ("", ":memory:"):
         return ("an in-memory SQLite store vanishes with the process that opened it, before the "
                 "run could be read: give a file, sqlite:///path/mlflow.db")
+    if base == "sqlite" and not rest.startswith("///"):  # (SQLAlchemy's error, with a traceback)
+        meant = f"; for the file /{rest.lstrip('/')}: sqlite:////{rest.lstrip('/')}" \
+            if rest.startswith("/") else ""
+        return ("a SQLite store is sqlite:/// then its path: sqlite:///relative/mlflow.db, "
+                f"sqlite:////absolute/mlflow.db{meant}")
     if base == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
         return ("MLflow 3 refuses the file store unless MLFLOW_ALLOW_FILE_STORE=true; use "
                 "sqlite:///path/mlflow.db (the default) or a server")

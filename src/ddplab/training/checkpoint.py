@@ -371,11 +371,37 @@ class Resume:
 def find_and_share(cfg: ExperimentConfig, is_rank0: bool, world_size: int) -> Resume:
     """Collective: the checkpoint to continue, on every rank; refused (ConfigError, on every
     rank alike, before any run is touched) when its config differs in a way a resume may not."""
+    from ..config import ConfigError
+
     root = Path(cfg.checkpoint.dir) / cfg.name
     path, payload = broadcast_resume(cfg.checkpoint.resume, root, is_rank0, world_size)
     if payload is None:
         return Resume()
-    return Resume(path, payload, check_resume(payload["config"], cfg, path, world_size, payload))
+    try:
+        if payload["final"]:
+            _left_to_train(payload, cfg, path)
+        return Resume(path, payload, check_resume(payload["config"], cfg, path, world_size,
+                                                  payload))
+    except ConfigError as e:
+        e.collective = True  # type: ignore[attr-defined]  # (each rank's the same: cli._train)
+        raise
+
+
+def _left_to_train(payload: dict[str, Any], cfg: ExperimentConfig, path: str) -> None:
+    """A finished job's final checkpoint, continued without a higher ``train.max_steps`` or
+    ``train.epochs``: refused, not a new run that trains nothing (its step axis empty)."""
+    from ..config import ConfigError
+
+    train, step, epochs = cfg.train, payload["step"], payload["epoch"]
+    raise_ = ([f"train.max_steps above {step} (0: no cap)"]
+              if train.max_steps and train.max_steps <= step else []) + \
+        ([f"train.epochs above {epochs}"] if epochs >= train.epochs else [])
+    if raise_:
+        raise ConfigError(
+            f"checkpoint.resume: {path} is the final checkpoint of a finished job (step {step}, "
+            f"{epochs} epoch(s) done): with train.max_steps={train.max_steps} and train.epochs="
+            f"{train.epochs} nothing is left to train; to train it longer, raise "
+            f"{' and '.join(raise_)}")
 
 
 def broadcast_resume(resume: str, root: Path, is_rank0: bool,

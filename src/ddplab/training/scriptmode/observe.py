@@ -271,6 +271,8 @@ class Observer:
         # Without an optimizer: the model's parameters' versions at the last backward (a step
         # ends once they change: _by_hand)
         self.versions: int | None = None
+        self.unused_at: float | None = None  # the first forward since that backward
+        self.cleared = False  # steps by hand seen by the model's zero_grad: grads_cleared
         # a torch.optim optimizer was made: its steps are the steps, never an in-place change
         # (SAM's first step perturbs the parameters before its second forward)
         self.optimizer_made = False
@@ -306,6 +308,8 @@ class Observer:
             return
         if self.versions is not None:
             self._by_hand(time.perf_counter())
+            if self.versions is not None and self.unused_at is None:
+                self.unused_at = time.perf_counter()  # (grads_cleared's last step: finish)
         if not torch.is_grad_enabled():
             if self.outer is not None or not self.t_forward:
                 self._beat("evaluation", None)
@@ -428,7 +432,7 @@ class Observer:
         self.backwards += 1
         self.totals.backwards += 1
         if not self.optimizer_made and self.outer is not None:
-            self.versions = _versions(self.outer)
+            self.versions, self.unused_at = _versions(self.outer), None
         if not self.t_backward:
             self.t_backward = time.perf_counter()
             self.m_backward = self._mark()
@@ -504,6 +508,20 @@ class Observer:
                 or _versions(self.outer) == self.versions:
             return
         self.optimizer_step(now)
+
+    def grads_cleared(self, module: torch.nn.Module) -> None:
+        """``module.zero_grad()``: where no torch.optim optimizer was made, the model in train
+        mode cleared its gradients after a backward, so the script used them: a step by hand
+        that ended now, also one through ``p.data`` (pytorch/examples' word_language_model:
+        ``p.data.add_(p.grad, alpha=-lr)``, unseen in ``p``'s version counter). A model in
+        eval mode (an adversarial example's input gradient) is not trained."""
+        outer = self.outer
+        if self.optimizer_made or outer is None or self.versions is None or not outer.training:
+            return
+        if module is outer or any(m is outer for m in module.modules()) \
+                or any(m is module for m in outer.modules()):
+            self.cleared = True
+            self.optimizer_step(time.perf_counter())
 
     def optimizer_step(self, at: float | None = None) -> None:
         """After an optimizer's step: the step's end, if a forward or backward came since the
@@ -868,6 +886,9 @@ class Observer:
         self.ended = True
         if self.versions is not None:
             self._by_hand(time.perf_counter())  # (the last step by hand: no forward after it)
+        if ended_well and self.versions is not None and self.cleared:
+            # the last step of a script whose steps its zero_grad ended: none came after it
+            self.optimizer_step(self.unused_at)
         self._read(FINISH_PATIENCE_S)
         if self.unread:  # the device never passed the last steps: their loss is not read (it
             self.loss = self.step_loss = None  # may never be); the last one read stays
@@ -998,7 +1019,7 @@ def _divisor(loss: torch.Tensor) -> float:
 
 def _versions(model: torch.nn.Module) -> int:
     """The sum of the model's parameters' version counters: each in-place change adds one
-    (``p -= lr * p.grad``; not ``p.data -= ...``, whose tensor counts its own)."""
+    (``p -= lr * p.grad``; not ``p.data -= ...``, whose tensor counts its own: grads_cleared)."""
     return sum(p._version for p in model.parameters())
 
 
@@ -1298,22 +1319,33 @@ def _unhooked(obs: Observer) -> None:
     ``torch.save(model)`` (pytorch/examples' word_language_model saves its best model so)
     failed on them (local functions: "Can't pickle local object"), and the copy of
     ``copy.deepcopy(model)`` (an EMA's, a best model's) ran them, its forwards seen as the
-    model's. ``Module.__getstate__`` is what pickle, torch.save and deepcopy all read."""
-    getstate = torch.nn.Module.__getstate__
+    model's. ``__reduce_ex__`` is what pickle, torch.save and deepcopy all call; its state is
+    ``__getstate__``'s, which some modules write themselves (torch's RNNs, DDP)."""
+    reduce_ex = torch.nn.Module.__reduce_ex__
 
-    @functools.wraps(getstate)
-    def unhooked(self: torch.nn.Module) -> Any:
-        state = getstate(self)
-        ours = obs.own_hooks
-        if ours and isinstance(state, dict):
-            for key in _HOOK_DICTS:
-                hooks = state.get(key)
-                if isinstance(hooks, dict) and not ours.isdisjoint(hooks):
-                    state[key] = collections.OrderedDict(
-                        (k, v) for k, v in hooks.items() if k not in ours)
-        return state
+    def unhooked(self: torch.nn.Module, protocol: Any) -> Any:
+        reduced = reduce_ex(self, protocol)
+        if not obs.own_hooks or not isinstance(reduced, tuple) or len(reduced) < 3:
+            return reduced
+        state = reduced[2]
+        if isinstance(state, tuple) and state and isinstance(state[0], dict):  # (__slots__)
+            return (*reduced[:2], (_without_ours(state[0], obs.own_hooks), *state[1:]),
+                    *reduced[3:])
+        if isinstance(state, dict):
+            return (*reduced[:2], _without_ours(state, obs.own_hooks), *reduced[3:])
+        return reduced
 
-    torch.nn.Module.__getstate__ = unhooked  # type: ignore[method-assign]
+    torch.nn.Module.__reduce_ex__ = unhooked  # type: ignore[method-assign,assignment]
+
+
+def _without_ours(state: dict[str, Any], ours: set[int]) -> dict[str, Any]:
+    """A module's state (a copy where it held any of ``ours``) without those hooks."""
+    for key in _HOOK_DICTS:
+        hooks = state.get(key)
+        if isinstance(hooks, dict) and not ours.isdisjoint(hooks):
+            state = {**state, key: collections.OrderedDict(
+                (k, v) for k, v in hooks.items() if k not in ours)}
+    return state
 
 
 def _heartbeat(rank: int, world: int) -> Callable[[str, int | None], None]:
@@ -1404,6 +1436,16 @@ def _hooks(obs: Observer) -> None:
         made_optimizer(self, *args, **kwargs)
 
     torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign]
+    zero_grad = torch.nn.Module.zero_grad
+
+    @functools.wraps(zero_grad)
+    def observed_zero_grad(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        if obs.versions is not None and not obs.ended:  # (a backward since the last step)
+            with contextlib.suppress(Exception):  # (never the script's failure)
+                obs.grads_cleared(self)
+        zero_grad(self, *args, **kwargs)
+
+    torch.nn.Module.zero_grad = observed_zero_grad  # type: ignore[method-assign]
 
     def model(module: torch.nn.Module) -> Any:
         """The script's model from now on: the samples, the forward's start and the FLOPs are

@@ -913,7 +913,8 @@ def _no_training(outcomes: dict[int, dict[str, Any]]) -> str:
         return (f"{head}: ranks it starts itself (torch.multiprocessing.spawn, or torchrun's own "
                 "main) are not observed; torchrun starting them is")
     return (f"{head}: the run has no training figure; a script whose steps are not seen (its "
-            "own updates through p.data, a model without an nn.Module) records its own with "
+            "own updates through p.data never followed by model.zero_grad(), a model without an "
+            "nn.Module) records its own with "
             "ddplab.track.log (docs/your-own-script.md)")
 
 
