@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -300,6 +301,30 @@ def test_reproduce_says_bitwise_for_a_deterministic_run_and_differs_after_an_edi
     out = cli(["reproduce", orig.info.run_id], tmp_path, store)
     assert out.returncode == 1 and ": differs (" in out.stdout, out.stdout + out.stderr[-2000:]
 
+    # Ctrl-C mid-job (a terminal's SIGINT to reproduce's process group): subprocess.run SIGKILLed
+    # the launcher and the scratch folder went from under the ranks: the run ended FAILED with
+    # no metric, or KILLED blaming "the spool deleted" (a hostile pass). Now KILLED, as a job's.
+    edited["train"]["max_steps"] = 400
+    c.log_text(orig.info.run_id, yaml.safe_dump(edited), "config.yaml")
+    proc = subprocess.Popen([str(BIN / "ddplab"), "reproduce", orig.info.run_id], cwd=tmp_path,
+                            env=job_env(store, TMPDIR=str(scratch)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        running = [r for r in c.search_runs([orig.info.experiment_id], "attributes.status = "
+                                            "'RUNNING'") if "ddplab.reproduces" in r.data.tags]
+        if running and c.get_metric_history(running[0].info.run_id, "train/loss"):
+            break
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    said = proc.communicate(timeout=180)[0]
+    stopped = c.get_run(running[0].info.run_id)
+    assert proc.returncode == 130 and stopped.info.status == "KILLED", said[-3000:]
+    assert stopped.data.tags["ddplab.error"] == "interrupted (SIGINT / Ctrl-C)", said[-3000:]
+    assert c.get_metric_history(stopped.info.run_id, "train/loss"), said[-3000:]
+    # (nor its launcher's torchrun folder, left by a SIGKILL: it ended as it does)
+    assert not list(scratch.glob("ddplab-*")), (list(scratch.iterdir()), said[-3000:])
+
 
 def test_a_gpu_variant_beyond_the_visible_gpus_is_skipped_with_its_reason(tmp_path, store):
     import torch
@@ -465,12 +490,12 @@ def test_a_closed_terminal_and_kill_stop_a_study_as_ctrl_c_does():
     Ctrl-C keeps it (the end-to-end test above sends SIGTERM for real)."""
     import signal
 
-    from ddplab.study.runner import _stop_on_termination
+    from ddplab.study.runner import stop_on_termination
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     ctrl_c = signal.getsignal(signal.SIGINT)
     try:
-        _stop_on_termination()
+        stop_on_termination()
         assert {s: signal.getsignal(s) for s in before} == dict.fromkeys(
             before, signal.default_int_handler)
         assert signal.getsignal(signal.SIGINT) is ctrl_c  # Ctrl-C's own handler, untouched

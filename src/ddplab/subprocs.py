@@ -5,12 +5,16 @@ runs, and names the temporary files a process leaves for the next one of its hos
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import IO, Any
 
 SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 """python's -P (3.11+): nothing put first on sys.path for the file or module it runs."""
@@ -69,3 +73,45 @@ def _sweep(mine: str) -> None:
             else:  # (another user's, in a shared /tmp: theirs to remove)
                 with contextlib.suppress(OSError):
                     left.unlink(missing_ok=True)
+
+
+def run_tied(cmd: list[str], env: dict[str, str], cwd: str | None = None,
+             stdout: IO[Any] | None = None) -> int:
+    """A job (a study's, reproduce's) to its end: its exit code. Ctrl-C (SIGINT here, or what
+    the caller turned into one) stops it as Ctrl-C does, one SIGINT to its process group (its
+    launcher passes it on; the ranks end the run KILLED and deliver it); it gets 90 s, then
+    SIGKILL, and the interrupt goes on only once it has ended, so the caller's clean-up (a
+    scratch folder holding the job's spool) never pulls anything from under it. It is tied to
+    this process: SIGINT too if this one dies (even SIGKILLed)."""
+    proc = subprocess.Popen(_tied_to_this_process(cmd), env=env, cwd=cwd, stdout=stdout,
+                            stderr=subprocess.STDOUT if stdout is not None else None,
+                            start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+
+
+def _tied_to_this_process(cmd: list[str]) -> list[str]:
+    """``cmd`` under util-linux's setpriv, which makes the kernel send it SIGINT if this
+    process dies (even SIGKILLed), so a job never outlives what started it unseen. SIGINT, as
+    for Ctrl-C: torchrun passes it on and the ranks end the run KILLED (SIGTERM means a peer
+    failed). (subprocess's preexec_fn could set the same prctl, but is unsafe here: rich's
+    progress bar runs a thread.)"""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "INT", "--", *cmd] if setpriv and _pdeathsig_ok(setpriv) else cmd
+
+
+@functools.cache
+def _pdeathsig_ok(setpriv: str) -> bool:
+    """util-linux >= 2.33 has --pdeathsig; busybox's setpriv does not."""
+    out = subprocess.run([setpriv, "--help"], capture_output=True, text=True, check=False)
+    return "--pdeathsig" in out.stdout + out.stderr

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 
 from ..config import ConfigError, ScriptConfig
 from ..log import logger
+from ..subprocs import run_tied
 from ..tracking import life, schema
 from ..tracking.naming import varies_run_to_run
 
@@ -249,6 +249,9 @@ def reproduce(run_id: str, strict: bool) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     # The config and the new job's checkpoints are scratch: the new run keeps what matters, and
     # each reproduction would otherwise leave tens of MB in the temporary directory.
+    from .runner import stop_on_termination
+
+    stop_on_termination()  # (kill, a closed terminal: as Ctrl-C, so the scratch is removed too)
     with tempfile.TemporaryDirectory(prefix="ddplab-reproduce-") as work:
         return _reproduce(run_id, strict, Path(work))
 
@@ -347,8 +350,11 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     logger("reproduce").info(f"reproducing {run_id} as {new}: {' '.join(cmd)}")
     # A script runs where it ran: its module is found there, its relative paths start there.
     cwd = tags.get(schema.SCRIPT_CWD) or None
-    code = subprocess.run(cmd, env=env, check=False,
-                          cwd=cwd if cwd and Path(cwd).is_dir() else None).returncode
+    try:
+        code = run_tied(cmd, env, cwd=cwd if cwd and Path(cwd).is_dir() else None)
+    except KeyboardInterrupt:  # (the job has ended: its run KILLED, unless it never opened it)
+        life.end_if_running(client, new, life.KILLED, "interrupted (Ctrl-C) while it started")
+        raise
     # No reason of ours: the job's own ddplab.error, if it sent one, is the right one.
     life.end_if_running(client, new, life.FAILED)
     # The verdict through a spool, as a job's records: a server gone meanwhile loses none.

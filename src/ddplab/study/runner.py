@@ -9,7 +9,6 @@ it). The report (report.py) is built at the end.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shlex
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..subprocs import run_tied
 from ..tracking import life, schema
 from ..tracking.naming import typed_command
 from .spec import Study, Variant, as_text
@@ -400,37 +400,10 @@ class Tracker:
         return life.end_if_running(self.client, run_id, status, why)
 
 
-def _tied_to_this_process(cmd: list[str]) -> list[str]:
-    """``cmd`` under util-linux's setpriv, which makes the kernel send it SIGINT if this
-    process dies (even SIGKILLed), so a job never outlives its study unseen. SIGINT, as for
-    Ctrl-C: torchrun passes it on and the ranks end the run KILLED (SIGTERM means a peer
-    failed). (subprocess's preexec_fn could set the same prctl, but is unsafe here: rich's
-    progress bar runs a thread.)"""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "INT", "--", *cmd] if setpriv and _pdeathsig_ok(setpriv) else cmd
-
-
-@functools.cache
-def _pdeathsig_ok(setpriv: str) -> bool:
-    """util-linux >= 2.33 has --pdeathsig; busybox's setpriv does not."""
-    out = subprocess.run([setpriv, "--help"], capture_output=True, text=True, check=False)
-    return "--pdeathsig" in out.stdout + out.stderr
-
-
 def _run_job(cmd: list[str], env: dict[str, str], log: Path) -> int:
     with log.open("w") as out:
-        proc = subprocess.Popen(_tied_to_this_process(cmd), env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGINT)  # the job ends its run KILLED itself
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            raise
+            return run_tied(cmd, env, stdout=out)
         finally:
             if cmd[:2] == ["docker", "compose"]:  # containers and volumes go with the job
                 subprocess.run([*cmd[:4], "down", "-v", "--remove-orphans"], env=env,
@@ -481,7 +454,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     console.print(f"compares {study.direction}; baseline {study.baseline}", soft_wrap=True)
     status = "FAILED"
     try:
-        _stop_on_termination()
+        stop_on_termination()
         _run_all(study, plan, tracker, parent_id, done, logs, console)
         status = "FINISHED"
     except KeyboardInterrupt:
@@ -502,7 +475,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1
 
 
-def _stop_on_termination() -> None:
+def stop_on_termination() -> None:
     """SIGTERM (kill, a batch system's time limit) and SIGHUP (the terminal closed) stop the
     study the way Ctrl-C does: the running job ends its run KILLED, then the parent does."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
