@@ -501,6 +501,30 @@ def test_a_sigterm_while_a_rank_reports_its_end_is_raised_after_the_report():
     assert done == ["reported"] and signals.status() == "FAILED"
 
 
+def test_a_dataloader_workers_death_cannot_cut_the_ending_short():
+    """torch's DataLoader raises from its SIGCHLD handler when a worker dies, at any line of
+    this process: raised again in the run's ending (a second worker's death), it cut short
+    the record of the rank's cause (a hostile pass, 3 of 5: "failed at step 9 in failed").
+    Shielded, a child's exit runs no such handler; the job's end puts it back."""
+    import signal
+    import subprocess
+
+    from ddplab.training.jobend import Signals
+
+    def worker_died(signum, frame):
+        raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
+
+    before = signal.signal(signal.SIGCHLD, worker_died)
+    try:
+        with Signals() as signals:
+            signals.shield()
+            subprocess.run(["true"], check=True)  # a child ends: SIGCHLD
+            signals.shield()  # (twice, as the ending does: torch's handler is still put back)
+        assert signal.getsignal(signal.SIGCHLD) is worker_died
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+
+
 def test_an_attempt_with_fewer_ranks_forgets_the_earlier_attempts_other_ranks(tmp_path):
     """A failed 2-rank script run resumed by one process (checkpoint.resume=RUN): rank 1's
     heartbeat and error from the failed attempt read as the new attempt's, and the FINISHED run

@@ -341,6 +341,37 @@ def test_a_gpu_variant_beyond_the_visible_gpus_is_skipped_with_its_reason(tmp_pa
     assert "Skipped gpu: needs" in report.read_text()
 
 
+def test_a_study_interrupted_while_its_report_is_made_ends_its_parent_killed(tmp_path, store,
+                                                                             monkeypatch, capsys):
+    """Ctrl-C or kill in the report's making (after the last job) left the parent FINISHED,
+    its verdict there but no report.html, results.csv or plots (a hostile pass, 5 of 5). In
+    process, a study whose one job is skipped (no GPU): the interrupt is raised in the report."""
+    import torch
+
+    from ddplab import cli
+    from ddplab.study import report
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    need = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
+    path = write_study(tmp_path, baseline="gpu", variants=[
+        {"name": "gpu", "nproc": need, "set": {"dist.device": "cuda", "dist.backend": "nccl"}}])
+    monkeypatch.setattr(report, "build", interrupted)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = cli.main(["study", "run", str(path)])
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    out = capsys.readouterr().out
+    (parent,), _ = study_runs(store)
+    assert code == 130 and parent.info.status == "KILLED", out
+    assert "interrupted while its report was made" in out
+
+
 SHIPPED = sorted(p.name for p in (REPO / "experiments" / "studies").glob("*.yaml"))
 # Run for real (reduced): ddplab's loop and a user's script. Every other shipped study is
 # resolved, planned and checked below without running: its variants' features (strategies,

@@ -467,6 +467,10 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
             tracker.client.deliver(5.0)  # what the report reads back (skipped variants)
             report.build(tracker.client, parent_id, study, console, uri,
                          interrupted=status == "KILLED")
+        except KeyboardInterrupt:  # (while the report was made: it would end FINISHED without it)
+            status = "KILLED"
+            console.print("interrupted while its report was made: the study's parent run ends "
+                          "KILLED; run the study again to make it (its jobs are not run again)")
         finally:
             life.end(tracker.client, parent_id, status)
             kept = tracker.client.close(tracker.delivery_s)

@@ -38,6 +38,7 @@ class Signals:
         self.holding = False
         self.pending: BaseException | None = None
         self.native: dict[int, Any] = {}
+        self.chld: dict[int, Any] = {}  # (shield)
 
     def attach(self, run: tracking.NullTracker) -> None:
         """The job's run: a job that fails or is stopped names it last too (``run_line``)."""
@@ -99,13 +100,18 @@ class Signals:
         return "KILLED" if self.received in (signal.SIGINT, signal.SIGHUP) else "FAILED"
 
     def shield(self) -> None:
-        """From here on nothing interrupts: the run's ending must reach the store."""
+        """From here on nothing interrupts: the run's ending must reach the store. Nor does a
+        DataLoader worker's death: torch's SIGCHLD handler raises it in this process at any
+        line, and, raised again in the ending (a second worker's), it cut short the record
+        of the rank's cause (3 of 5 jobs whose worker died: "failed at step 9 in failed")."""
         for sig in self.previous:
             signal.signal(sig, signal.SIG_IGN)
+        if signal.SIGCHLD not in self.chld:
+            self.chld[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        for sig, handler in self.previous.items():
+        for sig, handler in {**self.previous, **self.chld}.items():
             signal.signal(sig, handler)
         handlers.put_back(self.native)
         if exc is not None and not hasattr(exc, "run_line"):
