@@ -32,7 +32,8 @@ for step in range(6):
     track.log({"score": float(step)}, step=step)
     if step == 2 and rank == 0:  # as `rm -rf` would: rank 1's records land there meanwhile
         shutil.rmtree({"checkpoints": ckpt, "spool": os.environ["DDPLAB_SPOOL"],
-                       "run": os.path.dirname(ckpt)}[sys.argv[1]], ignore_errors=True)
+                       "run": os.path.dirname(ckpt), "cwd": os.getcwd()}[sys.argv[1]],
+                      ignore_errors=True)
     dist.barrier()
 dist.destroy_process_group()
 '''
@@ -84,9 +85,13 @@ def test_a_script_deleting_its_folder_or_the_spool_never_leaves_a_run_running(tm
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE)
     seen: set[str] = set()
-    for what in ("checkpoints", "spool", "run"):
+    # "cwd": the job's whole folder, its relative checkpoint.dir with it (the run stayed RUNNING
+    # with nothing in it: its spool's path was relative, a hostile pass)
+    for what in ("checkpoints", "spool", "run", "cwd"):
+        work = tmp_path / "work" if what == "cwd" else tmp_path
+        work.mkdir(exist_ok=True)
         res = ddplab(["train", str(script), "--set", "checkpoint.resume=never", "--", what],
-                     tmp_path, job_env(store), nproc=2)
+                     work, job_env(store), nproc=2)
         (run,) = [r for r in runs(store) if r.info.run_id not in seen]
         seen.add(run.info.run_id)
         run_id, status = run.info.run_id, run.info.status

@@ -67,7 +67,9 @@ def job_run(cfg: ExperimentConfig, le: LaunchEnv, layout: Layout | None, resume_
     # cluster that is an in-network name the browser cannot open. ddplab prints the run's
     # address itself, in the browser's terms (jobend.where, DDPLAB_UI_URL).
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    spool_root = Path(cfg.checkpoint.dir) / cfg.name
+    # Absolute from the start: a job whose folder is deleted under it (cwd and all) still has a
+    # path to put its spool back at and end its run by (relative, the run stayed RUNNING).
+    spool_root = (Path(cfg.checkpoint.dir) / cfg.name).absolute()
     # A name a person can tell apart in the runs table (unless tracking.run_name is set).
     # (A job without ddplab's layout, script mode, names its run itself: run_name.)
     default_name = run_name or f"{cfg.name} {layout_name(layout) if layout else '?'} {le.launcher}"
@@ -185,7 +187,9 @@ def _spool_lost(run: NullTracker, delivery: Delivery | NoDelivery, ref: RunRef) 
     own = ("ddplab's own records were recovered" if dropped == 0 else
            "ddplab's own records are lost too" if dropped < 0 else
            f"{dropped} of ddplab's own records are lost too (files that went with it)")
-    return (f"the run's spool {directory.resolve()} was deleted during the job (by the script?): what "
+    with contextlib.suppress(OSError):  # (the job's folder deleted too: no cwd to resolve by)
+        directory = directory.resolve()
+    return (f"the run's spool {directory} was deleted during the job (by the script?): what "
             "it held and had not delivered yet is lost (the script's ddplab.track records, "
             f"system metrics); {own}")
 

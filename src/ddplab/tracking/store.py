@@ -66,10 +66,13 @@ def _ui_command(uri: str) -> str:
 
     from ..logins import mask
 
-    here = Path.cwd()
+    try:
+        here: Path | None = Path.cwd()
+    except OSError:  # (the job's folder was deleted under it: its run still ends, saying where)
+        here = None
     env = os.environ.get("MLFLOW_TRACKING_URI", "")
     named = bool(env) and uri == mask(env)
-    if (here / "Makefile").is_file() and (here / "src" / "ddplab").is_dir():
+    if here and (here / "Makefile").is_file() and (here / "src" / "ddplab").is_dir():
         if uri == embedded_store() or named:
             return "`make ui`"
     store = '"$MLFLOW_TRACKING_URI"' if named and env != uri else shlex.quote(uri)
