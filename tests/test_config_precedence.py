@@ -35,6 +35,22 @@ def test_defaults_then_file_then_ddplab_set_then_command_line(tmp_path):
     assert load(experiment(tmp_path), environ={}).train.epochs == 2  # no DDPLAB_SET: the file
 
 
+def test_a_mapping_set_on_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
+    """A hostile pass: ``--set 'train={epochs: 1}'`` (and a study's nested ``set: {train:
+    {epochs: 1}}``) replaced the whole section: the file's seed and log_every silently went
+    back to their defaults. A mapping on a section (nested ones too) is its keys; on a
+    free-form key (``model.args``: another model's arguments) it replaces what was there."""
+    p = tmp_path / "gpt.yaml"
+    p.write_text(FILE + "model:\n  name: gpt\n  args: {n_layer: 2, n_head: 4}\n")
+    env = {"DDPLAB_SET": "'train={epochs: 1}'"}
+    cfg = load(p, ["train={early_stopping: {metric: eval/loss}}",
+                   "train={early_stopping: {patience: 7}}", "model.args={n_layer: 3}"],
+               environ=env)
+    assert (cfg.train.epochs, cfg.train.seed, cfg.train.log_every) == (1, 3, 4)
+    assert (cfg.train.early_stopping.metric, cfg.train.early_stopping.patience) == ("eval/loss", 7)
+    assert cfg.model.args == {"n_layer": 3}  # (n_head not kept: the arguments as given)
+
+
 def test_load_reads_this_processs_ddplab_set_unless_given_an_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("DDPLAB_SET", "train.epochs=5")
     assert load(experiment(tmp_path)).train.epochs == 5

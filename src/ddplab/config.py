@@ -1011,7 +1011,29 @@ def _apply(raw: dict[str, Any], path: list[str], value: Any, origin: str) -> Non
         if not isinstance(child, dict):
             raise ConfigError(f"{origin}: {part} is not a section")
         node = child
-    node[path[-1]] = value
+    node[path[-1]] = _merged(node.get(path[-1]), value, path)
+
+
+def _merged(old: Any, new: Any, path: list[str]) -> Any:
+    """What a ``--set`` (or a study's ``set``) of ``new`` at ``path`` leaves there: a mapping
+    given to a section of ddplab's sets those keys and keeps the others (``optim={lr: 0.5}``
+    is ``optim.lr=0.5``: it silently reset the section's scheduler and warm-up, and a study's
+    nested ``set: {train: {epochs: 1}}`` every job's train keys); anything else, a free-form
+    mapping (``model.args``: another model's arguments) included, replaces what was there."""
+    if not (isinstance(old, dict) and isinstance(new, dict) and _section_at(path)):
+        return new
+    return {**old, **{k: _merged(old.get(k), v, [*path, k]) for k, v in new.items()}}
+
+
+def _section_at(path: list[str]) -> bool:
+    """Whether ``path`` names a section (a dataclass) of the experiment's schema."""
+    cls: Any = ExperimentConfig
+    for part in path:
+        if not _is_section(cls) or part not in _hints(cls):
+            return False
+        hint = _hints(cls)[part]
+        cls = next((a for a in typing.get_args(hint) if _is_section(a)), hint)
+    return _is_section(cls)
 
 
 def env_overrides(env: Mapping[str, str] | None = None) -> list[Override]:
