@@ -27,6 +27,22 @@ def test_closed_port_is_reported_at_once():
         "establish a new connection: [Errno 111] Connection refused)", reason
 
 
+def test_a_server_that_takes_the_connection_and_never_answers_is_slow_not_unreachable():
+    """A hostile pass: a proxy answering 20 s late read "unreachable (Read timed out...)"; it
+    took the connection. And a local store's full disk is no network failure ("did not answer
+    (OSError: [Errno 28]...)", a hostile pass): each is said as what it is."""
+    from ddplab.tracking import spool
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()  # the kernel completes connections; nothing ever reads or answers
+        reason = check_reachable(f"http://127.0.0.1:{s.getsockname()[1]}", timeout_s=2)
+    assert reason and "answered too slowly (it took the connection, then " in reason, reason
+    assert "Read timed out" in reason and "unreachable" not in reason, reason
+    said = spool.describe(OSError(28, "No space left on device"))
+    assert said.startswith("failed: no space left on the device its files go to ("), said
+
+
 @pytest.mark.parametrize("code, says, delivery_says", [
     (403, "answered HTTP 403 (API request to endpoint /api/2.0/mlflow/experiments/search failed "
           "with error code 403", "refused with HTTP 403 (API request to endpoint"),

@@ -325,6 +325,10 @@ def describe(e: Exception, silent: str = "did not answer", refused: str = "refus
     if text.startswith(DATABASE_ERRORS):  # a store's own database (MLflow calls it a 503)
         return f"failed: {text[:300]}"
     code, said = heard(e)
+    if not code and "Read timed out" in said:  # (connected: it is there, and slow)
+        return f"answered too slowly (it took the connection, then {said[:300]})"
+    if not code and ("[Errno 28]" in said or "No space left" in said):  # (not the network)
+        return f"failed: no space left on the device its files go to ({said[:300]})"
     if not code:
         return f"{silent} ({said[:300]})"
     if code >= 500:
