@@ -242,6 +242,26 @@ def test_a_node_that_reports_nothing_is_named():
         line.endswith("; rank 1 stopped after it; ranks 2,3 reported nothing (their node lost?)"), line
 
 
+def test_a_rank_of_the_verdicts_own_node_that_said_nothing_was_stopped_not_lost(monkeypatch):
+    """A hostile pass: rank 0 failed in argparse while rank 1, on the same host, was still
+    importing torch; torchrun stopped it before its first heartbeat, and the verdict said
+    "rank 1 reported nothing (their node lost?)". The node making the verdict is alive: its
+    own ranks (torchrun's numbering: GROUP_RANK x LOCAL_WORLD_SIZE on) were stopped after it;
+    another node's silent ranks may still be lost."""
+    from ddplab.agent.postmortem import _ranks_here
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    here = _ranks_here(4)
+    endings = [Ending(0, 1, "setup", 10.0, "failed", "SystemExit: 2", "a")]
+    assert (here, verdict(endings, 4, here=here)) == ([0, 1], (
+        "rank 0 (host a) failed (SystemExit: 2) at step 1 in setup; rank 1 stopped after it; "
+        "ranks 2,3 reported nothing (their node lost?)"))
+    monkeypatch.delenv("GROUP_RANK")  # (another launcher: nothing known of the nodes)
+    assert _ranks_here(4) == [] and verdict(endings, 2, here=[]).endswith(
+        "; rank 1 reported nothing (their node lost?)")
+
+
 def _until_the_watch_stops(watch, rank: subprocess.Popen):
     """The watch ticking until it sees the hang; then the hung rank has been SIGKILLed (a rank
     in a collective hears nothing else)."""

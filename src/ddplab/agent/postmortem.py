@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ class Report:
     running: list[Ending]  # this node's ranks still alive as the job ended (they wait)
     files: list[str]
     hang_after_s: float
+    here: list[int] = field(default_factory=list)  # the ranks of this node: _ranks_here
 
     def save(self, path: Path) -> None:
         fields = {**asdict(self), "endings": to_json(self.endings, sys.maxsize),
@@ -72,7 +74,7 @@ def record(client: Any, run_id: str, watch: Watch, node: str, world_size: int,
     if holds_rank0 and all(e.what == "done" for e in endings):
         return ""
     report = Report(node, world_size, holds_rank0, endings, watch.still_running(),
-                    [str(f) for f in watch.files()], watch.hang_after_s)
+                    [str(f) for f in watch.files()], watch.hang_after_s, _ranks_here(world_size))
     line, missed = _deliver(client, run_id, report, superseded, WAIT_FOR_NODES_S)
     if missed:
         what = f"the ranks' stacks{' and the verdict' if line else ''}"
@@ -120,8 +122,9 @@ def _deliver(client: Any, run_id: str, report: Report, superseded: Callable[[], 
     if done or not report.holds_rank0:
         return "", missed
     everyone = _everyone(client, run_id, report.node, report.endings + report.running,
-                         report.world_size, wait_s)
-    line = verdict(everyone, report.world_size, hang_after_s=report.hang_after_s)
+                         report.world_size, wait_s, report.here)
+    line = verdict(everyone, report.world_size, hang_after_s=report.hang_after_s,
+                   here=report.here)
     if line and not superseded():  # (the wait for the other nodes' endings took up to 15 s)
         # The verdict is the postmortem's last word: whoever reads the run once it is there
         # finds ddplab.error naming the cause already, not rank 0's view of it a moment before.
@@ -134,8 +137,19 @@ def _deliver(client: Any, run_id: str, report: Report, superseded: Callable[[], 
     return line, missed
 
 
+def _ranks_here(world_size: int) -> list[int]:
+    """The global ranks of this node, by torchrun's numbering (node N holds N x its local
+    world size onward), or none where it does not say. This node is alive (it makes the
+    report), so one of them that reported nothing was stopped before it could, not lost."""
+    try:
+        local, node = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["GROUP_RANK"])
+    except (KeyError, ValueError):
+        return []
+    return [r for r in range(node * local, (node + 1) * local) if r < world_size]
+
+
 def _everyone(client: Any, run_id: str, node: str, mine: list[Ending],
-              world_size: int, wait_s: float) -> list[Ending]:
+              world_size: int, wait_s: float, here: Sequence[int] = ()) -> list[Ending]:
     deadline = time.monotonic() + wait_s
     while True:
         everyone = list(mine)
@@ -145,7 +159,9 @@ def _everyone(client: Any, run_id: str, node: str, mine: list[Ending],
                 if k.startswith(schema.FORENSICS_PREFIX) and k != schema.forensics_tag(node):
                     with contextlib.suppress(ValueError):  # unreadable: that node is "lost"
                         everyone += from_json(v)
-        if {e.rank for e in everyone} >= set(range(world_size)) or time.monotonic() > deadline:
+        # (this node's own ranks that said nothing never will: no wait for them)
+        if {e.rank for e in everyone} | set(here) >= set(range(world_size)) \
+                or time.monotonic() > deadline:
             return everyone
         time.sleep(1.0)
 

@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -316,10 +317,12 @@ def raised_in_a_collective(traceback: str) -> bool:
 
 
 def verdict(endings: list[Ending], world_size: int, now: float | None = None,
-            hang_after_s: float = 0.0) -> str:
+            hang_after_s: float = 0.0, here: Sequence[int] = ()) -> str:
     """The one line: who stopped or failed first, where, and what the others did. "" when no
     rank failed (every one done, or stopped by Ctrl-C). ``hang_after_s``: the job's, when
-    known (no watch stopped a rank sooner after its last heartbeat)."""
+    known (no watch stopped a rank sooner after its last heartbeat). ``here``: the ranks of
+    the node making the verdict (alive): one of them that reported nothing after another
+    failed was stopped by the launcher before it could (it was still importing torch)."""
     # Each node's watch sees only its own ranks, and names one of them stopped: across nodes,
     # the rank behind is the one furthest behind of all (the others wait for it).
     hung = [e for e in endings if e.what in ("stopped", "waits")]
@@ -370,6 +373,10 @@ def verdict(endings: list[Ending], world_size: int, now: float | None = None,
            f"{','.join(sorted({e.host for e in alike}))}) each")
     line = f"{who} {_how(first)} {where(first)}" + "".join(
         f"; rank {e.rank} (host {e.host}) also {_how(e)} {where(e)}" for e in also)
+    quiet = [r for r in missing if r in here]
+    missing = [r for r in missing if r not in here]
+    lost = f"{_ranks(missing)} reported nothing (their node lost?)"
+    after = sorted(after + quiet)
     if after:
         line += f"; {_ranks(after)} stopped after it"
     return line + (f"; {lost}" if missing else "")
