@@ -213,7 +213,8 @@ def test_a_rank_that_died_while_its_peer_hung_is_the_cause():
         "after it")
     oom = Ending(1, 5, "data loading", 99.9, "died", "", "vm")
     assert verdict([stopped, oom], 2, now=120.0, hang_after_s=8) == (
-        "rank 1 (host vm) died outright (killed by a signal: SIGKILL, or the OOM killer) at step 5 "
+        "rank 1 (host vm) died outright (killed by a signal: SIGKILL, or the OOM killer; or its code "
+        "called os._exit) at step 5 "
         "in data loading; rank 0 stopped after it")
 
 
@@ -419,7 +420,8 @@ def test_a_rank_the_watch_finds_dead_when_it_stops_a_hang_is_the_cause(tmp_path)
     assert (endings[0].what, endings[1].what, endings[1].dead_at_stop) == ("stopped", "died", 1)
     assert endings[1].time > endings[0].time  # its last beat came after rank 0's
     assert verdict(list(endings.values()), 2, hang_after_s=3.0) == (
-        "rank 1 (host h) died outright (killed by a signal: SIGKILL, or the OOM killer) at step 5 "
+        "rank 1 (host h) died outright (killed by a signal: SIGKILL, or the OOM killer; or its code "
+        "called os._exit) at step 5 "
         "in backward; rank 0 stopped after it")
 
 

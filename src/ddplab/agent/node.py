@@ -340,7 +340,8 @@ def _end_if_killed(client: Any, directory: Path, meta: spool.Meta, since: float,
 def _lost(pid: int, verdict: str, stopped: bool) -> str:
     """Why the run of a job whose global rank 0 died outright ended FAILED."""
     lost = (f"global rank 0 lost: its process (pid {pid}) died without recording the run's end "
-            "(killed outright: SIGKILL, or the OOM killer); ended by its node's delivery process")
+            "(killed outright: SIGKILL, or the OOM killer; or its code called os._exit); ended by "
+            "its node's delivery process")
     return verdict if stopped else f"{lost}; {verdict}" if verdict else lost
 
 

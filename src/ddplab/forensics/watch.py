@@ -480,7 +480,8 @@ def _how(e: Ending) -> str:
         first = e.detail.splitlines()[0] if e.detail else ""
         signal_line = first.removeprefix("Fatal Python error: ") if first else ""
         return (f"died ({signal_line})" if signal_line else
-                "died outright (killed by a signal: SIGKILL, or the OOM killer)")
+                "died outright (killed by a signal: SIGKILL, or the OOM killer; or its code "
+                "called os._exit)")
     if not e.detail:
         return "failed"
     lines = e.detail.splitlines()
