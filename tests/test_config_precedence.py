@@ -49,6 +49,14 @@ def test_a_mapping_set_on_a_section_sets_its_keys_and_keeps_the_others(tmp_path)
     assert (cfg.train.epochs, cfg.train.seed, cfg.train.log_every) == (1, 3, 4)
     assert (cfg.train.early_stopping.metric, cfg.train.early_stopping.patience) == ("eval/loss", 7)
     assert cfg.model.args == {"n_layer": 3}  # (n_head not kept: the arguments as given)
+    # Another callable named: the old one's arguments are not its own (a review: the GPT's
+    # went to the CNN, "model 'cnn' takes no args")
+    assert load(p, ["model={name: cnn}"], environ={}).model.args == {}
+    # A study's nested set beside its variant's of the same section: both (study/spec.py)
+    from ddplab.study.spec import Variant
+
+    sets = Variant("v", set={"train": {"seed": 9}}).overrides({"train": {"epochs": 5}}, [])
+    assert (load(p, sets, environ={}).train.epochs, load(p, sets, environ={}).train.seed) == (5, 9)
 
 
 def test_load_reads_this_processs_ddplab_set_unless_given_an_environment(tmp_path, monkeypatch):

@@ -44,3 +44,40 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
         write_text_atomic(path, "new \udc80")  # not encodable: fails after the temporary opened
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["job.json"]
+
+
+DEAF_JOB = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a job slow to end: it takes no notice of Ctrl-C
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def test_a_tied_job_has_ended_before_its_starter_goes_on_even_at_a_second_ctrl_c(tmp_path):
+    """study and reproduce clean up after their job (reproduce removes its scratch, the job's
+    spool in it) once run_tied returns. Ctrl-C stops the job as Ctrl-C does; a second Ctrl-C
+    during that wait escaped at once and the scratch went from under the job (a review). Now
+    it kills the job, and the interrupt goes on only once the job has ended."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from ddplab.subprocs import alive, run_tied
+
+    pid_file = tmp_path / "pid"
+    (tmp_path / "job.py").write_text(DEAF_JOB)
+
+    def press_ctrl_c_twice():
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+
+    threading.Thread(target=press_ctrl_c_twice, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_tied([sys.executable, str(tmp_path / "job.py"), str(pid_file)], dict(os.environ))
+    assert not alive(int(pid_file.read_text())) and time.monotonic() - t0 < 30

@@ -56,7 +56,9 @@ BAD_URIS = [
     # (two slashes short, or one: SQLAlchemy's parse error and 70-100 lines of traceback)
     ("sqlite:/tmp/runs.db", "a SQLite store is sqlite:/// then its path: sqlite:///relative/"
      "mlflow.db, sqlite:////absolute/mlflow.db; for the file /tmp/runs.db: sqlite:////tmp/runs.db"),
-    ("sqlite://runs.db", "a SQLite store is sqlite:/// then its path"),
+    ("sqlite://runs.db", "a SQLite store is sqlite:/// then its path: sqlite:///relative/"
+     "mlflow.db, sqlite:////absolute/mlflow.db; for runs.db here: sqlite:///runs.db, for "
+     "/runs.db: sqlite:////runs.db"),
     ("file:///tmp/nowhere-mlruns", "MLflow 3 refuses the file store"),
     ("http://[::1", "not a URL (Invalid IPv6 URL): http://host:5000"),  # (it passed, a hostile
     ("http://mlflow:port", "not a URL (Port could not be cast"),  # pass: unreachable, in the ranks)

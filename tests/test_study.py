@@ -177,8 +177,13 @@ def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path
     path = write_study(tmp_path, variants=[
         {"name": "one", "nproc": 1, "set": {"dist.threads_per_rank": 1}},
         {"name": "two", "nproc": 2, "set": {"dist.threads_per_rank": 1}}, bad])
-    out = cli(["study", "run", str(path)], tmp_path, store)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = cli(["study", "run", str(path)], tmp_path, store, TMPDIR=str(scratch))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # (each torchrun job's /tmp/torchelastic_* was left: its log dir is the study's, removed)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith(("torchelastic_",
+                                                                         "ddplab-"))]
     (parent,), children = study_runs(store)
     assert parent.info.status == "FINISHED" and parent.data.tags["ddplab.study"] == "tiny"
     ok = [c for c in children if c.info.status == "FINISHED"]
@@ -521,7 +526,7 @@ def test_a_closed_terminal_and_kill_stop_a_study_as_ctrl_c_does():
     Ctrl-C keeps it (the end-to-end test above sends SIGTERM for real)."""
     import signal
 
-    from ddplab.study.runner import stop_on_termination
+    from ddplab.subprocs import stop_on_termination
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     ctrl_c = signal.getsignal(signal.SIGINT)

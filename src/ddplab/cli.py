@@ -567,7 +567,7 @@ def _train(experiment: str | None, overrides: list[str], summary_out: str,
         # Its one line (the run, if any, records the traceback), then where the run is; under
         # torchrun it goes to the rank's error file too (torchrun's failure summary). A refusal
         # every rank makes alike (a resume's checks) is said once per node, not once per rank.
-        if not getattr(e, "collective", False) or os.environ.get("LOCAL_RANK", "0") == "0":
+        if not e.collective or _local_rank() == 0:
             logger().error(e)
         _tell_torchrun(e)
         _say_run(e)
@@ -580,6 +580,16 @@ def _train(experiment: str | None, overrides: list[str], summary_out: str,
         _tell_torchrun(RuntimeError(line))
         _say_run(e)
         return EXIT_ERROR
+
+
+def _local_rank() -> int:
+    """This process's rank on its node, as its launcher says it (0 where none does)."""
+    from .launchers.detect import LaunchEnv
+
+    try:
+        return LaunchEnv.from_environ(os.environ).local_rank
+    except Exception:  # noqa: BLE001 - (a launch environment that does not add up: say it)
+        return 0
 
 
 def _tell_torchrun(e: BaseException) -> None:

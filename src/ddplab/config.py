@@ -1014,15 +1014,23 @@ def _apply(raw: dict[str, Any], path: list[str], value: Any, origin: str) -> Non
     node[path[-1]] = _merged(node.get(path[-1]), value, path)
 
 
+#: A section's free-form arguments and the key naming what takes them: arguments of the callable
+#: a mapping replaces are not the new one's (``model={name: cnn}`` over a GPT's ``args``).
+ARGS_OF = {"args": ("name", "dataset"), "scheduler_args": ("scheduler",)}
+
+
 def _merged(old: Any, new: Any, path: list[str]) -> Any:
     """What a ``--set`` (or a study's ``set``) of ``new`` at ``path`` leaves there: a mapping
     given to a section of ddplab's sets those keys and keeps the others (``optim={lr: 0.5}``
     is ``optim.lr=0.5``: it silently reset the section's scheduler and warm-up, and a study's
-    nested ``set: {train: {epochs: 1}}`` every job's train keys); anything else, a free-form
-    mapping (``model.args``: another model's arguments) included, replaces what was there."""
+    nested ``set: {train: {epochs: 1}}`` every job's train keys), but not the arguments of a
+    callable it names anew (ARGS_OF); anything else, a free-form mapping (``model.args``)
+    included, replaces what was there."""
     if not (isinstance(old, dict) and isinstance(new, dict) and _section_at(path)):
         return new
-    return {**old, **{k: _merged(old.get(k), v, [*path, k]) for k, v in new.items()}}
+    kept = {k: v for k, v in old.items() if not any(
+        n in new and new[n] != old.get(n) for n in ARGS_OF.get(k, ()))}
+    return {**kept, **{k: _merged(old.get(k), v, [*path, k]) for k, v in new.items()}}
 
 
 def _section_at(path: list[str]) -> bool:

@@ -17,6 +17,9 @@ class DdplabError(Exception):
     """A failure named in one line: what, where, and what to do."""
 
     exit_code: int = 1
+    collective: bool = False
+    """Every rank raises it alike (a check of what rank 0 read and sent): each node says it
+    once (cli._train), not each rank."""
 
 
 class BadInput(DdplabError):

@@ -89,15 +89,33 @@ def run_tied(cmd: list[str], env: dict[str, str], cwd: str | None = None,
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
         raise
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """``proc``'s process group stopped as Ctrl-C stops it, then (after 90 s, or at a second
+    Ctrl-C) killed; returns only once it has ended, whatever more interrupts come."""
+    for sig, wait_s in ((signal.SIGINT, 90.0), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        while True:
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                break
+            except KeyboardInterrupt:  # (again: no more patience, but still no leaving early)
+                if sig == signal.SIGINT:
+                    break
+
+
+def stop_on_termination() -> None:
+    """SIGTERM (kill, a batch system's time limit) and SIGHUP (the terminal closed) stop this
+    process the way Ctrl-C does (KeyboardInterrupt): a study's or reproduce's running job ends
+    its run KILLED (run_tied), then the command cleans up after it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
 
 def _tied_to_this_process(cmd: list[str]) -> list[str]:

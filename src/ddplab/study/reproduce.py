@@ -45,7 +45,7 @@ from typing import Any
 
 from ..config import ConfigError, ScriptConfig
 from ..log import logger
-from ..subprocs import run_tied
+from ..subprocs import run_tied, stop_on_termination
 from ..tracking import life, schema
 from ..tracking.naming import varies_run_to_run
 
@@ -249,8 +249,6 @@ def reproduce(run_id: str, strict: bool) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     # The config and the new job's checkpoints are scratch: the new run keeps what matters, and
     # each reproduction would otherwise leave tens of MB in the temporary directory.
-    from .runner import stop_on_termination
-
     stop_on_termination()  # (kill, a closed terminal: as Ctrl-C, so the scratch is removed too)
     with tempfile.TemporaryDirectory(prefix="ddplab-reproduce-") as work:
         return _reproduce(run_id, strict, Path(work))
@@ -353,7 +351,7 @@ def _reproduce(run_id: str, strict: bool, work: Path) -> int:
     try:
         code = run_tied(cmd, env, cwd=cwd if cwd and Path(cwd).is_dir() else None)
     except KeyboardInterrupt:  # (the job has ended: its run KILLED, unless it never opened it)
-        life.end_if_running(client, new, life.KILLED, "interrupted (Ctrl-C) while it started")
+        life.end_if_running(client, new, life.KILLED, "interrupted (Ctrl-C) before its job ended its run")
         raise
     # No reason of ours: the job's own ddplab.error, if it sent one, is the right one.
     life.end_if_running(client, new, life.FAILED)

@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..subprocs import run_tied
+from ..subprocs import own_temp, run_tied, stop_on_termination
 from ..tracking import life, schema
 from ..tracking.naming import typed_command
 from .spec import Study, Variant, as_text
@@ -401,10 +400,15 @@ class Tracker:
 
 
 def _run_job(cmd: list[str], env: dict[str, str], log: Path) -> int:
+    # torchrun's log dir a folder of ours, gone with the job: without one torchrun makes and
+    # leaves a /tmp/torchelastic_* for every job (two per 2-job study, a hostile pass)
+    logs = None if "PET_LOG_DIR" in env else own_temp("torchrun", folder=True)
     with log.open("w") as out:
         try:
-            return run_tied(cmd, env, stdout=out)
+            return run_tied(cmd, {**env, "PET_LOG_DIR": str(logs)} if logs else env, stdout=out)
         finally:
+            if logs:
+                shutil.rmtree(logs, ignore_errors=True)
             if cmd[:2] == ["docker", "compose"]:  # containers and volumes go with the job
                 subprocess.run([*cmd[:4], "down", "-v", "--remove-orphans"], env=env,
                                stdout=out, stderr=subprocess.STDOUT, check=False)
@@ -468,7 +472,7 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
             report.build(tracker.client, parent_id, study, console, uri,
                          interrupted=status == "KILLED")
         except KeyboardInterrupt:  # (while the report was made: it would end FINISHED without it)
-            status = "KILLED"
+            status = "KILLED" if status == "FINISHED" else status
             console.print("interrupted while its report was made: the study's parent run ends "
                           "KILLED; run the study again to make it (its jobs are not run again)")
         finally:
@@ -477,13 +481,6 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
             if kept:
                 console.print(f"WARNING: the study's parent {kept}", soft_wrap=True)
     return 0 if status == "FINISHED" else 130 if status == "KILLED" else 1
-
-
-def stop_on_termination() -> None:
-    """SIGTERM (kill, a batch system's time limit) and SIGHUP (the terminal closed) stop the
-    study the way Ctrl-C does: the running job ends its run KILLED, then the parent does."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
 
 
 def _run_all(study: Study, plan: list[tuple[Variant, int]], tracker: Tracker, parent_id: str,

@@ -135,10 +135,13 @@ class Variant:
 
     def overrides(self, study_set: dict[str, Any], extra: Sequence[Override]) -> list[Override]:
         """The study's set, then the variant's, then $DDPLAB_SET's and the command line's
-        (each keeping its source for error messages): later wins."""
-        merged = {**study_set, **self.set}
-        return [(f"variant {self.name}: set" if k in self.set else "set",
-                 f"{k}={_yaml_value(v)}") for k, v in merged.items()] + list(extra)
+        (each keeping its source for error messages): later wins, a section given as a mapping
+        by both keeping the study's keys the variant's does not set (config._merged)."""
+        study = [(k, v) for k, v in study_set.items() if k not in self.set
+                 or isinstance(v, dict) and isinstance(self.set[k], dict)]
+        return [("set", f"{k}={_yaml_value(v)}") for k, v in study] + [
+            (f"variant {self.name}: set", f"{k}={_yaml_value(v)}")
+            for k, v in self.set.items()] + list(extra)
 
 
 @dataclass(frozen=True)

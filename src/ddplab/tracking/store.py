@@ -108,8 +108,10 @@ def uri_problem(value: str) -> str | None:
         return ("an in-memory SQLite store vanishes with the process that opened it, before the "
                 "run could be read: give a file, sqlite:///path/mlflow.db")
     if base == "sqlite" and not rest.startswith("///"):  # (SQLAlchemy's error, with a traceback)
-        meant = f"; for the file /{rest.lstrip('/')}: sqlite:////{rest.lstrip('/')}" \
-            if rest.startswith("/") else ""
+        path = rest.lstrip("/")
+        meant = (f"; for {path} here: sqlite:///{path}, for /{path}: sqlite:////{path}"
+                 if rest.startswith("//") else  # (two slashes: either was meant)
+                 f"; for the file /{path}: sqlite:////{path}" if rest.startswith("/") else "")
         return ("a SQLite store is sqlite:/// then its path: sqlite:///relative/mlflow.db, "
                 f"sqlite:////absolute/mlflow.db{meant}")
     if base == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):

@@ -383,7 +383,7 @@ def find_and_share(cfg: ExperimentConfig, is_rank0: bool, world_size: int) -> Re
         return Resume(path, payload, check_resume(payload["config"], cfg, path, world_size,
                                                   payload))
     except ConfigError as e:
-        e.collective = True  # type: ignore[attr-defined]  # (each rank's the same: cli._train)
+        e.collective = True  # (each rank's the same)
         raise
 
 

@@ -308,7 +308,11 @@ class Observer:
             return
         if self.versions is not None:
             self._by_hand(time.perf_counter())
-            if self.versions is not None and self.unused_at is None:
+            if self.versions is not None and self.cleared and not torch.is_grad_enabled():
+                # a script whose zero_grad ends its steps, evaluating after a backward: that
+                # step is over (else the evaluation read as its backward, and no evaluation)
+                self.optimizer_step(time.perf_counter())
+            elif self.versions is not None and self.unused_at is None:
                 self.unused_at = time.perf_counter()  # (grads_cleared's last step: finish)
         if not torch.is_grad_enabled():
             if self.outer is not None or not self.t_forward:
@@ -1325,7 +1329,13 @@ def _unhooked(obs: Observer) -> None:
 
     def unhooked(self: torch.nn.Module, protocol: Any) -> Any:
         reduced = reduce_ex(self, protocol)
-        if not obs.own_hooks or not isinstance(reduced, tuple) or len(reduced) < 3:
+        if not obs.own_hooks or not isinstance(reduced, tuple):
+            return reduced
+        if len(reduced) == 2 and isinstance(reduced[1], tuple):  # (torch.fx's GraphModule:
+            return (reduced[0], tuple(  # its __dict__ among its reconstructor's arguments)
+                _without_ours(a, obs.own_hooks) if isinstance(a, dict) else a
+                for a in reduced[1]))
+        if len(reduced) < 3:
             return reduced
         state = reduced[2]
         if isinstance(state, tuple) and state and isinstance(state[0], dict):  # (__slots__)
