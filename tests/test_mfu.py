@@ -35,6 +35,29 @@ def test_any_other_model_is_counted_by_torchs_flop_counter_forward_times_three()
     assert model.weight.grad is None  # counted without touching the training state
 
 
+def test_the_count_shows_nothing_and_calls_no_train_of_the_users(capsys):
+    """A hostile pass: after a script's end, the count's forward printed the model's debug line
+    (a line plain python never printed), and set the modes through ``train()``, which
+    mnist_forward_forward's layers override to train (``Layer.train(x_pos, x_neg)``)."""
+    class Layer(nn.Linear):
+        def train(self, x_pos, x_neg):  # noqa: ARG002 - its own training, not a mode switch
+            raise AssertionError("the user's training ran")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Layer(4, 2)
+
+        def forward(self, x):
+            print("forward call")
+            return self.layer(x)
+
+    net = Net()
+    net.layer.training = True
+    assert mfu.counted_flops_per_sample(net, torch.randn(1, 4)) == 3 * 2 * 4 * 2
+    assert capsys.readouterr().out == "" and net.training and net.layer.training
+
+
 def test_a_frozen_backbone_counts_the_backward_the_step_runs_not_forward_times_three():
     """A linear probe: only the head trains, so the backward is its weight gradient alone;
     x 3 made its MFU 3x too high."""

@@ -17,6 +17,8 @@ definition, as torchtitan and nanoGPT count it: recomputation and padding are no
 
 from __future__ import annotations
 
+import contextlib
+import io
 import socket
 import time
 from dataclasses import dataclass
@@ -79,23 +81,29 @@ def counted_flops_per_sample(model: nn.Module, inputs: Any) -> float:
     frozen parameters (a frozen backbone, adapters) is counted through a real backward to
     its trainable ones instead: x 3 counted a backward the step never runs (3x a linear
     probe's figure). In eval mode, so no dropout draw or normalisation statistic changes, and
-    no gradient is kept (``autograd.grad``, not ``backward``)."""
+    no gradient is kept (``autograd.grad``, not ``backward``). Nothing of it shows: what the
+    model's forward prints (after a script's end, a line its plain run never printed), and
+    no ``train()`` of the user's is called to set the modes (mnist_forward_forward's
+    ``Layer.train(x_pos, x_neg)`` trains)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     device = next(model.parameters()).device
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = len(trainable) < len(list(model.parameters()))
-    was_training = model.training
-    model.eval()
+    modes = [(m, m.training) for m in model.modules()]
+    for m, _ in modes:
+        m.training = False
     try:
-        with torch.set_grad_enabled(frozen), \
+        with torch.set_grad_enabled(frozen), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()), \
                 FlopCounterMode(display=False, custom_mapping=_cpu_attention()) as counter:
             out = _call(model, inputs, device)
             root = _first_with_grad(out) if frozen else None
             if root is not None and trainable:
                 torch.autograd.grad(root.float().sum(), trainable, allow_unused=True)
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     total: int = counter.get_total_flops()
     return float(total) if frozen else 3.0 * total
 

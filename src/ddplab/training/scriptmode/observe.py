@@ -1346,6 +1346,37 @@ def _unhooked(obs: Observer) -> None:
         return reduced
 
     torch.nn.Module.__reduce_ex__ = unhooked  # type: ignore[method-assign,assignment]
+    script = torch.jit.script
+
+    @functools.wraps(script)
+    def scripted(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        # TorchScript compiles a module's forward hooks with it, and refuses ours ("Compiled
+        # functions can't take variable number of arguments"): a model scripted after
+        # training failed to save, as under plain python it does not
+        with _lifted(obj, obs.own_hooks):
+            return script(obj, *args, **kwargs)
+
+    torch.jit.script = scripted
+
+
+@contextlib.contextmanager
+def _lifted(obj: Any, ours: set[int]) -> Any:
+    """``obj``'s modules without our hooks for a while (put back as they were after it)."""
+    held: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    if isinstance(obj, torch.nn.Module) and ours:
+        for module in obj.modules():
+            for key in _HOOK_DICTS:
+                hooks = getattr(module, key, None)
+                if isinstance(hooks, dict) and not ours.isdisjoint(hooks):
+                    held.append((hooks, dict(hooks)))
+                    for k in ours.intersection(hooks):
+                        del hooks[k]
+    try:
+        yield
+    finally:
+        for hooks, was in held:
+            hooks.clear()
+            hooks.update(was)
 
 
 def _without_ours(state: dict[str, Any], ours: set[int]) -> dict[str, Any]:
