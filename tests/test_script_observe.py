@@ -1347,6 +1347,35 @@ def test_a_failed_scripts_unfinished_epoch_is_not_recorded_as_an_epoch(ended_wel
     assert obs.totals.steps == 6 and obs.logged_step == 6  # its last steps' log point, either way
 
 
+def test_steps_whose_batches_go_unseen_log_no_rate_not_a_rate_of_0():
+    """A hostile pass: gcn (sparse inputs) and mnist_forward_forward (``forward`` called
+    directly) had train/samples_per_s 0.0 at every log point, a flat zero in the UI: without a
+    batch seen at the model there is no rate to log; the loss and step time still are."""
+    code = """
+import json, torch
+from ddplab.training.scriptmode import observe
+records = []
+obs = observe.Observer(0, 1, 0.0, lambda r: None, records.append, lambda p, s: None)
+observe._hooks(obs)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(12):
+    loss = model.forward(torch.randn(8, 4)).pow(2).mean()  # (no module call: no hook runs)
+    opt.zero_grad(); loss.backward(); opt.step()
+obs.finish()
+print(json.dumps(records, default=str))
+"""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    logged = json.dumps(json.loads(out.stdout.splitlines()[-1]))
+    assert "train/loss" in logged and "train/step_time_s" in logged, logged[:2000]
+    assert "train/samples_per_s" not in logged, logged[:2000]
+
+
 def test_log_points_fall_every_10_steps_as_the_loops_do_and_at_each_epochs_end():
     """A hostile pass: with 8 steps an epoch, the count to 10 restarted at each epoch's end, and
     train/loss came only at steps 8, 16, 24, never at 10 or 20 as ddplab's loop logs them."""

@@ -844,10 +844,12 @@ class Observer:
         if self.totals.loss is not None:
             metrics["train/loss"] = self.totals.loss
         if w.steps and w.step_s > 0:
-            # Every rank feeds as many samples per step (DistributedSampler): rank 0's x world.
-            metrics.update({"train/samples_per_s": w.samples / w.step_s * self.world,
-                            "train/step_time_s": w.step_s / w.steps,
+            metrics.update({"train/step_time_s": w.step_s / w.steps,
                             "train/data_wait_frac": w.wait_s / w.step_s})
+        if w.steps and w.step_s > 0 and w.samples:  # (no batch seen: no rate, not a rate of 0:
+            # gcn's sparse inputs, a forward called directly). Every rank feeds as many
+            # samples per step (DistributedSampler): rank 0's x world.
+            metrics["train/samples_per_s"] = w.samples / w.step_s * self.world
         self.logged_step = step
         at = self.step_offset + step
         if self.rank == 0 and metrics and step:
