@@ -352,8 +352,11 @@ def test_perf_samples_per_s_is_the_steps_rate_not_their_evaluations_and_lr_the_s
     assert lr[2] == pytest.approx(0.005) and lr[4] == pytest.approx(0.01) == lr[16], lr
     # 8 evaluations in 16 steps: 4 s; 256 samples over the epochs' wall time read < 64/s
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert sum(summary["epoch_time_s"]) > 4.0
-    assert r.data.metrics["perf/samples_per_s"] > 200, r.data.metrics
+    wall = sum(summary["epoch_time_s"])
+    assert wall > 4.0
+    # (relative, not a figure: CI's loaded machine trained at 164 samples/s where this one ran
+    # at 1,040; the old figure was the wall-clock rate, evaluations in it)
+    assert r.data.metrics["perf/samples_per_s"] > 2 * 256 / wall, (wall, r.data.metrics)
     assert r.data.metrics["perf/samples_per_s"] == pytest.approx(summary["samples_per_s_steady"])
 
 

@@ -378,20 +378,26 @@ def find_and_share(cfg: ExperimentConfig, is_rank0: bool, world_size: int) -> Re
     if payload is None:
         return Resume()
     try:
-        if payload["final"]:
-            _left_to_train(payload, cfg, path)
-        return Resume(path, payload, check_resume(payload["config"], cfg, path, world_size,
-                                                  payload))
+        changes = check_resume(payload["config"], cfg, path, world_size, payload)
+        if payload["final"]:  # (after the config's checks: a changed batch is said first)
+            _left_to_train(payload, cfg, path, world_size)
+        return Resume(path, payload, changes)
     except ConfigError as e:
         e.collective = True  # (each rank's the same)
         raise
 
 
-def _left_to_train(payload: dict[str, Any], cfg: ExperimentConfig, path: str) -> None:
-    """A finished job's final checkpoint, continued without a higher ``train.max_steps`` or
-    ``train.epochs``: refused, not a new run that trains nothing (its step axis empty)."""
+def _left_to_train(payload: dict[str, Any], cfg: ExperimentConfig, path: str,
+                   world_size: int) -> None:
+    """A finished job's final checkpoint, continued in its own layout without a higher
+    ``train.max_steps`` or ``train.epochs``: refused, not a new run that trains nothing (its
+    step axis empty). In another layout (world size, strategy) it is a conversion: an fsdp
+    job's state saved again as one rank's."""
     from ..config import ConfigError
 
+    saved = payload.get("config", {}).get("dist", {}).get("strategy", cfg.dist.strategy)
+    if payload.get("world_size") != world_size or saved != cfg.dist.strategy:
+        return
     train, step, epochs = cfg.train, payload["step"], payload["epoch"]
     raise_ = ([f"train.max_steps above {step} (0: no cap)"]
               if train.max_steps and train.max_steps <= step else []) + \
