@@ -47,9 +47,16 @@ def test_a_compiled_model_trains_whole_batches_every_epoch_and_compiles_once(tmp
     """The epoch's last, shorter batch compiled the model again (27 s of the GPT's job on an
     H200); dropping it first made the next epoch train nothing (its position never reached the
     shard's end)."""
+    import functools
+
+    import torch
     import torch._dynamo.utils as dynamo_utils
 
     store = lone_job(tmp_path, monkeypatch)
+    # Dynamo's graphs and guards are the point, not inductor's kernels: aot_eager traces as
+    # torch.compile does (DDP's graph splitting, autograd) without compiling C++ for the CPU
+    # (inductor's cc1plus was 50 s of this test's 70 on 2 cores).
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     dynamo_utils.counters.clear()
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     sets = [f"data.root={tmp_path / 'text.txt'}", "data.seq_len=16", "data.batch_size=8",
