@@ -54,40 +54,51 @@ time.sleep(60)
 """
 
 
+# What a study or reproduce is around its job: run_tied, Ctrl-C (a KeyboardInterrupt) taken
+# where their own clean-up would be.
+STARTER = """
+import sys, time
+from ddplab.subprocs import alive, run_tied
+job, pid_file = sys.argv[1], sys.argv[2]
+t0 = time.monotonic()
+try:
+    run_tied([sys.executable, job, pid_file], {})
+except KeyboardInterrupt:
+    pid = int(open(pid_file).read())
+    print(f"interrupted after {time.monotonic() - t0:.1f} s, job alive: {alive(pid)}", flush=True)
+    sys.exit(130)
+"""
+
+
 def test_a_tied_job_has_ended_before_its_starter_goes_on_even_at_a_second_ctrl_c(tmp_path):
     """study and reproduce clean up after their job (reproduce removes its scratch, the job's
     spool in it) once run_tied returns. Ctrl-C stops the job as Ctrl-C does; a second Ctrl-C
     during that wait escaped at once and the scratch went from under the job (a review). Now
-    it kills the job, and the interrupt goes on only once the job has ended."""
+    it kills the job, and the interrupt goes on only once the job has ended. The presses go to
+    a starter process of its own, as a terminal's do (sent to pytest's own process, one that
+    landed past run_tied's return ended pytest's worker: CI)."""
     import os
     import signal
-    import threading
     import time
-
-    from ddplab.subprocs import alive, run_tied
 
     pid_file = tmp_path / "pid"
     (tmp_path / "job.py").write_text(DEAF_JOB)
-
-    returned = threading.Event()
-
-    def press_ctrl_c_twice():
-        while not pid_file.exists() or not pid_file.read_text():
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path / "job.py"),
+                                str(pid_file)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert starter.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        for _ in range(2):
-            if not returned.is_set():  # (a press after run_tied's return would end pytest's worker)
-                os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1.0)
-
-    presser = threading.Thread(target=press_ctrl_c_twice, daemon=True)
-    presser.start()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        run_tied([sys.executable, str(tmp_path / "job.py"), str(pid_file)], dict(os.environ))
-    took = time.monotonic() - t0
-    returned.set()
-    try:  # a press already on its way when run_tied returned lands here, not in the next test
-        presser.join()
-    except KeyboardInterrupt:
-        presser.join()
-    assert not alive(int(pid_file.read_text())) and took < 30
+        time.sleep(0.5)  # the starter is in run_tied's wait by now
+        starter.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert starter.poll() is None  # the job takes no notice: the starter still waits
+        t0 = time.monotonic()
+        starter.send_signal(signal.SIGINT)
+        said = starter.communicate(timeout=60)[0]
+    finally:
+        starter.kill()
+    assert starter.returncode == 130 and "job alive: False" in said, said
+    assert time.monotonic() - t0 < 30
+    assert not os.path.exists(f"/proc/{pid_file.read_text()}")

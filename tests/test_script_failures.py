@@ -395,7 +395,18 @@ def test_a_script_whose_process_trains_nothing_says_so_at_its_end(tmp_path, stor
     spawns = said("spawns.py", "import torch.multiprocessing as mp\n\n\ndef rank(i):\n"
                   "    print('rank', i, 'would train here')\n\n\n"
                   "if __name__ == '__main__':\n    mp.spawn(rank, nprocs=1)\n")
-    assert "(torch.multiprocessing.spawn, or torchrun's own main) are not observed" in spawns
+    assert "(torch.multiprocessing.spawn or Process, or torchrun's own main) are not observed" in spawns
+    # pytorch/examples' mnist_hogwild: a shared model trained by mp.Process workers it starts
+    # (spawn, as it sets), its own process only waiting: told of those, not of its own updates
+    hogwild = said("hogwild.py", "import torch, torch.multiprocessing as mp\n\n\n"
+                   "def train(model):\n    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                   "    for _ in range(3):\n        opt.zero_grad()\n"
+                   "        model(torch.randn(4, 2)).sum().backward()\n        opt.step()\n"
+                   "    print('worker trained')\n\n\n"
+                   "if __name__ == '__main__':\n    mp.set_start_method('spawn', force=True)\n"
+                   "    model = torch.nn.Linear(2, 1)\n    model.share_memory()\n"
+                   "    p = mp.Process(target=train, args=(model,))\n    p.start()\n    p.join()\n")
+    assert "worker trained" in hogwild and "torch.multiprocessing.spawn or Process" in hogwild
     # A launcher script calling torchrun's main itself: an empty FINISHED run, unsaid
     (tmp_path / "child.py").write_text("print('a rank would train here')\n")
     launches = said("launch.py", "import sys\nfrom torch.distributed import run\n"
@@ -409,10 +420,12 @@ def test_a_script_whose_process_trains_nothing_says_so_at_its_end(tmp_path, stor
     assert "spawn" not in hello and "records its own with ddplab.track.log" in hello, hello
     # One process, its own updates of tensors that are no nn.Module's ("What is torch.nn
     # really?"'s first part): its backwards say it trained, and it is told (it was not)
+    # (fed by a DataLoader's worker process: the loader's, not a process the script trains in)
     scratch = said("scratch.py", "import torch\nw = torch.zeros(3, requires_grad=True)\n"
-                   "for _ in range(3):\n    ((w - 1) ** 2).sum().backward()\n"
+                   "data = torch.utils.data.DataLoader(torch.ones(3, 3), num_workers=1)\n"
+                   "for x in data:\n    ((w - x) ** 2).sum().backward()\n"
                    "    with torch.no_grad():\n        w -= 0.1 * w.grad\n        w.grad.zero_()\n")
-    assert "records its own with ddplab.track.log" in scratch, scratch
+    assert "records its own with ddplab.track.log" in scratch and "Process" not in scratch, scratch
 
 
 LEAVES = '''

@@ -147,6 +147,27 @@ def _spawns_seen() -> None:
         return agent(*args, **kwargs)
 
     cast(Any, launcher).launch_agent = launch_agent
+    _processes_seen()
+
+
+def _processes_seen() -> None:
+    """A ``multiprocessing.Process`` (torch.multiprocessing's is the same class) the script
+    starts to train in, as pytorch/examples' mnist_hogwild does: its run was "no training
+    seen" with the advice for a script's own updates, not the word that its processes are not
+    observed. A DataLoader's workers (``_worker_loop``) are the loader's, not the script's."""
+    import functools
+    import multiprocessing.process as processes
+
+    start = processes.BaseProcess.start
+
+    @functools.wraps(start)
+    def started(self: Any) -> None:
+        target = getattr(self, "_target", None)
+        if getattr(target, "__module__", "") != "torch.utils.data._utils.worker":
+            report({"spawned": True})
+        start(self)
+
+    cast(Any, processes.BaseProcess).start = started
 
 
 def _stacks_on_request() -> None:

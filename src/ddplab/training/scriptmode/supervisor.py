@@ -898,7 +898,7 @@ LAUNCHED_ONLY = frozenset({"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"})
 
 def _trains_likely(outcomes: dict[int, dict[str, Any]], wall_s: float) -> bool:
     """Whether a script with no training seen looks like one that trained (it made a process
-    group, started processes with torch.multiprocessing.spawn, ran a minute, or a backward was
+    group, started processes (torch.multiprocessing's spawn or Process), ran a minute, or a backward was
     seen): the note on what is not observed is for it, not for ``--help``."""
     seen = outcomes.get(0, {}).get("observed", {})
     return "backend" in seen or bool(seen.get("spawned")) or wall_s >= 60 or \
@@ -910,8 +910,8 @@ def _no_training(outcomes: dict[int, dict[str, Any]]) -> str:
     itself are not observed, or it trains without a torch.optim step (it may say its own)."""
     head = "no training seen in the script's process (no optimizer step after a forward or backward)"
     if outcomes.get(0, {}).get("observed", {}).get("spawned"):
-        return (f"{head}: ranks it starts itself (torch.multiprocessing.spawn, or torchrun's own "
-                "main) are not observed; torchrun starting them is")
+        return (f"{head}: processes it starts itself (torch.multiprocessing.spawn or Process, "
+                "or torchrun's own main) are not observed; torchrun starting the ranks is")
     return (f"{head}: the run has no training figure; a script whose steps are not seen (its "
             "own updates through p.data never followed by model.zero_grad(), a model without an "
             "nn.Module) records its own with "
