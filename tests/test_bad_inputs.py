@@ -10,6 +10,7 @@ through `cli.main` in-process (seconds for all of it); a few rows also run as th
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -487,8 +488,10 @@ def test_a_resume_refused_by_every_rank_alike_is_said_once_not_once_per_rank(tmp
     says = "nothing is left to train; to train it longer, raise train.max_steps above 2"
     said = [line for line in out.stderr.splitlines() if says in line]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    # (rank 1 refuses alike, unless torchrun stopped it first, rank 0 having refused: a loaded
+    # machine, CI)
     assert len(said) == 2 and said[0].startswith("[rank 0] ddplab: error: checkpoint.resume: ") \
-        and said[1].startswith("ddplab: error: ranks 0,1 refused the job (exit code 2)"), said
+        and re.match(r"ddplab: error: ranks? (0|0,1) refused the job \(exit code 2\)", said[1]), said
     assert len(runs(store)) == 1
 
 

@@ -152,9 +152,10 @@ def _spawns_seen() -> None:
 
 def _processes_seen() -> None:
     """A ``multiprocessing.Process`` (torch.multiprocessing's is the same class) the script
-    starts to train in, as pytorch/examples' mnist_hogwild does: its run was "no training
-    seen" with the advice for a script's own updates, not the word that its processes are not
-    observed. A DataLoader's workers (``_worker_loop``) are the loader's, not the script's."""
+    starts to train in, as pytorch/examples' mnist_hogwild does: its run ended FINISHED with no
+    training figure and no word why. Only processes running the script's own code count: a
+    DataLoader's workers, a Pool's or a ProcessPoolExecutor's (torch.compile's among them) run
+    their library's, and torch.multiprocessing.spawn is seen above."""
     import functools
     import multiprocessing.process as processes
 
@@ -162,9 +163,9 @@ def _processes_seen() -> None:
 
     @functools.wraps(start)
     def started(self: Any) -> None:
-        target = getattr(self, "_target", None)
-        if getattr(target, "__module__", "") != "torch.utils.data._utils.worker":
-            report({"spawned": True})
+        runs = getattr(getattr(self, "_target", None), "__module__", None) or ""
+        if not runs.startswith(("torch.", "multiprocessing.", "concurrent.")):
+            report({"spawned": True})  # (a subclass's own run(): no target, the script's)
         start(self)
 
     cast(Any, processes.BaseProcess).start = started
