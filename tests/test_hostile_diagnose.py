@@ -594,6 +594,24 @@ def test_a_survivors_watcher_leaves_a_run_whose_rank_0_closed_its_spool(store, t
     assert run.data.tags["ddplab.error"] == "global rank 0 lost; this rank saw: RuntimeError: peer"
 
 
+
+def test_a_survivors_watcher_whose_rank_0_closed_its_spool_never_loads_mlflow(tmp_path):
+    """The watcher a surviving rank leaves: when rank 0's spool closes (rank 0 ended the run
+    itself, the common case), it ends without importing MLflow, which cost ~2 s of CPU on every
+    surviving rank of every failed job. The server is one nothing listens on: asking it would
+    be the slow path."""
+    spool_dir = tmp_path / "node0"
+    spool_dir.mkdir()
+    (spool_dir / spool.CLOSED).write_text("1")
+    probe = ("import sys, time; from ddplab.agent.orphan import end_orphan; t0 = time.monotonic(); "
+             "ended = end_orphan('http://127.0.0.1:9', 'a' * 32, 'x', 20.0, "
+             f"__import__('pathlib').Path({str(spool_dir)!r})); "
+             "print(ended, 'mlflow' in sys.modules, round(time.monotonic() - t0, 1))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    ended, loaded, took = out.stdout.split()
+    assert (ended, loaded) == ("False", "False"), out.stdout + out.stderr[-2000:]
+    assert float(took) < 5, took
+
 def test_a_survivors_watcher_gives_up_at_once_on_a_silent_server(tmp_path):
     """A hostile pass: with the server down as rank 0 was SIGKILLed, a survivor's watcher, a
     real detached process, lived 2 to 4 minutes past the job (MLflow's default retries in each

@@ -16,6 +16,7 @@ import argparse
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ..poll import poll
@@ -27,6 +28,12 @@ from .protocol import fail_fast
 GRACE_S = 20.0
 """How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
 stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
+
+ASK_S = 5.0
+"""The last seconds of the grace in which a watcher that sees rank 0's spool asks the server
+too. Before them it only watches the spool: rank 0 ending well closes it within a second or
+two, and the watcher then ends without importing MLflow (~2 s of CPU on every surviving rank
+of every failed job, taken from the ranks still stopping beside it)."""
 
 
 WATCHERS: list[subprocess.Popen[bytes]] = []
@@ -82,11 +89,14 @@ def end_orphan(uri: str, run_id: str, why: str, grace_s: float = GRACE_S,
         except Exception:  # noqa: BLE001 - a silent server: asked again within the grace
             return False
 
+    t0 = time.monotonic()
+    if closed is not None and poll(rank0s, max(0.0, grace_s - ASK_S), interval_s=0.25):
+        return False
     from mlflow import MlflowClient
 
     try:
         client = MlflowClient(uri)
-        if not poll(ended, grace_s) and not rank0s():
+        if not poll(ended, max(0.0, grace_s - (time.monotonic() - t0))) and not rank0s():
             life.end(client, run_id, life.FAILED, f"global rank 0 lost; this rank saw: {why}")
             return True
     except Exception as e:  # noqa: BLE001 - best effort on the way out; never mask the failure
