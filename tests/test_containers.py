@@ -124,8 +124,19 @@ def test_dockerfiles_lint_clean():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
+def store_keeping_artifacts_in(tmp_path: Path, experiment: str) -> str:
+    """A store in ``tmp_path`` whose experiment keeps its artifacts there too. make's container
+    runs in the checkout, where a new SQL store's experiment would put them (MLflow's default
+    ./mlruns): each of these tests left a run's artifacts in the developer's clone."""
+    from mlflow import MlflowClient
+
     store = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(store).create_experiment(experiment, artifact_location=str(tmp_path / "artifacts"))
+    return store
+
+
+def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
+    store = store_keeping_artifacts_in(tmp_path, "quickstart")
     out = sh(["make", "run-cpu-oneccl", f"MLFLOW_TRACKING_URI={store}",
               f"DOCKER_ARGS=-v {tmp_path}:{tmp_path}", f"ARGS={SMALL} --set checkpoint.dir={tmp_path}/ck"],
              cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")})
@@ -134,6 +145,7 @@ def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
     t = run.data.tags
     assert run.info.status == "FINISHED" and t["ddplab.world_size"] == "2"
     assert t["ddplab.backend_requested"] == "ccl"
+    assert run.info.artifact_uri.startswith(str(tmp_path)), run.info.artifact_uri  # not the clone
     # Real oneCCL in every CPU image: Intel's bindings where the build could install them,
     # else ddplab's own backend, compiled into the image; the run says which.
     assert t["ddplab.backend"] == "ccl" and "fallback" not in t["ddplab.backend_reason"]
@@ -152,7 +164,7 @@ def test_make_run_cpu_oneccl_gives_one_honest_run(tmp_path):
 def test_your_own_experiment_and_lm_tiny_run_in_the_cpu_image(tmp_path, experiment, extra, metric):
     """The user's module beside its experiment (spirals.py) and the GPT on the documentation's bytes,
     in the CPU image on ddplab's ccl, as `make run-cpu-oneccl` runs them."""
-    store = f"sqlite:///{tmp_path}/mlflow.db"
+    store = store_keeping_artifacts_in(tmp_path, Path(experiment).stem)
     out = sh(["make", "run-cpu-oneccl", f"MLFLOW_TRACKING_URI={store}", f"EXPERIMENT={experiment}",
               f"DOCKER_ARGS=-v {tmp_path}:{tmp_path}", f"ARGS={extra} --set checkpoint.dir={tmp_path}/ck"],
              cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")})
@@ -160,6 +172,7 @@ def test_your_own_experiment_and_lm_tiny_run_in_the_cpu_image(tmp_path, experime
     (run,) = runs(store)
     assert run.info.status == "FINISHED" and run.data.tags["ddplab.backend"] == "ccl"
     assert run.data.tags["ddplab.image"].startswith("ddplab/cpu-oneccl:") and metric in run.data.metrics
+    assert run.info.artifact_uri.startswith(str(tmp_path)), run.info.artifact_uri  # not the clone
     if "spirals" in experiment:
         assert run.data.tags["ddplab.user.model"] == "spirals:mlp"
 

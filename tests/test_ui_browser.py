@@ -122,8 +122,9 @@ def page(ui):
         browser.close()
 
 
-# CI runs this tier beside the container tier on 2 busy cores, where MLflow's UI (a few MB of
-# JavaScript, then its API calls through one server worker) once took over 30 s to draw a table.
+# On 2 busy cores (CI ran this tier beside the container tier once; it runs beside the GPU kit
+# now) MLflow's UI (a few MB of JavaScript, then its API calls through one server worker) once
+# took over 30 s to draw a table.
 UI_WAIT_MS = 90_000
 
 
