@@ -29,11 +29,12 @@ GRACE_S = 20.0
 """How long a surviving rank lets global rank 0 end the run itself. torchrun gives ranks it
 stops 30 s between SIGTERM and SIGKILL; this must fit inside that."""
 
-ASK_S = 5.0
-"""The last seconds of the grace in which a watcher that sees rank 0's spool asks the server
-too. Before them it only watches the spool: rank 0 ending well closes it within a second or
-two, and the watcher then ends without importing MLflow (~2 s of CPU on every surviving rank
-of every failed job, taken from the ranks still stopping beside it)."""
+SPOOL_FIRST_S = 5.0
+"""How long a watcher that sees rank 0's spool watches only the spool before it asks the
+server too: rank 0 ending well closes it within a second or two, and the watcher then ends
+without importing MLflow (~2 s of CPU on every surviving rank of every failed job, taken from
+the ranks still stopping beside it). Rank 0 killed outright: the server is asked from then on,
+as before (its node's delivery process ends the run, and the watcher sees that)."""
 
 
 WATCHERS: list[subprocess.Popen[bytes]] = []
@@ -90,7 +91,7 @@ def end_orphan(uri: str, run_id: str, why: str, grace_s: float = GRACE_S,
             return False
 
     t0 = time.monotonic()
-    if closed is not None and poll(rank0s, max(0.0, grace_s - ASK_S), interval_s=0.25):
+    if closed is not None and poll(rank0s, min(SPOOL_FIRST_S, grace_s), interval_s=0.25):
         return False
     from mlflow import MlflowClient
 
