@@ -594,7 +594,6 @@ def test_a_survivors_watcher_leaves_a_run_whose_rank_0_closed_its_spool(store, t
     assert run.data.tags["ddplab.error"] == "global rank 0 lost; this rank saw: RuntimeError: peer"
 
 
-
 def test_a_survivors_watcher_whose_rank_0_closed_its_spool_never_loads_mlflow(tmp_path):
     """The watcher a surviving rank leaves: when rank 0's spool closes (rank 0 ended the run
     itself, the common case), it ends without importing MLflow, which cost ~2 s of CPU on every
@@ -611,6 +610,7 @@ def test_a_survivors_watcher_whose_rank_0_closed_its_spool_never_loads_mlflow(tm
     ended, loaded, took = out.stdout.split()
     assert (ended, loaded) == ("False", "False"), out.stdout + out.stderr[-2000:]
     assert float(took) < 5, took
+
 
 def test_a_survivors_watcher_gives_up_at_once_on_a_silent_server(tmp_path):
     """A hostile pass: with the server down as rank 0 was SIGKILLed, a survivor's watcher, a
