@@ -43,19 +43,19 @@ help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
 
 # Every package from the hashed lock (make lock), then ddplab itself, editable. uv (pinned and
-# hashed in that lock; pip installs it first) downloads and unpacks in parallel: the 6.4 GB venv
-# took 26 s against pip's 88 s (docs/testing.md). uv reads none of pip's settings, so where it
-# cannot install (an index only pip.conf or PIP_INDEX_URL names) pip installs the same lock.
+# hashed in that lock; pip installs it first) downloads, unpacks and compiles in parallel: the
+# 6.4 GB venv took 61 s against pip's 88 s (docs/environment.md). uv reads none of pip's settings,
+# so where it cannot install (an index only pip.conf or PIP_INDEX_URL names) pip installs the lock.
 UV_REQ := $(VENV)/uv-requirement.txt
 $(STAMP): pyproject.toml requirements-dev.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@awk '/^uv==/ {p = 1} p {print; if (!/\\$$/) exit}' requirements-dev.lock > $(UV_REQ)
 	$(BIN)/python -m pip install -q --require-hashes -r $(UV_REQ)
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --require-hashes -r requirements-dev.lock \
-	  || { echo "make setup: uv could not install the lock (above); pip installs it" >&2; \
-	       $(BIN)/python -m pip install -q --require-hashes -r requirements-dev.lock; }
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e . \
-	  || $(BIN)/python -m pip install -q --no-deps -e .
+	  && $(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e . \
+	  || { echo "make setup: uv could not install (above); pip installs the same lock" >&2; \
+	       $(BIN)/python -m pip install -q --require-hashes -r requirements-dev.lock \
+	       && $(BIN)/python -m pip install -q --no-deps -e .; }
 	@touch $@
 
 setup: $(STAMP) ## Create .venv with ddplab and the dev tools from requirements-dev.lock (runs by itself when needed)
