@@ -44,15 +44,17 @@ help: ## Show this help
 
 # Every package from the hashed lock (make lock), then ddplab itself, editable. uv (pinned and
 # hashed in that lock; pip installs it first) downloads, unpacks and compiles in parallel: the
-# 6.4 GB venv took 61 s against pip's 88 s (docs/environment.md). uv reads none of pip's settings,
-# so where it cannot install (an index only pip.conf or PIP_INDEX_URL names) pip installs the lock.
+# 6.4 GB venv took 61 s against pip's 88 s (docs/environment.md). uv reads none of pip's settings:
+# tools/uv_sources.py hands it the indexes and wheel folders pip is configured with, and where uv
+# still cannot install, pip installs the lock.
 UV_REQ := $(VENV)/uv-requirement.txt
 $(STAMP): pyproject.toml requirements-dev.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@awk '/^uv==/ {p = 1} p {print; if (!/\\$$/) exit}' requirements-dev.lock > $(UV_REQ)
 	$(BIN)/python -m pip install -q --require-hashes -r $(UV_REQ)
-	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --require-hashes -r requirements-dev.lock \
-	  && $(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e . \
+	sources=$$($(BIN)/python tools/uv_sources.py) && eval "$(BIN)/uv pip install -q --python $(BIN)/python \
+	    --compile-bytecode --require-hashes $$sources -r requirements-dev.lock \
+	    && $(BIN)/uv pip install -q --python $(BIN)/python $$sources --no-deps -e ." \
 	  || { echo "make setup: uv could not install (above); pip installs the same lock" >&2; \
 	       $(BIN)/python -m pip install -q --require-hashes -r requirements-dev.lock \
 	       && $(BIN)/python -m pip install -q --no-deps -e .; }
@@ -83,7 +85,10 @@ ui: $(STAMP) ## Open the MLflow UI over the same store; prints its address (UI_P
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
+# Its tests start ~2,500 processes that import ddplab. Where PYTHONDONTWRITEBYTECODE is set (our
+# build machines set it), none cached ddplab's bytecode: each compiled its ~60 modules (55 ms).
 test: $(STAMP) $(CCL_STAMP) ## Build ddplab's ccl (setup-ccl), then the tiers that need no Docker or Open MPI: unit, distributed, end-to-end
+	@$(BIN)/python -m compileall -q src tests > /dev/null
 	$(BIN)/pytest -m "not container and not mpi and not browser and not kit" -n $(TEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
 
 test-kit: $(STAMP) ## The GPU proof kit built as for a bare GPU machine and run on CPU: its CPU steps finish, its CUDA ones refuse in one line

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,31 @@ def ddplab(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 0,
         str(bindir / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "ddplab"]
     return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+Done = subprocess.CompletedProcess
+
+
+def once_per_session(factory: pytest.TempPathFactory, name: str,
+                     make: Callable[[Path], Done]) -> tuple[Path, Done]:
+    """A module fixture's job made once for the whole session, not once per pytest-xdist worker
+    (make test spreads a module's tests over its workers one at a time: a job three tests share
+    ran three times). pytest-xdist's own recipe: the first worker makes it in a folder all
+    workers share, under a lock; the others wait and read its result. Its store is read-only."""
+    import fcntl
+    import json
+
+    base = factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root, result = shared / name, shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            root.mkdir()
+            res = make(root)
+            result.write_text(json.dumps({"args": res.args, "returncode": res.returncode,
+                                          "stdout": res.stdout, "stderr": res.stderr}))
+    return root, subprocess.CompletedProcess(**json.loads(result.read_text()))
 
 
 def runs(store: str) -> list:

@@ -3,8 +3,10 @@ constraints.txt, and every image's torch is the lock's."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import tomllib
@@ -118,3 +120,59 @@ def test_runs_record_this_checkouts_lock_digest():
     first = (REPO / "requirements.lock").read_text().splitlines()[0]
     assert capsule.lock_digest() == first.removeprefix(DIGEST_PREFIX)[:16] != "unknown"
     assert capsule.LOCK_FILES[0] == REPO / "requirements.lock"
+
+
+
+def _wheel(folder: Path, name: str, module: str) -> Path:
+    """A pure-Python wheel of one module, built by hand: PyPI has no package of this name."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-1.0.dist-info"
+    files = {f"{name}.py": module,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+    files[f"{info}/RECORD"] = "".join(f"{n},sha256={digest(t)},{len(t)}\n" for n, t in files.items())
+    files[f"{info}/RECORD"] += f"{info}/RECORD,,\n"
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for n, t in files.items():
+            zf.writestr(n, t)
+    return wheel
+
+
+def test_make_setups_uv_installs_from_the_indexes_and_wheel_folders_pip_is_configured_with(tmp_path):
+    """uv reads no pip.conf: a machine whose pip takes torch's CUDA wheels from its disk had uv
+    download them again. tools/uv_sources.py hands pip's sources to uv (make setup); here a
+    package that only a wheel folder named by PIP_FIND_LINKS holds installs with uv offline,
+    and without those options uv cannot find it."""
+    import hashlib
+    import subprocess
+
+    (tmp_path / "wheels").mkdir()
+    wheel = _wheel(tmp_path / "wheels", "ddplab_probe", "ANSWER = 42\n")
+    conf = tmp_path / "pip.conf"
+    index = f"file://{tmp_path}/nowhere/simple"
+    conf.write_text(f"[global]\nextra-index-url = {index}\nfind-links = {tmp_path}/elsewhere\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")}
+    env.update(PIP_CONFIG_FILE=str(conf), PIP_FIND_LINKS=str(tmp_path / "wheels"))  # over the file's
+    said = subprocess.run([sys.executable, str(REPO / "tools" / "uv_sources.py")], env=env,
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert said == ["--extra-index-url", index, "--find-links", str(tmp_path / "wheels"),
+                    "--index-strategy", "unsafe-best-match"]
+    (tmp_path / "nowhere" / "simple").mkdir(parents=True)
+    (tmp_path / "req.txt").write_text(
+        f"ddplab-probe==1.0 --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}\n")
+    uv = [str(Path(sys.executable).parent / "uv"), "pip", "install", "--offline", "--no-deps",
+          "--require-hashes", "--target", str(tmp_path / "site"), "-r", str(tmp_path / "req.txt")]
+    env["UV_CACHE_DIR"] = str(tmp_path / "cache")
+    without = subprocess.run(uv, env=env, capture_output=True, text=True)
+    assert without.returncode != 0 and "ddplab-probe" in without.stderr
+    installed = subprocess.run(uv + said, env=env, capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr
+    assert (tmp_path / "site" / "ddplab_probe.py").read_text() == "ANSWER = 42\n"

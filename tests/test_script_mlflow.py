@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from .conftest import ddplab, job_env, runs
+from .conftest import ddplab, job_env, once_per_session, runs
 
 # The MLflow quickstart, on EVERY rank (usually only rank 0 logs; the others must not crash),
 # then Hugging Face's Trainer (report_to="mlflow"), and Accelerate's tracker (its end_training
@@ -149,14 +151,18 @@ def train_tiny_gpt2(out):
 
 @pytest.fixture(scope="module")
 def patterns_job(tmp_path_factory, migrated_store):
-    """One torchrun job of PATTERNS: its console and its store's runs."""
-    root = tmp_path_factory.mktemp("patterns")
-    shutil.copyfile(migrated_store, root / "mlflow.db")
+    """One torchrun job of PATTERNS (one for the session: four tests read it): its console and
+    its store's runs."""
+    def job(root: Path) -> subprocess.CompletedProcess:
+        shutil.copyfile(migrated_store, root / "mlflow.db")
+        (root / "patterns.py").write_text(PATTERNS)
+        (root / "hf_trainer.py").write_text(HF_TRAINER)
+        return ddplab(["train", str(root / "patterns.py")], root,
+                      job_env(f"sqlite:///{root / 'mlflow.db'}", HF_HUB_OFFLINE="1",
+                              TOKENIZERS_PARALLELISM="false"), nproc=2)
+
+    root, res = once_per_session(tmp_path_factory, "patterns", job)
     store = f"sqlite:///{root / 'mlflow.db'}"
-    (root / "patterns.py").write_text(PATTERNS)
-    (root / "hf_trainer.py").write_text(HF_TRAINER)
-    res = ddplab(["train", str(root / "patterns.py")], root,
-                 job_env(store, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"), nproc=2)
     return res, runs(store), store
 
 
