@@ -85,8 +85,8 @@ ui: $(STAMP) ## Open the MLflow UI over the same store; prints its address (UI_P
 doctor: $(STAMP) ## Preflight checks for EXPERIMENT on this machine
 	$(BIN)/ddplab doctor $(EXPERIMENT) $(ARGS)
 
-# Its tests start ~2,500 processes that import ddplab. Where PYTHONDONTWRITEBYTECODE is set (our
-# build machines set it), none cached ddplab's bytecode: each compiled its ~60 modules (55 ms).
+# Its tests start some 800 Python processes that import ddplab. Where PYTHONDONTWRITEBYTECODE
+# is set (our build machines set it), none cached ddplab's bytecode: each compiled ~60 modules.
 test: $(STAMP) $(CCL_STAMP) ## Build ddplab's ccl (setup-ccl), then the tiers that need no Docker or Open MPI: unit, distributed, end-to-end
 	@$(BIN)/python -m compileall -q src tests > /dev/null
 	$(BIN)/pytest -m "not container and not mpi and not browser and not kit" -n $(TEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
