@@ -133,7 +133,7 @@ def once_per_session(factory: pytest.TempPathFactory, name: str,
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not result.exists():
-            root.mkdir()
+            root.mkdir(exist_ok=True)  # a worker whose job raised left it: the next one tries again
             res = make(root)
             result.write_text(json.dumps({"args": res.args, "returncode": res.returncode,
                                           "stdout": res.stdout, "stderr": res.stderr}))
