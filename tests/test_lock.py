@@ -122,7 +122,6 @@ def test_runs_record_this_checkouts_lock_digest():
     assert capsule.LOCK_FILES[0] == REPO / "requirements.lock"
 
 
-
 def _wheel(folder: Path, name: str, module: str) -> Path:
     """A pure-Python wheel of one module, built by hand: PyPI has no package of this name."""
     import base64
@@ -158,14 +157,17 @@ def test_make_setups_uv_installs_from_the_indexes_and_wheel_folders_pip_is_confi
     wheel = _wheel(tmp_path / "wheels", "ddplab_probe", "ANSWER = 42\n")
     conf = tmp_path / "pip.conf"
     index = f"file://{tmp_path}/nowhere/simple"
-    conf.write_text(f"[global]\nextra-index-url = {index}\nfind-links = {tmp_path}/elsewhere\n")
+    other = f"file://{tmp_path}/other/simple"  # a pip.conf list on lines of its own, as pip allows
+    conf.write_text(f"[global]\nextra-index-url =\n    {index}\n    {other}\n"
+                    f"find-links = {tmp_path}/elsewhere\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")}
     env.update(PIP_CONFIG_FILE=str(conf), PIP_FIND_LINKS=str(tmp_path / "wheels"))  # over the file's
     said = subprocess.run([sys.executable, str(REPO / "tools" / "uv_sources.py")], env=env,
                           capture_output=True, text=True, check=True).stdout.split()
-    assert said == ["--extra-index-url", index, "--find-links", str(tmp_path / "wheels"),
-                    "--index-strategy", "unsafe-best-match"]
+    assert said == ["--extra-index-url", index, "--extra-index-url", other,
+                    "--find-links", str(tmp_path / "wheels"), "--index-strategy", "unsafe-best-match"]
     (tmp_path / "nowhere" / "simple").mkdir(parents=True)
+    (tmp_path / "other" / "simple").mkdir(parents=True)
     (tmp_path / "req.txt").write_text(
         f"ddplab-probe==1.0 --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}\n")
     uv = [str(Path(sys.executable).parent / "uv"), "pip", "install", "--offline", "--no-deps",

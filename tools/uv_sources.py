@@ -10,6 +10,7 @@ Usage: python tools/uv_sources.py   (prints one line of options; nothing when pi
 
 from __future__ import annotations
 
+import ast
 import shlex
 import subprocess
 import sys
@@ -24,6 +25,15 @@ UV_OPTION = {
 SCOPES = ("global", "user", "site", ":env:")
 
 
+def _unquote(value: str) -> str:
+    # pip prints each value as Python's repr: a multi-line pip.conf value comes as '\n/a\n/b'.
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
+    return parsed if isinstance(parsed, str) else value
+
+
 def pip_sources(config_list: str) -> dict[str, list[str]]:
     """`pip config list` lines (scope.key='value') -> each source key's values, as pip resolves them."""
     by_scope: dict[str, dict[str, str]] = {}
@@ -31,7 +41,7 @@ def pip_sources(config_list: str) -> dict[str, list[str]]:
         name, sep, value = line.partition("=")
         scope, _, key = name.rpartition(".")
         if sep and key in UV_OPTION:
-            by_scope.setdefault(key, {})[scope] = value.strip().strip("'\"")
+            by_scope.setdefault(key, {})[scope] = _unquote(value.strip())
     resolved = {}
     for key, scopes in by_scope.items():
         winner = max(scopes, key=lambda s: SCOPES.index(s) if s in SCOPES else -1)
