@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -472,6 +474,20 @@ def test_the_real_program_exits_2_without_a_traceback(tmp_path, store, sets, env
                  job_env(store, **env))
     assert out.returncode == 2 and expected in out.stderr and "Traceback" not in out.stderr
     assert not Path(store.removeprefix("sqlite:///")).exists() or runs(store) == []
+
+
+@pytest.mark.parametrize("command", [["train", QUICKSTART], ["study", "run", "study.yaml"]])
+def test_a_deleted_working_directory_is_one_line_not_a_traceback(command, tmp_path):
+    """A shell left in a folder another terminal deleted: the embedded store (./mlflow.db) and
+    every relative path resolve against it, and the first of them raised FileNotFoundError."""
+    typed = " ".join([str(Path(sys.executable).parent / "ddplab"), *command])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    out = subprocess.run(["bash", "-c", f"mkdir gone && cd gone && rmdir ../gone && {typed}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "ddplab: error: the current directory no longer exists (deleted or moved away): cd into "
+        "an existing folder and run again"), out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # no store, spool or checkpoint made anywhere
 
 
 @pytest.mark.e2e

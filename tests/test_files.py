@@ -102,3 +102,57 @@ def test_a_tied_job_has_ended_before_its_starter_goes_on_even_at_a_second_ctrl_c
     assert starter.returncode == 130 and "job alive: False" in said, said
     assert time.monotonic() - t0 < 30
     assert not os.path.exists(f"/proc/{pid_file.read_text()}")
+
+
+# A job as torchrun is: its ranks in sessions of their own (torch's elastic agent starts them so).
+LAUNCHER_JOB = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                        start_new_session=True)
+open(sys.argv[1], "w").write(str(rank.pid))
+try:
+    rank.wait()
+except KeyboardInterrupt:  # (its starter gone: run_tied's tie)
+    pass
+"""
+
+
+def test_ctrl_z_pauses_a_tied_job_with_its_starter_and_fg_continues_both(tmp_path):
+    """Ctrl-Z reaches the terminal's foreground process group, neither the job's own session nor
+    its ranks': the study or reproduce command stopped while its job trained on. SIGTSTP to the
+    starter (what a terminal sends it) stops it and every process of the job, down to the
+    ranks; SIGCONT (fg, bg) continues them all."""
+    import os
+    import signal
+    import time
+
+    from ddplab.subprocs import state
+
+    pid_file = tmp_path / "pid"
+    (tmp_path / "job.py").write_text(LAUNCHER_JOB)
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path / "job.py"),
+                                str(pid_file)], stdout=subprocess.PIPE, text=True)
+
+    def states_become(want: str) -> tuple[str, str]:
+        deadline = time.monotonic() + 30
+        while (now := (state(starter.pid), state(rank))) != (want, want) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return now
+
+    rank = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert starter.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        rank = int(pid_file.read_text())
+        time.sleep(0.5)  # the starter is in run_tied's wait by now
+        starter.send_signal(signal.SIGTSTP)
+        assert states_become("T") == ("T", "T")
+        starter.send_signal(signal.SIGCONT)
+        assert states_become("S") == ("S", "S")
+    finally:
+        starter.kill()
+        starter.wait(timeout=30)
+        if rank:
+            os.kill(rank, signal.SIGKILL)

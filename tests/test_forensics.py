@@ -596,3 +596,29 @@ def test_one_rank_stopped_from_outside_is_named_not_what_its_peer_saw():
         "rank 0 stopped after it")
     everyone = [Ending(r, 9, "forward", 10.0 + r, "failed", f"{stop}\n\ntrace", "a") for r in (0, 1)]
     assert verdict(everyone, 2) == ""
+
+
+def test_a_paused_rank_is_no_hang_until_a_whole_hang_after_s_after_it_continues(tmp_path):
+    """Ctrl-Z on a study stops its job's ranks (SIGSTOP), and a paused rank beats no more: the
+    watch killed it as hung once the pause passed dist.hang_after_s. Paused, it waits; once the
+    rank runs again and stays silent for hang_after_s, that is a hang as ever."""
+    from ddplab.forensics.watch import Watch
+
+    code = ("import time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"heartbeat.start(Path({str(tmp_path)!r}), 0, 1)\n"
+            "heartbeat.beat('backward', 4)\nprint('up', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        watch = Watch(tmp_path, hang_after_s=2.0, host="h")
+        proc.send_signal(signal.SIGSTOP)
+        _tick_until(watch, proc, 5.0)  # past hang_after_s twice over, paused
+        assert watch.hang is None
+        proc.send_signal(signal.SIGCONT)
+        continued = time.monotonic()
+        _tick_until(watch, proc, 10.0)
+        # (the watch looks once a second: it saw the pause last up to ~1 s before it ended)
+        assert watch.hang is not None and time.monotonic() - continued > 2.0 - 1.3
+    finally:
+        proc.kill()
+        proc.wait()

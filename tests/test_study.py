@@ -481,11 +481,11 @@ def test_a_study_against_a_dead_server_stops_at_once_with_one_line(tmp_path):
     assert out.returncode == 1 and "unreachable" in out.stderr and "Traceback" not in out.stderr
 
 
-def start_long_study(tmp_path: Path, store: str) -> subprocess.Popen:
+def start_long_study(tmp_path: Path, store: str, **sets: object) -> subprocess.Popen:
     """A study whose one job runs long enough; returns once that job is training."""
     import time
 
-    path = write_study(tmp_path, set={**TINY, "train.epochs": 50})
+    path = write_study(tmp_path, set={**TINY, "train.epochs": 50, **sets})
     study_runs(store)  # the store's tables first: two processes creating them at once collide
     proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
                             env=job_env(store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -519,6 +519,40 @@ def test_ctrl_c_or_termination_ends_the_parent_killed_and_leaves_no_child_runnin
     # The report says so (it said only "one: 1 of 1 runs failed", and nothing of "two").
     assert "WARNING: the study was interrupted before its end" in out, out[-3000:]
     assert "never run: two" in out, out[-3000:]
+
+
+def test_ctrl_z_pauses_the_study_with_its_job_and_fg_continues_it_without_a_hang_verdict(
+        tmp_path, store):
+    """Ctrl-Z reaches the study, neither its job (its own session) nor torchrun's ranks (theirs):
+    the job trained on while the study was stopped. Now the whole job pauses with it, and a
+    pause longer than dist.hang_after_s is no hang once continued (the job's watch, paused as
+    well, counted the silence: the job was killed as hung). Then SIGTERM ends it KILLED."""
+    import os
+    import signal
+    import time
+
+    from ddplab.subprocs import _descendants, state
+
+    proc = start_long_study(tmp_path, store, **{"dist.hang_after_s": 3})
+    job = _descendants(proc.pid)[1:]
+    assert len(job) >= 3, job  # (setpriv's) torchrun, its rank, the node's delivery process
+    os.kill(proc.pid, signal.SIGTSTP)  # what a terminal's Ctrl-Z sends its foreground group
+    time.sleep(9)  # three times hang_after_s
+    assert {pid: state(pid) for pid in [proc.pid, *job]} == dict.fromkeys([proc.pid, *job], "T")
+    os.kill(proc.pid, signal.SIGCONT)  # fg
+    _, (child,) = study_runs(store)
+    steps = len(client(store).get_metric_history(child.info.run_id, "train/loss"))
+    deadline = time.monotonic() + 60
+    while len(client(store).get_metric_history(child.info.run_id, "train/loss")) <= steps + 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    time.sleep(4)  # past hang_after_s since it continued
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    _, children = study_runs(store)  # (one: a job killed as hung, the study went on to "two")
+    assert [(c.info.status, c.data.tags.get("ddplab.verdict", "")) for c in children] == [
+        ("KILLED", "")], out[-2000:]
 
 
 def test_a_closed_terminal_and_kill_stop_a_study_as_ctrl_c_does():

@@ -159,6 +159,7 @@ def entry() -> None:
     from .log import logger
 
     logger()  # (said here, a bad DDPLAB_LOG_LEVEL is not said again by what this starts)
+    _cwd_exists()
     try:
         if args.command == "train":
             from .launchers import tether
@@ -181,6 +182,18 @@ def entry() -> None:
         flush_std()
         os._exit(code)
     raise SystemExit(code)
+
+
+def _cwd_exists() -> None:
+    """Relative paths, the embedded store (./mlflow.db) and a script's spool resolve against the
+    working directory: one deleted under the user's shell is said here in one line, not as a
+    traceback from whichever of them resolves it first."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        logger().error("the current directory no longer exists (deleted or moved away): cd into "
+                       "an existing folder and run again")
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def _delivery_first(args: argparse.Namespace) -> None:

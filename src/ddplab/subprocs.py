@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,6 +41,10 @@ def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+PAUSED = ("T", "t")
+"""States of a process stopped by a signal (Ctrl-Z, SIGSTOP) or by a tracer (a debugger)."""
 
 
 def alive(pid: int) -> bool:
@@ -82,15 +87,72 @@ def run_tied(cmd: list[str], env: dict[str, str], cwd: str | None = None,
     launcher passes it on; the ranks end the run KILLED and deliver it); it gets 90 s, then
     SIGKILL, and the interrupt goes on only once it has ended, so the caller's clean-up (a
     scratch folder holding the job's spool) never pulls anything from under it. It is tied to
-    this process: SIGINT too if this one dies (even SIGKILLed)."""
+    this process: SIGINT too if this one dies (even SIGKILLed), and paused with it (Ctrl-Z)."""
     proc = subprocess.Popen(_tied_to_this_process(cmd), env=env, cwd=cwd, stdout=stdout,
                             stderr=subprocess.STDOUT if stdout is not None else None,
                             start_new_session=True)
     try:
-        return proc.wait()
+        with _pausing_with_this_process(proc):
+            return proc.wait()
     except KeyboardInterrupt:
         _stop(proc)
         raise
+
+
+@contextlib.contextmanager
+def _pausing_with_this_process(proc: subprocess.Popen[Any]) -> Iterator[None]:
+    """Ctrl-Z (SIGTSTP) reaches the terminal's foreground process group only, and the job runs in
+    a session of its own (so that Ctrl-C is said to it once, by _stop), its ranks in sessions of
+    theirs (torchrun's): without this, Ctrl-Z stopped the study or reproduce command while its
+    job trained on. Every process of the job is stopped first (SIGSTOP, parents first so none
+    starts another unseen; the kernel drops SIGTSTP outside a terminal's session), then this
+    process; `fg` or `bg` (SIGCONT) continues this process, which continues them."""
+    def pause(signum: int, frame: Any) -> None:
+        stopped = _signal_tree(proc.pid, signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
+        signal.signal(signal.SIGTSTP, pause)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    try:
+        before = signal.signal(signal.SIGTSTP, pause)
+    except ValueError:  # not the main thread: signals are the main thread's to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTSTP, before)
+
+
+def _signal_tree(root: int, sig: int) -> list[int]:
+    """``sig`` to ``root`` and every process descended from it, parents first, until no new one
+    appears: the processes signalled."""
+    done: list[int] = []
+    while todo := [pid for pid in _descendants(root) if pid not in done]:
+        for pid in todo:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            done.append(pid)
+    return done
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and the processes descended from it, parents first (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # (gone meanwhile)
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, i = [root], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    return tree
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:

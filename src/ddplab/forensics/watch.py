@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..subprocs import alive
+from ..subprocs import PAUSED, alive, state
 from ..tracking import schema
 from .heartbeat import (
     AFTER_TRAINING,
@@ -145,6 +145,12 @@ def limit(phase: str, hang_after_s: float) -> float:
     return hang_after_s * (3 if phase in LONG_PHASES else 1)
 
 
+UNSEEN_S = 60.0
+"""A gap between two looks of the watch longer than this: it saw nothing meanwhile, and counts
+the ranks' silence from its next look. (It looks every 0.2-3 s; a delivery to a server that
+does not answer holds it up to one request's 10 s, as the first failure ends the attempt.)"""
+
+
 class Watch:
     """``tick()`` from the delivery loop while the job runs; ``endings()`` once it is over."""
 
@@ -153,12 +159,23 @@ class Watch:
         self.hang: list[Ending] | None = None
         self._due = 0.0
         self.since = time.time()  # (an earlier attempt's heartbeats are older)
+        self._continued = 0.0  # when a paused rank (or this watch) last ran again
+        self._looked = self.since
+
+    def continued(self) -> None:
+        """This process ran again after it was stopped (SIGCONT): the ranks' silence counts
+        from now."""
+        self._continued = time.time()
 
     def tick(self) -> None:
         now = time.time()
         if self.hang is not None or self.hang_after_s <= 0 or now < self._due:
             return
-        self._due = now + 1.0
+        if now - self._looked > UNSEEN_S:
+            # The machine slept (or this process was stopped unseen): the heartbeats' age
+            # since then is no hang's.
+            self._continued = now
+        self._due, self._looked = now + 1.0, now
         beats = read(self.directory)
         # A rank's script ended well (in this attempt): the others' work between steps is
         # their own now (rank 0's evaluation or save, its process group never destroyed),
@@ -166,8 +183,15 @@ class Watch:
         # all-reduce that never comes) it is still a hang.
         over = any(b.phase == "done" and b.time >= self.since for b in beats)
         live = [b for b in beats if b.phase not in ("done", "failed") and alive(b.pid)]
+        if any(state(b.pid) in PAUSED for b in live):
+            # Ctrl-Z on a study or reproduce (it stops their job), a debugger attached: a paused
+            # rank beats no more, and its peers wait for it; none is late until a whole
+            # hang_after_s after they run again (a 5-minute pause was killed as a hang).
+            self._continued = now
+            return
         watched = [b for b in live if not over or b.phase in IN_A_STEP]
-        if any(now - b.time > limit(b.phase, self.hang_after_s) for b in watched):
+        if any(now - max(b.time, self._continued) > limit(b.phase, self.hang_after_s)
+               for b in watched):
             self.hang = self._stop(beats, live, now)
 
     def _stop(self, beats: list[Beat], live: list[Beat], now: float) -> list[Ending]:
