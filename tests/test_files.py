@@ -117,7 +117,17 @@ except KeyboardInterrupt:  # (its starter gone: run_tied's tie)
 """
 
 
-def test_ctrl_z_pauses_a_tied_job_with_its_starter_and_fg_continues_both(tmp_path):
+# `ddplab run`: torchrun's agent in the starter itself, its ranks in sessions of their own.
+AGENT = """
+import subprocess, sys
+from ddplab.subprocs import pausing_with_this_process
+with pausing_with_this_process():
+    subprocess.run([sys.executable, *sys.argv[1:]])
+"""
+
+
+@pytest.mark.parametrize("starter_code", [STARTER, AGENT], ids=["study", "ddplab run"])
+def test_ctrl_z_pauses_a_tied_job_with_its_starter_and_fg_continues_both(starter_code, tmp_path):
     """Ctrl-Z reaches the terminal's foreground process group, neither the job's own session nor
     its ranks': the study or reproduce command stopped while its job trained on. SIGTSTP to the
     starter (what a terminal sends it) stops it and every process of the job, down to the
@@ -130,7 +140,7 @@ def test_ctrl_z_pauses_a_tied_job_with_its_starter_and_fg_continues_both(tmp_pat
 
     pid_file = tmp_path / "pid"
     (tmp_path / "job.py").write_text(LAUNCHER_JOB)
-    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path / "job.py"),
+    starter = subprocess.Popen([sys.executable, "-c", starter_code, str(tmp_path / "job.py"),
                                 str(pid_file)], stdout=subprocess.PIPE, text=True)
 
     def states_become(want: str) -> tuple[str, str]:

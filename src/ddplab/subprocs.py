@@ -92,7 +92,7 @@ def run_tied(cmd: list[str], env: dict[str, str], cwd: str | None = None,
                             stderr=subprocess.STDOUT if stdout is not None else None,
                             start_new_session=True)
     try:
-        with _pausing_with_this_process(proc):
+        with pausing_with_this_process(proc.pid):
             return proc.wait()
     except KeyboardInterrupt:
         _stop(proc)
@@ -100,15 +100,16 @@ def run_tied(cmd: list[str], env: dict[str, str], cwd: str | None = None,
 
 
 @contextlib.contextmanager
-def _pausing_with_this_process(proc: subprocess.Popen[Any]) -> Iterator[None]:
-    """Ctrl-Z (SIGTSTP) reaches the terminal's foreground process group only, and the job runs in
-    a session of its own (so that Ctrl-C is said to it once, by _stop), its ranks in sessions of
-    theirs (torchrun's): without this, Ctrl-Z stopped the study or reproduce command while its
-    job trained on. Every process of the job is stopped first (SIGSTOP, parents first so none
+def pausing_with_this_process(root: int = 0) -> Iterator[None]:
+    """Ctrl-Z (SIGTSTP) reaches the terminal's foreground process group only, while a job runs
+    in a session of its own (run_tied's ``root``, so that Ctrl-C is said to it once, by _stop)
+    and torchrun's ranks in sessions of theirs (torchrun's agent in this process: ``root`` 0):
+    without this, Ctrl-Z stopped the study, reproduce or `ddplab run` command while its job
+    trained on. Every process of the job is stopped first (SIGSTOP, parents first so none
     starts another unseen; the kernel drops SIGTSTP outside a terminal's session), then this
     process; `fg` or `bg` (SIGCONT) continues this process, which continues them."""
     def pause(signum: int, frame: Any) -> None:
-        stopped = _signal_tree(proc.pid, signal.SIGSTOP)
+        stopped = _signal_tree(root or os.getpid(), signal.SIGSTOP)
         signal.signal(signal.SIGTSTP, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
         signal.signal(signal.SIGTSTP, pause)
@@ -128,15 +129,15 @@ def _pausing_with_this_process(proc: subprocess.Popen[Any]) -> Iterator[None]:
 
 
 def _signal_tree(root: int, sig: int) -> list[int]:
-    """``sig`` to ``root`` and every process descended from it, parents first, until no new one
-    appears: the processes signalled."""
-    done: list[int] = []
+    """``sig`` to ``root`` and every process descended from it (this one excepted), parents
+    first, until no new one appears: the processes signalled."""
+    done: list[int] = [os.getpid()]
     while todo := [pid for pid in _descendants(root) if pid not in done]:
         for pid in todo:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
             done.append(pid)
-    return done
+    return done[1:]
 
 
 def _descendants(root: int) -> list[int]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import first_line
-from ..subprocs import own_temp
+from ..subprocs import own_temp, pausing_with_this_process
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -196,7 +196,8 @@ def torchrun_here(args: list[str]) -> int:
     ours = _log_dir(config)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks' parent: torchrun's agent is here
     try:
-        torchrun(config)
+        with pausing_with_this_process():  # Ctrl-Z: its ranks, in sessions of their own, too
+            torchrun(config)
     except ChildFailedError as e:
         return failed(e)
     except SignalException as e:  # Ctrl-C or SIGTERM: torchrun stopped the ranks
