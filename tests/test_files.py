@@ -140,8 +140,11 @@ def test_ctrl_z_pauses_a_tied_job_with_its_starter_and_fg_continues_both(starter
 
     pid_file = tmp_path / "pid"
     (tmp_path / "job.py").write_text(LAUNCHER_JOB)
+    # In a process group of its own in this session, as a shell starts a job: the kernel drops
+    # Ctrl-Z's stop for an orphaned group (no parent in the session outside it), as CI's was.
     starter = subprocess.Popen([sys.executable, "-c", starter_code, str(tmp_path / "job.py"),
-                                str(pid_file)], stdout=subprocess.PIPE, text=True)
+                                str(pid_file)], stdout=subprocess.PIPE, text=True,
+                               process_group=0)
 
     def states_become(want: str) -> tuple[str, str]:
         deadline = time.monotonic() + 30

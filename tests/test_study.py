@@ -487,9 +487,11 @@ def start_long_study(tmp_path: Path, store: str, **sets: object) -> subprocess.P
 
     path = write_study(tmp_path, set={**TINY, "train.epochs": 50, **sets})
     study_runs(store)  # the store's tables first: two processes creating them at once collide
+    # In a process group of its own in this session, as a shell starts a job: the kernel drops
+    # Ctrl-Z's stop for an orphaned group (no parent in the session outside it), as CI's was.
     proc = subprocess.Popen([str(BIN / "ddplab"), "study", "run", str(path)], cwd=tmp_path,
                             env=job_env(store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, process_group=0)
     deadline = time.monotonic() + 120
     while not any(c.data.metrics.get("train/loss") for c in study_runs(store)[1]):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-2000:]
