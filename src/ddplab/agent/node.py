@@ -229,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                if args.system_interval > 0 else None)
     alive = Producer(args.spool)
     watch = Watch(forensics_dir(args.spool), args.hang_after_s, socket.gethostname())
-    # Stopped with the job's ranks (Ctrl-Z on a study or reproduce stops its whole job), this
-    # process is continued with them: their silence meanwhile is no hang.
+    # Stopped with the job's ranks (Ctrl-Z on `ddplab run`, a study or reproduce stops the whole
+    # job; so does Slurm's `scontrol suspend`), this process is continued with them: their
+    # silence meanwhile is no hang.
     signal.signal(signal.SIGCONT, lambda signum, frame: watch.continued())
 
     ranks_gone_ms = 0  # when the delivery first saw the ranks gone

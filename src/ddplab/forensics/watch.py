@@ -186,7 +186,7 @@ class Watch:
         over = any(b.phase == "done" and b.time >= self.since for b in beats)
         live = [b for b in beats if b.phase not in ("done", "failed") and alive(b.pid)]
         if any(state(b.pid) in PAUSED for b in live):
-            # Ctrl-Z on a study or reproduce (it stops their job), a debugger attached: a paused
+            # Ctrl-Z on `ddplab run`, a study or reproduce, a debugger attached: a paused
             # rank beats no more, and its peers wait for it; none is late until a whole
             # hang_after_s after they run again (a 5-minute pause was killed as a hang).
             self._continued = now
