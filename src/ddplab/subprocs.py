@@ -35,12 +35,17 @@ def python_file(path: str) -> list[str]:
     return [sys.executable, *SAFE_PATH, path]
 
 
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the command's name (state, ppid, ...); [] once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def state(pid: int) -> str:
     """A process's state letter (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), "" once gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+    return next(iter(_stat(pid)), "")
 
 
 PAUSED = ("T", "t")
@@ -143,12 +148,10 @@ def _signal_tree(root: int, sig: int) -> list[int]:
 def _descendants(root: int) -> list[int]:
     """``root`` and the processes descended from it, parents first (from /proc)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # (gone meanwhile)
-        children.setdefault(ppid, []).append(int(stat.parent.name))
+    for proc in Path("/proc").glob("[0-9]*"):
+        fields = _stat(proc.name)
+        if len(fields) > 1:  # (else gone meanwhile)
+            children.setdefault(int(fields[1]), []).append(int(proc.name))
     tree, i = [root], 0
     while i < len(tree):
         tree += children.get(tree[i], [])

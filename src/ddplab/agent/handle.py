@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import first_line
 from ..log import LEVEL_SAID
-from ..subprocs import state
+from ..subprocs import PAUSED, state
 from ..tracking import spool
 from .protocol import (
     ABANDONED,
@@ -166,7 +166,7 @@ class Delivery:
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
                     raise
-            stopped = stopped + 1 if state(self.proc.pid) in ("T", "t") else 0
+            stopped = stopped + 1 if state(self.proc.pid) in PAUSED else 0
             if stopped >= 2:
                 self.proc.kill()
                 self.proc.wait()
