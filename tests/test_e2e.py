@@ -302,6 +302,21 @@ def test_ctrl_c_ends_the_run_killed(tmp_path, store):
     assert proc.returncode != 0 and run.info.status == "KILLED"
 
 
+def test_rank_0s_refusal_is_the_jobs_first_failure_and_its_line_is_said(tmp_path, store):
+    """Rank 0 refuses a setting only it reads (a resume path), the others learn it from rank 0
+    and raise it on (Rank0Error). They ended at once, beside rank 0: on a loaded machine before
+    it, so torchrun named rank 1 the first failure and its SIGTERM cut rank 0's own line (CI: only
+    "rank 0 failed" in a traceback). They now wait for torchrun to stop them once rank 0 ends."""
+    out = ddplab(["train", QUICKSTART, "--set", "checkpoint.resume=/nowhere/step-1.pt"],
+                 tmp_path, job_env(store), nproc=2)
+    assert out.returncode != 0
+    assert "[rank 0] ddplab: error: checkpoint.resume: got '/nowhere/step-1.pt'" in out.stderr, \
+        out.stderr[-3000:]
+    failures = re.findall(r"rank +: (\d) \(local_rank: \d\)\n +exitcode +: (-?\d+)", out.stderr)
+    # Root cause first in torchrun's banner: rank 0's exit 2; rank 1 stopped by torchrun after it.
+    assert sorted(failures) == [("0", "2"), ("1", "-15")], out.stderr[-3000:]
+
+
 def test_a_second_job_does_not_resume_the_run_of_one_still_running(tmp_path, store):
     """A hostile pass: the same command typed in a second terminal resumed the first job's run
     while it trained: steps 208-288 came twice into one run, both jobs writing its checkpoints.

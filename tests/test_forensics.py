@@ -305,6 +305,33 @@ def test_the_watch_takes_a_stuck_ranks_stack_then_ends_it(tmp_path):
     assert [p.name for p in shm.iterdir()] == [f"{os.getpid()}:0:0"]
 
 
+def test_a_rank_killed_after_saying_its_failure_has_its_shm_released_a_live_ones_kept(tmp_path):
+    """A rank that failed by itself releases its ccl region at its last line; one killed on its
+    way there (its failure said, then its launcher's SIGKILL on a busy machine) left its 64 MB
+    region behind (CI: one region left after a hung ccl job). Every gone rank's regions go;
+    a live process's, and another process's, stay."""
+    from ddplab.forensics.watch import Watch
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / f"{os.getpid()}:0:0").write_bytes(b"x")  # a live process's: never touched
+    code = ("import os, time\nfrom pathlib import Path\nfrom ddplab.forensics import heartbeat\n"
+            f"Path({str(shm)!r}, f'{{os.getpid()}}:0:0').write_bytes(b'x')\n"
+            f"heartbeat.start(Path({str(tmp_path)!r}), 1, 2)\n"
+            "heartbeat.beat('forward', 4)\nheartbeat.failed('RuntimeError: boom')\n"
+            "print('said', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "said\n"
+    watch = Watch(tmp_path, hang_after_s=60.0, host="h")
+    assert watch.release_shm(shm) == 0  # alive yet: its own
+    proc.kill()
+    proc.wait()
+    ((ending,),) = {tuple(watch.endings())}
+    assert (ending.rank, ending.what) == (1, "failed")
+    assert watch.release_shm(shm) == 1
+    assert [p.name for p in shm.iterdir()] == [f"{os.getpid()}:0:0"]
+
+
 def test_a_script_past_its_process_group_is_no_hang_however_long_its_own_work(tmp_path):
     """After a script destroyed its process group (its evaluation on rank 0, a long save), no
     collective is left to hang in: the watch lets it work on (it was SIGKILLed as hung in

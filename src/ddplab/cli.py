@@ -584,6 +584,7 @@ def _train(experiment: str | None, overrides: list[str], summary_out: str,
             logger().error(e)
         _tell_torchrun(e)
         _say_run(e)
+        _let_rank0_end_first(e)
         return e.exit_code
     except SystemExit as e:
         # User code (a model, loss, dataset, metric) called sys.exit while training: exit 0
@@ -593,6 +594,25 @@ def _train(experiment: str | None, overrides: list[str], summary_out: str,
         _tell_torchrun(RuntimeError(line))
         _say_run(e)
         return EXIT_ERROR
+
+
+RANK0_GRACE_S = 10.0
+"""How long a rank that only passes rank 0's failure on waits for rank 0 to end first."""
+
+
+def _let_rank0_end_first(e: BaseException) -> None:
+    """A rank raising rank 0's failure (a Rank0Error) learnt of it before rank 0 said it: ending
+    at once, it was torchrun's "first observed failure" and its SIGTERM to rank 0 cut rank 0's own
+    line (seen on a loaded machine: the job said only "rank 0 failed" in a traceback). Under a
+    launcher that stops every rank once one ends (torchrun, mpirun) it waits for that stop, up to
+    RANK0_GRACE_S; elsewhere (srun waits for all tasks) it ends at once."""
+    import time
+
+    from .distributed.group import Rank0Error
+
+    if isinstance(e, Rank0Error) and ("TORCHELASTIC_RUN_ID" in os.environ
+                                      or "OMPI_COMM_WORLD_RANK" in os.environ):
+        time.sleep(RANK0_GRACE_S)
 
 
 def _local_rank() -> int:

@@ -87,11 +87,12 @@ def artifact_text(client, run_id: str, path: str) -> str:
         return Path(client.download_artifacts(run_id, path, tmp)).read_text()
 
 
-def left_behind(before: set[str], settle_s: float = 30.0) -> set[str]:
+def left_behind(before: set[str], settle_s: float = 90.0) -> set[str]:
     """Regions made since ``before`` whose process is gone: leaked. A ccl job of another test
     running beside this one (make test's workers) has regions too, while its ranks live, and for
-    a moment after its ranks were killed, until its delivery process (nice 19) frees them: what
-    is still there after ``settle_s`` is left for good."""
+    a while after its ranks were killed, until its delivery process (nice 19: on a saturated
+    2-core machine it waited over 30 s for a turn) frees them: what is still there after
+    ``settle_s`` is left for good (nothing left: no wait)."""
     deadline = time.monotonic() + settle_s
     while True:
         gone = {r for r in shm_regions() - before if not Path(f"/proc/{r.split(':')[0]}").exists()}

@@ -261,16 +261,18 @@ class Watch:
         """The ccl shared memory of this node's ranks that died outright (the watch's own SIGKILL
         after a hang, the OOM killer's), whose clean-up never ran (ccl.release_shm): 64 MB
         reserved each until reboot. Returns how many regions went. A rank that ended itself
-        (done, failed) released its own: its pid is not looked at again."""
+        (done, failed) released its own at its last line (cli.entry), unless it was killed on
+        its way there (its failure said, its launcher's SIGKILL after it): every rank's pid
+        gone by now is looked at; only a live process's regions are its own yet."""
         from ..ccl import release_shm
 
-        ended = [b for b in read(self.directory) if b.phase not in ("done", "failed")]
+        ranks = read(self.directory)
         # The ranks this watch SIGKILLed may still be exiting (a big process's exit takes a
         # while on a busy machine): alive then, their regions were kept (seen in CI).
         deadline = time.monotonic() + (EXIT_WAIT_S if self.hang is not None else 0.0)
-        while any(alive(b.pid) for b in ended) and time.monotonic() < deadline:
+        while any(alive(b.pid) for b in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return sum(release_shm(shm, b.pid) for b in ended if not alive(b.pid))
+        return sum(release_shm(shm, b.pid) for b in ranks if not alive(b.pid))
 
     def files(self) -> list[Path]:
         """The stacks, crash dumps and errors its ranks left (the run's forensics/)."""
