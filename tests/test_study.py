@@ -594,7 +594,9 @@ def test_a_study_killed_outright_takes_its_running_job_with_it(tmp_path, store):
         time.sleep(0.5)
     assert not any(Path(f"/proc/{pid}").exists() for pid in job), "the job outlived its study"
     _, children = study_runs(store)
-    assert [c.info.status for c in children] == ["KILLED"]
+    said = "".join(p.read_text()[-3000:] for p in tmp_path.glob("checkpoints/studies/*/logs/*.log"))
+    assert [c.info.status for c in children] == ["KILLED"], (
+        [c.data.tags.get("ddplab.error") for c in children], said)
 
 
 def test_compose_and_slurm_files_come_from_the_studys_checkout_not_the_package(tmp_path,
