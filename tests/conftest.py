@@ -150,7 +150,7 @@ def runs(store: str) -> list:
 
 @pytest.fixture
 def compose_factory():
-    from tests.helpers.containers import Compose, sh
+    from tests.helpers.containers import Compose, anonymous_volumes, sh
 
     made: list[Compose] = []
 
@@ -160,12 +160,14 @@ def compose_factory():
         return made[-1]
 
     yield make
+    unnamed = {c.project: anonymous_volumes(c.project) for c in made}
     for c in made:
         c.down()
         left = sh(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={c.project}"])
         volumes = sh(["docker", "volume", "ls", "-q", "--filter",
                       f"label=com.docker.compose.project={c.project}"])
         assert not left.stdout.strip() and not volumes.stdout.strip(), "down -v left something"
+        assert not unnamed[c.project], f"volumes no compose file names (`down` leaves them): {unnamed}"
 
 
 @pytest.fixture(scope="module")

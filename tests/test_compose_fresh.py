@@ -59,7 +59,7 @@ def fresh_images():
     ids = [line.split("\t")[0] for line in listed
            if line.split("\t")[-1] in set(names.values())]
     if ids:
-        sh(["docker", "rm", "-f", *ids])
+        sh(["docker", "rm", "-f", "-v", *ids])  # -v: their anonymous volumes too
     left = [n for n in names.values() if _image_exists(n)]
     if left:
         sh(["docker", "rmi", *left], timeout=300)

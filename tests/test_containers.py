@@ -116,7 +116,7 @@ def test_the_mlflow_image_serves_the_ui_opening_on_the_runs():
                 time.sleep(1)
         assert b"mlflow.workflowType_v1" in page and b"static-files/static/js/main" in page
     finally:
-        sh(["docker", "rm", "-f", cid])
+        sh(["docker", "rm", "-f", "-v", cid])  # -v: the image's VOLUME too (its store)
 
 
 def test_dockerfiles_lint_clean():

@@ -43,7 +43,7 @@ def remove(*containers: str, within_s: float = 120) -> None:
     engine's words if a name stays taken, instead of the next test failing on "already in use"."""
     deadline, left, said = time.monotonic() + within_s, list(containers), ""
     while left:
-        said = sh(["docker", "rm", "-f", *left], timeout=300).stderr.strip()
+        said = sh(["docker", "rm", "-f", "-v", *left], timeout=300).stderr.strip()
         left = [c for c in left
                 if sh(["docker", "container", "inspect", c], timeout=60).returncode == 0]
         if left and time.monotonic() > deadline:
@@ -75,6 +75,19 @@ def tags(run: dict) -> dict[str, str]:
 
 def metrics(run: dict) -> dict[str, float]:
     return {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
+
+
+def anonymous_volumes(project: str) -> list[str]:
+    """The volumes a compose project's containers hold that its file does not name: an image's
+    VOLUME no service mounts a named volume on. `down` (which keeps the runs) leaves each behind,
+    one more every `up` after it."""
+    ids = sh(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"])
+    if not ids.stdout.split():
+        return []
+    each = '{{range .Mounts}}{{if eq .Type "volume"}} {{.Destination}}={{.Name}}{{end}}{{end}}'
+    mounts = sh(["docker", "inspect", "--format", "{{.Name}}" + each, *ids.stdout.split()])
+    return [f"{line.split()[0]} {m}" for line in mounts.stdout.splitlines()
+            for m in line.split()[1:] if not m.split("=", 1)[1].startswith(f"{project}_")]
 
 
 class Compose:
