@@ -11,7 +11,8 @@ from pathlib import Path
 from ddplab.launchers import targets
 from ddplab.study import spec
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddplab"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "src" / "ddplab"
 # What only a launcher's command line contains (torchrun's, mpirun's, sbatch's, compose's).
 LAUNCH_WORDS = ("torch.distributed.run", "--standalone", "--rdzv-backend", "--oversubscribe",
                 "plm_rsh_agent", "--exit-code-from", "--ntasks-per-node")
@@ -61,3 +62,27 @@ def test_ddplab_set_is_never_put_on_a_command_line(monkeypatch):
              targets.Sbatch(2, 1, "j", Path("cpu.sbatch")).argv("exp.yaml", ["train.lr=0.1"])]
     for argv in argvs:
         assert "train.epochs=1" not in " ".join(argv) and "train.lr=0.1" in argv, argv
+
+
+def test_the_slurm_clusters_config_is_written_without_running_anything(tmp_path):
+    """slurm-node.sh writes slurm.conf through an unquoted here-document (its node list expands):
+    a comment's backquoted `sbatch --wait` in it ran sbatch on every node's start. And its
+    MinJobAge keeps `sbatch --wait` polling every 8 s, not 32 (docs/slurm.md)."""
+    import re
+    import subprocess
+
+    script = (REPO / "docker" / "slurm" / "slurm-node.sh").read_text()
+    block = re.search(r"^cat > /etc/slurm/slurm.conf <<CONF\n.*?^CONF\n", script, re.S | re.M)
+    assert block, "slurm-node.sh no longer writes slurm.conf in one here-document"
+    conf, ran = tmp_path / "slurm.conf", tmp_path / "ran"
+    (tmp_path / "bin").mkdir()
+    for tool in ("sbatch", "srun", "scontrol", "squeue", "sinfo"):
+        (tmp_path / "bin" / tool).write_text(f"#!/bin/sh\necho {tool} >> {ran}\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    out = subprocess.run(["bash", "-c", block.group(0).replace("/etc/slurm/slurm.conf", str(conf))],
+                         env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "nodes": "node[1-2]",
+                              "cpus": "2", "memory_mb": "4000"}, capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    assert not ran.exists(), f"writing slurm.conf ran: {ran.read_text()}"
+    assert "NodeName=node[1-2] CPUs=2 RealMemory=4000" in conf.read_text()
+    assert int(re.search(r"^MinJobAge=(\d+)$", conf.read_text(), re.M).group(1)) <= 16

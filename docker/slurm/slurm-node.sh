@@ -35,9 +35,13 @@ SlurmdParameters=config_overrides
 SlurmdTimeout=30
 KillWait=10
 # A job whose node fails ends (NODE_FAIL) instead of waiting in the queue for the node, so
-# `sbatch --wait` returns. Sites that requeue (Slurm's default) get the job started again,
+# sbatch --wait returns. Sites that requeue (Slurm's default) get the job started again,
 # and ddplab resumes it from its last checkpoint into the same run (checkpoint.resume auto).
 JobRequeue=0
+# sbatch --wait (the submit service, a study's slurm variants) polls the controller after 2 s,
+# then 8 s, then every 32 s, unless finished jobs are purged sooner (its poll stays under half
+# MinJobAge, 300 s by default): a 25 s job was seen ending at 42 s. At 16 s it polls every 8 s.
+MinJobAge=16
 NodeName=${nodes} CPUs=${cpus} RealMemory=${memory_mb} State=UNKNOWN
 PartitionName=cpu Nodes=${nodes} Default=YES MaxTime=INFINITE State=UP
 CONF
