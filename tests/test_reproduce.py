@@ -263,3 +263,30 @@ def test_a_difference_after_the_script_was_edited_says_so_in_the_verdict(store, 
     assert reproduce._judge(c, c.get_run(first), new, 3, edited) == 1
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert "differs (the job exited 3: " in line and line.endswith(f"compared{edited})"), line
+
+
+def test_a_run_still_running_or_stopped_before_its_config_is_refused_in_one_line(
+        store, monkeypatch, capsys):
+    """A hostile pass: a RUNNING run was run again beside its own job (exit 0, "nothing logged
+    to compare"); a job KILLED before it recorded its config said only MLflow's "Failed to
+    download artifacts from path 'config.yaml'"."""
+    from mlflow import MlflowClient
+
+    c = MlflowClient(store)
+    exp = c.create_experiment("x")
+    running = c.create_run(exp, tags={"ddplab.mode": "script"}).info.run_id
+    c.log_text(running, "name: x\nscript: {path: x.py}\n", "config.yaml")
+    killed = script_run(c, exp, {}, "KILLED", **{"ddplab.error": "interrupted (SIGINT / Ctrl-C)"})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    assert reproduce.reproduce(running, strict=False) == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said == (f"ddplab reproduce: error: run {running} is still RUNNING: reproduce it once "
+                    "its job has ended (a job killed outright leaves its run RUNNING until "
+                    "`ddplab sync` ends it)")
+    assert reproduce.reproduce(killed, strict=False) == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith(f"ddplab reproduce: error: run {killed} (KILLED: interrupted (SIGINT / "
+                           "Ctrl-C)) has no config.yaml to run again: its job ended before "
+                           "recording it ("), said
+    assert len(c.search_runs([exp])) == 2  # no rerun started

@@ -279,6 +279,16 @@ def _study_parent(client: Any, run: Any) -> str:
             f"itself): reproduce one of its jobs{which} or rerun the study ({again})")
 
 
+def _unended(run: Any) -> str:
+    """Why a run still RUNNING is not reproduced now, or "": its job still trains (a rerun beside
+    it races it for the machine and compares with figures it has not logged yet), or it was
+    killed outright and `ddplab sync` ends it."""
+    if run.info.status != life.RUNNING:
+        return ""
+    return (f"run {run.info.run_id} is still RUNNING: reproduce it once its job has ended (a job "
+            "killed outright leaves its run RUNNING until `ddplab sync` ends it)")
+
+
 def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path] | None:
     """The run and its config.yaml fetched into ``work``; None (said in one line) when there is
     no such run or it is none a job made."""
@@ -287,13 +297,20 @@ def _recorded(client: Any, uri: str, run_id: str, work: Path) -> tuple[Any, Path
     try:
         run = client.get_run(run_id)
         # Before the download: a parent has no config.yaml, and MLflow's error would not say why.
-        refused = _study_parent(client, run)
+        refused = _study_parent(client, run) or _unended(run)
         if refused:
             logger("reproduce").error(refused)
             return None
-        text = client.download_artifacts(run_id, "config.yaml", str(work))
     except MlflowException as e:
         logger("reproduce").error(f"run {run_id} in {uri}: {str(e).splitlines()[0]}")
+        return None
+    try:
+        text = client.download_artifacts(run_id, "config.yaml", str(work))
+    except MlflowException as e:  # (a job stopped before it recorded its config)
+        why = life.error_line(run.data.tags)
+        logger("reproduce").error(
+            f"run {run_id} ({run.info.status}{': ' + why if why else ''}) has no config.yaml "
+            f"to run again: its job ended before recording it ({str(e).splitlines()[0]})")
         return None
     if run.info.status == life.FAILED:
         logger("reproduce").warning(
