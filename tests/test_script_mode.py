@@ -75,6 +75,36 @@ def test_flags_replace_the_same_flag_in_args_and_bools_are_bare():
     assert s.argv() == ["pos", "--lr", "0.5", "--epochs", "2", "--amp"]
 
 
+def test_flag_values_are_read_as_yaml_1_2_reads_them(tmp_path):
+    """A hostile pass: PyYAML's YAML 1.1 turned `--set script.flags.seed=010` into --seed 8,
+    `t=12:30` into --t 750, and `ans=no` into no flag at all (false)."""
+    script = tmp_path / "t.py"
+    script.write_text("x = 1\n")
+    sets = ["script.flags.seed=010", "script.flags.t=12:30", "script.flags.ans=no",
+            "script.flags.amp=on", "script.flags.mask=0o17", "script.flags.big=1_000",
+            "script.flags.lr=1e-3", "script.flags.dry=false"]
+    assert config.load(script, sets).script.argv() == [
+        "--seed", "10", "--t", "12:30", "--ans", "no", "--amp", "on", "--mask", "15",
+        "--big", "1000", "--lr", "0.001"]
+    study = tmp_path / "s.yaml"
+    study.write_text(f"name: s\nexperiment: {script}\nbaseline: 'ampon'\n"
+                     "grid: {script.flags.amp: [on, off]}\n")
+    from ddplab.study import spec
+
+    assert [v.name for v in spec.load_study(study).variants] == ["ampon", "ampoff"]
+
+
+@pytest.mark.parametrize("value", ["true", "null", "{x: 1}", "[a]"])
+def test_an_environment_value_that_is_not_text_is_refused_in_one_line(tmp_path, value):
+    """A hostile pass: `script.env={A: true, B: null}` gave the script A=True and B=None."""
+    script = tmp_path / "t.py"
+    script.write_text("x = 1\n")
+    with pytest.raises(config.ConfigError, match=r"script\.env\.A: got .*; text or a number"):
+        config.load(script, [f"script.env={{A: {value}}}"])
+    assert config.load(script, ["script.env={A: 'true', B: 3, C: x}"]).script.env == {
+        "A": "true", "B": "3", "C": "x"}
+
+
 def test_a_py_file_is_an_experiment_named_after_it(tmp_path):
     script = tmp_path / "My Train.py"
     script.write_text("print('hi')\n")

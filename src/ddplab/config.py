@@ -580,7 +580,7 @@ class ScriptConfig:
     too): what a study varies,
     e.g. ``script.flags.lr: [0.01, 0.1]``."""
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for the script."""
+    """Extra environment variables for the script: text or numbers (quote ``'true'``)."""
     log_tail_kb: int = 512
     """Each rank's stdout and stderr become artifacts of the run (``logs/``); the last this
     many KiB of each are kept."""
@@ -798,6 +798,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             fail(key, value, "expected a mapping of names to values")
+        if typing.get_args(tp)[1] is str:  # environment variables: text, as a shell sets them
+            for k, v in value.items():
+                if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                    fail(f"{key}.{k}", v, "text or a number (an environment variable's value; "
+                         "quote a true, false or null: 'true')")
+            return {k: str(v) for k, v in value.items()}
         return dict(value)
     if _is_section(tp):  # a nested section's class
         if not isinstance(value, dict):
@@ -884,13 +890,25 @@ def max_yaml_nodes() -> int:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2's floats: ``1e-3`` is a float (YAML 1.1, PyYAML's default, reads a
-    float without a dot as a string); and bounded: the document's nodes are counted while it is
+    """YAML 1.2's core schema (below), not PyYAML's YAML 1.1: ``1e-3`` is a float (1.1 reads a
+    float without a dot as a string), ``no``, ``off`` and ``yes`` are words (1.1's booleans: a
+    flag ``ans: no`` vanished from a script's command line), ``010`` is ten (1.1's octal
+    eight) and ``12:30`` a word (1.1's base-60 750); ``0o17`` and ``0x1F`` are numbers in both.
+    And bounded: the document's nodes are counted while it is
     composed, an alias counting as the whole node it names, and a document over
     :func:`max_yaml_nodes` is refused at once (PyYAML's SafeLoader bounds no alias), as is an
     alias inside the node it names (a structure without end)."""
 
     limit = MAX_YAML_NODES
+    yaml_implicit_resolvers: dict = {}  # (its own table: none of YAML 1.1's; filled below)
+
+    def construct_yaml_int(self, node: Any) -> int:
+        """Decimal (digits grouped by _ too), 0o octal or 0x hexadecimal (PyYAML's reads a
+        leading 0 as octal)."""
+        text = str(self.construct_scalar(node)).replace("_", "")  # (1_000: grouped, as 1.1 allows)
+        sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+        base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+        return sign * int(digits[2:] if base != 10 else digits, base)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         """A key given twice in one mapping is refused (YAML says keys are unique; PyYAML keeps
@@ -944,6 +962,16 @@ class _Loader(yaml.SafeLoader):
         return node
 
 
+# YAML 1.2's core schema (yaml.org/spec/1.2.2, 10.3.2), PyYAML's merge key `<<` kept.
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
+                              re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int",
+                              re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                              list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),
+                              ["~", "n", "N", ""])
+_Loader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile(r"^(?:<<)$"), ["<"])
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
