@@ -156,6 +156,24 @@ def test_variants_runs_only_those_and_a_name_it_lacks_is_one_line(tmp_path, stor
     assert empty.returncode == 2 and "--variants: got ''; must name variants" in empty.stderr
 
 
+@pytest.mark.parametrize("given, env", [(["--set", "dist.threads_per_rank=2"], {}),
+                                         ([], {"DDPLAB_SET": "train.epochs=1 'dist={threads_per_rank: 2}'"})])
+def test_a_set_over_what_a_variant_sets_is_refused_in_one_line(tmp_path, store, given, env):
+    """A hostile pass: `--set script.flags.lr=0.3` over a study of lr ran every job at 0.3, under
+    its variant's name, and the table compared them as different learning rates."""
+    path = write_study(tmp_path)
+    out = cli(["study", "run", str(path), "--dry-run", *given], tmp_path, store, **env)
+    source = "--set" if given else "DDPLAB_SET"
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    key = "dist.threads_per_rank" if given else "dist"
+    assert out.stderr.strip() == (
+        f"ddplab: error: {path}: {source} '{key}': variant one sets dist.threads_per_rank itself, "
+        f"and {source} comes after it: every variant would run the same value under its own "
+        "name; vary it in the study file, or leave it out here"), out.stderr
+    fine = cli(["study", "run", str(path), "--dry-run", "--set", "train.epochs=1"], tmp_path, store)
+    assert fine.returncode == 0, fine.stderr
+
+
 def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, store):
     out = cli(["study", "run", str(write_study(tmp_path)), "--dry-run"], tmp_path, store)
     assert out.returncode == 0, out.stderr
