@@ -388,3 +388,13 @@ def test_one_repeat_per_variant_warns_that_faster_or_slower_has_no_spread_behind
                                    {"lr0.01": [100.0, 101.0, 99.0], "lr0.3": [94.0, 93.0, 94.5]})
     assert "slower" in parent.data.tags["ddplab.study.verdict"]
     assert "one repeat" not in files["report.md"] and parent.data.tags["ddplab.study.warnings"] == "0"
+    # A hostile pass: a script study's default, its wall time, said "+5.1% ... worse" of one
+    # repeat each without the warning; a loss varies with the seed only, and has none.
+    for metric, one, warned in (("perf/wall_s", [9.5], True), ("val/loss", [0.5], False)):
+        (tmp_path / metric[-4:]).mkdir()
+        study = spec.load_study(write_study(tmp_path / metric[-4:], metric=metric,
+                                            metric_mode="min", name=metric[-4:].strip("/")))
+        parent, console, files = build(tmp_path / metric[-4:], store, study,
+                                       {"lr0.01": [10.0] if warned else [0.6], "lr0.3": one})
+        said = f"one repeat per variant: a {metric} difference has no spread to be judged by"
+        assert (said in files["report.md"]) == warned, files["report.md"][-1500:]

@@ -55,6 +55,9 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
     title = f"study {tags.get(schema.STUDY, parent_id)}"
     single = _single_epoch(children)
     steady = "the steps of its log intervals after the first"
+    if any(c.data.tags.get(schema.MODE) == "script" for c in children):  # (observed steps)
+        steady = ("ddplab's loop: the steps of its log intervals after the first; a script: the "
+                  "figure it logged itself, else its observed steps after the first")
     if is_throughput(metric):
         notes = [f"Baseline: {baseline}. Throughput: perf/samples_per_s of each finished run "
                  f"({steady}), {better(mode)}; speedup = median / the baseline's median; "

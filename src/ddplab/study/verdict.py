@@ -131,10 +131,14 @@ def judge(rows: list[Any], baseline: str, single_epoch: bool = False) -> Verdict
                            f"{_compare(row, base)} {repeats}")
         elif not throughput:
             v.lines.append(f"{row.variant}: {_change(row, base)} {repeats}")
-    if throughput and len(measured) > 1 and all(_compared(r) <= 1 for r in measured):
-        v.warnings.append("one repeat per variant: a speed difference has no spread to be "
+    # (a wall time, a rate, memory as much as throughput: a script study's default figure too)
+    timing = bool(rows) and (throughput or varies_run_to_run(rows[0].metric))
+    if timing and len(measured) > 1 and all(_compared(r) <= 1 for r in measured):
+        what = "a speed" if throughput else f"a {rows[0].metric}"
+        v.warnings.append(f"one repeat per variant: {what} difference has no spread to be "
                           f"judged by, only the {NOISE:.0%} floor (this machine's drift can pass "
-                          "it); run repeats >= 3, interleaved, to trust faster or slower")
+                          "it); run repeats >= 3, interleaved, to trust "
+                          f"{'faster or slower' if throughput else 'better or worse'}")
     if single_epoch and throughput:
         v.warnings.append("one epoch only: throughput comes from its log intervals after the "
                           "first, a short job's mostly warm-up; run train.epochs >= 2 to trust it")
