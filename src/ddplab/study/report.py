@@ -57,7 +57,8 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
     steady = "the steps of its log intervals after the first"
     if any(c.data.tags.get(schema.MODE) == "script" for c in children):  # (observed steps)
         steady = ("ddplab's loop: the steps of its log intervals after the first; a script: the "
-                  "figure it logged itself, else its observed steps after the first")
+                  "figure it logged itself, else its observed steps less the first and the one its "
+                  "first MLflow call (its store's opening) ran in")
     if is_throughput(metric):
         notes = [f"Baseline: {baseline}. Throughput: perf/samples_per_s of each finished run "
                  f"({steady}), {better(mode)}; speedup = median / the baseline's median; "
