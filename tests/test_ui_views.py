@@ -190,3 +190,39 @@ def test_a_script_studys_table_has_no_empty_eval_column_and_a_small_mfu_is_not_z
     out = io.StringIO()
     render.print_table(rows, "t", Console(file=out, width=200))
     assert "eval acc" in out.getvalue()
+
+
+def test_a_script_studys_table_shows_the_train_loss_and_speed_beside_its_compared_time(
+        tmp_path, store):
+    """A hostile pass: a study over a script's learning rate compared its wall time, and its
+    table had no loss nor samples/s, though every job's run held both (observed)."""
+    import io
+
+    from mlflow import MlflowClient
+    from rich.console import Console
+
+    from ddplab.study.table import table
+
+    c = MlflowClient(store)
+    exp = c.create_experiment("s")
+    children = []
+    for variant, loss, speed, wall in (("lr0.05", 0.50, 3000.0, 5.0), ("lr0.2", 0.24, 2900.0, 5.2)):
+        run = c.create_run(exp, tags={"ddplab.variant": variant, "ddplab.repeat": "0",
+                                      "ddplab.mode": "script"}).info.run_id
+        for key, value in (("train/loss", loss), ("perf/samples_per_s", speed),
+                           ("perf/wall_s", wall)):
+            c.log_metric(run, key, value)
+        c.set_terminated(run, "FINISHED")
+        children.append(c.get_run(run))
+    rows = table(c, children, ["lr0.05", "lr0.2"], "lr0.05", 0.0, "perf/wall_s", "min")
+    assert [(r.train_loss, r.samples_per_s) for r in rows] == [(0.5, 3000.0), (0.24, 2900.0)]
+    names, cells = render.grid(rows)
+    assert cells[1][names.index("train loss")] == "0.240", (names, cells)
+    assert cells[1][names.index("samples/s")] == "2,900", (names, cells)
+    out = io.StringIO()
+    render.print_table(rows, "t", Console(file=out, width=250))
+    assert "train loss" in out.getvalue() and "2,900" in out.getvalue(), out.getvalue()
+    assert "train_loss" in render.results_csv(rows).splitlines()[0]
+    # Where throughput is the compared figure, no second samples/s column
+    rows = table(c, children, ["lr0.05", "lr0.2"], "lr0.05", 0.0)
+    assert rows[0].samples_per_s is None and "samples/s" not in render.grid(rows)[0]

@@ -16,8 +16,8 @@ from .spec import better
 from .table import COLUMNS, THROUGHPUT, Row, fmt, is_throughput
 
 HEADS = ("variant", "runs ok/all", "samples/s median [min-max]", "speedup", "efficiency", "MFU",
-         "eval acc", "eval loss", "time to target s", "wall s", "model state MB (max rank)",
-         "backend, launcher")
+         "eval acc", "eval loss", "train loss", "samples/s", "time to target s", "wall s",
+         "model state MB (max rank)", "backend, launcher")
 """The heads for throughput; another compared metric's replace its three (heads())."""
 
 
@@ -32,7 +32,7 @@ def heads(metric: str = THROUGHPUT, mode: str = "max") -> tuple[str, ...]:
 
 
 def _numeric(metric: str, mode: str) -> set[str]:
-    return set(heads(metric, mode)[1:11]) - {""}
+    return set(heads(metric, mode)[1:-1]) - {""}  # (all but the name and what ran)
 
 
 def _cells(r: Row) -> list[str]:
@@ -46,8 +46,9 @@ def _cells(r: Row) -> list[str]:
     else:
         ratio, efficiency = (f"{r.change:+.1%}" if r.change is not None else "-"), "-"
     return [r.variant, f"{r.runs - r.failed}/{r.runs}", spread, ratio,
-            efficiency, mfu, fmt(r.eval_accuracy), fmt(r.eval_loss),
-            fmt(r.time_to_target_s), wall, fmt(r.model_state_mb), f"{r.backend}, {r.launcher}"]
+            efficiency, mfu, fmt(r.eval_accuracy), fmt(r.eval_loss), fmt(r.train_loss),
+            fmt(r.samples_per_s), fmt(r.time_to_target_s), wall, fmt(r.model_state_mb),
+            f"{r.backend}, {r.launcher}"]
 
 
 def _figure(rows: list[Row]) -> tuple[str, str]:
@@ -112,9 +113,13 @@ def print_table(rows: list[Row], title: str, console: Any) -> None:
     t = Table(title=title)
     memory = any(r.model_state_mb is not None for r in rows)
     accuracy = any(r.eval_accuracy is not None for r in rows)  # (a script's jobs: none)
+    # What the jobs trained to and how fast, beside a compared time (a script study's default)
+    loss = any(r.train_loss is not None for r in rows) and not accuracy
+    speed = any(r.samples_per_s is not None for r in rows)
     figure = ("samples/s", "speedup", "efficiency") if throughput else (
         f"{metric} ({better(mode)})", "vs baseline")
-    for c in ("variant", "ok/all", *figure, *(["eval acc"] if accuracy else []), "wall s",
+    for c in ("variant", "ok/all", *figure, *(["eval acc"] if accuracy else []),
+              *(["train loss"] if loss else []), *(["samples/s"] if speed else []), "wall s",
               *(["state MB"] if memory else []), "backend", "launcher"):
         t.add_column(c)
     for r in rows:
@@ -122,6 +127,7 @@ def print_table(rows: list[Row], title: str, console: Any) -> None:
             f"{r.change:+.1%}" if r.change is not None else "-",)
         t.add_row(r.variant, f"{r.runs - r.failed}/{r.runs}", fmt(r.throughput_median),
                   *ratios, *([fmt(r.eval_accuracy)] if accuracy else []),
+                  *([fmt(r.train_loss)] if loss else []), *([fmt(r.samples_per_s)] if speed else []),
                   fmt(r.wall_time_s), *([fmt(r.model_state_mb)] if memory else []),
                   r.backend, r.launcher)
     console.print(t)

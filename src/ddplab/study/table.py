@@ -26,7 +26,8 @@ def is_throughput(metric: str) -> bool:
     return metric == THROUGHPUT
 
 COLUMNS = ("variant", "runs", "failed", "throughput_median", "throughput_min", "throughput_max",
-           "speedup", "efficiency", "eval_accuracy", "eval_loss", "time_to_target_s",
+           "speedup", "efficiency", "eval_accuracy", "eval_loss", "train_loss", "samples_per_s",
+           "time_to_target_s",
            "wall_time_s", "resources", "backend", "launcher", "model_state_mb", "precision", "mfu",
            "change", "metric", "metric_mode", "unlogged", "not_finite")
 
@@ -43,6 +44,12 @@ class Row:
     efficiency: float | None
     eval_accuracy: float | None
     eval_loss: float | None
+    train_loss: float | None
+    """Median of the finished runs' last train/loss (a script's observed one too): what a
+    study over a learning rate compares when its figure is a time."""
+    samples_per_s: float | None
+    """Median perf/samples_per_s where the compared figure is another (a script study's wall
+    time): the speed beside it; None where throughput is the compared figure itself."""
     time_to_target_s: float | None
     wall_time_s: float | None
     resources: int
@@ -194,6 +201,9 @@ def table(client: Any, children: list[Any], order: list[str], baseline: str,
             max(speeds, default=None), None, None,
             _median([r.data.metrics["eval/accuracy"] for r in ok if "eval/accuracy" in r.data.metrics]),
             _median([r.data.metrics["eval/loss"] for r in ok if "eval/loss" in r.data.metrics]),
+            _median([r.data.metrics["train/loss"] for r in ok if "train/loss" in r.data.metrics]),
+            None if is_throughput(metric) else _median(
+                [r.data.metrics[THROUGHPUT] for r in ok if THROUGHPUT in r.data.metrics]),
             _median(targets) if len(targets) == len(ok) else None,
             _median([w for r in ok if (w := _wall_s(r)) is not None]),
             _resources(runs[0]), _what_ran(runs, schema.BACKEND, schema.BACKEND_REQUESTED),
