@@ -250,6 +250,13 @@ def test_a_tiny_study_gives_a_parent_children_and_a_report_that_adds_up(tmp_path
     again = cli(["study", "run", str(moved)], tmp_path, store)
     assert again.stdout.count("already FINISHED in this study, skipped") == 4
     assert len(study_runs(store)[1]) == len(children) + 2  # only the broken variant again
+    # Each attempt's own output file: the rerun's did not write over the file the first
+    # attempt's error names (its run id's in its name)
+    logs = sorted(p.name for p in (tmp_path / "checkpoints" / "studies" / "tiny" / "logs").iterdir())
+    assert [n for n in logs if n.startswith("broken-r0-")] == sorted(
+        f"broken-r0-{c.info.run_id[:8]}.log" for c in study_runs(store)[1]
+        if c.data.tags["ddplab.variant"] == "broken" and c.data.tags["ddplab.repeat"] == "0")
+    assert len(logs) == len(children) + 2, logs
     assert study_runs(store)[0][0].data.tags["ddplab.study_file"] == str(moved)
     resolved = client(store).download_artifacts(parent.info.run_id, "study.yaml", str(tmp_path / "a"))
     assert "the second time" in Path(resolved).read_text()

@@ -900,7 +900,7 @@ class _Loader(yaml.SafeLoader):
     alias inside the node it names (a structure without end)."""
 
     limit = MAX_YAML_NODES
-    yaml_implicit_resolvers: dict = {}  # (its own table: none of YAML 1.1's; filled below)
+    yaml_implicit_resolvers: dict[Any, Any] = {}  # (its own table: none of YAML 1.1's; filled below)
 
     def construct_yaml_int(self, node: Any) -> int:
         """Decimal (digits grouped by _ too), 0o octal or 0x hexadecimal (PyYAML's reads a

@@ -523,7 +523,9 @@ def _one_job(study: Study, v: Variant, r: int, tracker: Tracker, parent_id: str,
         env |= compose_env(study, v, r, tracker.uri)
     if v.launcher == "slurm":  # the ranks find their master in the allocation, not here
         env = {k: x for k, x in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    log = logs / f"{v.name}-r{r}.log"
+    # One file per attempt, named by its run: a rerun of a failed job, or a --fresh study, wrote
+    # over the file the earlier run's error and the study's printed line point to.
+    log = logs / f"{v.name}-r{r}-{run_id[:8]}.log"
     t0 = time.monotonic()
     try:
         code = _run_job(command(study, v, r), env, log)
