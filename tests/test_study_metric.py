@@ -255,8 +255,25 @@ def test_the_console_has_every_warning_of_the_report_and_a_failed_runs_straggler
     assert len(said) == 1 and "lr0.3 (repeat 0," in said[0], console
     assert said[0].strip() in files["report.md"]
     assert "lr0.3 (repeat 1," not in files["report.md"]
+    # ...and the parent run's description and warnings count have it too (a hostile pass: only
+    # the verdict's own warnings reached the run)
+    from mlflow import MlflowClient
+
+    parent = MlflowClient(store).get_run(parent.info.run_id)
+    assert "lr0.3 (repeat 0," in parent.data.tags["mlflow.note.content"]
+    assert parent.data.tags["ddplab.study.warnings"] == str(
+        sum(line.startswith("WARNING:") for line in files["report.md"].splitlines()))
     assert ("Compared: val/loss, lower is better (inferred from its name; metric_mode: max or "
             "min sets it)") in files["report.md"]
+    # The study's saved view shows that answer (it asked for samples/s columns, all empty)
+    import json
+
+    views = MlflowClient(store).get_experiment(parent.info.experiment_id).tags
+    columns = json.loads(json.loads(views["mlflow.sharedViewState.ddplab-study"])["state"])[
+        "selectedColumns"]
+    assert {"metrics.`study/lr0.3/val/loss_median`", "metrics.`val/loss`"} <= set(columns), columns
+    assert not [c for c in columns if "samples_per_s" in c], columns
+    assert "study/lr0.3/val/loss_median" in parent.data.metrics
 
 
 def test_throughput_keeps_its_speedup_and_its_words(tmp_path, store):

@@ -275,3 +275,25 @@ def test_a_local_stores_uri_names_the_same_store_from_any_directory(tmp_path):
     assert absolute_store("file:mlruns", here) == f"file://{tmp_path}/mlruns"
     assert absolute_store("mlruns", here) == f"{tmp_path}/mlruns"
     assert absolute_store("http://host:5000", here) == "http://host:5000"
+
+
+def test_a_run_made_for_the_job_elsewhere_gets_its_description_and_source(tmp_path):
+    """A visual pass: a study's child runs (and a reproduction's) showed "No description" and
+    no Source in the UI, where a job's own run says which throughput to quote and its command.
+    What a run made elsewhere already says is kept."""
+    from mlflow import MlflowClient
+
+    from ddplab.tracking.opening import THROUGHPUT_NOTE, Request, open_run
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    c = MlflowClient(uri)
+    exp = c.create_experiment("s")
+    bare = c.create_run(exp, tags={"ddplab.variant": "a"}).info.run_id
+    said = c.create_run(exp, tags={"mlflow.note.content": "mine"}).info.run_id
+    for run_id in (bare, said):
+        open_run(Request(uri, "s", "r", "tiny job", run_id=run_id,
+                         source="ddplab train experiments/quickstart.yaml"))
+    tags = c.get_run(bare).data.tags
+    assert tags["mlflow.note.content"] == f"tiny job\n\n{THROUGHPUT_NOTE}"
+    assert tags["mlflow.source.name"] == "ddplab train experiments/quickstart.yaml"
+    assert c.get_run(said).data.tags["mlflow.note.content"] == "mine"

@@ -76,9 +76,11 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
         notes.append(f"Time to target: first evaluation with accuracy >= {target}.")
     notes += [f"Skipped {k.split('.', 2)[2]}: {v}." for k, v in sorted(tags.items())
               if k.startswith(schema.SKIPPED_PREFIX)]
-    others = environment_warnings(children) + straggler_warnings(children)
-    notes += others
     verdict = judge(rows, baseline, single_epoch=single)
+    # Every warning in one list: the parent's description and its warnings count held the
+    # verdict's alone ("the variants ran different code" was in the report, not on the run).
+    verdict.warnings += [w.removeprefix("WARNING: ").removesuffix(".") for w in
+                         environment_warnings(children) + straggler_warnings(children)]
     if rows and not verdict.best:
         verdict.nothing += _did_you_mean(rows[0].metric, children)
     if interrupted:
@@ -106,9 +108,7 @@ def build(client: Any, parent_id: str, study: Study | None = None, console: Any 
         print_table(rows, title, console)
         console.print(f"Verdict: {verdict.text}")
         for w in verdict.warnings:
-            console.print(f"WARNING: {w}")
-        for line in others:  # (each "WARNING: ..." already), as report.md has them
-            console.print(line, soft_wrap=True, markup=False)
+            console.print(f"WARNING: {w}", soft_wrap=True, markup=False)
         if uri:
             _print_addresses(uri, parent.info.experiment_id, parent_id, console)
     return rows
@@ -143,6 +143,12 @@ def _single_epoch(children: list[Any]) -> bool:
                if c.info.status == "FINISHED")
 
 
+def answer_key(metric: str) -> str:
+    """The name of a variant's compared median on the parent run (``study/<variant>/<this>``),
+    the one rule for the answer's metrics and the study view's columns."""
+    return "samples_per_s_median" if is_throughput(metric) else f"{metric}_median"
+
+
 def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict,
                   study: Study | None) -> None:
     """The answer on the parent run itself, so its row in the runs table shows it: per-variant
@@ -151,9 +157,9 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
     for r in rows:
         # Throughput as samples_per_s_median (the study view's columns); another metric under
         # its own name, with its change vs the baseline: never as a speed.
-        figure = (("samples_per_s_median", r.throughput_median), ("speedup", r.speedup),
+        figure = ((answer_key(r.metric), r.throughput_median), ("speedup", r.speedup),
                   ("efficiency", r.efficiency)) if is_throughput(r.metric) else (
-                  (f"{r.metric}_median", r.throughput_median), ("vs_baseline", r.change))
+                  (answer_key(r.metric), r.throughput_median), ("vs_baseline", r.change))
         for key, value in (*figure, ("eval_accuracy", r.eval_accuracy),
                            ("model_state_mb", r.model_state_mb)):
             if value is not None:
@@ -163,7 +169,9 @@ def record_answer(client: Any, parent_id: str, rows: list[Row], verdict: Verdict
     from ..tracking.ui_views import save_study_view
 
     parent = client.get_run(parent_id)
-    save_study_view(client, parent.info.experiment_id, [r.variant for r in rows])
+    compared = rows[0].metric if rows else THROUGHPUT
+    save_study_view(client, parent.info.experiment_id, [r.variant for r in rows],
+                    answer_key(compared), compared)
     client.set_tag(parent_id, schema.STUDY_BEST, verdict.best or "none")
     client.set_tag(parent_id, schema.STUDY_VERDICT, verdict.text[:4000])
     client.set_tag(parent_id, schema.STUDY_WARNINGS, str(len(verdict.warnings)))

@@ -451,8 +451,10 @@ def run(study: Study, uri: str, fresh: bool, dry_run: bool, resolved: str) -> in
     logs.mkdir(parents=True, exist_ok=True)
     from ..tracking import ui_address
     from ..tracking.ui_views import STUDY_VIEW, save_study_view
+    from .report import answer_key
 
-    save_study_view(tracker.client, tracker.exp_id, [v.name for v in study.variants])
+    save_study_view(tracker.client, tracker.exp_id, [v.name for v in study.variants],
+                    answer_key(study.metric), study.metric)
     console.print(f"study {study.name}: parent run {parent_id}; its jobs, one row each, as "
                   f"they finish{ui_address(uri, tracker.exp_id, view=STUDY_VIEW)}", soft_wrap=True)
     console.print(f"compares {study.direction}; baseline {study.baseline}", soft_wrap=True)

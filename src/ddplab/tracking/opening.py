@@ -121,18 +121,24 @@ def open_run(req: Request, client: Any = None) -> tuple[Opened, Any]:
     client = client or open_client(req.uri)
     if req.run_id:
         return _attach(client, req), client
-    tags = {schema.MLFLOW_NOTE: f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
-    if req.source:
-        tags.update({schema.MLFLOW_SOURCE_NAME: req.source[:schema.TAG_LIMIT],
-                     schema.MLFLOW_SOURCE_TYPE: "JOB"})
     try:
         exp_id = experiment_id(client, req.experiment)
-        run = life.create(client, exp_id, req.run_name, tags, start_time=req.start_ms or None)
+        run = life.create(client, exp_id, req.run_name, _described(req),
+                          start_time=req.start_ms or None)
     except Exception as e:
         if _permission_denied(e):
             raise _experiment_refused(req.experiment, e) from None
         raise
     return _opened(run, req.uri), client
+
+
+def _described(req: Request) -> dict[str, str]:
+    """A job's run's description (which throughput to quote) and Source (rank 0's command)."""
+    tags = {schema.MLFLOW_NOTE: f"{req.description}\n\n{THROUGHPUT_NOTE}".strip()}
+    if req.source:
+        tags.update({schema.MLFLOW_SOURCE_NAME: req.source[:schema.TAG_LIMIT],
+                     schema.MLFLOW_SOURCE_TYPE: "JOB"})
+    return tags
 
 
 def _opened(run: Any, uri: str, logged_through: int = -1) -> Opened:
@@ -157,6 +163,11 @@ def _attach(client: Any, req: Request) -> Opened:
     for left in spool.find([Path(req.spool_root) / req.run_id]):
         spool.deliver(left, client, lambda: False, timeout_s=30.0, final=True)
     run = client.get_run(req.run_id)
+    # A run made for the job elsewhere (a study's child, a reproduction, $MLFLOW_RUN_ID) had no
+    # description nor Source in the UI; what it already says is kept.
+    for key, value in _described(req).items():
+        if not run.data.tags.get(key):
+            client.set_tag(req.run_id, key, value)
     client.update_run(req.run_id, status="RUNNING")
     history = client.get_metric_history(req.run_id, "train/loss")
     through = max((m.step for m in history), default=-1)

@@ -40,19 +40,22 @@ RUN_COLUMNS = [metric("perf/samples_per_s"), metric("eval/accuracy"), metric("ev
                tag(schema.NNODES), tag(schema.LAUNCHER), tag(schema.VARIANT)]
 
 
-def study_columns(variants: list[str]) -> list[str]:
-    """The parent run's answer (each variant's median throughput, the verdict, the best), then
-    what its child runs fill. The UI puts metrics before tags whatever the order here, so the
-    view keeps few columns and the verdict (with the speedups in it) stays on screen; a child's
-    variant, backend and layout are in its run name."""
-    per_variant = [metric(f"study/{v}/samples_per_s_median") for v in variants]
-    return per_variant + [metric("perf/samples_per_s"), metric("eval/accuracy"),
+def study_columns(variants: list[str], answer: str = "samples_per_s_median",
+                  figure: str = "perf/samples_per_s") -> list[str]:
+    """The parent run's answer (each variant's ``study/<v>/<answer>``: its median throughput, or
+    the compared figure's median), the verdict and the best, then what its child runs fill
+    (``figure``, the compared one). The UI puts metrics before tags whatever the order here,
+    so the view keeps few columns and the verdict stays on screen; a child's variant, backend
+    and layout are in its run name. (A study of val/acc showed throughput columns, empty.)"""
+    per_variant = [metric(f"study/{v}/{answer}") for v in variants]
+    return per_variant + [metric(figure), metric("eval/accuracy"),
                           tag(schema.STUDY_VERDICT), tag(schema.STUDY_BEST)]
 
 
-def study_widths(variants: list[str]) -> dict[str, int]:
-    narrow = {metric(f"study/{v}/samples_per_s_median"): 110 for v in variants}
-    return narrow | {metric("perf/samples_per_s"): 110, metric("eval/accuracy"): 100,
+def study_widths(variants: list[str], answer: str = "samples_per_s_median",
+                 figure: str = "perf/samples_per_s") -> dict[str, int]:
+    narrow = {metric(f"study/{v}/{answer}"): 110 for v in variants}
+    return narrow | {metric(figure): 110, metric("eval/accuracy"): 100,
                      tag(schema.STUDY_VERDICT): 480}
 
 
@@ -94,7 +97,9 @@ def ensure_runs_view(client: Any, experiment: Any) -> None:
         save(client, experiment.experiment_id, RUNS_VIEW, "ddplab: runs", RUN_COLUMNS)
 
 
-def save_study_view(client: Any, experiment_id: str, variants: list[str]) -> None:
-    """The study's view, rewritten with each report (the variants may have changed)."""
-    save(client, experiment_id, STUDY_VIEW, "ddplab: study answer", study_columns(variants),
-         study_widths(variants))
+def save_study_view(client: Any, experiment_id: str, variants: list[str],
+                    answer: str = "samples_per_s_median", figure: str = "perf/samples_per_s") -> None:
+    """The study's view, rewritten with each report (the variants may have changed); ``answer``
+    and ``figure``: the parent's per-variant metric and the children's compared one."""
+    save(client, experiment_id, STUDY_VIEW, "ddplab: study answer",
+         study_columns(variants, answer, figure), study_widths(variants, answer, figure))
