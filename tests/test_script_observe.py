@@ -1386,6 +1386,29 @@ print(json.dumps({"steady_steps": len(t.busy), "steady_s": t.steady_s, "took": t
     assert got["steady_s"] < got["took"][0], got  # (its 0.9 s is not in the steady time)
 
 
+def test_the_last_log_point_is_stamped_when_training_ended_not_after_the_flop_count(
+        monkeypatch):
+    """A visual pass: every loss curve of a study's script jobs ended on a flat stretch, its last
+    point stamped after the script's end and the FLOP count (~0.3 s on a CPU)."""
+    import time as clock
+
+    spooled: list[dict] = []
+    obs = observe.Observer(0, 1, 0.0, lambda r: None, spooled.append, lambda p, s: None)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs.outer = model
+    obs.set_epoch(0)
+    for _ in range(7):  # (no log point at step 10: the epoch's end is the last one)
+        _train_step(obs, model, opt, 8)
+    counted: list[int] = []
+    monkeypatch.setattr(obs, "_count_flops", lambda: (counted.append(int(clock.time() * 1000)),
+                                                      clock.sleep(0.5)))
+    obs.finish(ended_well=True)
+    assert counted, "the FLOP count did not run"
+    last = [r for r in spooled if r.get("op") == "log"][-1]
+    assert "train/loss" in last["metrics"] and last["ts"] <= counted[0], (last, counted)
+
+
 def test_steps_whose_batches_go_unseen_log_no_rate_not_a_rate_of_0():
     """A hostile pass: gcn (sparse inputs) and mnist_forward_forward (``forward`` called
     directly) had train/samples_per_s 0.0 at every log point, a flat zero in the UI: without a
