@@ -161,7 +161,9 @@ def test_variants_runs_only_those_and_a_name_it_lacks_is_one_line(tmp_path, stor
 def test_a_set_over_what_a_variant_sets_is_refused_in_one_line(tmp_path, store, given, env):
     """A hostile pass: `--set script.flags.lr=0.3` over a study of lr ran every job at 0.3, under
     its variant's name, and the table compared them as different learning rates."""
-    path = write_study(tmp_path)
+    path = write_study(tmp_path, variants=[
+        {"name": "one", "nproc": 1, "set": {"dist.threads_per_rank": 2}},
+        {"name": "two", "nproc": 2, "set": {"dist.threads_per_rank": 1}}])
     out = cli(["study", "run", str(path), "--dry-run", *given], tmp_path, store, **env)
     source = "--set" if given else "DDPLAB_SET"
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
@@ -172,6 +174,10 @@ def test_a_set_over_what_a_variant_sets_is_refused_in_one_line(tmp_path, store, 
         "name; vary it in the study file, or leave it out here"), out.stderr
     fine = cli(["study", "run", str(path), "--dry-run", "--set", "train.epochs=1"], tmp_path, store)
     assert fine.returncode == 0, fine.stderr
+    # A key every variant sets alike is no difference to erase (they differ by nproc alone)
+    alike = cli(["study", "run", str(write_study(tmp_path)), "--dry-run", *given], tmp_path,
+                store, **env)
+    assert alike.returncode == 0, alike.stderr
 
 
 def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, store):

@@ -277,22 +277,29 @@ def parse(path: Path, raw: Any, extra: Sequence[Override] = ()) -> Study:
 
 
 def _no_set_over_what_a_variant_varies(where: str, study: Study) -> None:
-    """``--set`` and ``$DDPLAB_SET`` come after every variant's own ``set``: over a key a
-    variant sets (a grid's axis), each job ran the command line's value under its variant's name
-    (a hostile pass: `--set script.flags.lr=0.3` over a grid of lr, every job lr 0.3, the table
-    comparing them as 0.2 and 0.05). Refused, naming the variant and its key."""
+    """``--set`` and ``$DDPLAB_SET`` come after every variant's own ``set``: over a key the
+    variants set differently (a grid's axis), each job ran the command line's value under its
+    variant's name (a hostile pass: `--set script.flags.lr=0.3` over a grid of lr, every job lr
+    0.3, the table comparing them as 0.2 and 0.05). Refused, naming the variant and its key; a
+    key every variant sets alike is no difference to erase, nor is what only describes a job or
+    says where it is recorded (``description``, ``tracking``): it computes the same."""
     from ..config import _source, flatten, parse_override
 
     for o in study.extra:
         key = ".".join(parse_override(o)[0])
-        for v in study.variants:
-            hit = next((k for k in flatten(v.set) if k == key or k.startswith(key + ".")
-                        or key.startswith(k + ".")), "")
-            if hit:
-                raise ConfigError(
-                    f"{where}: {_source(o)[0]} {key!r}: variant {v.name} sets {hit} itself, and "
-                    f"{_source(o)[0]} comes after it: every variant would run the same value "
-                    "under its own name; vary it in the study file, or leave it out here")
+        if key.split(".")[0] in ("description", "tracking"):
+            continue
+
+        sets = {v.name: {k: repr(x) for k, x in flatten(v.set).items()
+                         if k == key or k.startswith(key + ".") or key.startswith(k + ".")}
+                for v in study.variants}
+        if len({tuple(sorted(given.items())) for given in sets.values()}) < 2:
+            continue
+        name, given = next((n, g) for n, g in sets.items() if g)
+        raise ConfigError(
+            f"{where}: {_source(o)[0]} {key!r}: variant {name} sets {next(iter(given))} "
+            f"itself, and {_source(o)[0]} comes after it: every variant would run the same value "
+            "under its own name; vary it in the study file, or leave it out here")
 
 
 def _only_what_a_script_reads(where: str, study: Study, v: Variant) -> None:
