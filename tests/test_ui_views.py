@@ -68,7 +68,8 @@ def test_every_experiment_ddplab_creates_has_the_runs_view_and_keeps_a_users_edi
 
 
 def test_the_study_view_leads_with_each_variants_throughput_and_the_verdict():
-    columns = ui_views.study_columns(["1r-2t", "2r-1t"])
+    columns = ui_views.study_columns(["1r-2t", "2r-1t"], "samples_per_s_median",
+                                     "perf/samples_per_s")
     assert columns[:2] == ["metrics.`study/1r-2t/samples_per_s_median`",
                            "metrics.`study/2r-1t/samples_per_s_median`"]
     assert "tags.`ddplab.study.verdict`" in columns

@@ -289,7 +289,6 @@ def _no_set_over_what_a_variant_varies(where: str, study: Study) -> None:
         key = ".".join(parse_override(o)[0])
         if key.split(".")[0] in ("description", "tracking"):
             continue
-
         sets = {v.name: {k: repr(x) for k, x in flatten(v.set).items()
                          if k == key or k.startswith(key + ".") or key.startswith(k + ".")}
                 for v in study.variants}

@@ -40,8 +40,7 @@ RUN_COLUMNS = [metric("perf/samples_per_s"), metric("eval/accuracy"), metric("ev
                tag(schema.NNODES), tag(schema.LAUNCHER), tag(schema.VARIANT)]
 
 
-def study_columns(variants: list[str], answer: str = "samples_per_s_median",
-                  figure: str = "perf/samples_per_s") -> list[str]:
+def study_columns(variants: list[str], answer: str, figure: str) -> list[str]:
     """The parent run's answer (each variant's ``study/<v>/<answer>``: its median throughput, or
     the compared figure's median), the verdict and the best, then what its child runs fill
     (``figure``, the compared one). The UI puts metrics before tags whatever the order here,
@@ -52,8 +51,7 @@ def study_columns(variants: list[str], answer: str = "samples_per_s_median",
                           tag(schema.STUDY_VERDICT), tag(schema.STUDY_BEST)]
 
 
-def study_widths(variants: list[str], answer: str = "samples_per_s_median",
-                 figure: str = "perf/samples_per_s") -> dict[str, int]:
+def study_widths(variants: list[str], answer: str, figure: str) -> dict[str, int]:
     narrow = {metric(f"study/{v}/{answer}"): 110 for v in variants}
     return narrow | {metric(figure): 110, metric("eval/accuracy"): 100,
                      tag(schema.STUDY_VERDICT): 480}
@@ -97,9 +95,10 @@ def ensure_runs_view(client: Any, experiment: Any) -> None:
         save(client, experiment.experiment_id, RUNS_VIEW, "ddplab: runs", RUN_COLUMNS)
 
 
-def save_study_view(client: Any, experiment_id: str, variants: list[str],
-                    answer: str = "samples_per_s_median", figure: str = "perf/samples_per_s") -> None:
+def save_study_view(client: Any, experiment_id: str, variants: list[str], answer: str,
+                    figure: str) -> None:
     """The study's view, rewritten with each report (the variants may have changed); ``answer``
-    and ``figure``: the parent's per-variant metric and the children's compared one."""
+    and ``figure``: the parent's per-variant metric (study/report.py's answer_key) and the
+    children's compared one."""
     save(client, experiment_id, STUDY_VIEW, "ddplab: study answer",
          study_columns(variants, answer, figure), study_widths(variants, answer, figure))
